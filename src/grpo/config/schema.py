@@ -1,0 +1,265 @@
+"""Typed schemas behind every config group.
+
+Each dataclass is registered in Hydra's ConfigStore and each YAML option of a group lists its schema first in its
+defaults, so a misspelled key or a value of the wrong type fails at composition time with the key in the message,
+before any model loads. Polymorphic groups (optimizer, mode, data) have one schema per option.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING
+
+
+# ---------------------------------------------------------------- model
+@dataclass
+class ModelConfig:
+    """Which weights to train and serve."""
+
+    # Hugging Face id or local directory; ignored when `offline` names a preset to build.
+    name: str = MISSING
+    # Build random weights offline from a preset (tiny-qwen2, tiny-llama, qwen3b, qwen14b, hermes8b); null = load `name`.
+    offline: Optional[str] = None
+    # Seed of the offline random weights.
+    seed: int = 0
+    # Number of transformer blocks; used to resolve layer presets before the model loads.
+    num_layers: int = MISSING
+    # Parameter dtype for training: float32, bfloat16 or auto (bf16 where the device supports it).
+    dtype: str = "auto"
+    # Recompute activations in the backward pass (non-reentrant) to save memory.
+    gradient_checkpointing: bool = False
+    # Longest prompt + completion in tokens; longer sequences are dropped and counted.
+    max_seq_len: int = 2048
+
+
+# ---------------------------------------------------------------- optimizers (kwargs of the constructor)
+@dataclass
+class AdamWConfig:
+    """torch.optim.AdamW."""
+
+    _target_: str = "torch.optim.AdamW"
+    lr: float = 1e-5
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+
+
+@dataclass
+class AdamW8bitConfig(AdamWConfig):
+    """bitsandbytes AdamW with 8-bit optimizer states."""
+
+    _target_: str = "bitsandbytes.optim.AdamW8bit"
+
+
+@dataclass
+class AdafactorConfig:
+    """transformers Adafactor with an external learning rate (no relative step)."""
+
+    _target_: str = "transformers.optimization.Adafactor"
+    lr: float = 1e-5
+    weight_decay: float = 0.0
+    scale_parameter: bool = False
+    relative_step: bool = False
+    warmup_init: bool = False
+    clip_threshold: float = 1.0
+
+
+# ---------------------------------------------------------------- loss
+@dataclass
+class LossConfig:
+    """GRPO clipped policy-gradient loss; see grpo.trainer.loss.GRPOLoss."""
+
+    _target_: str = "grpo.trainer.loss.GRPOLoss"
+    clip_eps: float = 0.2
+    clip_eps_high: Optional[float] = None
+    dual_clip: Optional[float] = None
+    tis_cap: Optional[float] = None
+    kl_coef: float = 0.0
+    kl_estimator: str = "k3"
+    aggregation: str = "token_mean"
+    max_tokens_norm: Optional[int] = None
+
+
+# ---------------------------------------------------------------- layers
+@dataclass
+class LayersConfig:
+    """Which transformer blocks train (full fine-tuning) or carry LoRA."""
+
+    # all | topN (top N percent) | lastN | firstN | explicit "20-31" / "0-3,28-31".
+    indices: str = "all"
+
+
+# ---------------------------------------------------------------- lora
+@dataclass
+class LoraConfig:
+    """PEFT LoRA settings, used by the LoRA sync modes."""
+
+    r: int = 16
+    alpha: int = 32
+    dropout: float = 0.0
+    target_modules: list[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
+
+
+# ---------------------------------------------------------------- sync modes
+@dataclass
+class CheckpointRestartSyncConfig:
+    """mode=none: full checkpoint, then vLLM reloads the new weights."""
+
+    _target_: str = "grpo.sync.checkpoint_restart.CheckpointRestartSync"
+    sync_every: int = 1
+
+
+@dataclass
+class LoraRestartSyncConfig:
+    """mode=lora_restart: save the adapter, restart vLLM with it preloaded."""
+
+    _target_: str = "grpo.sync.lora_restart.LoraRestartSync"
+    sync_every: int = 1
+
+
+@dataclass
+class LoraHotSwapSyncConfig:
+    """mode=lora_only: hot-swap the adapter through vLLM's LoRA endpoints."""
+
+    _target_: str = "grpo.sync.lora_hotswap.LoraHotSwapSync"
+    sync_every: int = 1
+
+
+@dataclass
+class SharedMemorySyncConfig:
+    """mode=shared_vllm: train views of vLLM's own CUDA tensors."""
+
+    _target_: str = "grpo.sync.shared_memory.SharedMemorySync"
+    sync_every: int = 1
+
+
+# ---------------------------------------------------------------- inference server
+@dataclass
+class ServerConfig:
+    """The vLLM inference server the trainer launches (or attaches to)."""
+
+    host: str = "127.0.0.1"
+    port: int = 9001
+    # Attach to a server someone else started at this URL instead of launching one.
+    external_url: Optional[str] = None
+    # Share of device memory for weights + KV cache (on CPU: of host memory for the KV cache).
+    gpu_memory_utilization: float = 0.2
+    max_model_len: int = 2048
+    dtype: str = "auto"
+    # null = vLLM decides; true forces eager mode (slower decoding).
+    enforce_eager: Optional[bool] = None
+    max_lora_rank: int = 64
+    startup_timeout_s: float = 300.0
+    # Restarts allowed after a crash or a failed health check before the run stops.
+    max_restarts: int = 3
+    extra_args: list[str] = field(default_factory=list)
+    # CUDA device index for vLLM when trainer and server share a host.
+    device: Optional[int] = None
+
+
+# ---------------------------------------------------------------- data pipelines
+@dataclass
+class AtroposDataConfig:
+    """data=atropos: batches from an Atropos run-api."""
+
+    _target_: str = "grpo.pipeline.atropos.AtroposPipeline"
+    url: str = "http://127.0.0.1:8000"
+    wandb_group: str = "grpo"
+    wandb_project: str = "grpo"
+    poll_interval_s: float = 0.5
+    max_wait_s: float = 600.0
+    max_retries: int = 5
+
+
+@dataclass
+class LocalDataConfig:
+    """data=local: built-in rollouts through the inference server."""
+
+    _target_: str = "grpo.pipeline.local.LocalRolloutPipeline"
+    task: Any = MISSING
+    rewards: dict[str, Any] = field(default_factory=dict)
+    prompts_per_step: int = 8
+    group_size: int = 8
+    max_new_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+
+
+# ---------------------------------------------------------------- training loop
+@dataclass
+class TrainConfig:
+    """Optimisation loop settings."""
+
+    steps: int = 50
+    micro_batch_size: int = 8
+    grad_accum: int = 1
+    seed: int = 0
+    # constant | linear | cosine, after warmup.
+    lr_schedule: str = "constant"
+    warmup_steps: int = 0
+    # null disables gradient clipping.
+    max_grad_norm: Optional[float] = 1.0
+    # per-group | batch | none: how rewards become advantages when the server sends none.
+    advantage_norm: str = "group"
+    # Token chunk size of the log-prob computation (never builds [B, T, vocab] float32 logits at once).
+    logprob_chunk: int = 1024
+    checkpoint_every: int = 10
+    keep_checkpoints: int = 2
+    # Run dir of an earlier run to continue from (its latest checkpoint); null starts fresh.
+    resume: Optional[str] = None
+    # Stop after this many consecutive steps with a non-finite loss or gradient.
+    max_nonfinite_steps: int = 3
+    # cpu | cuda | auto.
+    device: str = "auto"
+
+
+@dataclass
+class LoggingConfig:
+    """Where metrics go besides metrics.jsonl."""
+
+    wandb: bool = False
+    wandb_project: str = "grpo"
+    wandb_entity: Optional[str] = None
+    progress_bar: bool = True
+    plot: bool = True
+
+
+@dataclass
+class RootConfig:
+    """The whole run: one node per config group."""
+
+    model: ModelConfig = MISSING
+    optimizer: Any = MISSING
+    loss: LossConfig = MISSING
+    layers: LayersConfig = MISSING
+    lora: LoraConfig = MISSING
+    mode: Any = MISSING
+    server: ServerConfig = MISSING
+    data: Any = MISSING
+    train: TrainConfig = field(default_factory=TrainConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    # Free-form name shown in logs and run dirs.
+    name: str = "grpo"
+
+
+def register_configs() -> None:
+    """Register every schema; each group YAML names its schema in its defaults list."""
+    cs = ConfigStore.instance()
+    cs.store(name="root_schema", node=RootConfig)
+    cs.store(group="model", name="model_schema", node=ModelConfig)
+    cs.store(group="optimizer", name="adamw_schema", node=AdamWConfig)
+    cs.store(group="optimizer", name="adamw_8bit_schema", node=AdamW8bitConfig)
+    cs.store(group="optimizer", name="adafactor_schema", node=AdafactorConfig)
+    cs.store(group="loss", name="loss_schema", node=LossConfig)
+    cs.store(group="layers", name="layers_schema", node=LayersConfig)
+    cs.store(group="lora", name="lora_schema", node=LoraConfig)
+    cs.store(group="server", name="server_schema", node=ServerConfig)
+    cs.store(group="mode", name="none_schema", node=CheckpointRestartSyncConfig)
+    cs.store(group="mode", name="lora_restart_schema", node=LoraRestartSyncConfig)
+    cs.store(group="mode", name="lora_only_schema", node=LoraHotSwapSyncConfig)
+    cs.store(group="mode", name="shared_vllm_schema", node=SharedMemorySyncConfig)
+    cs.store(group="data", name="atropos_schema", node=AtroposDataConfig)
+    cs.store(group="data", name="local_schema", node=LocalDataConfig)
