@@ -1,0 +1,234 @@
+"""HTTP client of the inference server: our Atropos-style /generate plus vLLM's own endpoints.
+
+Synchronous (requests) on purpose: the trainer and the local rollout pipeline are synchronous, and vLLM batches
+concurrent requests itself, so `generate` fans prompts out over a small thread pool instead of an event loop.
+"""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import requests
+
+
+class InferenceServerError(RuntimeError):
+    """The server is unreachable after the retries, or answered with an error."""
+
+
+@dataclass
+class Completion:
+    """One sampled completion of one prompt."""
+
+    token_ids: list[int]
+    # Log-prob of each generated token under the served weights (one per token).
+    logprobs: list[float]
+    # "stop" | "length" | "abort" (vLLM's finish reasons).
+    finish_reason: str | None
+    text: str = ""
+    # Weight version that produced this completion (-1 when the server does not report one).
+    weight_version: int = -1
+
+
+def parse_generate_response(body: dict[str, Any]) -> list[Completion]:
+    """Turn a /generate answer (the shape Atropos' VLLMServer reads) into Completions."""
+    version = int(body.get("weight_version", -1))
+    texts = body.get("text") or [""] * len(body["logprobs"])
+    out = []
+    for per_pos, reason, text in zip(body["logprobs"], body["finish_reasons"], texts):
+        # Each position is a one-element list [{token_id: logprob}]; JSON turned the id into a string.
+        ids = [int(next(iter(p[0]))) for p in per_pos]
+        lps = [float(next(iter(p[0].values()))) for p in per_pos]
+        out.append(Completion(token_ids=ids, logprobs=lps, finish_reason=reason, text=text, weight_version=version))
+    return out
+
+
+class InferenceClient:
+    """Client of one inference server (`python -m grpo.inference.server` or any vLLM server for the
+    OpenAI endpoints).
+
+    Connection errors and 503s are retried `retries` times with exponential backoff; after that an
+    `InferenceServerError` says the server is down. 4xx answers are raised at once with the server's message.
+    """
+
+    def __init__(
+        self,
+        base_url: str,
+        timeout: float = 600.0,
+        retries: int = 3,
+        backoff_s: float = 0.5,
+        max_concurrency: int = 64,
+    ) -> None:
+        self.base_url = base_url.rstrip("/").removesuffix("/v1")
+        self.timeout = timeout
+        self.retries = retries
+        self.backoff_s = backoff_s
+        self.max_concurrency = max_concurrency
+        self._session = requests.Session()
+        # The default pool (10) would serialise a wide fan-out.
+        adapter = requests.adapters.HTTPAdapter(pool_connections=1, pool_maxsize=max_concurrency)
+        self._session.mount("http://", adapter)
+        self._session.mount("https://", adapter)
+
+    # ------------------------------------------------------------------ transport
+    def _request(self, method: str, path: str, json: Any = None, timeout: float | None = None) -> requests.Response:
+        url = self.base_url + path
+        last: Exception | None = None
+        for attempt in range(self.retries + 1):
+            try:
+                r = self._session.request(method, url, json=json, timeout=timeout or self.timeout)
+            except (requests.ConnectionError, requests.Timeout) as e:
+                last = e
+            else:
+                if r.status_code == 503 and attempt < self.retries:
+                    last = InferenceServerError(f"{method} {url}: 503 {r.text[:500]}")
+                elif r.status_code >= 400:
+                    raise InferenceServerError(f"{method} {url}: HTTP {r.status_code}: {r.text[:2000]}")
+                else:
+                    return r
+            if attempt < self.retries:
+                time.sleep(self.backoff_s * 2**attempt)
+        raise InferenceServerError(
+            f"inference server at {self.base_url} is not answering ({method} {path}) after "
+            f"{self.retries + 1} attempts: {last}"
+        )
+
+    def _post(self, path: str, payload: dict, timeout: float | None = None) -> Any:
+        r = self._request("POST", path, json=payload, timeout=timeout)
+        return r.json() if r.content else None
+
+    # ------------------------------------------------------------------ health
+    def health(self, timeout: float = 5.0) -> bool:
+        """True when GET /health answers 200 (one attempt, no retries)."""
+        try:
+            return self._session.get(self.base_url + "/health", timeout=timeout).status_code == 200
+        except requests.RequestException:
+            return False
+
+    # ------------------------------------------------------------------ generation
+    def generate_one(
+        self,
+        prompt: list[int],
+        n: int = 1,
+        max_tokens: int = 16,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        model: str | None = None,
+        **sampling: Any,
+    ) -> list[Completion]:
+        """`n` completions of one token-id prompt through POST /generate."""
+        payload: dict[str, Any] = {
+            "prompt": {"prompt_token_ids": [int(t) for t in prompt]},
+            "logprobs": 0,
+            "n": n,
+            "max_tokens": max_tokens,
+            "temperature": temperature,
+            "top_p": top_p,
+            **sampling,
+        }
+        if model is not None:
+            payload["model"] = model
+        return parse_generate_response(self._post("/generate", payload))
+
+    def generate(
+        self,
+        prompts: list[list[int]],
+        n: int = 1,
+        max_tokens: int = 16,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        model: str | None = None,
+        **sampling: Any,
+    ) -> list[list[Completion]]:
+        """`n` completions for each prompt; result[i] belongs to prompts[i].
+
+        Prompts go out as concurrent requests so the server batches them.
+        """
+        if not prompts:
+            return []
+
+        def one(p: list[int]) -> list[Completion]:
+            return self.generate_one(p, n, max_tokens, temperature, top_p, model, **sampling)
+
+        workers = min(self.max_concurrency, len(prompts))
+        if workers == 1:
+            return [one(prompts[0])]
+        with ThreadPoolExecutor(max_workers=workers) as pool:
+            return list(pool.map(one, prompts))
+
+    def prompt_logprobs(self, tokens: list[int], model: str | None = None) -> list[float]:
+        """Log-prob of tokens[i] given tokens[:i] for i = 1..len-1 (len(tokens) - 1 values), from the raw logits.
+
+        Uses vLLM's /v1/completions with `prompt_logprobs=0` (the actual token's log-prob at every prompt
+        position), so it also works against a plain vLLM server.
+        """
+        if len(tokens) < 2:
+            raise ValueError("prompt_logprobs needs at least two tokens")
+        payload: dict[str, Any] = {
+            "prompt": [int(t) for t in tokens],
+            "max_tokens": 1,
+            "temperature": 0.0,
+            "prompt_logprobs": 0,
+        }
+        if model is not None:
+            payload["model"] = model
+        else:
+            payload["model"] = self.default_model()
+        body = self._post("/v1/completions", payload)
+        entries = body["choices"][0]["prompt_logprobs"]
+        out = []
+        # Position 0 has no prefix (None); each later entry maps token id -> {"logprob", "rank", ...}.
+        for tok, entry in zip(tokens[1:], entries[1:]):
+            out.append(float(entry[str(int(tok))]["logprob"]))
+        return out
+
+    # ------------------------------------------------------------------ models and LoRA
+    def models(self) -> list[str]:
+        """Names served (base model first, then loaded LoRA adapters)."""
+        return [m["id"] for m in self._request("GET", "/v1/models").json()["data"]]
+
+    def default_model(self) -> str:
+        """The base model's served name."""
+        if not hasattr(self, "_default_model"):
+            self._default_model = self.models()[0]
+        return self._default_model
+
+    def load_lora(self, name: str, path: str, load_inplace: bool = False) -> None:
+        """Load a PEFT adapter directory under `name` (needs VLLM_ALLOW_RUNTIME_LORA_UPDATING=True on the server)."""
+        payload: dict[str, Any] = {"lora_name": name, "lora_path": str(path)}
+        if load_inplace:
+            payload["load_inplace"] = True
+        self._request("POST", "/v1/load_lora_adapter", json=payload)
+
+    def unload_lora(self, name: str) -> None:
+        """Unload the adapter `name`."""
+        self._request("POST", "/v1/unload_lora_adapter", json={"lora_name": name})
+
+    # ------------------------------------------------------------------ grpo extensions (our server only)
+    def weight_version(self) -> int:
+        """Weight version the server reports on /generate."""
+        return int(self._request("GET", "/grpo/weight_version").json()["weight_version"])
+
+    def set_weight_version(self, version: int) -> None:
+        """Tell the server which weight version it serves now (after a LoRA swap or a restart)."""
+        self._post("/grpo/weight_version", {"weight_version": int(version)})
+
+    def reload_weights(self, path: str, version: int | None = None) -> dict:
+        """Reload full HF weights from `path` in place on every worker; bumps the served version."""
+        payload: dict[str, Any] = {"path": str(path)}
+        if version is not None:
+            payload["weight_version"] = int(version)
+        return self._post("/grpo/reload_weights", payload)
+
+    def pause(self) -> None:
+        """Pause generation (in-flight requests wait) until resume()."""
+        self._post("/grpo/pause", {})
+
+    def resume(self) -> None:
+        """Resume generation after pause()."""
+        self._post("/grpo/resume", {})
+
+    def close(self) -> None:
+        self._session.close()
