@@ -1,0 +1,280 @@
+"""data=atropos: training groups from an Atropos trainer API (`run-api` from atroposlib).
+
+Talks plain HTTP with `requests` so the trainer never imports atroposlib. The server's contract (atroposlib 0.4.0,
+`atroposlib/api/server.py`): the trainer POSTs /register first, then polls GET /batch, which answers
+`{"batch": [group, ...]}` once `batch_size` sequences are queued and `{"batch": null}` until then. Every /batch that
+hands out a batch advances the server's step (`GET /status` → `current_step`).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from numbers import Real
+from typing import Any, Optional
+
+import requests
+
+from grpo.pipeline.base import DataPipeline, PipelineContext
+
+log = logging.getLogger(__name__)
+
+
+class AtroposError(RuntimeError):
+    """run-api could not be reached or answered something unusable; the message names the URL."""
+
+
+class AtroposTimeoutError(AtroposError, TimeoutError):
+    """No batch arrived within `max_wait_s`."""
+
+
+class MalformedGroup(ValueError):
+    """A group that fails structural validation; the message names the field."""
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_num(x: Any) -> bool:
+    return isinstance(x, Real) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def _check_per_token(group: dict, key: str, lengths: list[int], allow_nan: bool = False) -> None:
+    """Optional field `key`: null, or one list of numbers per sequence with one number per token."""
+    value = group.get(key)
+    if value is None:
+        return
+    if not isinstance(value, list) or len(value) != len(lengths):
+        raise MalformedGroup(f"{key}: expected {len(lengths)} rows, got {type(value).__name__}")
+    for i, (row, n) in enumerate(zip(value, lengths)):
+        if not isinstance(row, list) or len(row) != n:
+            raise MalformedGroup(f"{key}[{i}]: expected {n} values to match tokens[{i}]")
+        if not all(isinstance(v, Real) and not isinstance(v, bool) and (allow_nan or math.isfinite(v)) for v in row):
+            raise MalformedGroup(f"{key}[{i}]: non-numeric or non-finite value")
+
+
+def validate_group(group: Any) -> None:
+    """Raise MalformedGroup (naming the field) unless `group` is a structurally sound Atropos group."""
+    if not isinstance(group, dict):
+        raise MalformedGroup(f"group is a {type(group).__name__}, not an object")
+    for key in ("tokens", "masks", "scores"):
+        if key not in group or group[key] is None:
+            raise MalformedGroup(f"{key}: missing")
+    tokens, masks, scores = group["tokens"], group["masks"], group["scores"]
+    if not isinstance(tokens, list) or not tokens:
+        raise MalformedGroup("tokens: empty or not a list")
+    if not isinstance(masks, list) or len(masks) != len(tokens):
+        raise MalformedGroup(f"masks: expected {len(tokens)} rows like tokens")
+    if not isinstance(scores, list) or len(scores) != len(tokens):
+        raise MalformedGroup(f"scores: expected {len(tokens)} values like tokens")
+    lengths = []
+    for i, (seq, mask) in enumerate(zip(tokens, masks)):
+        if not isinstance(seq, list) or not seq or not all(_is_int(t) and t >= 0 for t in seq):
+            raise MalformedGroup(f"tokens[{i}]: empty, or not a list of non-negative ints")
+        if not isinstance(mask, list) or len(mask) != len(seq) or not all(_is_int(m) for m in mask):
+            raise MalformedGroup(f"masks[{i}]: expected {len(seq)} ints like tokens[{i}]")
+        # Completion positions carry the token id itself; anything else would train on the wrong target.
+        if any(m != -100 and m != t for m, t in zip(mask, seq)):
+            raise MalformedGroup(f"masks[{i}]: a value is neither -100 nor the token id at its position")
+        lengths.append(len(seq))
+    if not all(_is_num(s) for s in scores):
+        raise MalformedGroup("scores: non-numeric or non-finite value")
+    _check_per_token(group, "inference_logprobs", lengths)
+    _check_per_token(group, "ref_logprobs", lengths)
+    adv = group.get("advantages")
+    if adv is not None:
+        # Per sequence ([float]) or per token ([[float]]).
+        if isinstance(adv, list) and len(adv) == len(lengths) and all(_is_num(a) for a in adv):
+            return
+        _check_per_token(group, "advantages", lengths)
+
+
+class AtroposPipeline(DataPipeline):
+    """Registers with run-api and turns its /batch answers into the groups of each optimizer step.
+
+    Polling back-off: `poll_interval_s`, doubling on each empty answer up to 8x, reset when data arrives; an
+    `AtroposTimeoutError` after `max_wait_s` without a batch. Each request gets `max_retries` retries with back-off on
+    connection errors, 5xx answers and malformed JSON, then an `AtroposError` naming the URL. Structurally bad groups
+    and groups with a sequence over `ctx.max_seq_len` are dropped and counted in `last_metrics`.
+    """
+
+    def __init__(
+        self,
+        url: str = "http://127.0.0.1:8000",
+        wandb_group: str = "grpo",
+        wandb_project: str = "grpo",
+        poll_interval_s: float = 0.5,
+        max_wait_s: float = 600.0,
+        max_retries: int = 5,
+        request_timeout_s: float = 60.0,
+    ) -> None:
+        self.url = url.rstrip("/")
+        self.wandb_group = wandb_group
+        self.wandb_project = wandb_project
+        self.poll_interval_s = max(float(poll_interval_s), 0.01)
+        self.max_wait_s = float(max_wait_s)
+        self.max_retries = int(max_retries)
+        self.request_timeout_s = float(request_timeout_s)
+        self.ctx: Optional[PipelineContext] = None
+        self.session: Optional[requests.Session] = None
+        self.step: Optional[int] = None
+        self.uuid: Optional[int] = None
+        self.last_metrics: dict[str, float] = {}
+        # Run totals of dropped groups, for the end-of-run summary.
+        self.totals: dict[str, int] = {"data/dropped_malformed": 0, "data/dropped_too_long": 0}
+
+    # ------------------------------------------------------------------ HTTP
+    def _request(self, method: str, path: str, payload: Optional[dict] = None) -> Any:
+        """One JSON request with bounded retries; returns the decoded JSON."""
+        assert self.session is not None, "AtroposPipeline.setup() was not called"
+        url = f"{self.url}{path}"
+        last_error = ""
+        for attempt in range(self.max_retries + 1):
+            if attempt:
+                self._retries += 1
+                time.sleep(min(self.poll_interval_s * 2 ** (attempt - 1), 8 * self.poll_interval_s))
+            try:
+                resp = self.session.request(method, url, json=payload, timeout=self.request_timeout_s)
+            except requests.RequestException as e:
+                last_error = f"{type(e).__name__}: {e}"
+                continue
+            if resp.status_code >= 500:
+                last_error = f"HTTP {resp.status_code}: {resp.text[:200]}"
+                continue
+            if resp.status_code >= 400:
+                # A client error will not fix itself by retrying: the request or the server version is wrong.
+                raise AtroposError(f"run-api {method} {url} answered HTTP {resp.status_code}: {resp.text[:500]}")
+            try:
+                return resp.json()
+            except ValueError:
+                last_error = f"malformed JSON: {resp.text[:200]!r}"
+                continue
+        raise AtroposError(
+            f"run-api {method} {url} failed after {self.max_retries + 1} attempts ({last_error}); "
+            f"is `run-api` running and reachable at {self.url}?"
+        )
+
+    def _register(self) -> None:
+        ctx = self.ctx
+        assert ctx is not None
+        body = {
+            "wandb_group": self.wandb_group,
+            "wandb_project": self.wandb_project,
+            "batch_size": int(ctx.batch_size),
+            "max_token_len": int(ctx.max_seq_len),
+            "checkpoint_dir": str(ctx.run_dir / "checkpoints"),
+            "save_checkpoint_interval": int(ctx.checkpoint_every),
+            "starting_step": int(ctx.start_step),
+            "num_steps": int(ctx.total_steps),
+        }
+        answer = self._request("POST", "/register", body)
+        self.uuid = answer.get("uuid") if isinstance(answer, dict) else None
+        info = self._request("GET", "/info")
+        server_batch = info.get("batch_size") if isinstance(info, dict) else None
+        if server_batch == -1:
+            # atroposlib 0.4.0 only initialises trainer state on /register when no data has been queued yet.
+            raise AtroposError(
+                f"run-api at {self.url} accepted /register but did not initialise the trainer state: an environment "
+                "pushed data before the trainer registered. Restart run-api and start the trainer before environments."
+            )
+        if server_batch != ctx.batch_size:
+            # /register keeps the first trainer's settings; batches would not match this run's step size.
+            raise AtroposError(
+                f"run-api at {self.url} serves batches of {server_batch} sequences, but this run needs "
+                f"{ctx.batch_size} (micro_batch_size x grad_accum): another trainer registered first. Restart run-api."
+            )
+
+    # ------------------------------------------------------------------ DataPipeline
+    def setup(self, ctx: PipelineContext) -> None:
+        """POST /register before anything else (run-api's registration-order quirk, see _register)."""
+        self.ctx = ctx
+        self.session = requests.Session()
+        self._retries = 0
+        self._register()
+        log.info("registered with run-api at %s (uuid %s, batch %d sequences)", self.url, self.uuid, ctx.batch_size)
+
+    def _filter(self, batch: list, counts: dict[str, int]) -> list[dict]:
+        assert self.ctx is not None
+        kept = []
+        for i, group in enumerate(batch):
+            try:
+                validate_group(group)
+            except MalformedGroup as e:
+                counts["data/dropped_malformed"] += 1
+                log.warning("dropping malformed group %d from %s: %s", i, self.url, e)
+                continue
+            longest = max(len(seq) for seq in group["tokens"])
+            if longest > self.ctx.max_seq_len:
+                counts["data/dropped_too_long"] += 1
+                log.warning("dropping group %d: a sequence of %d tokens > max_seq_len %d", i, longest,
+                            self.ctx.max_seq_len)
+                continue
+            kept.append(group)
+        return kept
+
+    def next_groups(self, step: int) -> list[dict]:
+        """Poll /batch until a batch with at least one valid group arrives, or raise after max_wait_s."""
+        start = time.monotonic()
+        self._retries = 0
+        counts = {"data/dropped_malformed": 0, "data/dropped_too_long": 0}
+        interval, polls, reregistered = self.poll_interval_s, 0, False
+        while True:
+            answer = self._request("GET", "/batch")
+            polls += 1
+            if not isinstance(answer, dict):
+                raise AtroposError(f"run-api {self.url}/batch answered a {type(answer).__name__}, not an object")
+            if answer.get("status") == "error":
+                # The server lost our registration (restarted): register again once, then give up clearly.
+                if reregistered:
+                    raise AtroposError(f"run-api {self.url}/batch keeps answering: {answer.get('message')}")
+                log.warning("run-api says %r; registering again", answer.get("message"))
+                self._register()
+                reregistered = True
+                continue
+            batch = answer.get("batch")
+            if batch is not None and not isinstance(batch, list):
+                raise AtroposError(f"run-api {self.url}/batch: 'batch' is a {type(batch).__name__}, not a list")
+            if batch:
+                groups = self._filter(batch, counts)
+                if groups:
+                    break
+                # Every group of this batch was bad: the server has moved on a step; wait for the next batch.
+                interval = self.poll_interval_s
+                continue
+            waited = time.monotonic() - start
+            if waited >= self.max_wait_s:
+                raise AtroposTimeoutError(
+                    f"no batch from run-api at {self.url} after {waited:.0f}s (max_wait_s={self.max_wait_s:g}); "
+                    "is an environment running and pushing /scored_data?"
+                )
+            time.sleep(min(interval, max(self.max_wait_s - waited, 0.0)))
+            interval = min(interval * 2, 8 * self.poll_interval_s)
+        for k, v in counts.items():
+            self.totals[k] += v
+        self.step = step
+        self.last_metrics = {
+            **{k: float(v) for k, v in counts.items()},
+            "data/groups": float(len(groups)),
+            "data/wait_seconds": time.monotonic() - start,
+            "data/polls": float(polls),
+            "data/retries": float(self._retries),
+        }
+        return groups
+
+    def metrics(self) -> dict[str, float]:
+        """Metrics of the last next_groups call (dropped groups, wait time, polls, retries)."""
+        return dict(self.last_metrics)
+
+    def state_dict(self) -> dict:
+        return {"step": self.step}
+
+    def load_state_dict(self, state: dict) -> None:
+        # run-api keeps its own queue; the step only matters for logging (starting_step comes from ctx.start_step).
+        self.step = state.get("step")
+
+    def close(self) -> None:
+        if self.session is not None:
+            self.session.close()
+            self.session = None
