@@ -1,0 +1,47 @@
+"""Where the weights come from, and loading them for training."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from omegaconf import DictConfig
+
+
+def resolve_model_dir(model_cfg: DictConfig) -> str:
+    """Local directory (offline presets are built on first use) or hub id of the initial weights."""
+    if model_cfg.offline:
+        from grpo.models.tiny import build_model_dir
+
+        dtype = "float32" if model_cfg.offline.startswith("tiny") else "bfloat16"
+        return str(build_model_dir(model_cfg.offline, seed=model_cfg.seed, dtype=dtype))
+    return str(Path(model_cfg.name).expanduser()) if Path(model_cfg.name).expanduser().exists() else model_cfg.name
+
+
+def pick_device(name: str) -> torch.device:
+    """auto → cuda when visible, else cpu."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def pick_dtype(name: str, device: torch.device) -> torch.dtype:
+    """auto → bfloat16 on devices that support it, else float32."""
+    if name == "auto":
+        if device.type == "cuda" and torch.cuda.is_bf16_supported():
+            return torch.bfloat16
+        return torch.float32
+    return getattr(torch, name)
+
+
+def load_model(model_dir: str, dtype: torch.dtype, device: torch.device, gradient_checkpointing: bool):
+    """A causal LM ready to train: on `device`, in `dtype`, with non-reentrant checkpointing if asked."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device)
+    if gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        # Inputs must require grad for checkpointed blocks when the embeddings are frozen (layer selection, LoRA).
+        model.enable_input_require_grads()
+    model.config.use_cache = False
+    return model

@@ -1,0 +1,65 @@
+"""What a run leaves behind besides metrics: provenance (version, commit) and summary.json."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+import traceback
+from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
+
+# Window of the "final reward": the mean over the last N steps, the objective sweeps optimise.
+FINAL_WINDOW = 10
+
+
+def git_commit(cwd: Path | None = None) -> str | None:
+    """Commit of the checkout the code runs from, with '-dirty' when it has uncommitted changes."""
+    here = cwd or Path(__file__).resolve().parent
+    try:
+        sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=here, capture_output=True, text=True, timeout=5)
+        if sha.returncode != 0:
+            return None
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=here,
+                               capture_output=True, text=True, timeout=5).stdout.strip()
+        return sha.stdout.strip() + ("-dirty" if dirty else "")
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+
+
+def record_provenance(run_dir: Path) -> dict:
+    """Write provenance.json: package version, git commit, python and command line."""
+    try:
+        pkg = version("grpo")
+    except PackageNotFoundError:
+        pkg = None
+    info = {"grpo_version": pkg, "git_commit": git_commit(), "python": sys.version.split()[0], "argv": sys.argv}
+    (run_dir / "provenance.json").write_text(json.dumps(info, indent=2))
+    return info
+
+
+class RunSummary:
+    """Writes summary.json when a run ends, however it ends."""
+
+    def __init__(self, run_dir: Path) -> None:
+        self.path = run_dir / "summary.json"
+        self.t0 = time.time()
+
+    def _write(self, data: dict) -> None:
+        data["wall_seconds"] = time.time() - self.t0
+        self.path.write_text(json.dumps(data, indent=2))
+
+    def finish(self, rewards: list[float]) -> float | None:
+        """Record a completed run; returns the mean reward of the last FINAL_WINDOW steps."""
+        final = sum(rewards[-FINAL_WINDOW:]) / len(rewards[-FINAL_WINDOW:]) if rewards else None
+        first = sum(rewards[:FINAL_WINDOW]) / len(rewards[:FINAL_WINDOW]) if rewards else None
+        self._write({"status": "completed", "steps_run": len(rewards), "final_reward": final,
+                     "first_reward": first, "best_reward": max(rewards) if rewards else None})
+        return final
+
+    def fail(self, error: BaseException) -> None:
+        """Record a failed or interrupted run."""
+        status = "interrupted" if isinstance(error, KeyboardInterrupt) else "failed"
+        self._write({"status": status, "error": f"{type(error).__name__}: {error}",
+                     "traceback": "".join(traceback.format_exception(error))[-4000:]})

@@ -1,0 +1,166 @@
+"""The GRPO optimisation loop: groups in, optimizer steps out, weights pushed to vLLM, checkpoints and metrics."""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from omegaconf import DictConfig
+
+from grpo.pipeline.base import DataPipeline
+from grpo.pipeline.batch import prepare_batch
+from grpo.sync.base import SyncStrategy
+from grpo.trainer.checkpoint import CheckpointManager
+from grpo.trainer.logprobs import token_logprobs
+from grpo.trainer.metrics import MetricsLogger
+
+log = logging.getLogger(__name__)
+
+
+class NonFiniteError(RuntimeError):
+    """Too many consecutive steps with a NaN/Inf loss or gradient."""
+
+
+class GRPOTrainer:
+    """Runs `train.steps` optimizer steps; each step pulls groups, computes the GRPO loss, steps and syncs."""
+
+    def __init__(
+        self,
+        *,
+        train_cfg: DictConfig,
+        model: torch.nn.Module,
+        tokenizer: Any,
+        optimizer: torch.optim.Optimizer,
+        scheduler: torch.optim.lr_scheduler.LRScheduler,
+        loss_fn: Any,
+        pipeline: DataPipeline,
+        sync: SyncStrategy,
+        checkpoints: CheckpointManager,
+        metrics: MetricsLogger,
+        max_seq_len: int,
+        device: torch.device,
+        start_step: int = 0,
+    ) -> None:
+        self.cfg = train_cfg
+        self.model = model
+        self.tokenizer = tokenizer
+        self.optimizer = optimizer
+        self.scheduler = scheduler
+        self.loss_fn = loss_fn
+        self.pipeline = pipeline
+        self.sync = sync
+        self.checkpoints = checkpoints
+        self.metrics = metrics
+        self.max_seq_len = max_seq_len
+        self.device = device
+        self.step = start_step
+        self.nonfinite_in_a_row = 0
+        self.nonfinite_total = 0
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.vocab_size = model.get_input_embeddings().num_embeddings
+        self.rewards: list[float] = []
+
+    def fit(self) -> list[float]:
+        """Train until `train.steps`; returns the mean reward of every step run (for sweeps)."""
+        while self.step < self.cfg.steps:
+            self.sync.check_health()
+            row = self.train_step()
+            if (self.step % self.cfg.checkpoint_every == 0) or self.step == self.cfg.steps:
+                self.save_checkpoint()
+            self.metrics.log(row)
+        return self.rewards
+
+    def save_checkpoint(self) -> Path:
+        """Atomic checkpoint of model (or adapter), optimizer, scheduler, RNG, data position and counters."""
+        state = {"step": self.step, "data": self.pipeline.state_dict(), "weight_version": self.sync.version,
+                 "nonfinite_total": self.nonfinite_total}
+        return self.checkpoints.save(self.step, self.model, self.tokenizer, self.optimizer, self.scheduler, state)
+
+    def train_step(self) -> dict[str, Any]:
+        """One optimizer step; returns its metrics row."""
+        t_start = time.perf_counter()
+        groups = self.pipeline.next_groups(self.step)
+        t_data = time.perf_counter()
+        batch = prepare_batch(
+            groups,
+            advantage_norm=self.cfg.advantage_norm,
+            max_seq_len=self.max_seq_len,
+            micro_batch_size=self.cfg.micro_batch_size,
+            pad_token_id=self.tokenizer.pad_token_id,
+            vocab_size=self.vocab_size,
+        )
+        row: dict[str, Any] = {"step": self.step + 1}
+        row.update(getattr(self.pipeline, "last_metrics", {}) or {})
+        row.update(batch.metrics)
+
+        self.model.train()
+        self.optimizer.zero_grad(set_to_none=True)
+        sums: dict[str, float] = {}
+        loss_total = 0.0
+        for mb in batch.micro_batches:
+            mb = mb.to(self.device)
+            logprobs = token_logprobs(
+                self.model, mb.input_ids, mb.attention_mask, mb.labels, mb.temperatures, chunk_size=self.cfg.logprob_chunk
+            )
+            loss, m = self.loss_fn(
+                logprobs, mb.inference_logprobs, mb.advantages, mb.loss_mask,
+                ref_logprobs=mb.ref_logprobs, total_tokens=batch.num_loss_tokens, total_sequences=batch.num_sequences,
+            )
+            loss.backward()
+            loss_total += float(loss.detach())
+            # Token-weighted average of the micro-batch metrics over the step.
+            w = float(mb.loss_mask.sum()) / max(batch.num_loss_tokens, 1)
+            for k, v in m.items():
+                sums[k] = sums.get(k, 0.0) + w * float(v)
+        t_fwd = time.perf_counter()
+
+        max_norm = self.cfg.max_grad_norm if self.cfg.max_grad_norm is not None else math.inf
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, max_norm)) if self.params else 0.0
+        finite = math.isfinite(loss_total) and math.isfinite(grad_norm)
+        if finite:
+            self.nonfinite_in_a_row = 0
+            self.sync.before_optimizer_step()
+            try:
+                self.optimizer.step()
+            finally:
+                self.sync.after_optimizer_step()
+            self.scheduler.step()
+        else:
+            # A NaN step would poison Adam's moments for good; skip it and count.
+            self.optimizer.zero_grad(set_to_none=True)
+            self.nonfinite_in_a_row += 1
+            self.nonfinite_total += 1
+            log.warning("step %d: non-finite loss (%s) or grad norm (%s); step skipped", self.step + 1, loss_total, grad_norm)
+            if self.nonfinite_in_a_row >= self.cfg.max_nonfinite_steps:
+                raise NonFiniteError(
+                    f"{self.nonfinite_in_a_row} consecutive steps had a non-finite loss or gradient "
+                    f"(train.max_nonfinite_steps={self.cfg.max_nonfinite_steps}); lower optimizer.lr or check the data"
+                )
+        self.step += 1
+        t_opt = time.perf_counter()
+
+        sync_metrics: dict[str, float] = {"sync/seconds": 0.0, "sync/version": float(self.sync.version)}
+        if self.step % self.sync.sync_every == 0 or self.step == self.cfg.steps:
+            sync_metrics = self.sync.sync(self.model, self.step)
+        t_end = time.perf_counter()
+
+        row.update(sums)
+        row.update(sync_metrics)
+        row.update({
+            "loss": loss_total,
+            "grad_norm": grad_norm,
+            "lr": self.scheduler.get_last_lr()[0],
+            "train/skipped_nonfinite": float(self.nonfinite_total),
+            "time/data_seconds": t_data - t_start,
+            "time/train_seconds": t_opt - t_data,
+            "time/forward_backward_seconds": t_fwd - t_data,
+            "time/step_seconds": t_end - t_start,
+        })
+        row.setdefault("tokens/trained", float(batch.num_loss_tokens))
+        if "reward/mean" in row:
+            self.rewards.append(float(row["reward/mean"]))
+        return row

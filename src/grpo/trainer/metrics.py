@@ -1,0 +1,96 @@
+"""Per-step metrics: metrics.jsonl (always), wandb (when enabled), a progress bar, and a curves plot."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+# Shown on the progress bar, in this order, when present.
+BAR_KEYS = ("reward/mean", "loss", "grpo/clipped_fraction", "sync/seconds")
+
+
+class MetricsLogger:
+    """Writes one JSON line per optimizer step to <run_dir>/metrics.jsonl and mirrors it to wandb and a bar."""
+
+    def __init__(self, run_dir: Path, logging_cfg: DictConfig, full_cfg: DictConfig, total_steps: int, start_step: int):
+        self.path = run_dir / "metrics.jsonl"
+        self.run_dir = run_dir
+        # A resumed run in the same dir keeps its earlier lines but drops any past the checkpoint it resumes from.
+        if self.path.exists():
+            kept = [line for line in self.path.read_text().splitlines() if line and json.loads(line)["step"] <= start_step]
+            self.path.write_text("".join(line + "\n" for line in kept))
+        self._file = open(self.path, "a", buffering=1)
+        self._wandb = None
+        if logging_cfg.wandb:
+            import wandb
+
+            mode = "online" if os.environ.get("WANDB_API_KEY") else "offline"
+            self._wandb = wandb.init(
+                project=logging_cfg.wandb_project,
+                entity=logging_cfg.wandb_entity,
+                dir=str(run_dir),
+                mode=mode,
+                config=OmegaConf.to_container(full_cfg, resolve=True),
+            )
+        self._bar = None
+        if logging_cfg.progress_bar:
+            from tqdm.auto import tqdm
+
+            self._bar = tqdm(total=total_steps, initial=start_step, desc="grpo", unit="step", dynamic_ncols=True)
+
+    def log(self, metrics: dict[str, Any]) -> None:
+        """Record one optimizer step; `metrics` must contain `step`."""
+        clean = {k: (float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else v) for k, v in metrics.items()}
+        clean["step"] = int(metrics["step"])
+        # JSON has no NaN; keep the line parseable by every reader.
+        line = json.dumps({k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in clean.items()})
+        self._file.write(line + "\n")
+        if self._wandb is not None:
+            self._wandb.log(clean, step=clean["step"])
+        if self._bar is not None:
+            self._bar.update(1)
+            self._bar.set_postfix({k.split("/")[-1]: f"{clean[k]:.3g}" for k in BAR_KEYS if isinstance(clean.get(k), float)})
+
+    def close(self) -> None:
+        """Flush and close every sink. Safe to call twice."""
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None
+        if self._wandb is not None:
+            self._wandb.finish()
+            self._wandb = None
+        if not self._file.closed:
+            self._file.close()
+
+
+def read_metrics(path: Path) -> list[dict[str, Any]]:
+    """All lines of a metrics.jsonl."""
+    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+
+
+def plot_curves(metrics_path: Path, out_path: Path, title: str = "") -> Path:
+    """PNG of reward and loss against step."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = read_metrics(metrics_path)
+    steps = [r["step"] for r in rows]
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.8))
+    for ax, key in zip(axes, ("reward/mean", "loss")):
+        ax.plot(steps, [r.get(key) if r.get(key) is not None else float("nan") for r in rows], lw=1.5)
+        ax.set_xlabel("optimizer step")
+        ax.set_ylabel(key)
+        ax.grid(alpha=0.3)
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(out_path, dpi=110)
+    plt.close(fig)
+    return out_path

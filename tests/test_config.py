@@ -1,0 +1,167 @@
+"""Every config composes, every _target_ resolves, and bad configs fail at composition with the key named."""
+
+from __future__ import annotations
+
+import itertools
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+from hydra.core.global_hydra import GlobalHydra
+from hydra.utils import get_class
+from omegaconf import OmegaConf
+
+from grpo.config import ConfigError, register_configs, validate
+
+REPO = Path(__file__).resolve().parents[1]
+CONF = REPO / "conf"
+MODES = sorted(p.stem for p in (CONF / "mode").glob("*.yaml"))
+MODELS = sorted(p.stem for p in (CONF / "model").glob("*.yaml"))
+OPTIMIZERS = sorted(p.stem for p in (CONF / "optimizer").glob("*.yaml"))
+EXPERIMENTS = sorted(p.stem for p in (REPO / "experiments").glob("*.yaml"))
+
+register_configs()
+
+
+def _compose(overrides: list[str]):
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        return compose(config_name="train", overrides=overrides)
+
+
+def _targets(node, path=""):
+    """Every (_target_ path, dotted key) in a config tree."""
+    if OmegaConf.is_dict(node):
+        for k, v in node.items_ex(resolve=False):
+            if k == "_target_":
+                yield v, path
+            else:
+                yield from _targets(v, f"{path}.{k}" if path else str(k))
+    elif OmegaConf.is_list(node):
+        for i, v in enumerate(node):
+            yield from _targets(v, f"{path}[{i}]")
+
+
+def test_groups_have_the_promised_options():
+    assert set(MODES) == {"none", "lora_only", "lora_restart", "shared_vllm"}
+    assert {"hermes8b", "qwen14b", "qwen3b", "tiny_qwen2", "tiny_llama"} <= set(MODELS)
+    assert set(OPTIMIZERS) == {"adamw", "adamw_8bit", "adafactor"}
+    assert len(EXPERIMENTS) >= 4
+
+
+@pytest.mark.parametrize("mode,model,optimizer", list(itertools.product(MODES, MODELS, OPTIMIZERS)))
+def test_every_combination_composes_and_targets_resolve(mode, model, optimizer):
+    cfg = _compose([f"mode={mode}", f"model={model}", f"optimizer={optimizer}"])
+    OmegaConf.resolve(cfg)
+    assert cfg.optimizer._target_.split(".")[0] in {"torch", "bitsandbytes", "transformers"}
+    targets = list(_targets(cfg))
+    assert {p for _, p in targets} >= {"mode", "loss", "optimizer", "data"}
+    for target, _ in targets:
+        get_class(target)  # raises if the module or class does not exist
+
+
+@pytest.mark.parametrize("name", EXPERIMENTS)
+def test_every_experiment_composes(name):
+    cfg = _compose([f"experiment={name}"])
+    OmegaConf.resolve(cfg)
+    for target, _ in _targets(cfg):
+        get_class(target)
+    # Experiments are meant to differ from the defaults in at least one place.
+    assert cfg != _compose([])
+
+
+def test_user_facing_keys_exist():
+    cfg = _compose(["optimizer.lr=3e-4", "loss.clip_eps=0.3", "layers=top25", "train.steps=7"])
+    assert (cfg.optimizer.lr, cfg.loss.clip_eps, cfg.layers.indices, cfg.train.steps) == (3e-4, 0.3, "top25", 7)
+
+
+@pytest.mark.parametrize(
+    "override,needle",
+    [
+        ("optimzer.lr=1", "optimzer"),  # misspelled group
+        ("optimizer.lrr=1", "lrr"),  # misspelled key
+        ("train.steps=many", "steps"),  # wrong type
+        ("optimizer=sgd", "sgd"),  # unknown group option
+        ("loss.clip_eps=abc", "clip_eps"),
+    ],
+)
+def test_bad_overrides_fail_at_composition(override, needle):
+    with pytest.raises(Exception) as info:
+        _compose([override])
+    assert needle in str(info.value)
+
+
+def test_layer_indices_out_of_range_fail_before_model_load(tmp_path):
+    cfg = _compose(["layers.indices=0-9"])
+    with pytest.raises(ConfigError, match="4"):  # the tiny model has 4 blocks
+        validate(cfg, tmp_path)
+
+
+def test_shared_vllm_without_cuda_fails_clearly(tmp_path):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    with pytest.raises(ConfigError, match="CUDA"):
+        validate(_compose(["mode=shared_vllm"]), tmp_path)
+
+
+def test_busy_port_fails_clearly(tmp_path):
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        with pytest.raises(ConfigError, match=f"server.port={port}"):
+            validate(_compose([f"server.port={port}"]), tmp_path)
+
+
+def test_missing_model_path_fails_clearly(tmp_path):
+    cfg = _compose(["model.offline=null", f"model.name={tmp_path}/nope"])
+    with pytest.raises(ConfigError, match="does not exist"):
+        validate(cfg, tmp_path)
+
+
+def test_unsupported_lora_rank_fails_clearly(tmp_path):
+    with pytest.raises(ConfigError, match="lora.r=12"):
+        validate(_compose(["mode=lora_only", "lora.r=12"]), tmp_path)
+
+
+def test_unwritable_run_dir_fails_clearly(tmp_path):
+    # A path under a regular file is unwritable for every user, root included.
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    with pytest.raises(ConfigError, match="not writable"):
+        validate(_compose([]), blocker / "run")
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(REPO / "train.py"), *args], capture_output=True, text=True, cwd=REPO, timeout=120)
+
+
+def test_cli_help_lists_groups():
+    out = _cli("--help")
+    assert out.returncode == 0
+    for group in ("mode", "model", "optimizer", "loss", "data", "layers", "experiment"):
+        assert f"{group}:" in out.stdout
+    for option in ("shared_vllm", "lora_only", "lora_restart", "hermes8b", "qwen14b", "qwen3b", "adamw_8bit", "adafactor"):
+        assert option in out.stdout
+
+
+def test_cli_cfg_job_prints_config():
+    out = _cli("--cfg", "job", "mode=lora_only", "model=qwen3b", "optimizer=adafactor")
+    assert out.returncode == 0, out.stderr
+    cfg = OmegaConf.create(out.stdout)
+    assert cfg.optimizer._target_ == "transformers.optimization.Adafactor"
+    assert cfg.model.name == "Qwen/Qwen2.5-3B-Instruct"
+
+
+def test_cli_unknown_key_fails_before_loading(tmp_path):
+    out = _cli("optimzer.lr=1", f"hydra.run.dir={tmp_path}/run")
+    assert out.returncode != 0
+    assert "optimzer" in out.stderr
+    # Nothing was trained: the run dir holds no metrics or checkpoints.
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()

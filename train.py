@@ -1,0 +1,147 @@
+"""Train a language model with GRPO against a vLLM server.
+
+    python train.py                                   # tiny model, local digits task, CPU vLLM
+    python train.py mode=lora_only model=qwen3b server=gpu
+    python train.py experiment=qwen3b_lora_restart
+    python train.py -m loss.clip_eps=0.1,0.2 optimizer.lr=1e-4,1e-3
+
+Each component is built here from its config node and handed to the trainer; see docs/architecture.md.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import signal
+from pathlib import Path
+
+import hydra
+import torch
+from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
+from hydra.utils import instantiate
+from omegaconf import DictConfig
+
+from grpo.config import register_configs, validate
+from grpo.run import RunSummary, record_provenance
+
+register_configs()
+log = logging.getLogger("train")
+
+
+def _sigterm_as_interrupt(signum, frame):  # noqa: ARG001
+    # SIGTERM takes the same clean path as Ctrl-C: stop the server, keep the last complete checkpoint.
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+@hydra.main(version_base="1.3", config_path="conf", config_name="train")
+def main(cfg: DictConfig) -> float | None:
+    """Returns the mean reward of the last 10 steps (the objective sweeps optimise)."""
+    run_dir = Path(HydraConfig.get().runtime.output_dir)
+    multirun = HydraConfig.get().mode == RunMode.MULTIRUN
+    validate(cfg, run_dir)  # everything checkable before a model loads
+    signal.signal(signal.SIGTERM, _sigterm_as_interrupt)
+    record_provenance(run_dir)
+    summary = RunSummary(run_dir)
+    try:
+        return summary.finish(train(cfg, run_dir))
+    except BaseException as e:
+        summary.fail(e)
+        # A failed multirun job is logged and the sweep goes on with the next one.
+        if multirun and not isinstance(e, KeyboardInterrupt):
+            log.exception("job failed; continuing the sweep")
+            return None
+        raise
+
+
+def train(cfg: DictConfig, run_dir: Path) -> list[float]:
+    """Build every component from the config, train, and tear everything down (also between multirun jobs)."""
+    from transformers import AutoTokenizer
+
+    from grpo.models.loading import load_model, pick_device, pick_dtype, resolve_model_dir
+    from grpo.pipeline.base import PipelineContext
+    from grpo.sync.base import SyncContext
+    from grpo.trainer.checkpoint import CheckpointManager
+    from grpo.trainer.layers import apply_lora, freeze_to_layers, resolve_layer_indices
+    from grpo.trainer.loop import GRPOTrainer
+    from grpo.trainer.metrics import MetricsLogger, plot_curves
+    from grpo.trainer.optim import build_optimizer, build_scheduler
+
+    torch.manual_seed(cfg.train.seed)
+    device = pick_device(cfg.train.device)
+    model_dir = resolve_model_dir(cfg.model)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    log.info("run dir %s | model %s | device %s", run_dir, model_dir, device)
+
+    # Resuming: the checkpoint's weights are what the server serves first and what the trainer loads.
+    checkpoints = CheckpointManager(run_dir, keep=cfg.train.keep_checkpoints)
+    resume_ckpt = CheckpointManager(Path(cfg.train.resume), keep=cfg.train.keep_checkpoints).latest() if cfg.train.resume else None
+    if cfg.train.resume and resume_ckpt is None:
+        raise FileNotFoundError(f"train.resume={cfg.train.resume} has no complete checkpoint under checkpoints/")
+
+    sync = instantiate(cfg.mode)
+    log.info("sync strategy %s (every %d steps)", type(sync).__name__, sync.sync_every)
+    loss_fn = instantiate(cfg.loss)
+    log.info("loss %s", loss_fn)
+    pipeline = instantiate(cfg.data, _recursive_=False)
+    log.info("data pipeline %s", type(pipeline).__name__)
+
+    model = trainer = metrics = None
+    try:
+        sync_ctx = SyncContext(
+            run_dir=run_dir, model_dir=Path(model_dir), server_cfg=cfg.server, lora_cfg=cfg.lora,
+            tokenizer=tokenizer, resume_weights=(resume_ckpt / "model") if resume_ckpt else None,
+        )
+        sync.launch(sync_ctx)
+        model = sync.load_model(sync_ctx)
+        if model is None:
+            base = model_dir if (resume_ckpt is None or sync.uses_lora) else str(resume_ckpt / "model")
+            model = load_model(base, pick_dtype(cfg.model.dtype, device), device, cfg.model.gradient_checkpointing)
+        indices = resolve_layer_indices(cfg.layers.indices, cfg.model.num_layers)
+        if sync.uses_lora:
+            model = apply_lora(model, cfg.lora, indices, cfg.model.num_layers)
+        else:
+            freeze_to_layers(model, indices)
+        trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        log.info("model %s: %.2fM trainable parameters in layers %s", type(model).__name__, trainable / 1e6, cfg.layers.indices)
+        optimizer = build_optimizer(model, cfg.optimizer)
+        scheduler = build_scheduler(optimizer, cfg.train.lr_schedule, cfg.train.warmup_steps, cfg.train.steps)
+        log.info("optimizer %s lr %g", type(optimizer).__name__, cfg.optimizer.lr)
+
+        start_step = 0
+        if resume_ckpt is not None:
+            state = checkpoints.load(resume_ckpt, model, optimizer, scheduler)
+            start_step = int(state["step"])
+            sync.version = int(state.get("weight_version", 0))
+            pipeline.load_state_dict(state.get("data", {}))
+            log.info("resumed from %s at step %d", resume_ckpt, start_step)
+
+        pipeline.setup(PipelineContext(
+            tokenizer=tokenizer, sync=sync, batch_size=cfg.train.micro_batch_size * cfg.train.grad_accum,
+            max_seq_len=cfg.model.max_seq_len, run_dir=run_dir, total_steps=cfg.train.steps, start_step=start_step,
+            checkpoint_every=cfg.train.checkpoint_every, seed=cfg.train.seed,
+        ))
+        metrics = MetricsLogger(run_dir, cfg.logging, cfg, cfg.train.steps, start_step)
+        trainer = GRPOTrainer(
+            train_cfg=cfg.train, model=model, tokenizer=tokenizer, optimizer=optimizer, scheduler=scheduler,
+            loss_fn=loss_fn, pipeline=pipeline, sync=sync, checkpoints=checkpoints, metrics=metrics,
+            max_seq_len=cfg.model.max_seq_len, device=device, start_step=start_step,
+        )
+        rewards = trainer.fit()
+        if cfg.logging.plot:
+            plot_curves(run_dir / "metrics.jsonl", run_dir / "curves.png", title=str(run_dir.name))
+        return rewards
+    finally:
+        # Tear down in reverse order so a multirun's next job starts from a clean process table and memory.
+        if metrics is not None:
+            metrics.close()
+        pipeline.close()
+        sync.shutdown()
+        del trainer, model
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
