@@ -41,22 +41,38 @@ def _is_num(x: Any) -> bool:
     return isinstance(x, Real) and not isinstance(x, bool) and math.isfinite(x)
 
 
-def _check_per_token(group: dict, key: str, lengths: list[int], allow_nan: bool = False) -> None:
-    """Optional field `key`: null, or one list of numbers per sequence with one number per token."""
+def _check_per_token(group: dict, key: str, lengths: list[int], allow_null_rows: bool) -> None:
+    """Optional field `key`: null, or one list of finite numbers per sequence with one number per token."""
     value = group.get(key)
     if value is None:
         return
     if not isinstance(value, list) or len(value) != len(lengths):
         raise MalformedGroup(f"{key}: expected {len(lengths)} rows, got {type(value).__name__}")
     for i, (row, n) in enumerate(zip(value, lengths)):
+        if row is None and allow_null_rows:
+            continue
         if not isinstance(row, list) or len(row) != n:
             raise MalformedGroup(f"{key}[{i}]: expected {n} values to match tokens[{i}]")
-        if not all(isinstance(v, Real) and not isinstance(v, bool) and (allow_nan or math.isfinite(v)) for v in row):
+        if not all(_is_num(v) for v in row):
             raise MalformedGroup(f"{key}[{i}]: non-numeric or non-finite value")
 
 
-def validate_group(group: Any) -> None:
-    """Raise MalformedGroup (naming the field) unless `group` is a structurally sound Atropos group."""
+def _check_temperature(where: str, params: Any) -> None:
+    if params is None:
+        return
+    if not isinstance(params, dict):
+        raise MalformedGroup(f"{where}: expected an object or null, got {type(params).__name__}")
+    t = params.get("temperature")
+    if t is not None and not (_is_num(t) and t > 0):
+        raise MalformedGroup(f"{where}: temperature must be a positive number, got {t!r}")
+
+
+def validate_group(group: Any, vocab_size: Optional[int] = None) -> None:
+    """Raise MalformedGroup (naming the field) unless `group` is a structurally sound Atropos group.
+
+    Mirrors what grpo.pipeline.batch.prepare_batch would reject, so a bad group from the server is dropped here
+    instead of stopping the run there.
+    """
     if not isinstance(group, dict):
         raise MalformedGroup(f"group is a {type(group).__name__}, not an object")
     for key in ("tokens", "masks", "scores"):
@@ -73,6 +89,8 @@ def validate_group(group: Any) -> None:
     for i, (seq, mask) in enumerate(zip(tokens, masks)):
         if not isinstance(seq, list) or not seq or not all(_is_int(t) and t >= 0 for t in seq):
             raise MalformedGroup(f"tokens[{i}]: empty, or not a list of non-negative ints")
+        if vocab_size is not None and max(seq) >= vocab_size:
+            raise MalformedGroup(f"tokens[{i}]: id {max(seq)} outside the vocabulary [0, {vocab_size})")
         if not isinstance(mask, list) or len(mask) != len(seq) or not all(_is_int(m) for m in mask):
             raise MalformedGroup(f"masks[{i}]: expected {len(seq)} ints like tokens[{i}]")
         # Completion positions carry the token id itself; anything else would train on the wrong target.
@@ -81,14 +99,25 @@ def validate_group(group: Any) -> None:
         lengths.append(len(seq))
     if not all(_is_num(s) for s in scores):
         raise MalformedGroup("scores: non-numeric or non-finite value")
-    _check_per_token(group, "inference_logprobs", lengths)
-    _check_per_token(group, "ref_logprobs", lengths)
+    _check_per_token(group, "inference_logprobs", lengths, allow_null_rows=True)
+    _check_per_token(group, "ref_logprobs", lengths, allow_null_rows=True)
     adv = group.get("advantages")
     if adv is not None:
-        # Per sequence ([float]) or per token ([[float]]).
-        if isinstance(adv, list) and len(adv) == len(lengths) and all(_is_num(a) for a in adv):
-            return
-        _check_per_token(group, "advantages", lengths)
+        # Per sequence ([float]) or per token ([[float]]), possibly mixed row by row.
+        if not isinstance(adv, list) or len(adv) != len(lengths):
+            raise MalformedGroup(f"advantages: expected {len(lengths)} entries like tokens")
+        for i, (a, n) in enumerate(zip(adv, lengths)):
+            if not (_is_num(a) or (isinstance(a, list) and len(a) == n and all(_is_num(v) for v in a))):
+                raise MalformedGroup(f"advantages[{i}]: expected a finite number or {n} finite numbers")
+    _check_temperature("generation_params", group.get("generation_params"))
+    _check_temperature("group_overrides", group.get("group_overrides"))
+    overrides = group.get("overrides")
+    if overrides is not None:
+        if not isinstance(overrides, list) or len(overrides) != len(lengths):
+            raise MalformedGroup(f"overrides: expected null or {len(lengths)} per-sequence objects")
+        for i, ov in enumerate(overrides):
+            if ov is not None:
+                _check_temperature(f"overrides[{i}]", ov)
 
 
 class AtroposPipeline(DataPipeline):
@@ -121,6 +150,8 @@ class AtroposPipeline(DataPipeline):
         self.session: Optional[requests.Session] = None
         self.step: Optional[int] = None
         self.uuid: Optional[int] = None
+        self.vocab_size: Optional[int] = None
+        self._retries = 0
         self.last_metrics: dict[str, float] = {}
         # Run totals of dropped groups, for the end-of-run summary.
         self.totals: dict[str, int] = {"data/dropped_malformed": 0, "data/dropped_too_long": 0}
@@ -192,6 +223,8 @@ class AtroposPipeline(DataPipeline):
         self.ctx = ctx
         self.session = requests.Session()
         self._retries = 0
+        # Ids at or past the tokenizer's size decode to nothing and may be past the model's embedding rows.
+        self.vocab_size = getattr(ctx, "vocab_size", None) or (len(ctx.tokenizer) if ctx.tokenizer is not None else None)
         self._register()
         log.info("registered with run-api at %s (uuid %s, batch %d sequences)", self.url, self.uuid, ctx.batch_size)
 
@@ -200,7 +233,7 @@ class AtroposPipeline(DataPipeline):
         kept = []
         for i, group in enumerate(batch):
             try:
-                validate_group(group)
+                validate_group(group, self.vocab_size)
             except MalformedGroup as e:
                 counts["data/dropped_malformed"] += 1
                 log.warning("dropping malformed group %d from %s: %s", i, self.url, e)

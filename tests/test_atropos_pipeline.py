@@ -1,0 +1,257 @@
+"""data=atropos against the real `run-api` (atroposlib 0.4.0) started on 127.0.0.1 for this module."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import requests
+
+from conftest import free_port
+from grpo.pipeline.atropos import AtroposError, AtroposPipeline
+from grpo.pipeline.base import PipelineContext
+
+GROUP_SIZE = 4
+BATCH = 8  # sequences per step = 2 groups
+
+
+def _run_api_cmd(port: int) -> list[str]:
+    run_api = Path(sys.executable).parent / "run-api"
+    return [str(run_api), "--host", "127.0.0.1", "--port", str(port)]
+
+
+@pytest.fixture()
+def run_api(tmp_path):
+    """A fresh run-api per test (its state is process-global), in its own process group."""
+    port = free_port()
+    log = open(tmp_path / "run-api.log", "wb")
+    proc = subprocess.Popen(_run_api_cmd(port), stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            requests.get(url + "/status", timeout=1).raise_for_status()
+            break
+        except requests.RequestException:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError("run-api did not start: " + (tmp_path / "run-api.log").read_text()[-2000:])
+            time.sleep(0.2)
+    yield url
+    os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(10)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    log.close()
+
+
+class _Tok:
+    """Just enough tokenizer for the pipeline: its size bounds the token ids."""
+
+    def __len__(self) -> int:
+        return 300
+
+
+def _ctx(tmp_path, max_seq_len=64, start_step=0) -> PipelineContext:
+    return PipelineContext(
+        tokenizer=_Tok(), sync=SimpleNamespace(version=0), batch_size=BATCH, max_seq_len=max_seq_len,
+        run_dir=tmp_path, total_steps=10, start_step=start_step, checkpoint_every=5, seed=0,
+    )
+
+
+def _group(seed: int, prompt_len=5, completion_len=4) -> dict:
+    """An Atropos-shaped group as an environment would push it."""
+    tokens, masks, lps = [], [], []
+    for i in range(GROUP_SIZE):
+        prompt = [(seed * 7 + j) % 250 + 1 for j in range(prompt_len)]
+        completion = [(seed + i + j) % 250 + 1 for j in range(completion_len)]
+        tokens.append(prompt + completion)
+        masks.append([-100] * prompt_len + completion)
+        lps.append([1.0] * prompt_len + [-0.5 - 0.1 * j for j in range(completion_len)])
+    return {
+        "tokens": tokens, "masks": masks, "scores": [float(i) / GROUP_SIZE + seed for i in range(GROUP_SIZE)],
+        "inference_logprobs": lps, "generation_params": {"temperature": 0.9},
+    }
+
+
+def _register_env(url: str) -> int:
+    body = {"max_token_length": 64, "desired_name": "test_env", "weight": 1.0, "group_size": GROUP_SIZE}
+    answer = requests.post(url + "/register-env", json=body, timeout=5).json()
+    assert answer["status"] == "success", answer
+    return answer["env_id"]
+
+
+def _push(url: str, group: dict, env_id: int | None) -> None:
+    requests.post(url + "/scored_data", json={**group, "env_id": env_id}, timeout=5).raise_for_status()
+
+
+def _status(url: str) -> dict:
+    return requests.get(url + "/status", timeout=5).json()
+
+
+def test_consumes_pushed_groups_and_step_advances(run_api, tmp_path):
+    pipe = AtroposPipeline(url=run_api, poll_interval_s=0.05, max_wait_s=5, max_retries=2)
+    pipe.setup(_ctx(tmp_path, start_step=3))
+    info = requests.get(run_api + "/info", timeout=5).json()
+    assert info == {"batch_size": BATCH, "max_token_len": 64}
+    assert _status(run_api)["current_step"] == 3
+
+    # As an environment would: wait until the trainer's first /batch lets it register, then push.
+    pushed = [_group(s) for s in range(6)]  # 3 steps of 2 groups
+    env: dict = {}
+
+    def environment():
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            body = {"max_token_length": 64, "desired_name": "test_env", "weight": 1.0, "group_size": GROUP_SIZE}
+            answer = requests.post(run_api + "/register-env", json=body, timeout=5).json()
+            if answer["status"] == "success":
+                env["id"] = answer["env_id"]
+                for g in pushed[:2]:
+                    _push(run_api, g, env["id"])
+                return
+            time.sleep(0.05)
+
+    thread = threading.Thread(target=environment)
+    thread.start()
+    received = []
+    for step in range(3, 6):
+        if step > 3:  # one step's worth at a time, so each /batch hands out exactly one batch
+            for g in pushed[2 * (step - 3): 2 * (step - 2)]:
+                _push(run_api, g, env["id"])
+        groups = pipe.next_groups(step)
+        assert sum(len(g["tokens"]) for g in groups) == BATCH
+        assert pipe.last_metrics["data/dropped_malformed"] == 0
+        received.extend(groups)
+        assert _status(run_api)["current_step"] == step + 1
+    key = lambda g: g["scores"]  # noqa: E731
+    assert sorted(map(key, received)) == sorted(map(key, pushed))
+    for got in received:
+        want = next(p for p in pushed if p["scores"] == got["scores"])
+        for field in ("tokens", "masks", "inference_logprobs", "generation_params"):
+            assert got[field] == want[field], field
+        assert got["env_id"] == env["id"]
+    thread.join()
+    assert pipe.state_dict() == {"step": 5}
+    assert pipe.last_metrics["data/polls"] == 1 and pipe.last_metrics["data/retries"] == 0
+    pipe.close()
+    pipe.close()
+
+
+def test_bad_groups_are_dropped_and_counted(run_api, tmp_path):
+    pipe = AtroposPipeline(url=run_api, poll_interval_s=0.05, max_wait_s=5, max_retries=2)
+    pipe.setup(_ctx(tmp_path, max_seq_len=16))
+    assert requests.get(run_api + "/batch", timeout=5).json() == {"batch": None}  # trainer started
+    env_id = _register_env(run_api)
+
+    too_long = _group(1, prompt_len=10, completion_len=10)  # 20 tokens > 16
+    wrong_mask = _group(2)
+    wrong_mask["masks"][1] = wrong_mask["masks"][1][:-1]
+    bad_logprobs = _group(3)
+    bad_logprobs["inference_logprobs"][0] = [1.0]
+    out_of_vocab = _group(4)
+    out_of_vocab["tokens"][0][-1] = out_of_vocab["masks"][0][-1] = 100_000
+    bad_temperature = _group(5)
+    bad_temperature["generation_params"] = {"temperature": -1.0}
+    good = _group(6)
+    # run-api cuts the queue into batches of 2 groups and hands the newest batch out first: the first two /batch
+    # answers hold only bad groups (the pipeline keeps polling), the third holds `good` and `too_long`.
+    for g in (good, too_long, wrong_mask, bad_logprobs, out_of_vocab, bad_temperature):
+        _push(run_api, g, env_id)
+    groups = pipe.next_groups(0)
+    assert [g["scores"] for g in groups] == [good["scores"]]
+    m = pipe.metrics()
+    assert m["data/dropped_too_long"] == 1
+    assert m["data/dropped_malformed"] == 4
+    assert m["data/polls"] == 3
+    assert pipe.totals == {"data/dropped_malformed": 4, "data/dropped_too_long": 1}
+
+
+def test_group_validation_on_shapes_the_server_accepts(tmp_path):
+    from grpo.pipeline.atropos import MalformedGroup, validate_group
+
+    validate_group(_group(0))
+    validate_group({**_group(0), "inference_logprobs": None, "advantages": [0.1, 0.2, 0.3, 0.4]})
+    bad = [
+        [], "x", {"tokens": [], "masks": [], "scores": []}, {"masks": [[1]], "scores": [0.0]},
+        {**_group(0), "scores": [1.0, 2.0]}, {**_group(0), "scores": [float("nan")] * 4},
+        {**_group(0), "tokens": [[True, 2], [1, 2], [1, 2], [1, 2]]},
+        {**_group(0), "masks": [[-100] * 9, [-100] * 9, [-100] * 9, [7] * 9]},  # mask id differs from the token
+        {**_group(0), "advantages": [[0.0], [0.0], [0.0], [0.0]]},
+        {**_group(0), "overrides": [{"temperature": 0}] * 4},
+    ]
+    for g in bad:
+        with pytest.raises(MalformedGroup):
+            validate_group(g)
+
+
+def test_timeout_when_no_data(run_api, tmp_path):
+    pipe = AtroposPipeline(url=run_api, poll_interval_s=0.05, max_wait_s=1.0, max_retries=1)
+    pipe.setup(_ctx(tmp_path))
+    t0 = time.monotonic()
+    with pytest.raises(TimeoutError, match=run_api):
+        pipe.next_groups(0)
+    # Back-off is capped at 8x the poll interval, so the wait overshoots max_wait_s by at most one short sleep.
+    assert 1.0 <= time.monotonic() - t0 < 3.0
+
+
+def test_dead_url_gives_bounded_retries_then_clear_error(tmp_path):
+    url = f"http://127.0.0.1:{free_port()}"
+    pipe = AtroposPipeline(url=url, poll_interval_s=0.05, max_wait_s=5, max_retries=3)
+    t0 = time.monotonic()
+    with pytest.raises(AtroposError, match=f"{url}.*4 attempts") as e:
+        pipe.setup(_ctx(tmp_path))
+    assert "run-api" in str(e.value)
+    # 3 retries with back-off 0.05, 0.1, 0.2 s.
+    assert time.monotonic() - t0 < 3.0
+
+
+def test_server_answering_garbage(tmp_path):
+    """A server that answers HTML / 500s: bounded retries, then an error naming the URL."""
+    import http.server
+
+    class Garbage(http.server.BaseHTTPRequestHandler):
+        def _answer(self):
+            hits.append(self.path)
+            # Two 500s, then 200s whose body is not JSON.
+            code = 500 if len(hits) <= 2 else 200
+            body = b"<html>not json</html>"
+            self.send_response(code)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        do_GET = do_POST = _answer
+
+        def log_message(self, *args):
+            pass
+
+    hits: list[int] = []
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Garbage)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_address[1]}"
+    try:
+        pipe = AtroposPipeline(url=url, poll_interval_s=0.02, max_wait_s=5, max_retries=4)
+        with pytest.raises(AtroposError, match="malformed JSON") as e:
+            pipe.setup(_ctx(tmp_path))
+        assert url in str(e.value)
+        assert len(hits) == 5  # 1 try + 4 retries
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_data_before_register_is_a_clear_error(run_api, tmp_path):
+    """atroposlib 0.4.0 quirk: data queued before /register leaves the trainer state uninitialised."""
+    _push(run_api, _group(0), None)
+    pipe = AtroposPipeline(url=run_api, poll_interval_s=0.05, max_wait_s=2, max_retries=1)
+    with pytest.raises(AtroposError, match="before the trainer registered"):
+        pipe.setup(_ctx(tmp_path))
