@@ -1,0 +1,110 @@
+"""Sweep report: one row per job of a multirun dir, and a PNG comparing reward curves.
+
+    python -m grpo.report multirun/2026-11-21/12-00-00        (or: grpo-report <dir>)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+from grpo.trainer.metrics import read_metrics
+
+COLUMNS = ("job", "overrides", "status", "steps", "final_reward", "best_reward", "final_loss", "steps_per_s")
+
+
+def _overrides(job_dir: Path) -> str:
+    path = job_dir / ".hydra" / "overrides.yaml"
+    if not path.exists():
+        return ""
+    from omegaconf import OmegaConf
+
+    return " ".join(str(o) for o in OmegaConf.load(path))
+
+
+def job_row(job_dir: Path) -> dict[str, Any]:
+    """Summary of one job dir (status from summary.json; figures from metrics.jsonl)."""
+    summary = json.loads((job_dir / "summary.json").read_text()) if (job_dir / "summary.json").exists() else {}
+    rows = read_metrics(job_dir / "metrics.jsonl") if (job_dir / "metrics.jsonl").exists() else []
+    rewards = [r["reward/mean"] for r in rows if r.get("reward/mean") is not None]
+    losses = [r["loss"] for r in rows if r.get("loss") is not None]
+    step_s = [r["time/step_seconds"] for r in rows if r.get("time/step_seconds")]
+    tail = rewards[-10:]
+    return {
+        "job": job_dir.name,
+        "overrides": _overrides(job_dir),
+        "status": summary.get("status", "running" if rows else "not started"),
+        "steps": rows[-1]["step"] if rows else 0,
+        "final_reward": sum(tail) / len(tail) if tail else None,
+        "best_reward": max(rewards) if rewards else None,
+        "final_loss": losses[-1] if losses else None,
+        "steps_per_s": len(step_s) / sum(step_s) if step_s else None,
+        "_rewards": [(r["step"], r["reward/mean"]) for r in rows if r.get("reward/mean") is not None],
+    }
+
+
+def job_dirs(sweep_dir: Path) -> list[Path]:
+    """Job sub-directories of a sweep, in job order."""
+    dirs = [d for d in sweep_dir.iterdir() if d.is_dir() and (d / ".hydra").exists()]
+    return sorted(dirs, key=lambda d: (not d.name.isdigit(), int(d.name) if d.name.isdigit() else 0, d.name))
+
+
+def format_table(rows: list[dict[str, Any]]) -> str:
+    """Plain-text table of the report rows."""
+    def cell(v: Any) -> str:
+        if v is None:
+            return "-"
+        return f"{v:.4g}" if isinstance(v, float) else str(v)
+
+    cells = [[cell(r[c]) for c in COLUMNS] for r in rows]
+    widths = [max(len(c), *(len(row[i]) for row in cells)) if cells else len(c) for i, c in enumerate(COLUMNS)]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(COLUMNS, widths))]
+    lines.append("  ".join("-" * w for w in widths))
+    lines += ["  ".join(v.ljust(w) for v, w in zip(row, widths)) for row in cells]
+    return "\n".join(lines)
+
+
+def plot_rewards(rows: list[dict[str, Any]], out: Path) -> Path:
+    """One reward curve per job on shared axes."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    for r in rows:
+        if r["_rewards"]:
+            steps, rewards = zip(*r["_rewards"])
+            ax.plot(steps, rewards, label=f"{r['job']}: {r['overrides']}"[:60], lw=1.4)
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("reward/mean")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
+
+
+def report(sweep_dir: Path) -> tuple[str, list[dict[str, Any]]]:
+    """Build the table, write report.json and rewards.png into the sweep dir; returns (table, rows)."""
+    rows = [job_row(d) for d in job_dirs(sweep_dir)]
+    table = format_table(rows)
+    (sweep_dir / "report.json").write_text(json.dumps([{k: v for k, v in r.items() if not k.startswith("_")} for r in rows], indent=2))
+    plot_rewards(rows, sweep_dir / "rewards.png")
+    return table, rows
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description="Summarise a multirun sweep dir.")
+    parser.add_argument("sweep_dir", type=Path)
+    args = parser.parse_args(argv)
+    table, _ = report(args.sweep_dir)
+    print(table)
+    print(f"\nwrote {args.sweep_dir / 'report.json'} and {args.sweep_dir / 'rewards.png'}")
+
+
+if __name__ == "__main__":
+    main()
