@@ -1,0 +1,215 @@
+"""The GRPO policy-gradient loss: token-level PPO clipping against the rollout log-probs.
+
+Per completion token t of sequence i, with trainer log-prob ``logp``, rollout (inference server) log-prob ``q``
+and advantage ``A``:
+
+    r   = exp(logp - q)                       # q := logp.detach() where the server sent none (NaN): on-policy
+    obj = min(r * A, clip(r, 1 - eps_low, 1 + eps_high) * A)      # for EVERY sign of A (PPO)
+    obj = max(obj, dual_clip * A)  where A < 0                     # optional dual clip (Ye et al. 2020)
+    loss_t = -obj + kl_coef * KL_t
+
+The loss is then aggregated over tokens (see ``GRPOLoss``). With ``tis_cap`` set, the rollout/trainer mismatch is
+handled by truncated importance sampling instead of inside the PPO ratio (see ``GRPOLoss``).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm")
+KL_ESTIMATORS = ("k1", "k2", "k3")
+# exp() of a log-ratio beyond this overflows float32 gradients in the unclipped branch; beyond it the ratio is
+# saturated (gradient 0), which only happens for tokens far outside any trust region.
+_MAX_LOG_RATIO = 20.0
+
+
+class GRPOLoss:
+    """Clipped GRPO/PPO loss with optional dual clip, truncated importance sampling and KL penalty.
+
+    Args:
+        clip_eps: lower clip range; the ratio is clipped below at ``1 - clip_eps``.
+        clip_eps_high: upper clip range (DAPO clip-higher); None = ``clip_eps``.
+        dual_clip: constant c > 1; for A < 0 the objective is bounded below by ``c * A`` (Ye et al. 2020,
+            "Mastering Complex Control in MOBA Games with Deep RL"). None disables.
+        tis_cap: truncated importance sampling (Yao et al. 2025, "Your Efficient RL Framework Secretly Brings You
+            Off-Policy RL Training"). The PPO ratio is then taken against the trainer's own detached log-probs
+            (the proximal policy, decoupled PPO as in Hilton et al. 2021), and each token's objective is weighted
+            by ``w = min(exp(logp.detach() - q), tis_cap)``, the truncated trainer/rollout ratio. With one optimizer
+            step per batch the proximal ratio is exactly 1 in value, so the gradient is ``w * A * grad(logp)``.
+            None disables (the PPO ratio is taken directly against the rollout log-probs).
+        kl_coef: weight of the per-token KL penalty against ``ref_logprobs`` when given, else against the rollout
+            log-probs. 0 disables the penalty (``grpo/kl`` is still reported).
+        kl_estimator: Schulman's estimators of KL(pi || ref) with ``x = ref - logp``: ``k1 = -x``,
+            ``k2 = x^2 / 2``, ``k3 = exp(x) - 1 - x``.
+        aggregation: ``token_mean`` (sum over tokens / total tokens of the global batch), ``seq_mean_token_mean``
+            (mean over a sequence's tokens, then over the global batch's sequences) or ``seq_mean_token_sum_norm``
+            (Dr. GRPO: a sequence's token sum / ``max_tokens_norm`` (or the longest completion), then mean over
+            sequences).
+        max_tokens_norm: constant divisor of ``seq_mean_token_sum_norm``; None = the longest completion.
+    """
+
+    def __init__(
+        self,
+        clip_eps: float = 0.2,
+        clip_eps_high: Optional[float] = None,
+        dual_clip: Optional[float] = None,
+        tis_cap: Optional[float] = None,
+        kl_coef: float = 0.0,
+        kl_estimator: str = "k3",
+        aggregation: str = "token_mean",
+        max_tokens_norm: Optional[int] = None,
+    ):
+        if not 0 < clip_eps < 1:
+            raise ValueError(f"clip_eps must be in (0, 1), got {clip_eps}")
+        if clip_eps_high is not None and clip_eps_high <= 0:
+            raise ValueError(f"clip_eps_high must be > 0, got {clip_eps_high}")
+        if dual_clip is not None and dual_clip <= 1:
+            raise ValueError(f"dual_clip must be > 1, got {dual_clip}")
+        if tis_cap is not None and tis_cap <= 0:
+            raise ValueError(f"tis_cap must be > 0, got {tis_cap}")
+        if kl_coef < 0:
+            raise ValueError(f"kl_coef must be >= 0, got {kl_coef}")
+        if kl_estimator not in KL_ESTIMATORS:
+            raise ValueError(f"kl_estimator must be one of {KL_ESTIMATORS}, got {kl_estimator!r}")
+        if aggregation not in AGGREGATIONS:
+            raise ValueError(f"aggregation must be one of {AGGREGATIONS}, got {aggregation!r}")
+        if max_tokens_norm is not None and max_tokens_norm <= 0:
+            raise ValueError(f"max_tokens_norm must be > 0, got {max_tokens_norm}")
+        self.clip_eps = float(clip_eps)
+        self.clip_eps_high = float(clip_eps if clip_eps_high is None else clip_eps_high)
+        self.dual_clip = dual_clip
+        self.tis_cap = tis_cap
+        self.kl_coef = float(kl_coef)
+        self.kl_estimator = kl_estimator
+        self.aggregation = aggregation
+        self.max_tokens_norm = max_tokens_norm
+
+    def kl(self, logprobs: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
+        """Per-token KL estimate of the policy from ``ref`` (same shape as ``logprobs``)."""
+        x = (ref - logprobs).clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)
+        if self.kl_estimator == "k1":
+            return -x
+        if self.kl_estimator == "k2":
+            return 0.5 * x * x
+        return torch.expm1(x) - x
+
+    def __call__(
+        self,
+        logprobs: torch.Tensor,
+        inference_logprobs: torch.Tensor,
+        advantages: torch.Tensor,
+        mask: torch.Tensor,
+        ref_logprobs: Optional[torch.Tensor] = None,
+        total_tokens: Optional[float] = None,
+        total_sequences: Optional[float] = None,
+        max_tokens: Optional[float] = None,
+    ) -> tuple[torch.Tensor, dict[str, float]]:
+        """Loss of one micro-batch and its metrics.
+
+        Args:
+            logprobs: ``[B, T]`` trainer log-probs of the labels (with grad).
+            inference_logprobs: ``[B, T]`` rollout log-probs; NaN = not sent (treated as on-policy).
+            advantages: ``[B]`` or ``[B, T]``.
+            mask: ``[B, T]`` 1 at completion tokens that carry loss.
+            ref_logprobs: ``[B, T]`` reference log-probs for the KL penalty, NaN where missing; None = use the
+                rollout log-probs.
+            total_tokens, total_sequences: normalisers of the whole optimizer step for gradient accumulation
+                (default: this micro-batch), so summing micro-batch losses equals the full-batch loss.
+            max_tokens: Dr. GRPO divisor when ``max_tokens_norm`` is None (default: the longest completion of this
+                micro-batch; pass ``PreparedBatch.max_completion_tokens`` to match across micro-batches).
+        Returns:
+            ``(scalar loss, metrics)`` with python-float metrics averaged over this micro-batch's loss tokens.
+        """
+        mask = mask.to(logprobs.dtype)
+        valid = mask > 0
+        lp_det = logprobs.detach()
+        # Rollout log-probs: missing (NaN), non-finite or outside the loss mask → on-policy. Also keeps the prompt's
+        # 1.0 placeholders and padding out of exp(), where an inf would turn 0 * inf into NaN gradients.
+        inf = inference_logprobs.to(logprobs.dtype)
+        rollout = torch.where(valid & torch.isfinite(inf), inf, lp_det)
+        adv = advantages.to(logprobs.dtype)
+        if adv.dim() == 1:
+            adv = adv[:, None].expand_as(logprobs)
+
+        log_ratio = logprobs - rollout
+        ratio = torch.exp(log_ratio.clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO))
+        ratio_det = ratio.detach()
+        if self.tis_cap is not None:
+            tis_w = ratio_det.clamp(max=self.tis_cap)
+            pg_ratio = torch.exp(logprobs - lp_det)  # proximal ratio: 1 in value, grad of logp
+        else:
+            tis_w = None
+            pg_ratio = ratio
+
+        lo, hi = 1.0 - self.clip_eps, 1.0 + self.clip_eps_high
+        unclipped = pg_ratio * adv
+        clipped = pg_ratio.clamp(lo, hi) * adv
+        obj = torch.minimum(unclipped, clipped)
+        dual_active = torch.zeros_like(valid)
+        if self.dual_clip is not None:
+            floor = self.dual_clip * adv
+            dual_active = (adv < 0) & (obj < floor)
+            obj = torch.where(adv < 0, torch.maximum(obj, floor), obj)
+        if tis_w is not None:
+            obj = obj * tis_w
+        per_token = -obj
+
+        kl_ref = rollout
+        if ref_logprobs is not None:
+            ref = ref_logprobs.to(logprobs.dtype)
+            kl_ref = torch.where(valid & torch.isfinite(ref), ref, rollout)
+        kl = self.kl(logprobs, kl_ref)
+        if self.kl_coef > 0:
+            per_token = per_token + self.kl_coef * kl
+
+        per_token = per_token * mask  # zero (not NaN) at masked positions
+        loss = self._aggregate(per_token, mask, total_tokens, total_sequences, max_tokens)
+
+        with torch.no_grad():
+            n = mask.sum().clamp(min=1)
+            pr = pg_ratio.detach()
+            low = valid & (adv < 0) & (pr < lo)
+            high = valid & (adv > 0) & (pr > hi)
+            metrics = {
+                "grpo/mean_ratio": float((ratio_det * mask).sum() / n),
+                "grpo/clipped_fraction": float((low | high).sum() / n),
+                "grpo/clipped_low": float(low.sum() / n),
+                "grpo/clipped_high": float(high.sum() / n),
+                "grpo/kl": float((kl.detach() * mask).sum() / n),
+                "grpo/logprob_diff": float(((lp_det - rollout).abs() * mask).sum() / n),
+                "grpo/advantage_mean": float((adv * mask).sum() / n),
+                "grpo/tokens": float(mask.sum()),
+            }
+            if self.dual_clip is not None:
+                metrics["grpo/dual_clipped"] = float((dual_active & valid).sum() / n)
+            if tis_w is not None:
+                metrics["grpo/tis_weight"] = float((tis_w * mask).sum() / n)
+                metrics["grpo/tis_capped"] = float((valid & (ratio_det > self.tis_cap)).sum() / n)
+        return loss, metrics
+
+    def _aggregate(
+        self,
+        per_token: torch.Tensor,
+        mask: torch.Tensor,
+        total_tokens: Optional[float],
+        total_sequences: Optional[float],
+        max_tokens: Optional[float],
+    ) -> torch.Tensor:
+        if self.aggregation == "token_mean":
+            denom = float(total_tokens) if total_tokens is not None else float(mask.sum())
+            return per_token.sum() / max(denom, 1.0)
+        seqs = float(total_sequences) if total_sequences is not None else float(per_token.shape[0])
+        seq_tokens = mask.sum(dim=1)
+        if self.aggregation == "seq_mean_token_mean":
+            per_seq = per_token.sum(dim=1) / seq_tokens.clamp(min=1)
+        else:
+            if self.max_tokens_norm is not None:
+                norm = float(self.max_tokens_norm)
+            elif max_tokens is not None:
+                norm = float(max_tokens)
+            else:
+                norm = float(seq_tokens.max()) if seq_tokens.numel() else 1.0
+            per_seq = per_token.sum(dim=1) / max(norm, 1.0)
+        return per_seq.sum() / max(seqs, 1.0)
