@@ -1,0 +1,292 @@
+"""Process manager of one inference server (`python -m grpo.inference.server`).
+
+The server runs in its own session / process group, so stopping it signals vLLM's API server, engine core and
+worker processes together, and nothing else: no process is ever looked up by name.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+import requests
+
+
+class ServerStartError(RuntimeError):
+    """The server could not start (bad arguments, port taken, crash or timeout during start-up)."""
+
+
+class ServerCrashedError(RuntimeError):
+    """The server process exited while it was expected to serve."""
+
+
+def _cfg(cfg: Any, key: str, default: Any = None) -> Any:
+    if cfg is None:
+        return default
+    if isinstance(cfg, Mapping):
+        return cfg.get(key, default)
+    return getattr(cfg, key, default)
+
+
+def port_in_use(host: str, port: int) -> bool:
+    """True when something already listens on host:port."""
+    with socket.socket() as s:
+        s.settimeout(0.5)
+        return s.connect_ex((host if host not in ("0.0.0.0", "") else "127.0.0.1", port)) == 0
+
+
+class VLLMServer:
+    """Launches, watches and stops one vLLM server with our /generate and /grpo/* endpoints.
+
+    `server_cfg` is a `grpo.config.schema.ServerConfig` node (or any object/mapping with its fields: host, port,
+    gpu_memory_utilization, max_model_len, dtype, enforce_eager, max_lora_rank, startup_timeout_s, extra_args,
+    device). `lora_modules` maps adapter names to adapter directories to preload; `enable_lora` turns LoRA on
+    even with none preloaded (for hot-swapping). The server's output goes to `log_path` (appended across
+    restarts, so a crash log survives the restart that follows it).
+    """
+
+    def __init__(
+        self,
+        model: str | Path,
+        server_cfg: Any,
+        log_path: str | Path,
+        lora_modules: Mapping[str, str | Path] | None = None,
+        extra_args: Sequence[str] = (),
+        enable_lora: bool | None = None,
+        served_model_name: str | None = None,
+        env: Mapping[str, str] | None = None,
+        weight_version: int = 0,
+    ) -> None:
+        self.model = str(model)
+        self.cfg = server_cfg
+        self.log_path = Path(log_path)
+        self.lora_modules = {k: str(v) for k, v in (lora_modules or {}).items()}
+        self.enable_lora = bool(self.lora_modules) if enable_lora is None else enable_lora
+        self.extra_args = list(extra_args)
+        self.served_model_name = served_model_name
+        self.env = dict(env or {})
+        # Passed to the server at start so /generate reports it (versions survive restarts).
+        self.weight_version = weight_version
+        self.host: str = _cfg(server_cfg, "host", "127.0.0.1")
+        self.port: int = int(_cfg(server_cfg, "port", 9001))
+        self.proc: subprocess.Popen | None = None
+        self._log_file = None
+        self.restarts = 0
+
+    # ------------------------------------------------------------------ properties
+    @property
+    def url(self) -> str:
+        """http://host:port (no /v1)."""
+        host = "127.0.0.1" if self.host in ("0.0.0.0", "") else self.host
+        return f"http://{host}:{self.port}"
+
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid if self.proc is not None else None
+
+    def command(self) -> list[str]:
+        """The full command line of the server."""
+        c = self.cfg
+        args = [
+            sys.executable, "-m", "grpo.inference.server",
+            "--model", self.model,
+            "--host", self.host,
+            "--port", str(self.port),
+            "--gpu-memory-utilization", str(_cfg(c, "gpu_memory_utilization", 0.9)),
+            "--max-model-len", str(_cfg(c, "max_model_len", 2048)),
+            "--dtype", str(_cfg(c, "dtype", "auto")),
+            # Atropos clients post many requests at once; uvicorn's access log costs time and log space.
+            "--disable-uvicorn-access-log",
+        ]  # fmt: skip
+        if self.served_model_name:
+            args += ["--served-model-name", self.served_model_name]
+        if _cfg(c, "enforce_eager") is True:
+            args.append("--enforce-eager")
+        if self.enable_lora:
+            args += ["--enable-lora", "--max-lora-rank", str(_cfg(c, "max_lora_rank", 64))]
+            if self.lora_modules:
+                args += ["--lora-modules", *[f"{k}={v}" for k, v in self.lora_modules.items()]]
+        args += [str(a) for a in _cfg(c, "extra_args", None) or []]
+        args += self.extra_args
+        return args
+
+    def environment(self) -> dict[str, str]:
+        env = dict(os.environ)
+        device = _cfg(self.cfg, "device")
+        if device is not None:
+            env["CUDA_VISIBLE_DEVICES"] = str(device)
+        if self.enable_lora:
+            # Lets /v1/load_lora_adapter and /v1/unload_lora_adapter work (lora_only hot-swap).
+            env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"
+        # vLLM spawns its workers; a forked child of a process that already ran torch can hang (REFERENCE.md).
+        env.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
+        env["GRPO_WEIGHT_VERSION"] = str(self.weight_version)
+        env.update(self.env)
+        return env
+
+    # ------------------------------------------------------------------ lifecycle
+    def start(self, timeout: float | None = None) -> None:
+        """Launch and wait until /health answers; ServerStartError (with the log tail) otherwise."""
+        if self.running():
+            raise ServerStartError(f"server already running (pid {self.pid})")
+        if not Path(self.model).exists():
+            raise ServerStartError(f"model path {self.model} does not exist")
+        for name, path in self.lora_modules.items():
+            if not Path(path).exists():
+                raise ServerStartError(f"LoRA adapter {name!r}: {path} does not exist")
+        if port_in_use(self.host, self.port):
+            raise ServerStartError(
+                f"port {self.port} on {self.host} is already in use; stop what listens there or pick another "
+                f"server.port"
+            )
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        self._log_file = open(self.log_path, "ab")
+        self._log_file.write(f"\n===== grpo: starting {' '.join(self.command())}\n".encode())
+        self._log_file.flush()
+        self.proc = subprocess.Popen(
+            self.command(),
+            stdout=self._log_file,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env=self.environment(),
+            # Own session = own process group: stop() signals exactly the server and its children.
+            start_new_session=True,
+        )
+        self.wait_healthy(timeout if timeout is not None else float(_cfg(self.cfg, "startup_timeout_s", 300)))
+
+    def wait_healthy(self, timeout: float) -> None:
+        """Poll /health until it answers 200; fail fast if the process exits."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc is not None and self.proc.poll() is not None:
+                code = self.proc.returncode
+                self._cleanup_group()
+                raise ServerStartError(
+                    f"inference server exited with code {code} during start-up; log {self.log_path}:\n"
+                    f"{self.log_tail(40)}"
+                )
+            if self.healthy(timeout=2.0):
+                return
+            time.sleep(0.25)
+        self.stop()
+        raise ServerStartError(
+            f"inference server not healthy after {timeout:.0f}s; log {self.log_path}:\n{self.log_tail(40)}"
+        )
+
+    def running(self) -> bool:
+        """True while the server process is alive."""
+        return self.proc is not None and self.proc.poll() is None
+
+    def healthy(self, timeout: float = 5.0) -> bool:
+        """True when the process is alive and GET /health answers 200."""
+        if not self.running():
+            return False
+        try:
+            return requests.get(self.url + "/health", timeout=timeout).status_code == 200
+        except requests.RequestException:
+            return False
+
+    def check(self) -> None:
+        """Raise ServerCrashedError with the log tail if the process has exited."""
+        if self.proc is not None and self.proc.poll() is not None:
+            raise ServerCrashedError(
+                f"inference server (pid {self.proc.pid}) exited with code {self.proc.returncode}; "
+                f"log {self.log_path}:\n{self.log_tail(40)}"
+            )
+
+    def stop(self, timeout: float = 20.0) -> None:
+        """SIGTERM the server's process group, SIGKILL it after `timeout` s. Safe to call twice."""
+        proc = self.proc
+        if proc is not None:
+            if proc.poll() is None:
+                self._signal_group(signal.SIGTERM)
+                try:
+                    proc.wait(timeout=timeout)
+                except subprocess.TimeoutExpired:
+                    self._signal_group(signal.SIGKILL)
+                    proc.wait(timeout=10)
+            self._cleanup_group()
+        self.proc = None
+        if self._log_file is not None:
+            self._log_file.close()
+            self._log_file = None
+
+    def restart(
+        self,
+        model: str | Path | None = None,
+        lora_modules: Mapping[str, str | Path] | None = None,
+        weight_version: int | None = None,
+    ) -> None:
+        """Stop, optionally switch weights / preloaded adapters / version, start again."""
+        self.stop()
+        if model is not None:
+            self.model = str(model)
+        if lora_modules is not None:
+            self.lora_modules = {k: str(v) for k, v in lora_modules.items()}
+            self.enable_lora = self.enable_lora or bool(self.lora_modules)
+        if weight_version is not None:
+            self.weight_version = weight_version
+        self.restarts += 1
+        # The old socket can linger for a moment after the process dies.
+        deadline = time.monotonic() + 10
+        while port_in_use(self.host, self.port) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        self.start()
+
+    def log_tail(self, n: int = 40) -> str:
+        """Last `n` lines of the server log."""
+        try:
+            with open(self.log_path, "rb") as f:
+                f.seek(0, os.SEEK_END)
+                f.seek(max(0, f.tell() - 64 * 1024))
+                lines = f.read().decode(errors="replace").splitlines()
+        except FileNotFoundError:
+            return "(no log)"
+        return "\n".join(lines[-n:])
+
+    # ------------------------------------------------------------------ internals
+    def _signal_group(self, sig: int) -> None:
+        if self.proc is None:
+            return
+        try:
+            os.killpg(self.proc.pid, sig)  # pgid == pid: the server leads its own session
+        except ProcessLookupError:
+            pass
+
+    def _cleanup_group(self) -> None:
+        # vLLM's children (engine core, workers) may outlive the API server if it died hard: kill the group.
+        if self.proc is None:
+            return
+        try:
+            os.killpg(self.proc.pid, 0)
+        except ProcessLookupError:
+            return
+        self._signal_group(signal.SIGTERM)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            try:
+                os.killpg(self.proc.pid, 0)
+            except ProcessLookupError:
+                return
+            time.sleep(0.1)
+        self._signal_group(signal.SIGKILL)
+
+    def __enter__(self) -> "VLLMServer":
+        self.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def __del__(self) -> None:  # last resort: never leave a server behind
+        try:
+            if self.proc is not None and self.proc.poll() is None:
+                self._signal_group(signal.SIGKILL)
+        except Exception:
+            pass

@@ -1,0 +1,244 @@
+"""vLLM's own OpenAI-compatible server plus the endpoints a GRPO trainer needs.
+
+    python -m grpo.inference.server <vLLM api_server args>      (console script: grpo-serve)
+
+This is not a fork: `main()` runs vLLM's api_server entry point unchanged and adds, through vLLM's supported
+`--middleware` option, one pure-ASGI middleware (`GRPOMiddleware`) that answers a handful of extra paths and passes
+every other request to vLLM untouched:
+
+- ``POST /generate``: Atropos-compatible generation (the request/response shape
+  `atroposlib/envs/server_handling/vllm_server.py` sends and reads), plus ``weight_version``.
+- ``GET|POST /grpo/weight_version``: the weight version served (rollouts carry it).
+- ``POST /grpo/reload_weights``: reload full HF weights from a directory in place (vLLM's worker
+  `reload_weights`, wrapped by our worker extension, through `collective_rpc`), reset the prefix cache, bump the version.
+- ``POST /grpo/pause`` / ``POST /grpo/resume``: vLLM's `pause_generation` / `resume_generation`.
+- ``POST /grpo/rpc``: call a `grpo_*` method of the worker extension (`WeightSyncExtension`) on every worker.
+
+The middleware reaches the engine through ``app.state.engine_client``, which vLLM's own routes use too. It is
+added after vLLM's own middleware, so it is the outermost layer: API-key checks (``--api-key``) do not cover
+these paths; bind to localhost (the default of our process manager) when that matters.
+
+Defaults added unless given on the command line: ``--worker-extension-cls
+grpo.inference.worker_extension.WeightSyncExtension`` and ``--logprobs-mode processed_logprobs`` (log-probs of the
+distribution actually sampled from, i.e. after temperature, which is what the trainer's importance ratio needs).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import uuid
+from typing import Any, Awaitable, Callable
+
+MIDDLEWARE = "grpo.inference.server.GRPOMiddleware"
+WORKER_EXTENSION = "grpo.inference.worker_extension.WeightSyncExtension"
+# Initial weight version (the process manager sets it on a restart so versions keep increasing).
+VERSION_ENV = "GRPO_WEIGHT_VERSION"
+
+
+def _state(request) -> Any:
+    # Starlette sets scope["app"] to vLLM's FastAPI app before the middleware stack runs.
+    return request.app.state
+
+
+def _version(state) -> int:
+    if not hasattr(state, "grpo_weight_version"):
+        state.grpo_weight_version = int(os.environ.get(VERSION_ENV, "0"))
+    return state.grpo_weight_version
+
+
+async def _lora_request(state, name: str | None):
+    """The LoRARequest registered under `name` (None for the base model or no name)."""
+    if not name:
+        return None
+    models = state.openai_serving_models
+    if name in {p.name for p in models.base_model_paths}:
+        return None
+    lora = models.lora_requests.get(name)
+    if lora is None:
+        known = [p.name for p in models.base_model_paths] + sorted(models.lora_requests)
+        raise LookupError(f"unknown model {name!r}; served: {known}")
+    return lora
+
+
+def _position_logprobs(entry: Any, token_id: int) -> dict[int, float]:
+    """{token_id: logprob} of one position with the actual token first (Atropos reads the first key)."""
+    out = {token_id: float(entry[token_id].logprob)}
+    for tid, lp in entry.items():
+        if tid != token_id:
+            out[tid] = float(lp.logprob)
+    return out
+
+
+async def handle_generate(request) -> dict:
+    """POST /generate: {"prompt": {"prompt_token_ids": [...]} | str | [int], "n", "max_tokens", ...}."""
+    from vllm import SamplingParams
+    from vllm.sampling_params import RequestOutputKind
+
+    state = _state(request)
+    engine = state.engine_client
+    body = await request.json()
+    if not isinstance(body, dict) or "prompt" not in body:
+        raise ValueError("body must be a JSON object with a 'prompt'")
+    prompt = body.pop("prompt")
+    body.pop("stream", None)  # Atropos never streams; answer once.
+    lora = await _lora_request(state, body.pop("model", None) or body.pop("lora", None))
+    if isinstance(prompt, str):
+        tokenizer = engine.get_tokenizer()
+        prompt_ids = list(tokenizer.encode(prompt))
+    elif isinstance(prompt, dict) and "prompt_token_ids" in prompt:
+        prompt_ids = [int(t) for t in prompt["prompt_token_ids"]]
+    elif isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
+        prompt_ids = prompt
+    else:
+        raise ValueError("'prompt' must be a string, a list of token ids or {'prompt_token_ids': [...]}")
+    # Atropos always asks for logprobs; default them on so the response always has the full shape.
+    if body.get("logprobs") is None:
+        body["logprobs"] = 0
+    body["output_kind"] = RequestOutputKind.FINAL_ONLY
+    params = SamplingParams(**body)
+    # Read before the request starts: the version the weights had when this batch was scheduled.
+    version = _version(state)
+
+    final = None
+    async for out in engine.generate(
+        {"prompt_token_ids": prompt_ids}, params, f"grpo-gen-{uuid.uuid4().hex}", lora_request=lora
+    ):
+        final = out
+    assert final is not None
+    outputs = final.outputs
+    resp: dict[str, Any] = {
+        "text": [o.text for o in outputs],
+        "prompt_token_ids": prompt_ids,
+        "token_ids": [list(o.token_ids) for o in outputs],
+        "logprobs": [
+            [[_position_logprobs(entry, tid)] for tid, entry in zip(o.token_ids, o.logprobs or [])] for o in outputs
+        ],
+        "finish_reasons": [o.finish_reason for o in outputs],
+        "weight_version": version,
+    }
+    if params.prompt_logprobs is not None:
+        plp = final.prompt_logprobs or []
+        resp["prompt_logprobs"] = [
+            None if entry is None else _position_logprobs(entry, tid) for tid, entry in zip(prompt_ids, plp)
+        ]
+    return resp
+
+
+async def handle_weight_version(request) -> dict:
+    """GET: the served version. POST {"weight_version": int}: set it (after a LoRA swap or an external sync)."""
+    state = _state(request)
+    if request.method == "POST":
+        state.grpo_weight_version = int((await request.json())["weight_version"])
+    return {"weight_version": _version(state)}
+
+
+async def handle_reload_weights(request) -> dict:
+    """POST {"path": dir, "weight_version": int?}: reload HF weights in place on every worker."""
+    import time
+
+    state = _state(request)
+    engine = state.engine_client
+    body = await request.json()
+    path = body["path"]
+    if not os.path.isdir(path):
+        raise ValueError(f"weights directory {path!r} does not exist")
+    t0 = time.perf_counter()
+    # Our extension's wrapper of vLLM's worker reload_weights (it also refreshes a tied lm_head).
+    await engine.collective_rpc("grpo_reload_weights", kwargs={"path": path})
+    # KV blocks cached from the old weights would otherwise be reused for prompts seen before.
+    await engine.reset_prefix_cache(reset_running_requests=True)
+    state.grpo_weight_version = int(body.get("weight_version", _version(state) + 1))
+    return {"weight_version": state.grpo_weight_version, "seconds": time.perf_counter() - t0}
+
+
+async def handle_pause(request) -> dict:
+    """POST {"mode": "keep"|"wait"|"abort"}: stop scheduling; "keep" freezes in-flight requests until resume."""
+    body = await request.json() if (await request.body()) else {}
+    await _state(request).engine_client.pause_generation(mode=body.get("mode", "keep"))
+    return {"status": "paused"}
+
+
+async def handle_resume(request) -> dict:
+    """POST: resume scheduling after /grpo/pause."""
+    await _state(request).engine_client.resume_generation()
+    return {"status": "resumed"}
+
+
+async def handle_rpc(request) -> dict:
+    """POST {"method": "grpo_...", "kwargs": {...}}: one worker-extension method on every worker."""
+    body = await request.json()
+    method = body.get("method", "")
+    # Only the extension's own methods: an open collective_rpc would expose every worker internal over HTTP.
+    if not method.startswith("grpo_"):
+        raise PermissionError(f"only grpo_* worker-extension methods may be called, not {method!r}")
+    results = await _state(request).engine_client.collective_rpc(method, kwargs=body.get("kwargs") or {})
+    return {"results": results}
+
+
+Handler = Callable[[Any], Awaitable[dict]]
+ROUTES: dict[tuple[str, str], Handler] = {
+    ("POST", "/generate"): handle_generate,
+    ("GET", "/grpo/weight_version"): handle_weight_version,
+    ("POST", "/grpo/weight_version"): handle_weight_version,
+    ("POST", "/grpo/reload_weights"): handle_reload_weights,
+    ("POST", "/grpo/pause"): handle_pause,
+    ("POST", "/grpo/resume"): handle_resume,
+    ("POST", "/grpo/rpc"): handle_rpc,
+}
+
+
+class GRPOMiddleware:
+    """Pure-ASGI middleware (vLLM `--middleware`) that serves `ROUTES` and passes everything else to vLLM."""
+
+    def __init__(self, app) -> None:
+        self.app = app
+
+    async def __call__(self, scope, receive, send) -> None:
+        handler = ROUTES.get((scope.get("method", ""), scope.get("path", ""))) if scope["type"] == "http" else None
+        if handler is None:
+            await self.app(scope, receive, send)
+            return
+        from starlette.requests import Request
+        from starlette.responses import JSONResponse
+
+        request = Request(scope, receive)
+        try:
+            response = JSONResponse(await handler(request))
+        except (ValueError, TypeError, KeyError, json.JSONDecodeError) as e:
+            response = JSONResponse({"error": f"{type(e).__name__}: {e}"}, status_code=400)
+        except LookupError as e:
+            response = JSONResponse({"error": str(e)}, status_code=404)
+        except PermissionError as e:
+            response = JSONResponse({"error": str(e)}, status_code=403)
+        except Exception as e:  # the engine's own errors: report, keep serving
+            response = JSONResponse({"error": f"{type(e).__name__}: {e}"}, status_code=500)
+        await response(scope, receive, send)
+
+
+def with_defaults(argv: list[str]) -> list[str]:
+    """vLLM CLI args with our middleware, worker extension and log-prob mode added unless already given."""
+    argv = list(argv)
+    flags = {a.split("=", 1)[0] for a in argv if a.startswith("--")}
+    argv += ["--middleware", MIDDLEWARE]
+    if "--worker-extension-cls" not in flags:
+        argv += ["--worker-extension-cls", WORKER_EXTENSION]
+    if "--logprobs-mode" not in flags:
+        argv += ["--logprobs-mode", "processed_logprobs"]
+    return argv
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Run vLLM's api_server with `with_defaults(argv)`."""
+    import warnings
+
+    sys.argv = [sys.argv[0], *with_defaults(sys.argv[1:] if argv is None else argv)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        from vllm.entrypoints.launchers.api_server.entry import main as vllm_main
+    vllm_main()
+
+
+if __name__ == "__main__":
+    main()

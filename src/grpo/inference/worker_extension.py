@@ -1,0 +1,77 @@
+"""Methods added to every vLLM worker (``--worker-extension-cls grpo.inference.worker_extension.WeightSyncExtension``).
+
+vLLM mixes this class into its worker class, so `self` is the worker (`self.model_runner`, `self.device`,
+`self.reload_weights` ...). The API server reaches these methods with `engine_client.collective_rpc(name)`; our
+server exposes the `grpo_*` ones at ``POST /grpo/rpc``. Results travel through vLLM's msgpack IPC, so they are
+plain JSON-able values (bytes as base64 text).
+"""
+
+from __future__ import annotations
+
+import base64
+import pickle
+import time
+from typing import Any
+
+
+class WeightSyncExtension:
+    """Weight-sync helpers that run inside each vLLM worker process."""
+
+    def _grpo_model(self):
+        return self.model_runner.get_model()
+
+    def grpo_param_info(self) -> list[dict[str, Any]]:
+        """Name, shape, dtype and device of every parameter of the served model (vLLM's names, fused layout)."""
+        return [
+            {"name": n, "shape": list(p.shape), "dtype": str(p.dtype).removeprefix("torch."), "device": str(p.device)}
+            for n, p in self._grpo_model().named_parameters()
+        ]
+
+    def grpo_reload_weights(self, path: str) -> float:
+        """Reload HF-format weights from `path` in place (vLLM's layer-wise reload); returns seconds taken."""
+        t0 = time.perf_counter()
+        self.reload_weights(weights_path=path, is_checkpoint_format=True)
+        self._grpo_refresh_tied_head()
+        return time.perf_counter() - t0
+
+    def _grpo_refresh_tied_head(self) -> None:
+        # With tied embeddings the checkpoint has no lm_head.weight, so vLLM's layer-wise reload "fails" the
+        # lm_head layer and puts its old kernel tensors back. The weight itself is shared with embed_tokens and
+        # does hold the new values, but on CPU the head's GEMM reads a oneDNN copy packed at load time: re-run
+        # the head's post-load processing so logits use the new embedding (a no-op for unquantized CUDA heads).
+        model = self._grpo_model()
+        head = getattr(model, "lm_head", None)
+        embed = getattr(getattr(model, "model", None), "embed_tokens", None)
+        if head is None or embed is None or getattr(head, "weight", None) is None:
+            return
+        if head.weight.data_ptr() != embed.weight.data_ptr():
+            return  # untied: the checkpoint's lm_head.weight was reloaded with everything else
+        quant_method = getattr(head, "quant_method", None)
+        if quant_method is not None:
+            quant_method.process_weights_after_loading(head)
+
+    def grpo_param_checksum(self) -> float:
+        """Sum of |w| over all parameters: a cheap way to see that weights changed."""
+        return float(sum(p.detach().float().abs().sum().item() for p in self._grpo_model().parameters()))
+
+    def grpo_export_ipc_handles(self) -> str:
+        """CUDA IPC handles of every parameter, pickled and base64-encoded.
+
+        Each entry is ``name -> (rebuild_fn_args, shape, dtype)``, where the args feed
+        `torch.multiprocessing.reductions.rebuild_cuda_tensor` in another process on the same host. The tensors
+        are vLLM's own storage: writes through them change what vLLM serves. CUDA only, because vLLM's CPU
+        backend repacks weights for oneDNN at load time and its kernels never read the original tensors.
+        """
+        import torch
+        from torch.multiprocessing.reductions import reduce_tensor
+
+        out: dict[str, Any] = {}
+        for name, p in self._grpo_model().named_parameters():
+            if p.device.type != "cuda":
+                raise RuntimeError(
+                    f"parameter {name} lives on {p.device}; CUDA IPC sharing needs a CUDA vLLM worker"
+                )
+            _rebuild, args = reduce_tensor(p.data)
+            out[name] = {"args": args, "shape": tuple(p.shape), "dtype": str(p.dtype).removeprefix("torch.")}
+        torch.cuda.synchronize()
+        return base64.b64encode(pickle.dumps(out)).decode()
