@@ -1,0 +1,145 @@
+"""Per-token log-probs of the labels without materialising ``[B, T, vocab]`` float32 logits.
+
+The backbone runs once; the output projection (lm_head) then runs only at positions that carry loss, a chunk of
+tokens at a time, with the log-softmax in float32 per chunk. For a plain ``nn.Linear`` head a custom autograd
+function keeps nothing per chunk but one float per token and recomputes the chunk's logits in backward, writing the
+gradient of the logits in place into that one buffer; any other head (LoRA on lm_head, quantised) goes through
+``torch.utils.checkpoint`` per chunk. Either way forward and backward hold at most one ``[chunk, vocab]`` block.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+IGNORE = -100
+
+
+def _causal_lm(model: nn.Module) -> nn.Module:
+    """The transformers CausalLM under a PEFT wrapper (LoRA layers are injected in place, so it includes them)."""
+    try:
+        from peft import PeftModel
+
+        if isinstance(model, PeftModel):
+            return model.get_base_model()
+    except ImportError:  # peft is optional for plain models
+        pass
+    return model
+
+
+def backbone_and_head(model: nn.Module) -> tuple[nn.Module, nn.Module]:
+    """``(decoder, lm_head)`` of a transformers CausalLM or a PEFT-wrapped one."""
+    lm = _causal_lm(model)
+    head = lm.get_output_embeddings()
+    decoder = lm.get_decoder() if hasattr(lm, "get_decoder") else None
+    if decoder is None or decoder is lm:
+        decoder = getattr(lm, getattr(lm, "base_model_prefix", "model"), None)
+    if decoder is None or head is None:
+        raise TypeError(f"{type(lm).__name__} exposes no decoder / output embeddings; cannot compute log-probs")
+    return decoder, head
+
+
+class _LinearLogprob(torch.autograd.Function):
+    """log_softmax(h @ W.T + b)[target] / temperature-scaled, recomputing the logits in backward."""
+
+    @staticmethod
+    def forward(ctx, h, weight, bias, target, inv_temp):  # type: ignore[override]
+        logits = F.linear(h, weight, bias).float().mul_(inv_temp[:, None])
+        lse = torch.logsumexp(logits, dim=-1)
+        out = logits.gather(1, target[:, None]).squeeze(1) - lse
+        ctx.save_for_backward(h, weight, bias, target, inv_temp, lse)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):  # type: ignore[override]
+        h, weight, bias, target, inv_temp, lse = ctx.saved_tensors
+        g = grad_out.float() * inv_temp  # d/dlogits_raw = g/T * (onehot - softmax)
+        logits = F.linear(h, weight, bias).float().mul_(inv_temp[:, None])
+        # Turn the one logits buffer into the gradient of the raw logits, in place.
+        grad = logits.sub_(lse[:, None]).exp_().mul_(-g[:, None])
+        grad.scatter_add_(1, target[:, None], g[:, None])
+        grad = grad.to(h.dtype)
+        grad_h = grad @ weight if ctx.needs_input_grad[0] else None
+        grad_w = grad.t() @ h if ctx.needs_input_grad[1] else None
+        grad_b = grad.sum(0) if bias is not None and ctx.needs_input_grad[2] else None
+        return grad_h, grad_w, grad_b, None, None
+
+
+def _module_chunk(head: nn.Module, h: torch.Tensor, target: torch.Tensor, inv_temp: torch.Tensor) -> torch.Tensor:
+    logits = head(h).float() * inv_temp[:, None]
+    return logits.gather(1, target[:, None]).squeeze(1) - torch.logsumexp(logits, dim=-1)
+
+
+def hidden_logprobs(
+    hidden: torch.Tensor,
+    head: nn.Module,
+    labels: torch.Tensor,
+    temperatures: Optional[torch.Tensor] = None,
+    chunk_size: int = 1024,
+    fused: Optional[bool] = None,
+) -> torch.Tensor:
+    """Log-probs of ``labels`` (``[B, T]``, -100 = skip → 0) from final hidden states ``[B, T, H]`` and the head.
+
+    ``fused`` picks the custom autograd path (plain ``nn.Linear`` heads only; default: whenever possible) or
+    per-chunk checkpointing of ``head`` (any module).
+    """
+    B, T = labels.shape
+    out = torch.zeros(B, T, dtype=torch.float32, device=hidden.device)
+    sel = labels != IGNORE
+    if not bool(sel.any()):
+        # Keep the graph connected so backward() on a loss built from this still works.
+        return out + 0.0 * hidden.sum()
+    if temperatures is None:
+        temperatures = torch.ones(B, device=hidden.device)
+    inv_temp = (1.0 / temperatures.float().to(hidden.device))[:, None].expand(B, T)[sel]
+    h = hidden[sel]
+    target = labels[sel]
+    if fused is None:
+        fused = type(head) is nn.Linear
+    parts = []
+    for s in range(0, h.shape[0], chunk_size):
+        hc, tc, ic = h[s : s + chunk_size], target[s : s + chunk_size], inv_temp[s : s + chunk_size]
+        if fused:
+            parts.append(_LinearLogprob.apply(hc, head.weight, head.bias, tc, ic))
+        elif torch.is_grad_enabled():
+            parts.append(checkpoint(_module_chunk, head, hc, tc, ic, use_reentrant=False))
+        else:
+            parts.append(_module_chunk(head, hc, tc, ic))
+    return out.masked_scatter(sel, torch.cat(parts))
+
+
+def token_logprobs(
+    model: nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    labels: torch.Tensor,
+    temperatures: Optional[torch.Tensor] = None,
+    chunk_size: int = 1024,
+) -> torch.Tensor:
+    """``[B, T]`` float32 log-probs of ``labels`` under ``model`` at per-sequence ``temperatures`` (0 where -100).
+
+    Logits are divided by the sequence's sampling temperature before the softmax, so the log-probs are those of the
+    distribution the rollout was sampled from. Works for transformers CausalLMs and PEFT-wrapped ones.
+    """
+    decoder, head = backbone_and_head(model)
+    hidden = decoder(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
+    return hidden_logprobs(hidden, head, labels, temperatures, chunk_size)
+
+
+def naive_token_logprobs(
+    model: nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    labels: torch.Tensor,
+    temperatures: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """Reference implementation: full ``[B, T, vocab]`` float32 logits (tests and benchmarks only)."""
+    logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits.float()
+    if temperatures is not None:
+        logits = logits / temperatures.float()[:, None, None]
+    lp = torch.log_softmax(logits, dim=-1).gather(-1, labels.clamp(min=0)[..., None]).squeeze(-1)
+    return torch.where(labels != IGNORE, lp, torch.zeros_like(lp))
