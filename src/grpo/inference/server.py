@@ -127,10 +127,14 @@ async def handle_generate(request) -> dict:
 
 
 async def handle_weight_version(request) -> dict:
-    """GET: the served version. POST {"weight_version": int}: set it (after a LoRA swap or an external sync)."""
+    """GET: the served version. POST {"weight_version": int, "reset_prefix_cache": bool?}: set it after a sync."""
     state = _state(request)
     if request.method == "POST":
-        state.grpo_weight_version = int((await request.json())["weight_version"])
+        body = await request.json()
+        if body.get("reset_prefix_cache"):
+            # Weights changed under vLLM (shared memory): KV blocks cached before must not be reused.
+            await state.engine_client.reset_prefix_cache(reset_running_requests=True)
+        state.grpo_weight_version = int(body["weight_version"])
     return {"weight_version": _version(state)}
 
 

@@ -1,0 +1,68 @@
+"""mode=lora_only: each sync hot-swaps the LoRA adapter into the running vLLM through its LoRA endpoints.
+
+The adapter is loaded under a new versioned name (`policy-v3`), `served_model` switches to it so the next rollouts
+use it, and the previous version is unloaded one sync later, so requests still running on it finish instead of
+failing. No --enforce-eager: vLLM runs LoRA inside its CUDA graphs.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import torch.nn as nn
+
+from grpo.sync.base import SyncContext
+from grpo.sync.lora_restart import save_adapter
+from grpo.sync.server_base import ServerSync
+
+
+class LoraHotSwapSync(ServerSync):
+    """Save the adapter to `<run_dir>/adapters/vN`, load it as `<prefix>-vN` via /v1/load_lora_adapter."""
+
+    uses_lora = True
+    enable_lora = True
+
+    def __init__(self, sync_every: int = 1, adapter_prefix: str = "policy") -> None:
+        super().__init__(sync_every)
+        self.adapter_prefix = adapter_prefix
+        self._current: str | None = None
+        self._current_dir: Path | None = None
+        self._previous: str | None = None
+
+    def _name(self, version: int) -> str:
+        return f"{self.adapter_prefix}-v{version}"
+
+    def launch(self, ctx: SyncContext) -> None:
+        self._start_server(ctx, Path(ctx.model_dir))
+        if ctx.resume_weights:
+            self._current, self._current_dir = self._name(self.version), Path(ctx.resume_weights)
+            self.client.load_lora(self._current, str(self._current_dir))
+
+    @property
+    def served_model(self) -> str | None:
+        return self._current
+
+    def sync(self, model: nn.Module, step: int) -> dict[str, float]:
+        t0 = time.perf_counter()
+        version = self.version + 1
+        out = save_adapter(model, self._versioned_dir("adapters", version))
+        t_saved = time.perf_counter()
+        name = self._name(version)
+        self.client.load_lora(name, str(out))
+        # Unload the adapter from two syncs ago; the one just replaced may still have requests in flight.
+        if self._previous is not None:
+            self.client.unload_lora(self._previous)
+        self._previous, self._current = self._current, name
+        self.client.set_weight_version(version)
+        self.version = version
+        keep = {out} | ({self._current_dir} if self._current_dir else set())
+        self._current_dir = out
+        self._prune("adapters", keep=keep)
+        t1 = time.perf_counter()
+        return {
+            "sync/seconds": t1 - t0,
+            "sync/save_seconds": t_saved - t0,
+            "sync/load_seconds": t1 - t_saved,
+            "sync/version": float(version),
+        }

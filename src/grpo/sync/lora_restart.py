@@ -1,0 +1,63 @@
+"""mode=lora_restart: each sync saves the LoRA adapter and restarts vLLM with it preloaded (--lora-modules).
+
+CUDA graphs stay on (no --enforce-eager). The price is a full vLLM start-up per sync, during which there is no
+server; lora_only avoids it by hot-swapping.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import torch.nn as nn
+
+from grpo.sync.base import SyncContext
+from grpo.sync.server_base import ServerSync
+
+
+def save_adapter(model: nn.Module, out_dir: Path) -> Path:
+    """The PEFT adapter of `model` in `out_dir`, written atomically."""
+    from grpo.trainer.checkpoint import save_model_weights
+
+    return save_model_weights(model, None, out_dir)
+
+
+class LoraRestartSync(ServerSync):
+    """Save the adapter to `<run_dir>/adapters/vN`; restart vLLM serving it as `adapter_name`."""
+
+    uses_lora = True
+    enable_lora = True
+
+    def __init__(self, sync_every: int = 1, adapter_name: str = "policy") -> None:
+        super().__init__(sync_every)
+        self.adapter_name = adapter_name
+        self._adapter_dir: Path | None = None
+
+    def launch(self, ctx: SyncContext) -> None:
+        if ctx.server_cfg is not None and getattr(ctx.server_cfg, "external_url", None):
+            raise RuntimeError("mode=lora_restart restarts the server, so it cannot use server.external_url")
+        self._adapter_dir = Path(ctx.resume_weights) if ctx.resume_weights else None
+        lora = {self.adapter_name: self._adapter_dir} if self._adapter_dir else None
+        self._start_server(ctx, Path(ctx.model_dir), lora_modules=lora)
+
+    @property
+    def served_model(self) -> str | None:
+        # Before the first sync the adapter is the fresh one (B = 0), i.e. the base model.
+        return self.adapter_name if self._adapter_dir else None
+
+    def sync(self, model: nn.Module, step: int) -> dict[str, float]:
+        t0 = time.perf_counter()
+        version = self.version + 1
+        out = save_adapter(model, self._versioned_dir("adapters", version))
+        t_saved = time.perf_counter()
+        self.server.restart(lora_modules={self.adapter_name: out}, weight_version=version)
+        self.version = version
+        self._adapter_dir = out
+        self._prune("adapters", keep={out})
+        t1 = time.perf_counter()
+        return {
+            "sync/seconds": t1 - t0,
+            "sync/save_seconds": t_saved - t0,
+            "sync/load_seconds": t1 - t_saved,
+            "sync/version": float(version),
+        }

@@ -1,0 +1,100 @@
+"""Shared plumbing of the sync strategies: launching (or attaching to) the server, health, restarts, shutdown."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import Any, Mapping
+
+from grpo.inference.client import InferenceClient
+from grpo.inference.process import VLLMServer
+from grpo.sync.base import SyncContext, SyncStrategy
+
+
+def _get(cfg: Any, key: str, default: Any = None) -> Any:
+    if cfg is None:
+        return default
+    return cfg.get(key, default) if isinstance(cfg, Mapping) else getattr(cfg, key, default)
+
+
+class ServerSync(SyncStrategy):
+    """A SyncStrategy that owns one `VLLMServer` (or attaches to `server.external_url`)."""
+
+    # Whether the server must run with --enable-lora.
+    enable_lora: bool = False
+
+    def __init__(self, sync_every: int = 1) -> None:
+        super().__init__(sync_every)
+        self.server: VLLMServer | None = None
+        self.client: InferenceClient | None = None
+        self.ctx: SyncContext | None = None
+        self._external_url: str | None = None
+        self._restarts_used = 0
+
+    # ------------------------------------------------------------------ launch
+    def _start_server(
+        self, ctx: SyncContext, model: Path, lora_modules: Mapping[str, Path] | None = None
+    ) -> None:
+        self.ctx = ctx
+        external = _get(ctx.server_cfg, "external_url")
+        if external:
+            self._external_url = external.rstrip("/").removesuffix("/v1")
+            self.client = InferenceClient(self._external_url)
+            if not self.client.health():
+                raise RuntimeError(f"server.external_url {external} does not answer /health")
+            return
+        self.server = VLLMServer(
+            model,
+            ctx.server_cfg,
+            log_path=Path(ctx.run_dir) / "logs" / "vllm.log",
+            lora_modules=lora_modules,
+            enable_lora=self.enable_lora,
+            # A stable name across restarts and weight directories, so requests never need to change it.
+            served_model_name=str(ctx.model_dir),
+            weight_version=self.version,
+        )
+        self.server.start()
+        self.client = InferenceClient(self.server.url)
+
+    @property
+    def base_url(self) -> str:
+        if self._external_url:
+            return self._external_url
+        if self.server is None:
+            raise RuntimeError("sync strategy not launched")
+        return self.server.url
+
+    # ------------------------------------------------------------------ health
+    def check_health(self) -> None:
+        """Restart a dead or unhealthy server, up to server.max_restarts times in the run; raise after that."""
+        if self.server is None:
+            if self.client is not None and not self.client.health():
+                raise RuntimeError(f"external inference server {self._external_url} is not healthy")
+            return
+        if self.server.healthy(timeout=10):
+            return
+        limit = int(_get(self.ctx.server_cfg, "max_restarts", 3))
+        tail = self.server.log_tail(40)
+        if self._restarts_used >= limit:
+            raise RuntimeError(f"inference server down after {limit} restarts; log tail:\n{tail}")
+        self._restarts_used += 1
+        self.server.restart(weight_version=self.version)
+
+    def shutdown(self) -> None:
+        if self.server is not None:
+            self.server.stop()
+        if self.client is not None:
+            self.client.close()
+
+    # ------------------------------------------------------------------ weight directories
+    def _versioned_dir(self, kind: str, version: int) -> Path:
+        return Path(self.ctx.run_dir) / kind / f"v{version}"
+
+    def _prune(self, kind: str, keep: set[Path]) -> None:
+        """Delete old versioned directories except `keep` (the served one and the one being switched to)."""
+        root = Path(self.ctx.run_dir) / kind
+        if not root.exists():
+            return
+        for d in root.iterdir():
+            if d.is_dir() and d.name.startswith("v") and d not in keep:
+                shutil.rmtree(d, ignore_errors=True)

@@ -1,0 +1,96 @@
+"""mode=shared_vllm: one copy of the weights, trained in place inside vLLM's own CUDA memory.
+
+The server's worker extension exports CUDA IPC handles of every parameter; the trainer rebuilds those tensors
+(`torch.multiprocessing.reductions.rebuild_cuda_tensor`) and builds the Hugging Face model with each parameter a
+view into them, fused `qkv_proj` / `gate_up_proj` included (`grpo.sync.param_mapping`). Every HF parameter must be
+mapped; an unmapped one is an error, never zero-filled. Optimizer steps write in place, so a sync only bumps the
+version; generation is paused around the optimizer step so no forward pass reads half-updated weights.
+
+CUDA only: vLLM's CPU backend repacks weights for oneDNN at load time, so writes to the original tensors would
+never reach its kernels.
+"""
+
+from __future__ import annotations
+
+import base64
+import pickle
+import time
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+
+from grpo.sync.base import SyncContext
+from grpo.sync.param_mapping import MappingError, build_views, plan_mapping
+from grpo.sync.server_base import ServerSync
+
+
+class SharedMemorySync(ServerSync):
+    """Train views of vLLM's parameters (same host, CUDA); sync = version bump + prefix-cache reset."""
+
+    requires_cuda = True
+    uses_lora = False
+
+    def launch(self, ctx: SyncContext) -> None:
+        if not torch.cuda.is_available():
+            raise RuntimeError(
+                "mode=shared_vllm needs CUDA: the trainer trains views of vLLM's CUDA tensors through CUDA IPC, "
+                "and vLLM's CPU backend repacks its weights so they cannot be shared. Use mode=none, "
+                "mode=lora_restart or mode=lora_only on this machine."
+            )
+        if ctx.resume_weights:
+            raise RuntimeError("mode=shared_vllm resumes by serving the checkpointed weights: pass them as model")
+        self._start_server(ctx, Path(ctx.model_dir))
+
+    def load_model(self, ctx: SyncContext) -> nn.Module:
+        """The HF model whose parameters are views into the server's tensors."""
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        res = self.client._post("/grpo/rpc", {"method": "grpo_export_ipc_handles"})["results"]
+        if len(res) != 1:
+            raise RuntimeError(f"shared_vllm supports one vLLM worker (tensor parallel 1), got {len(res)}")
+        handles = pickle.loads(base64.b64decode(res[0]))
+        from torch.multiprocessing.reductions import rebuild_cuda_tensor
+
+        vllm_tensors = {name: rebuild_cuda_tensor(*h["args"]) for name, h in handles.items()}
+        config = AutoConfig.from_pretrained(ctx.model_dir)
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config)
+        hf_shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
+        plan = plan_mapping(hf_shapes, {n: tuple(t.shape) for n, t in vllm_tensors.items()}, config)
+        views = build_views(plan, vllm_tensors)
+        for name, view in views.items():
+            module_name, _, leaf = name.rpartition(".")
+            module = model.get_submodule(module_name)
+            setattr(module, leaf, nn.Parameter(view, requires_grad=True))
+        if getattr(config, "tie_word_embeddings", False):
+            model.tie_weights()
+        # Non-persistent buffers (rotary inv_freq) were created on meta: rebuild those modules on the device.
+        device = next(iter(views.values())).device
+        for mod_name, module in list(model.named_modules()):
+            if any(b.is_meta for b in module.buffers(recurse=False)):
+                parent_name, _, child = mod_name.rpartition(".")
+                parent = model.get_submodule(parent_name) if parent_name else model
+                setattr(parent, child, type(module)(config=config, device=device))
+        leftover = [n for n, p in model.named_parameters() if p.is_meta] + [
+            n for n, b in model.named_buffers() if b.is_meta
+        ]
+        if leftover:
+            raise MappingError(f"unmapped tensors left on the meta device: {leftover}")
+        return model
+
+    def before_optimizer_step(self) -> None:
+        # "keep": in-flight requests freeze (not aborted) and continue after resume.
+        self.client.pause()
+
+    def after_optimizer_step(self) -> None:
+        torch.cuda.synchronize()  # the writes must land before vLLM reads again
+        self.client.resume()
+
+    def sync(self, model: nn.Module, step: int) -> dict[str, float]:
+        t0 = time.perf_counter()
+        torch.cuda.synchronize()
+        self.version += 1
+        # KV blocks cached from older weights must not be reused; the version tells rollouts what they ran on.
+        self.client._post("/grpo/weight_version", {"weight_version": self.version, "reset_prefix_cache": True})
+        return {"sync/seconds": time.perf_counter() - t0, "sync/version": float(self.version)}
