@@ -1,0 +1,205 @@
+"""data=local: built-in rollouts through the inference server, no Atropos needed.
+
+Each step samples prompts from a task, generates `group_size` completions per prompt through the inference server's
+/generate (the same server and sync mode the trainer always uses), scores them with weighted reward functions and
+emits the same Atropos-shaped groups run-api would, rollout log-probs included.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from typing import Any, Mapping, Optional
+
+from grpo.pipeline.base import DataPipeline, PipelineContext
+from grpo.pipeline.tasks import Prompt, Task
+
+log = logging.getLogger(__name__)
+
+
+def _instantiate(node: Any) -> Any:
+    """Build an object from a `_target_` config node; pass already-built objects through."""
+    if isinstance(node, Mapping) or type(node).__name__ == "DictConfig":
+        from hydra.utils import instantiate
+
+        return instantiate(node, _convert_="all")
+    return node
+
+
+def build_rewards(rewards: Mapping[str, Any]) -> dict[str, tuple[Any, float]]:
+    """`{name: {_target_, weight, ...}}` (or `{name: callable}` / `{name: (callable, weight)}`) → `{name: (fn, w)}`."""
+    out: dict[str, tuple[Any, float]] = {}
+    for name, spec in (rewards or {}).items():
+        if isinstance(spec, tuple):
+            fn, weight = spec
+        elif isinstance(spec, Mapping) or type(spec).__name__ == "DictConfig":
+            node = dict(spec)  # shallow copy: popping `weight` must not touch the caller's config
+            weight = node.pop("weight", 1.0)
+            if "_target_" not in node:
+                raise ValueError(f"reward {name!r} needs a _target_ (a reward class), got keys {sorted(node)}")
+            fn = _instantiate(node)
+        else:
+            fn, weight = spec, 1.0
+        if not callable(fn):
+            raise TypeError(f"reward {name!r} is a {type(fn).__name__}, not callable(prompt, completion)")
+        out[str(name)] = (fn, float(weight))
+    if not out:
+        raise ValueError("data.rewards is empty: give at least one reward function with a weight")
+    return out
+
+
+class LocalRolloutPipeline(DataPipeline):
+    """Generates and scores its own groups each step: `prompts_per_step` prompts x `group_size` completions.
+
+    The prompt stream is a pure function of (seed, step), so a resumed run sees exactly the prompts it would have
+    seen. Each group carries `weight_version` (the sync strategy's version when it was generated).
+    """
+
+    def __init__(
+        self,
+        task: Any,
+        rewards: Mapping[str, Any],
+        prompts_per_step: int = 8,
+        group_size: int = 8,
+        max_new_tokens: int = 16,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+    ) -> None:
+        if prompts_per_step < 1 or group_size < 1 or max_new_tokens < 1:
+            raise ValueError(
+                "data.prompts_per_step, data.group_size and data.max_new_tokens must be >= 1, got "
+                f"{prompts_per_step}, {group_size}, {max_new_tokens}"
+            )
+        if temperature <= 0:
+            raise ValueError(f"data.temperature must be > 0 (the loss divides logits by it), got {temperature}")
+        self.task: Task = _instantiate(task)
+        self.rewards = build_rewards(rewards)
+        self.prompts_per_step = int(prompts_per_step)
+        self.group_size = int(group_size)
+        self.max_new_tokens = int(max_new_tokens)
+        self.temperature = float(temperature)
+        self.top_p = float(top_p)
+        self.ctx: Optional[PipelineContext] = None
+        self.client: Any = None
+        self._client_url: Optional[str] = None
+        self.step: Optional[int] = None
+        self.last_metrics: dict[str, float] = {}
+
+    def setup(self, ctx: PipelineContext) -> None:
+        per_step = self.prompts_per_step * self.group_size
+        if per_step < ctx.batch_size:
+            raise ValueError(
+                f"data.prompts_per_step x data.group_size = {per_step} sequences per step, fewer than the "
+                f"{ctx.batch_size} of train.micro_batch_size x train.grad_accum"
+            )
+        self.ctx = ctx
+        self.task.bind_tokenizer(ctx.tokenizer)
+
+    def _client(self):
+        # The sync strategy may restart the server on another URL; follow it.
+        from grpo.inference.client import InferenceClient
+
+        url = self.ctx.sync.base_url
+        if self.client is None or url != self._client_url:
+            if self.client is not None:
+                self.client.close()
+            self.client = InferenceClient(url)
+            self._client_url = url
+        return self.client
+
+    def prompts_for_step(self, step: int) -> list[Prompt]:
+        """The prompts of optimizer step `step`: a pure function of (seed, step)."""
+        assert self.ctx is not None, "LocalRolloutPipeline.setup() was not called"
+        # A string seed hashes deterministically (sha512), and seed/step pairs never collide as seed + step would.
+        rng = random.Random(f"grpo-local:{self.ctx.seed}:{step}")
+        return self.task.sample(rng, self.prompts_per_step)
+
+    def next_groups(self, step: int) -> list[dict]:
+        ctx = self.ctx
+        assert ctx is not None, "LocalRolloutPipeline.setup() was not called"
+        tok = ctx.tokenizer
+        prompts = self.prompts_for_step(step)
+        # add_special_tokens=False: chat templates already carry their special tokens; plain prompts need none.
+        ids = [tok.encode(p.text, add_special_tokens=False) for p in prompts]
+        keep = [i for i, x in enumerate(ids) if 0 < len(x) < ctx.max_seq_len]
+        dropped_long = len(ids) - len(keep)
+        if not keep:
+            raise ValueError(f"every prompt of step {step} is empty or has >= max_seq_len={ctx.max_seq_len} tokens")
+        prompts, ids = [prompts[i] for i in keep], [ids[i] for i in keep]
+        # Completions never push a sequence past max_seq_len (it would be dropped by prepare_batch).
+        max_tokens = min(self.max_new_tokens, ctx.max_seq_len - max(len(x) for x in ids))
+        version = int(getattr(ctx.sync, "version", 0) or 0)
+
+        t0 = time.monotonic()
+        outs = self._client().generate(
+            ids, n=self.group_size, max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p,
+            model=getattr(ctx.sync, "served_model", None),
+        )
+        gen_s = time.monotonic() - t0
+
+        groups: list[dict] = []
+        per_reward: dict[str, list[float]] = {name: [] for name in self.rewards}
+        totals, lengths, truncated = [], [], 0
+        for prompt, prompt_ids, completions in zip(prompts, ids, outs):
+            if len(completions) != self.group_size:
+                raise RuntimeError(f"inference server returned {len(completions)} completions, asked for {self.group_size}")
+            tokens, masks, lps, scores = [], [], [], []
+            for c in completions:
+                if len(c.logprobs) != len(c.token_ids):
+                    raise RuntimeError(
+                        f"inference server returned {len(c.logprobs)} log-probs for {len(c.token_ids)} tokens"
+                    )
+                # Score the text the tokens decode to, without special tokens (EOS is not an answer character).
+                text = tok.decode(c.token_ids, skip_special_tokens=True)
+                score = 0.0
+                for name, (fn, weight) in self.rewards.items():
+                    r = float(fn(prompt, text))
+                    per_reward[name].append(r)
+                    score += weight * r
+                tokens.append(prompt_ids + list(c.token_ids))
+                masks.append([-100] * len(prompt_ids) + list(c.token_ids))
+                lps.append([1.0] * len(prompt_ids) + [float(x) for x in c.logprobs])
+                scores.append(score)
+                lengths.append(len(c.token_ids))
+                truncated += c.finish_reason == "length"
+            totals.extend(scores)
+            groups.append({
+                "tokens": tokens, "masks": masks, "scores": scores,
+                "advantages": None, "ref_logprobs": None, "messages": None,
+                "inference_logprobs": lps,
+                "generation_params": {"temperature": self.temperature},
+                "overrides": None, "group_overrides": None, "images": None, "env_id": None,
+                "distill_token_ids": None, "distill_logprobs": None,
+                "weight_version": version,
+            })
+
+        n_tok = sum(lengths)
+        self.step = step
+        self.last_metrics = {
+            **{f"reward/{name}": sum(v) / len(v) for name, v in per_reward.items()},
+            "reward/weighted": sum(totals) / len(totals),
+            "completion/mean_tokens": n_tok / len(lengths),
+            "completion/max_tokens": float(max(lengths)),
+            "completion/truncated_fraction": truncated / len(lengths),
+            "generation/seconds": gen_s,
+            "generation/tokens_per_s": n_tok / gen_s if gen_s > 0 else 0.0,
+            "data/dropped_prompts_too_long": float(dropped_long),
+        }
+        return groups
+
+    def metrics(self) -> dict[str, float]:
+        """Metrics of the last next_groups call."""
+        return dict(self.last_metrics)
+
+    def state_dict(self) -> dict:
+        return {"step": self.step}
+
+    def load_state_dict(self, state: dict) -> None:
+        # The prompt stream depends only on (seed, step), so the trainer's step alone resumes it exactly.
+        self.step = state.get("step")
+
+    def close(self) -> None:
+        if self.client is not None:
+            self.client.close()
+            self.client = None
