@@ -1,0 +1,220 @@
+"""Checkpoints: HF/PEFT reload, atomicity, retention, and exact resume of a small GRPO training loop."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import numpy as np
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from grpo.trainer.checkpoint import COMPLETE, CheckpointManager, save_model_weights
+from grpo.trainer.layers import apply_lora
+from grpo.trainer.logprobs import token_logprobs
+from grpo.trainer.loss import GRPOLoss
+from grpo.trainer.optim import build_optimizer, build_scheduler
+
+LORA = {"r": 4, "alpha": 8, "dropout": 0.0, "target_modules": ["q_proj", "v_proj"]}
+ADAMW = {"_target_": "torch.optim.AdamW", "lr": 1e-3, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.01}
+
+
+def load(d):
+    return AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32)
+
+
+def ids(vocab, seed=0):
+    return torch.randint(0, vocab, (2, 10), generator=torch.Generator().manual_seed(seed))
+
+
+def perturb(model, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.requires_grad:
+                p.add_(torch.randn(p.shape, generator=g) * 0.05)
+
+
+def test_save_reload_in_transformers_identical_logits(tiny_qwen2_dir, tmp_path):
+    model = load(tiny_qwen2_dir)
+    perturb(model)
+    tok = AutoTokenizer.from_pretrained(tiny_qwen2_dir)
+    opt = build_optimizer(model, ADAMW)
+    mgr = CheckpointManager(tmp_path, keep=2)
+    path = mgr.save(3, model, tok, opt, build_scheduler(opt, "constant", 0, 10), {"data": {"cursor": 7}})
+    assert path.name == "step_000003" and (path / COMPLETE).exists()
+    for f in ("model.safetensors", "config.json", "tokenizer.json", "optimizer.pt", "scheduler.pt", "rng.pt"):
+        assert (path / f).exists(), f
+    assert json.loads((path / "trainer_state.json").read_text()) == {"step": 3, "data": {"cursor": 7}}
+    reloaded = load(path)
+    x = ids(model.config.vocab_size)
+    with torch.no_grad():
+        torch.testing.assert_close(reloaded(x).logits, model(x).logits, atol=0, rtol=0)
+    assert AutoTokenizer.from_pretrained(path).encode("hi 42") == tok.encode("hi 42")
+    # Unfused HF names (vLLM maps them itself).
+    from safetensors import safe_open
+
+    with safe_open(str(path / "model.safetensors"), "pt") as f:
+        keys = set(f.keys())
+    assert "model.layers.0.self_attn.q_proj.weight" in keys and not any("qkv" in k for k in keys)
+
+
+def test_peft_adapter_save_and_reload(tiny_qwen2_dir, tmp_path):
+    from peft import PeftModel
+
+    model = apply_lora(load(tiny_qwen2_dir), LORA, [0, 1, 2, 3])
+    perturb(model)  # moves the adapter (the only trainable params)
+    opt = build_optimizer(model, ADAMW)
+    mgr = CheckpointManager(tmp_path, keep=1)
+    path = mgr.save(1, model, None, opt, None, {})
+    assert (path / "adapter_model.safetensors").exists() and (path / "adapter_config.json").exists()
+    assert not (path / "model.safetensors").exists()
+    x = ids(259)
+    with torch.no_grad():
+        want = model(x).logits
+        # A fresh adapter (different init) restored through the manager...
+        fresh = apply_lora(load(tiny_qwen2_dir), LORA, [0, 1, 2, 3])
+        assert not torch.allclose(fresh(x).logits, want)
+        mgr.load(path, fresh, build_optimizer(fresh, ADAMW))
+        torch.testing.assert_close(fresh(x).logits, want, atol=0, rtol=0)
+        # ...and by PEFT itself.
+        via_peft = PeftModel.from_pretrained(load(tiny_qwen2_dir), path)
+        torch.testing.assert_close(via_peft(x).logits, want, atol=1e-6, rtol=0)
+
+
+def test_incomplete_dirs_ignored_and_failed_save_leaves_nothing(tiny_qwen2_dir, tmp_path, monkeypatch):
+    model = load(tiny_qwen2_dir)
+    mgr = CheckpointManager(tmp_path, keep=3)
+    assert mgr.latest() is None
+    good = mgr.save(2, model, None, None, None, {})
+    # A directory left by a crash after the rename step was never completed (no marker): ignored.
+    (mgr.root / "step_000009").mkdir()
+    (mgr.root / "step_000009" / "model.safetensors").write_bytes(b"partial")
+    assert mgr.latest() == good
+    with pytest.raises(FileNotFoundError, match="COMPLETE"):
+        mgr.load(mgr.root / "step_000009", model)
+    # A save that dies half-way publishes nothing and leaves no temp dir behind.
+    real_save = torch.save
+
+    def failing_save(obj, f, *a, **k):
+        if str(f).endswith("rng.pt"):
+            raise OSError("disk full")
+        return real_save(obj, f, *a, **k)
+
+    monkeypatch.setattr(torch, "save", failing_save)
+    with pytest.raises(OSError, match="disk full"):
+        mgr.save(5, model, None, None, None, {})
+    assert mgr.latest() == good
+    assert not (mgr.root / "step_000005").exists()
+    assert not list(mgr.root.glob(".tmp*"))
+
+
+def test_retention_keeps_last_n(tiny_qwen2_dir, tmp_path):
+    model = load(tiny_qwen2_dir)
+    mgr = CheckpointManager(tmp_path, keep=2)
+    for step in (1, 2, 3, 4):
+        mgr.save(step, model, None, None, None, {})
+    assert [p.name for p in mgr.checkpoints()] == ["step_000003", "step_000004"]
+    # Saving a step again (e.g. after resume) replaces it atomically.
+    mgr.save(4, model, None, None, None, {"again": True})
+    assert json.loads((mgr.latest() / "trainer_state.json").read_text())["again"] is True
+
+
+def test_save_model_weights_atomic_overwrite(tiny_qwen2_dir, tmp_path):
+    model = load(tiny_qwen2_dir)
+    out = tmp_path / "weights"
+    save_model_weights(model, None, out)
+    perturb(model)
+    save_model_weights(model, AutoTokenizer.from_pretrained(tiny_qwen2_dir), out)
+    x = ids(259)
+    with torch.no_grad():
+        torch.testing.assert_close(load(out)(x).logits, model(x).logits, atol=0, rtol=0)
+    assert [p.name for p in tmp_path.iterdir()] == ["weights"]
+
+
+def test_state_must_be_json(tiny_qwen2_dir, tmp_path):
+    with pytest.raises(TypeError, match="JSON"):
+        CheckpointManager(tmp_path).save(1, load(tiny_qwen2_dir), None, None, None, {"x": object()})
+
+
+# ------------------------------------------------------------------ resume equivalence
+def _synthetic_batches(vocab, n=4):
+    """Fixed GRPO micro-batches: prompt 4 tokens, completion 6, with rollout log-probs and advantages."""
+    g = torch.Generator().manual_seed(123)
+    out = []
+    for _ in range(n):
+        input_ids = torch.randint(0, vocab, (4, 10), generator=g)
+        labels = torch.roll(input_ids, -1, 1)
+        labels[:, :3] = -100
+        labels[:, -1] = -100
+        out.append(
+            dict(
+                input_ids=input_ids,
+                attention_mask=torch.ones_like(input_ids),
+                labels=labels,
+                inference_logprobs=-torch.rand(4, 10, generator=g) * 6,
+                advantages=torch.randn(4, generator=g),
+                temperatures=torch.tensor([1.0, 0.9, 1.1, 1.0]),
+            )
+        )
+    return out
+
+
+def _train(model, opt, sched, batches, steps):
+    loss_fn = GRPOLoss(clip_eps=0.2, kl_coef=0.01)
+    for _ in range(steps):
+        # The data order draws from every RNG the checkpoint restores.
+        b = batches[(torch.randint(0, len(batches), ()).item() + random.randrange(2) + np.random.randint(2)) % len(batches)]
+        lp = token_logprobs(model, b["input_ids"], b["attention_mask"], b["labels"], b["temperatures"], chunk_size=8)
+        mask = (b["labels"] != -100).float()
+        loss, _ = loss_fn(lp, b["inference_logprobs"], b["advantages"], mask)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+
+
+def _seed(s):
+    torch.manual_seed(s)
+    random.seed(s)
+    np.random.seed(s)
+
+
+@pytest.mark.parametrize("lora", [False, True])
+def test_resume_equals_straight_run(tiny_qwen2_dir, tmp_path, lora):
+    steps = 6
+
+    def fresh():
+        m = load(tiny_qwen2_dir)
+        if lora:
+            m = apply_lora(m, LORA, [1, 3])
+        o = build_optimizer(m, ADAMW)
+        return m, o, build_scheduler(o, "cosine", 2, steps)
+
+    batches = _synthetic_batches(259)
+    _seed(0)
+    straight, opt, sched = fresh()
+    _train(straight, opt, sched, batches, steps)
+
+    _seed(0)
+    first, opt, sched = fresh()
+    _train(first, opt, sched, batches, steps // 2)
+    mgr = CheckpointManager(tmp_path, keep=1)
+    mgr.save(steps // 2, first, None, opt, sched, {"data": {"pos": steps // 2}})
+    _seed(999)  # a new process would start from other RNG states
+    resumed, opt, sched = fresh()
+    state = mgr.load(mgr.latest(), resumed, opt, sched)
+    assert state == {"step": steps // 2, "data": {"pos": steps // 2}}
+    assert sched.last_epoch == steps // 2
+    _train(resumed, opt, sched, batches, steps - steps // 2)
+
+    a = dict(straight.named_parameters())
+    b = dict(resumed.named_parameters())
+    assert a.keys() == b.keys()
+    for name in a:
+        torch.testing.assert_close(b[name], a[name], atol=0, rtol=0, msg=name)
+    # The run really moved the weights.
+    base = dict(fresh()[0].named_parameters())
+    assert any(not torch.equal(base[n], a[n]) for n in a if a[n].requires_grad)
