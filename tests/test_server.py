@@ -1,0 +1,123 @@
+"""The inference server on the real vLLM CPU engine: Atropos' own client against /generate, log-probs vs transformers."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+
+import pytest
+import requests
+import torch
+
+from conftest import server_cfg
+
+pytestmark = pytest.mark.vllm
+
+
+@pytest.fixture(scope="module")
+def hf_model(tiny_qwen2_dir):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(tiny_qwen2_dir, dtype=torch.float32).eval()
+
+
+def hf_logprobs(model, tokens: list[int], start: int, temperature: float = 1.0) -> list[float]:
+    """Log-prob of tokens[i] given tokens[:i] for i >= start."""
+    with torch.no_grad():
+        logits = model(torch.tensor([tokens])).logits[0, :-1].float() / temperature
+    lp = torch.log_softmax(logits, -1).gather(-1, torch.tensor(tokens[1:])[:, None])[:, 0]
+    return lp[start - 1 :].tolist()
+
+
+def test_atropos_vllm_client_against_generate(vllm_server, tiny_qwen2_dir, hf_model):
+    """atroposlib's VLLMServer (the client an env with server_type=vllm uses) reads our /generate."""
+    from atroposlib.envs.server_handling.server_baseline import APIServerConfig
+    from atroposlib.envs.server_handling.vllm_server import VLLMServer as AtroposVLLM
+
+    cfg = APIServerConfig(
+        api_key="x", base_url=vllm_server.url + "/v1", model_name=str(tiny_qwen2_dir), timeout=60, health_check=False
+    )
+    atropos = AtroposVLLM(cfg)
+
+    async def run():
+        out = await atropos.tokens_and_logprobs_completion(prompt="Count: 1 2 3", n=4, max_tokens=12, temperature=1.0)
+        lps = await atropos.get_logprobs(prompt="Count: 1 2 3 4", top_k=1)
+        return out, lps
+
+    (prompt_tokens, out_tokens, out_logprobs, finish), lps = asyncio.run(run())
+    assert len(out_tokens) == len(out_logprobs) == len(finish) == 4
+    assert all(r in ("stop", "length") for r in finish)
+    diffs = []
+    for toks, lps_ in zip(out_tokens, out_logprobs):
+        assert len(toks) == len(lps_) > 0
+        ref = hf_logprobs(hf_model, prompt_tokens + toks, len(prompt_tokens))
+        diffs += [abs(a - b) for a, b in zip(lps_, ref)]
+    mad = sum(diffs) / len(diffs)
+    print(f"\n/generate (Atropos client) vs transformers log-probs at T=1: mean |diff| = {mad:.2e} over {len(diffs)}")
+    assert mad < 1e-4
+    # Prompt log-probs path (Atropos get_logprobs): first position has no prefix.
+    ids = lps["prompt_tokens"]
+    got = [v[0] for v in lps["prompt_topk_logprobs"][1:]]
+    ref = hf_logprobs(hf_model, ids, 1)
+    assert max(abs(a - b) for a, b in zip(got, ref)) < 1e-4
+
+
+def test_client_generate_and_prompt_logprobs(vllm_server, hf_model):
+    from grpo.inference.client import InferenceClient
+
+    client = InferenceClient(vllm_server.url)
+    prompts = [[10, 20, 30], [40, 50, 60, 70]]
+    res = client.generate(prompts, n=3, max_tokens=8, temperature=1.0)
+    assert [len(r) for r in res] == [3, 3]
+    c = res[1][0]
+    assert len(c.token_ids) == len(c.logprobs) and c.finish_reason in ("stop", "length")
+    assert c.weight_version == client.weight_version()
+    ref = hf_logprobs(hf_model, prompts[1] + c.token_ids, len(prompts[1]))
+    assert max(abs(a - b) for a, b in zip(c.logprobs, ref)) < 1e-4
+    seq = [5, 17, 99, 3, 42, 7, 8, 200, 11, 12]
+    got = client.prompt_logprobs(seq)
+    assert len(got) == len(seq) - 1
+    assert max(abs(a - b) for a, b in zip(got, hf_logprobs(hf_model, seq, 1))) < 1e-4
+
+
+def test_logprobs_follow_sampling_temperature(vllm_server, hf_model):
+    """--logprobs-mode processed_logprobs: the log-probs are those of the distribution sampled from."""
+    from grpo.inference.client import InferenceClient
+
+    prompt = [1, 2, 3, 4]
+    (cs,) = InferenceClient(vllm_server.url).generate([prompt], n=2, max_tokens=8, temperature=0.7)
+    for c in cs:
+        ref = hf_logprobs(hf_model, prompt + c.token_ids, len(prompt), temperature=0.7)
+        assert max(abs(a - b) for a, b in zip(c.logprobs, ref)) < 1e-4
+
+
+def test_generate_errors(vllm_server):
+    url = vllm_server.url + "/generate"
+    r = requests.post(url, json={"prompt": {"prompt_token_ids": [1, 2]}, "max_tokens": 2, "model": "nope"})
+    assert r.status_code == 404 and "nope" in r.json()["error"]
+    r = requests.post(url, json={"prompt": 3.5})
+    assert r.status_code == 400
+    r = requests.post(url, json={"prompt": [1, 2], "max_tokens": 2, "no_such_param": 1})
+    assert r.status_code == 400
+    r = requests.post(vllm_server.url + "/grpo/rpc", json={"method": "execute_model"})
+    assert r.status_code == 403
+    # vLLM's own endpoints are untouched.
+    assert requests.get(vllm_server.url + "/v1/models").status_code == 200
+
+
+def test_start_errors_are_clear(tmp_path, tiny_qwen2_dir):
+    from grpo.inference.process import ServerStartError, VLLMServer
+
+    with pytest.raises(ServerStartError, match="does not exist"):
+        VLLMServer(tmp_path / "missing", server_cfg(), tmp_path / "a.log").start()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen(1)
+        port = s.getsockname()[1]
+        with pytest.raises(ServerStartError, match="already in use"):
+            VLLMServer(tiny_qwen2_dir, server_cfg(port), tmp_path / "b.log").start()
+    # A bad vLLM argument: the process exits during start-up and the error carries the log tail.
+    bad = VLLMServer(tiny_qwen2_dir, server_cfg(), tmp_path / "c.log", extra_args=["--no-such-flag"])
+    with pytest.raises(ServerStartError, match="no-such-flag"):
+        bad.start(timeout=120)
+    assert not bad.running()

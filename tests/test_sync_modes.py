@@ -1,0 +1,143 @@
+"""Weight-sync modes on the real vLLM CPU engine: after a real optimizer step and a sync, the server's log-probs of a
+fixed sequence equal the trainer's new ones; shutdown leaves no process behind."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import process_group_alive, server_cfg
+
+pytestmark = pytest.mark.vllm
+
+SEQ = [5, 17, 99, 3, 42, 7, 8, 200, 11, 12, 64, 65, 66]
+
+
+def trainer_logprobs(model, seq=SEQ) -> torch.Tensor:
+    model.eval()
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([seq])).logits[0, :-1].float()
+    return torch.log_softmax(logits, -1).gather(-1, torch.tensor(seq[1:])[:, None])[:, 0]
+
+
+def optimizer_step(model, lr: float) -> None:
+    """One Adam step on the NLL of SEQ (a real loss, a real optimizer)."""
+    model.train()
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.Adam(params, lr=lr)
+    ids = torch.tensor([SEQ])
+    loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+
+
+def lora_model(model_dir):
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    cfg = LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"], lora_dropout=0.0)
+    return get_peft_model(base, cfg)
+
+
+def check_moves(sync, model, lr: float, step: int = 1) -> dict:
+    """Server == trainer before; a step moves the trainer; after sync the server follows."""
+    client = sync.client
+    before_server = torch.tensor(client.prompt_logprobs(SEQ, model=sync.served_model))
+    before = trainer_logprobs(model)
+    assert (before_server - before).abs().max() < 1e-4
+    optimizer_step(model, lr)
+    after = trainer_logprobs(model)
+    moved = (after - before).abs().mean().item()
+    assert moved > 1e-2, f"the optimizer step barely moved the log-probs ({moved})"
+    metrics = sync.sync(model, step)
+    after_server = torch.tensor(client.prompt_logprobs(SEQ, model=sync.served_model))
+    diff = (after_server - after).abs().mean().item()
+    print(f"\n{type(sync).__name__}: step moved log-probs by {moved:.3f}; |server - trainer| after sync = {diff:.2e}; "
+          f"sync {metrics['sync/seconds']:.2f}s")  # fmt: skip
+    assert diff < 1e-4
+    assert metrics["sync/version"] == sync.version == step and metrics["sync/seconds"] > 0
+    (gen,) = client.generate([SEQ[:4]], n=1, max_tokens=3, model=sync.served_model)
+    assert gen[0].weight_version == sync.version
+    return metrics
+
+
+def make_ctx(tmp_path, model_dir, **cfg):
+    from grpo.sync.base import SyncContext
+    from transformers import AutoTokenizer
+
+    return SyncContext(
+        run_dir=tmp_path, model_dir=model_dir, server_cfg=server_cfg(**cfg), tokenizer=AutoTokenizer.from_pretrained(model_dir)
+    )
+
+
+def shutdown_and_check(sync) -> None:
+    pgid = sync.server.pid
+    sync.shutdown()
+    sync.shutdown()  # idempotent
+    assert not process_group_alive(pgid), "a process of the server's group survived shutdown"
+
+
+def test_mode_none_reloads_in_place(tmp_path, tiny_qwen2_dir):
+    from transformers import AutoModelForCausalLM
+
+    from grpo.sync.checkpoint_restart import CheckpointRestartSync
+
+    sync = CheckpointRestartSync()
+    sync.launch(make_ctx(tmp_path, tiny_qwen2_dir))
+    try:
+        pid = sync.server.pid
+        model = AutoModelForCausalLM.from_pretrained(tiny_qwen2_dir, dtype=torch.float32)
+        metrics = check_moves(sync, model, lr=1e-3)
+        assert metrics["sync/inplace"] == 1.0 and sync.server.pid == pid  # no restart
+        check_moves(sync, model, lr=1e-3, step=2)
+        assert sorted(p.name for p in (tmp_path / "served_weights").iterdir()) == ["v2"]
+    finally:
+        shutdown_and_check(sync)
+
+
+def test_mode_lora_restart(tmp_path, tiny_qwen2_dir):
+    from grpo.sync.lora_restart import LoraRestartSync
+
+    sync = LoraRestartSync()
+    sync.launch(make_ctx(tmp_path, tiny_qwen2_dir))
+    try:
+        old_pid = sync.server.pid
+        model = lora_model(tiny_qwen2_dir)
+        check_moves(sync, model, lr=2e-2)
+        assert sync.served_model == "policy" and sync.server.pid != old_pid
+        assert not process_group_alive(old_pid)
+        assert "--enforce-eager" not in sync.server.command()
+    finally:
+        shutdown_and_check(sync)
+
+
+def test_mode_lora_only_hot_swaps(tmp_path, tiny_qwen2_dir):
+    from grpo.sync.lora_hotswap import LoraHotSwapSync
+
+    sync = LoraHotSwapSync()
+    sync.launch(make_ctx(tmp_path, tiny_qwen2_dir))
+    try:
+        pid = sync.server.pid
+        model = lora_model(tiny_qwen2_dir)
+        assert sync.served_model is None  # fresh adapter == base model
+        check_moves(sync, model, lr=2e-2, step=1)
+        assert sync.served_model == "policy-v1"
+        check_moves(sync, model, lr=2e-2, step=2)
+        check_moves(sync, model, lr=2e-2, step=3)
+        served = sync.client.models()
+        assert "policy-v3" in served and "policy-v2" in served and "policy-v1" not in served
+        assert sync.server.pid == pid and "--enforce-eager" not in sync.server.command()
+    finally:
+        shutdown_and_check(sync)
+
+
+def test_shared_vllm_fails_clearly_without_cuda(tmp_path, tiny_qwen2_dir):
+    from grpo.sync.shared_memory import SharedMemorySync
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    assert SharedMemorySync.requires_cuda
+    with pytest.raises(RuntimeError, match="needs CUDA"):
+        SharedMemorySync().launch(make_ctx(tmp_path, tiny_qwen2_dir))
