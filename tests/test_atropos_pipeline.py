@@ -27,30 +27,40 @@ def _run_api_cmd(port: int) -> list[str]:
     return [str(run_api), "--host", "127.0.0.1", "--port", str(port)]
 
 
-@pytest.fixture()
-def run_api(tmp_path):
-    """A fresh run-api per test (its state is process-global), in its own process group."""
-    port = free_port()
-    log = open(tmp_path / "run-api.log", "wb")
-    proc = subprocess.Popen(_run_api_cmd(port), stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+def _start_run_api(tmp_path, port: int | None = None) -> tuple[subprocess.Popen, str]:
+    """run-api in its own process group; returns once /status answers."""
+    port = port or free_port()
+    with open(tmp_path / "run-api.log", "wb") as log:
+        proc = subprocess.Popen(_run_api_cmd(port), stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 30
     while True:
         try:
             requests.get(url + "/status", timeout=1).raise_for_status()
-            break
+            return proc, url
         except requests.RequestException:
             if proc.poll() is not None or time.monotonic() > deadline:
+                _stop(proc)
                 raise RuntimeError("run-api did not start: " + (tmp_path / "run-api.log").read_text()[-2000:])
             time.sleep(0.2)
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+@pytest.fixture()
+def run_api(tmp_path):
+    """A fresh run-api per test (its state is process-global)."""
+    proc, url = _start_run_api(tmp_path)
     yield url
-    os.killpg(proc.pid, signal.SIGTERM)
-    try:
-        proc.wait(10)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
-    log.close()
+    _stop(proc)
 
 
 class _Tok:
@@ -255,3 +265,33 @@ def test_data_before_register_is_a_clear_error(run_api, tmp_path):
     pipe = AtroposPipeline(url=run_api, poll_interval_s=0.05, max_wait_s=2, max_retries=1)
     with pytest.raises(AtroposError, match="before the trainer registered"):
         pipe.setup(_ctx(tmp_path))
+
+
+def test_run_api_going_away_mid_run(tmp_path):
+    proc, url = _start_run_api(tmp_path)
+    try:
+        pipe = AtroposPipeline(url=url, poll_interval_s=0.05, max_wait_s=30, max_retries=3)
+        pipe.setup(_ctx(tmp_path))
+        _stop(proc)
+        t0 = time.monotonic()
+        with pytest.raises(AtroposError, match=f"{url}/batch failed after 4 attempts"):
+            pipe.next_groups(0)
+        assert time.monotonic() - t0 < 3.0  # bounded by the retries, not by max_wait_s
+    finally:
+        _stop(proc)
+
+
+def test_restarted_run_api_gets_registered_again(tmp_path):
+    proc, url = _start_run_api(tmp_path)
+    try:
+        pipe = AtroposPipeline(url=url, poll_interval_s=0.05, max_wait_s=0.5, max_retries=3)
+        pipe.setup(_ctx(tmp_path))
+        _stop(proc)
+        proc, _ = _start_run_api(tmp_path, port=int(url.rsplit(":", 1)[1]))
+        assert requests.get(url + "/info", timeout=5).json()["batch_size"] == -1
+        # The new server answers "Trainer not registered": the pipeline registers again and keeps polling.
+        with pytest.raises(TimeoutError):
+            pipe.next_groups(0)
+        assert requests.get(url + "/info", timeout=5).json()["batch_size"] == BATCH
+    finally:
+        _stop(proc)
