@@ -167,6 +167,8 @@ def test_empty_group_dropped():
         (lambda g: g["inference_logprobs"][0].pop(), "inference_logprobs"),
         (lambda g: g["inference_logprobs"][0].__setitem__(3, None), "inference_logprobs"),
         (lambda g: g.update(advantages=[1.0]), "advantages"),
+        (lambda g: g.update(advantages=[[0.1, 0.2], 0.3]), "advantages"),
+        (lambda g: g.update(advantages=[None, 0.3]), "advantages"),
         (lambda g: g.update(ref_logprobs=[[0.0]] * 2), "ref_logprobs"),
         (lambda g: g["tokens"][0].__setitem__(2, VOCAB), "tokens"),
         (lambda g: g["tokens"][0].__setitem__(2, -1), "tokens"),

@@ -174,10 +174,14 @@ def _parse_group(gi: int, g: Any, vocab_size: Optional[int]) -> Optional[list[_S
                 if not math.isfinite(a):
                     raise BatchError(gi, "advantages", f"sequence {i} is not finite")
                 advantages[i] = float(a)
-            else:
-                advantages[i] = _check_rows(gi, "advantages", [a], 1, [lengths[i]], False)[0]
+            elif isinstance(a, (list, tuple)) and len(a) == lengths[i] and all(_is_num(v) for v in a):
+                advantages[i] = [float(v) for v in a]
                 if not all(math.isfinite(v) for v in advantages[i]):
                     raise BatchError(gi, "advantages", f"sequence {i} has a non-finite value")
+            else:
+                raise BatchError(
+                    gi, "advantages", f"sequence {i} must be a number or {lengths[i]} per-token numbers, got {a!r:.60}"
+                )
 
     inf_lp = g.get("inference_logprobs")
     inf_rows = [None] * n if inf_lp is None else _check_rows(gi, "inference_logprobs", inf_lp, n, lengths, True)

@@ -3,8 +3,8 @@
 The backbone runs once; the output projection (lm_head) then runs only at positions that carry loss, a chunk of
 tokens at a time, with the log-softmax in float32 per chunk. For a plain ``nn.Linear`` head a custom autograd
 function keeps nothing per chunk but one float per token and recomputes the chunk's logits in backward, writing the
-gradient of the logits in place into that one buffer; any other head (LoRA on lm_head, quantised) goes through
-``torch.utils.checkpoint`` per chunk. Either way forward and backward hold at most one ``[chunk, vocab]`` block.
+gradient of the logits in place into that one buffer and accumulating a single weight gradient; any other head (LoRA
+on lm_head, quantised) goes through ``torch.utils.checkpoint`` per chunk. Either way forward and backward hold at most one ``[chunk, vocab]`` block.
 """
 
 from __future__ import annotations
@@ -44,29 +44,56 @@ def backbone_and_head(model: nn.Module) -> tuple[nn.Module, nn.Module]:
 
 
 class _LinearLogprob(torch.autograd.Function):
-    """log_softmax(h @ W.T + b)[target] / temperature-scaled, recomputing the logits in backward."""
+    """``log_softmax(h @ W.T + b) / T)[target]`` over all selected tokens, one chunk of tokens at a time.
+
+    Forward keeps only the log-sum-exp per token. Backward recomputes each chunk's logits, turns that one buffer
+    into the gradient of the logits in place, and accumulates the weight gradient into a single ``[V, H]`` buffer
+    (``addmm_``), so neither pass holds more than one ``[chunk, V]`` block and one weight-sized gradient.
+    """
 
     @staticmethod
-    def forward(ctx, h, weight, bias, target, inv_temp):  # type: ignore[override]
-        logits = F.linear(h, weight, bias).float().mul_(inv_temp[:, None])
-        lse = torch.logsumexp(logits, dim=-1)
-        out = logits.gather(1, target[:, None]).squeeze(1) - lse
+    def _logits(h, weight, bias, inv_temp):
+        return F.linear(h, weight, bias).float().mul_(inv_temp[:, None])
+
+    @staticmethod
+    def forward(ctx, h, weight, bias, target, inv_temp, chunk_size):  # type: ignore[override]
+        out = torch.empty(h.shape[0], dtype=torch.float32, device=h.device)
+        lse = torch.empty_like(out)
+        for s in range(0, h.shape[0], chunk_size):
+            sl = slice(s, s + chunk_size)
+            logits = _LinearLogprob._logits(h[sl], weight, bias, inv_temp[sl])
+            picked = logits.gather(1, target[sl, None]).squeeze(1)
+            m = logits.max(dim=1).values
+            # In place: log-sum-exp without a second [chunk, V] buffer.
+            lse[sl] = logits.sub_(m[:, None]).exp_().sum(dim=1).log_().add_(m)
+            out[sl] = picked - lse[sl]
         ctx.save_for_backward(h, weight, bias, target, inv_temp, lse)
+        ctx.chunk_size = chunk_size
         return out
 
     @staticmethod
     def backward(ctx, grad_out):  # type: ignore[override]
         h, weight, bias, target, inv_temp, lse = ctx.saved_tensors
-        g = grad_out.float() * inv_temp  # d/dlogits_raw = g/T * (onehot - softmax)
-        logits = F.linear(h, weight, bias).float().mul_(inv_temp[:, None])
-        # Turn the one logits buffer into the gradient of the raw logits, in place.
-        grad = logits.sub_(lse[:, None]).exp_().mul_(-g[:, None])
-        grad.scatter_add_(1, target[:, None], g[:, None])
-        grad = grad.to(h.dtype)
-        grad_h = grad @ weight if ctx.needs_input_grad[0] else None
-        grad_w = grad.t() @ h if ctx.needs_input_grad[1] else None
-        grad_b = grad.sum(0) if bias is not None and ctx.needs_input_grad[2] else None
-        return grad_h, grad_w, grad_b, None, None
+        need_h, need_w, need_b = ctx.needs_input_grad[:3]
+        grad_h = torch.empty_like(h) if need_h else None
+        grad_w = torch.zeros_like(weight) if need_w else None
+        grad_b = torch.zeros_like(bias) if bias is not None and need_b else None
+        # d out_i / d rawlogits_i = (onehot(target_i) - softmax_i) / T_i
+        g_all = grad_out.float() * inv_temp
+        for s in range(0, h.shape[0], ctx.chunk_size):
+            sl = slice(s, s + ctx.chunk_size)
+            g = g_all[sl]
+            grad = _LinearLogprob._logits(h[sl], weight, bias, inv_temp[sl])
+            grad.sub_(lse[sl, None]).exp_().mul_(-g[:, None])
+            grad.scatter_add_(1, target[sl, None], g[:, None])
+            grad = grad.to(h.dtype)
+            if grad_h is not None:
+                torch.mm(grad, weight, out=grad_h[sl])
+            if grad_w is not None:
+                grad_w.addmm_(grad.t(), h[sl])
+            if grad_b is not None:
+                grad_b.add_(grad.sum(0))
+        return grad_h, grad_w, grad_b, None, None, None
 
 
 def _module_chunk(head: nn.Module, h: torch.Tensor, target: torch.Tensor, inv_temp: torch.Tensor) -> torch.Tensor:
@@ -100,12 +127,12 @@ def hidden_logprobs(
     target = labels[sel]
     if fused is None:
         fused = type(head) is nn.Linear
+    if fused:
+        return out.masked_scatter(sel, _LinearLogprob.apply(h, head.weight, head.bias, target, inv_temp, chunk_size))
     parts = []
     for s in range(0, h.shape[0], chunk_size):
         hc, tc, ic = h[s : s + chunk_size], target[s : s + chunk_size], inv_temp[s : s + chunk_size]
-        if fused:
-            parts.append(_LinearLogprob.apply(hc, head.weight, head.bias, tc, ic))
-        elif torch.is_grad_enabled():
+        if torch.is_grad_enabled():
             parts.append(checkpoint(_module_chunk, head, hc, tc, ic, use_reentrant=False))
         else:
             parts.append(_module_chunk(head, hc, tc, ic))
