@@ -273,15 +273,17 @@ class AtroposPipeline(DataPipeline):
                 groups = self._filter(batch, counts)
                 if groups:
                     break
-                # Every group of this batch was bad: the server has moved on a step; wait for the next batch.
-                interval = self.poll_interval_s
-                continue
             waited = time.monotonic() - start
             if waited >= self.max_wait_s:
+                dropped = sum(counts.values())
                 raise AtroposTimeoutError(
-                    f"no batch from run-api at {self.url} after {waited:.0f}s (max_wait_s={self.max_wait_s:g}); "
-                    "is an environment running and pushing /scored_data?"
+                    f"no usable batch from run-api at {self.url} after {waited:.0f}s (max_wait_s={self.max_wait_s:g}, "
+                    f"{dropped} bad groups dropped); is an environment running and pushing /scored_data?"
                 )
+            if batch:
+                # Every group of this batch was bad; the server has moved on a step. Ask again at once.
+                interval = self.poll_interval_s
+                continue
             time.sleep(min(interval, max(self.max_wait_s - waited, 0.0)))
             interval = min(interval * 2, 8 * self.poll_interval_s)
         for k, v in counts.items():
