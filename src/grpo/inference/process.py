@@ -41,6 +41,17 @@ def port_in_use(host: str, port: int) -> bool:
         return s.connect_ex((host if host not in ("0.0.0.0", "") else "127.0.0.1", port)) == 0
 
 
+def _die_with_parent() -> None:
+    # Linux: SIGTERM the server if the trainer dies without stop() (SIGKILL, OOM), so no orphan keeps the port and
+    # the memory; vLLM's own children follow their API server. Bound to the thread that started the server.
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
 class VLLMServer:
     """Launches, watches and stops one vLLM server with our /generate and /grpo/* endpoints.
 
@@ -157,6 +168,7 @@ class VLLMServer:
             env=self.environment(),
             # Own session = own process group: stop() signals exactly the server and its children.
             start_new_session=True,
+            preexec_fn=_die_with_parent,
         )
         self.wait_healthy(timeout if timeout is not None else float(_cfg(self.cfg, "startup_timeout_s", 300)))
 
