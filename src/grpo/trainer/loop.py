@@ -21,6 +21,15 @@ from grpo.trainer.metrics import MetricsLogger
 log = logging.getLogger(__name__)
 
 
+def peak_memory_gb(device: torch.device) -> float:
+    """Peak memory of this process so far: CUDA allocator peak on GPU, max RSS on CPU."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 1024**3
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024**2  # ru_maxrss is in KiB on Linux
+
+
 class NonFiniteError(RuntimeError):
     """Too many consecutive steps with a NaN/Inf loss or gradient."""
 
@@ -161,6 +170,8 @@ class GRPOTrainer:
             "time/step_seconds": t_end - t_start,
         })
         row.setdefault("tokens/trained", float(batch.num_loss_tokens))
+        row["throughput/trained_tokens_per_s"] = row["tokens/trained"] / max(t_opt - t_data, 1e-9)
+        row["memory/peak_gb"] = peak_memory_gb(self.device)
         if "reward/mean" in row:
             self.rewards.append(float(row["reward/mean"]))
         return row
