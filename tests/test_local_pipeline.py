@@ -2,16 +2,10 @@
 
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-import requests
 from omegaconf import OmegaConf
 
 from conftest import REPO, free_port
@@ -39,35 +33,17 @@ def _pipeline(name: str, **overrides) -> LocalRolloutPipeline:
 
 @pytest.fixture(scope="module")
 def vllm_url(tiny_qwen2_dir, tmp_path_factory):
-    """grpo.inference.server (vLLM + /generate) on the tiny model, in its own process group."""
-    port = free_port()
-    log_path = tmp_path_factory.mktemp("vllm") / "server.log"
-    cmd = [
-        sys.executable, "-m", "grpo.inference.server", "--model", str(tiny_qwen2_dir), "--host", "127.0.0.1",
-        "--port", str(port), "--gpu-memory-utilization", "0.2", "--dtype", "float32", "--max-model-len", "512",
-    ]
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
+    """The project's inference server (vLLM + /generate) on the tiny model, via its process manager."""
+    from grpo.config.schema import ServerConfig
+    from grpo.inference.process import VLLMServer
+
+    cfg = OmegaConf.structured(ServerConfig(port=free_port(), max_model_len=512, dtype="float32"))
+    server = VLLMServer(tiny_qwen2_dir, cfg, tmp_path_factory.mktemp("vllm") / "server.log")
+    server.start()
     try:
-        deadline = time.monotonic() + 240
-        while True:
-            try:
-                if requests.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except requests.RequestException:
-                pass
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"vLLM server did not start:\n{log_path.read_text()[-3000:]}")
-            time.sleep(1)
-        yield url
+        yield server.url
     finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+        server.stop()
 
 
 @pytest.fixture(scope="module")
