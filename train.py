@@ -11,6 +11,7 @@ Each component is built here from its config node and handed to the trainer; see
 from __future__ import annotations
 
 import gc
+import json
 import logging
 import signal
 from pathlib import Path
@@ -90,12 +91,15 @@ def train(cfg: DictConfig, run_dir: Path) -> list[float]:
     try:
         sync_ctx = SyncContext(
             run_dir=run_dir, model_dir=Path(model_dir), server_cfg=cfg.server, lora_cfg=cfg.lora,
-            tokenizer=tokenizer, resume_weights=(resume_ckpt / "model") if resume_ckpt else None,
+            tokenizer=tokenizer, resume_weights=resume_ckpt,
         )
+        if resume_ckpt is not None:
+            # The server reports the resumed weights' version from its first answer on.
+            sync.version = int(json.loads((resume_ckpt / "trainer_state.json").read_text()).get("weight_version", 0))
         sync.launch(sync_ctx)
         model = sync.load_model(sync_ctx)
         if model is None:
-            base = model_dir if (resume_ckpt is None or sync.uses_lora) else str(resume_ckpt / "model")
+            base = model_dir if (resume_ckpt is None or sync.uses_lora) else str(resume_ckpt)
             model = load_model(base, pick_dtype(cfg.model.dtype, device), device, cfg.model.gradient_checkpointing)
         indices = resolve_layer_indices(cfg.layers.indices, cfg.model.num_layers)
         if sync.uses_lora:
@@ -112,7 +116,6 @@ def train(cfg: DictConfig, run_dir: Path) -> list[float]:
         if resume_ckpt is not None:
             state = checkpoints.load(resume_ckpt, model, optimizer, scheduler)
             start_step = int(state["step"])
-            sync.version = int(state.get("weight_version", 0))
             pipeline.load_state_dict(state.get("data", {}))
             log.info("resumed from %s at step %d", resume_ckpt, start_step)
 

@@ -38,9 +38,8 @@ class SharedMemorySync(ServerSync):
                 "and vLLM's CPU backend repacks its weights so they cannot be shared. Use mode=none, "
                 "mode=lora_restart or mode=lora_only on this machine."
             )
-        if ctx.resume_weights:
-            raise RuntimeError("mode=shared_vllm resumes by serving the checkpointed weights: pass them as model")
-        self._start_server(ctx, Path(ctx.model_dir))
+        # Resuming: vLLM loads the checkpoint, so the shared copy starts from the trained weights.
+        self._start_server(ctx, Path(ctx.resume_weights or ctx.model_dir))
 
     def load_model(self, ctx: SyncContext) -> nn.Module:
         """The HF model whose parameters are views into the server's tensors."""
