@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 from omegaconf import OmegaConf
 
-from conftest import REPO, free_port
+from conftest import REPO
 from grpo.pipeline.base import PipelineContext
 from grpo.pipeline.local import LocalRolloutPipeline
 from grpo.pipeline.rewards import DigitFractionReward
@@ -32,18 +32,9 @@ def _pipeline(name: str, **overrides) -> LocalRolloutPipeline:
 
 
 @pytest.fixture(scope="module")
-def vllm_url(tiny_qwen2_dir, tmp_path_factory):
-    """The project's inference server (vLLM + /generate) on the tiny model, via its process manager."""
-    from grpo.config.schema import ServerConfig
-    from grpo.inference.process import VLLMServer
-
-    cfg = OmegaConf.structured(ServerConfig(port=free_port(), max_model_len=512, dtype="float32"))
-    server = VLLMServer(tiny_qwen2_dir, cfg, tmp_path_factory.mktemp("vllm") / "server.log")
-    server.start()
-    try:
-        yield server.url
-    finally:
-        server.stop()
+def vllm_url(vllm_server):
+    """The session's shared inference server (conftest.vllm_server: grpo.inference.server on tiny-qwen2)."""
+    return vllm_server.url
 
 
 @pytest.fixture(scope="module")
