@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# GPU suite for issue 7, run on the lent GPU machine after the vLLM kit is installed (scripts/device/).
+#   bash bench/gpu/run_suite.sh shared     # shared_vllm checks: tiny model, then qwen3b-sized random weights
+#   bash bench/gpu/run_suite.sh modes      # train.py per mode on qwen3b-sized random weights (sync latency, tokens/s)
+#   bash bench/gpu/run_suite.sh optim      # train.py per optimizer (tokens/s, peak memory)
+# Results land in $OUT (or bench/results/gpu when OUT is unset).
+set -uo pipefail
+export VLLM_WORKER_MULTIPROC_METHOD=spawn VLLM_USE_FLASHINFER_SAMPLER=0 HF_HUB_OFFLINE=1 VLLM_NO_USAGE_STATS=1
+export PYTHONPATH=$PWD/src${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 GRPO_CACHE=/tmp/grpo-cache WANDB_MODE=disabled
+out=${OUT:-bench/results/gpu}
+mkdir -p "$out"
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$out/gpu.txt"
+common=(server=gpu data=local_digits logging.progress_bar=false logging.plot=false train.checkpoint_every=1000)
+big=(model=qwen3b model.offline=qwen3b model.gradient_checkpointing=true server.max_model_len=1024
+     data.max_new_tokens=128 data.prompts_per_step=8 data.group_size=8 train.micro_batch_size=16 train.grad_accum=4)
+summarise() {  # one JSON line per job: mode/optimizer, mean of steps 2.. for the timing keys
+  python3 - "$1" <<'PY'
+import json, sys, pathlib
+for d in sorted(pathlib.Path(sys.argv[1]).glob("*/metrics.jsonl")):
+    rows = [json.loads(l) for l in d.read_text().splitlines() if l.strip()][1:] or []
+    ov = (d.parent / ".hydra/overrides.yaml").read_text().replace("\n", " ") if (d.parent / ".hydra/overrides.yaml").exists() else ""
+    keys = ["sync/seconds", "time/step_seconds", "time/train_seconds", "generation/seconds", "throughput/trained_tokens_per_s", "memory/peak_gb", "grpo/logprob_diff", "tokens/trained"]
+    s = {k: sum(r[k] for r in rows if r.get(k) is not None) / max(1, sum(1 for r in rows if r.get(k) is not None)) for k in keys}
+    print(json.dumps({"job": str(d.parent.name), "overrides": ov, "steps": len(rows) + 1, **s}))
+PY
+}
+case "${1:-shared}" in
+  shared)
+    python3 bench/gpu/shared_vllm_check.py --preset tiny-qwen2 --out "$out/shared_tiny.json" 2>&1 | tail -60
+    python3 bench/gpu/shared_vllm_check.py --preset qwen3b --out "$out/shared_qwen3b.json" 2>&1 | tail -60
+    ;;
+  modes)
+    python3 train.py -m "${common[@]}" "${big[@]}" train.steps=4 mode=shared_vllm,lora_only,none,lora_restart \
+      hydra.sweep.dir="$out/modes" 2>&1 | grep -vE "INFO|DEBUG" | tail -40
+    summarise "$out/modes" | tee "$out/modes.jsonl"
+    ;;
+  optim)
+    python3 train.py -m "${common[@]}" "${big[@]}" train.steps=4 mode=shared_vllm optimizer=adamw,adamw_8bit,adafactor \
+      optimizer.lr=1e-6 hydra.sweep.dir="$out/optim" 2>&1 | grep -vE "INFO|DEBUG" | tail -40
+    summarise "$out/optim" | tee "$out/optim.jsonl"
+    ;;
+esac
