@@ -159,7 +159,9 @@ def parse_args(argv: Optional[list[str]]) -> tuple[argparse.Namespace, list[str]
         description="run-api + trainer (data=atropos, launches its vLLM server) + the built-in Atropos environment.",
         epilog="Unrecognised arguments are train.py overrides, e.g. train.steps=20 server.port=9101.",
     )
-    p.add_argument("--task", choices=["digits", "gsm8k"], default="digits", help="built-in environment task")
+    p.add_argument("--task", choices=["digits", "gsm8k"], default="digits",
+                   help="built-in environment task (gsm8k on a random tiny model scores 0 everywhere and atroposlib "
+                        "skips all-equal groups: add --env-arg=--env.ensure_scores_are_not_same=false)")
     p.add_argument("--api-host", default="127.0.0.1", help="interface run-api binds")
     p.add_argument("--api-port", type=int, default=None, help="run-api port (default: a free one)")
     p.add_argument("--group-size", type=int, default=8, help="completions per prompt in the environment")
