@@ -234,14 +234,15 @@ def with_defaults(argv: list[str]) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Run vLLM's api_server with `with_defaults(argv)`."""
-    import warnings
+    """Run vLLM's api_server with `with_defaults(argv)`.
 
-    sys.argv = [sys.argv[0], *with_defaults(sys.argv[1:] if argv is None else argv)]
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", DeprecationWarning)
-        from vllm.entrypoints.launchers.api_server.entry import main as vllm_main
-    vllm_main()
+    Runs the module exactly as `python -m vllm.entrypoints.openai.api_server` does: that entry point exists in
+    every vLLM release we support (0.26 on the GPU machine, 0.32 CPU here), unlike the newer launcher modules.
+    """
+    import runpy
+
+    sys.argv = ["vllm.entrypoints.openai.api_server", *with_defaults(sys.argv[1:] if argv is None else argv)]
+    runpy.run_module("vllm.entrypoints.openai.api_server", run_name="__main__", alter_sys=True)
 
 
 if __name__ == "__main__":

@@ -147,7 +147,11 @@ def build_model_dir(
     config, tok = _model_config(preset, overrides)
     torch_dtype = getattr(torch, dtype)
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch_dtype)
+    # Real-size presets initialise on the GPU when there is one (minutes on CPU for billions of parameters);
+    # tiny presets always on CPU so their weights are identical on every machine.
+    device = "cuda" if preset not in TINY_PRESETS and torch.cuda.is_available() else "cpu"
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch_dtype)
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=final.parent))
     try:
