@@ -10,7 +10,7 @@ one warm-up.
     python bench/logprobs_bench.py                 # CPU here; --device cuda on a GPU machine
     python bench/logprobs_bench.py --quick         # smaller sizes, a smoke test
 
-Prints a table and writes ``bench/results/logprobs_<device>.json``.
+Prints a table and writes ``bench/results/logprobs_<device>_<dtype>.json``.
 """
 
 from __future__ import annotations
@@ -142,7 +142,8 @@ def main(argv=None) -> None:
     p.add_argument("--seq-len", type=int, default=2048)
     p.add_argument("--prompt-frac", type=float, nargs="+", default=[0.0, 0.25],
                    help="share of positions that are prompt (no loss); one row per value")
-    p.add_argument("--chunk", type=int, default=1024)
+    p.add_argument("--chunks", type=int, nargs="+", default=[1024, 256], help="chunk sizes of token_logprobs")
+    p.add_argument("--chunk", type=int, default=1024, help=argparse.SUPPRESS)
     p.add_argument("--modes", nargs="+", default=["head", "model"], choices=["head", "model"],
                    help="head: lm_head Linear on random hidden states; model: 1-layer Qwen2 through token_logprobs")
     p.add_argument("--mode", help=argparse.SUPPRESS)
@@ -160,37 +161,41 @@ def main(argv=None) -> None:
 
     rows = []
     for mode, frac in [(m, f) for m in args.modes for f in args.prompt_frac]:
-        res = {}
-        for variant in ("naive", "chunked"):
-            cmd = [sys.executable, __file__, "--variant", variant, "--mode", mode, "--device", args.device, "--dtype", args.dtype,
-                   "--vocab", str(args.vocab), "--hidden", str(args.hidden), "--seq-len", str(args.seq_len),
-                   "--prompt-frac", str(frac), "--chunk", str(args.chunk), "--repeats", str(args.repeats)]
+        def child(variant, chunk):
+            cmd = [sys.executable, __file__, "--variant", variant, "--mode", mode, "--device", args.device,
+                   "--dtype", args.dtype, "--vocab", str(args.vocab), "--hidden", str(args.hidden),
+                   "--seq-len", str(args.seq_len), "--prompt-frac", str(frac), "--chunk", str(chunk),
+                   "--repeats", str(args.repeats)]
             out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
-            res[variant] = json.loads(out.strip().splitlines()[-1])
-        n, c = res["naive"], res["chunked"]
-        rows.append({
-            "mode": mode, "prompt_frac": frac, "loss_tokens": int(args.seq_len * (1 - frac)) - (1 if frac == 0 else 0),
-            "naive_peak_mib": n["peak_bytes"] / 2**20, "chunked_peak_mib": c["peak_bytes"] / 2**20,
-            "memory_ratio": n["peak_bytes"] / max(c["peak_bytes"], 1),
-            "naive_s": n["seconds"], "chunked_s": c["seconds"], "speedup": n["seconds"] / c["seconds"],
-            "naive_times": n["times"], "chunked_times": c["times"],
-        })
+            return json.loads(out.strip().splitlines()[-1])
+
+        n = child("naive", 0)
+        for chunk in args.chunks:
+            c = child("chunked", chunk)
+            rows.append({
+                "mode": mode, "prompt_frac": frac, "chunk": chunk,
+                "loss_tokens": args.seq_len - int(args.seq_len * frac) - 1,
+                "naive_peak_mib": n["peak_bytes"] / 2**20, "chunked_peak_mib": c["peak_bytes"] / 2**20,
+                "memory_ratio": n["peak_bytes"] / max(c["peak_bytes"], 1),
+                "naive_s": n["seconds"], "chunked_s": c["seconds"], "speedup": n["seconds"] / c["seconds"],
+                "naive_times": n["times"], "chunked_times": c["times"],
+            })
 
     print(f"\ntoken_logprobs vs naive: vocab {args.vocab}, seq {args.seq_len}, hidden {args.hidden}, {args.dtype}, "
-          f"chunk {args.chunk}, {args.device}, forward+backward")
-    print(f"{'mode':>6} {'prompt':>7} {'loss tok':>8} {'naive MiB':>10} {'chunked MiB':>12} {'mem x':>6} "
+          f"{args.device}, forward+backward, median of {args.repeats}")
+    print(f"{'mode':>6} {'prompt':>7} {'chunk':>6} {'loss tok':>8} {'naive MiB':>10} {'chunked MiB':>12} {'mem x':>6} "
           f"{'naive s':>8} {'chunked s':>10} {'speed x':>8}")
     for r in rows:
-        print(f"{r['mode']:>6} {r['prompt_frac']:>7.2f} {r['loss_tokens']:>8} {r['naive_peak_mib']:>10.0f} "
-              f"{r['chunked_peak_mib']:>12.0f} {r['memory_ratio']:>6.1f} {r['naive_s']:>8.2f} "
-              f"{r['chunked_s']:>10.2f} {r['speedup']:>8.2f}")
+        print(f"{r['mode']:>6} {r['prompt_frac']:>7.2f} {r['chunk']:>6} {r['loss_tokens']:>8} {r['naive_peak_mib']:>10.0f} "
+              f"{r['chunked_peak_mib']:>12.0f} {r['memory_ratio']:>6.1f} {r['naive_s']:>8.3f} "
+              f"{r['chunked_s']:>10.3f} {r['speedup']:>8.2f}")
     result = {
-        "config": {k: v for k, v in vars(args).items() if k not in ("variant", "mode", "out")},
+        "config": {k: v for k, v in vars(args).items() if k not in ("variant", "mode", "out", "chunk")},
         "host": {"platform": platform.platform(), "cpus": os.cpu_count(), "python": platform.python_version(),
                  "torch": __import__("torch").__version__, "gpu": _gpu_name()},
         "rows": rows,
     }
-    out = Path(args.out) if args.out else HERE / "results" / f"logprobs_{args.device}{'_quick' if args.quick else ''}.json"
+    out = Path(args.out) if args.out else HERE / "results" / f"logprobs_{args.device}_{args.dtype}{'_quick' if args.quick else ''}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {out}")

@@ -67,6 +67,7 @@ class _LinearLogprob(torch.autograd.Function):
             # In place: log-sum-exp without a second [chunk, V] buffer.
             lse[sl] = logits.sub_(m[:, None]).exp_().sum(dim=1).log_().add_(m)
             out[sl] = picked - lse[sl]
+            del logits  # free this chunk's block before the next one is allocated
         ctx.save_for_backward(h, weight, bias, target, inv_temp, lse)
         ctx.chunk_size = chunk_size
         return out
@@ -93,6 +94,7 @@ class _LinearLogprob(torch.autograd.Function):
                 grad_w.addmm_(grad.t(), h[sl])
             if grad_b is not None:
                 grad_b.add_(grad.sum(0))
+            del grad
         return grad_h, grad_w, grad_b, None, None, None
 
 
