@@ -101,6 +101,11 @@ class VLLMServer:
     def pid(self) -> int | None:
         return self.proc.pid if self.proc is not None else None
 
+    @property
+    def pid_path(self) -> Path:
+        """`vllm.pid` beside the log: the running server's pid (its process group id); removed by stop()."""
+        return self.log_path.with_name(self.log_path.stem + ".pid")
+
     def command(self) -> list[str]:
         """The full command line of the server."""
         c = self.cfg
@@ -170,6 +175,8 @@ class VLLMServer:
             start_new_session=True,
             preexec_fn=_die_with_parent,
         )
+        # The pid (= process group id) of the running server, for operators and fault tests.
+        self.pid_path.write_text(f"{self.proc.pid}\n")
         self.wait_healthy(timeout if timeout is not None else float(_cfg(self.cfg, "startup_timeout_s", 300)))
 
     def wait_healthy(self, timeout: float) -> None:
@@ -218,12 +225,14 @@ class VLLMServer:
         if proc is not None:
             if proc.poll() is None:
                 self._signal_group(signal.SIGTERM)
+                self._signal_group(signal.SIGCONT)  # a stopped (hung) server handles SIGTERM only once continued
                 try:
                     proc.wait(timeout=timeout)
                 except subprocess.TimeoutExpired:
                     self._signal_group(signal.SIGKILL)
                     proc.wait(timeout=10)
             self._cleanup_group()
+            self.pid_path.unlink(missing_ok=True)
         self.proc = None
         if self._log_file is not None:
             self._log_file.close()
@@ -280,6 +289,7 @@ class VLLMServer:
         except ProcessLookupError:
             return
         self._signal_group(signal.SIGTERM)
+        self._signal_group(signal.SIGCONT)
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline:
             try:

@@ -70,8 +70,9 @@ class SyncStrategy(ABC):
         """Model name to put in requests (the adapter name in LoRA modes); None = the server's default."""
         return None
 
-    def check_health(self) -> None:
-        """Raise if the server is down after the strategy's bounded restarts."""
+    def check_health(self) -> bool:
+        """Restart a dead server (bounded); True when it did, False when all was well; raise when it cannot."""
+        return False
 
     @abstractmethod
     def shutdown(self) -> None:

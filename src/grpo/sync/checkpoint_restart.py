@@ -45,6 +45,13 @@ class CheckpointRestartSync(ServerSync):
     def launch(self, ctx: SyncContext) -> None:
         self.served_dir = Path(ctx.resume_weights or ctx.model_dir)
         self._start_server(ctx, self.served_dir)
+        if self.server is None and ctx.resume_weights:
+            # An attached server still serves whatever it had: load the checkpoint's weights into it.
+            self.client.reload_weights(str(self.served_dir), version=self.version)
+
+    def _restart_current(self) -> None:
+        # In-place reloads leave the server's command line on the initial weights; restart on the served ones.
+        self.server.restart(model=self.served_dir, weight_version=self.version)
 
     def sync(self, model: nn.Module, step: int) -> dict[str, float]:
         t0 = time.perf_counter()

@@ -43,6 +43,13 @@ class LoraHotSwapSync(ServerSync):
     def served_model(self) -> str | None:
         return self._current
 
+    def _restart_current(self) -> None:
+        # A fresh server holds no hot-swapped adapter: load the current one again under its name.
+        self.server.restart(weight_version=self.version)
+        self._previous = None
+        if self._current is not None:
+            self.client.load_lora(self._current, str(self._current_dir))
+
     def sync(self, model: nn.Module, step: int) -> dict[str, float]:
         t0 = time.perf_counter()
         version = self.version + 1

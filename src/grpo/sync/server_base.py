@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import shutil
 from pathlib import Path
 from typing import Any, Mapping
@@ -9,6 +10,8 @@ from typing import Any, Mapping
 from grpo.inference.client import InferenceClient
 from grpo.inference.process import VLLMServer
 from grpo.sync.base import SyncContext, SyncStrategy
+
+log = logging.getLogger(__name__)
 
 
 def _get(cfg: Any, key: str, default: Any = None) -> Any:
@@ -65,19 +68,35 @@ class ServerSync(SyncStrategy):
         return self.server.url
 
     # ------------------------------------------------------------------ health
-    def check_health(self) -> None:
-        """Restart a dead or unhealthy server, up to server.max_restarts times in the run; raise after that."""
+    # A hung (stopped, deadlocked) server accepts the connection but never answers; this bounds the wait.
+    health_timeout_s: float = 10.0
+
+    def check_health(self) -> bool:
+        """Restart a dead or unresponsive server on the current weights, up to server.max_restarts times in the
+        run; raise after that. True when it restarted the server, False when it was healthy."""
         if self.server is None:
             if self.client is not None and not self.client.health():
                 raise RuntimeError(f"external inference server {self._external_url} is not healthy")
-            return
-        if self.server.healthy(timeout=10):
-            return
+            return False
+        if self.server.healthy(timeout=self.health_timeout_s):
+            return False
         limit = int(_get(self.ctx.server_cfg, "max_restarts", 3))
+        state = "exited" if not self.server.running() else f"not answering /health within {self.health_timeout_s:g}s"
         tail = self.server.log_tail(40)
         if self._restarts_used >= limit:
-            raise RuntimeError(f"inference server down after {limit} restarts; log tail:\n{tail}")
+            raise RuntimeError(
+                f"inference server {state}; giving up after {limit} restarts (server.max_restarts={limit}). "
+                f"Log {self.server.log_path}, tail:\n{tail}"
+            )
         self._restarts_used += 1
+        log.warning("inference server %s; restart %d of %d on weight version %d", state, self._restarts_used, limit,
+                    self.version)
+        self._restart_current()
+        return True
+
+    def _restart_current(self) -> None:
+        """Restart the server serving the current weights (subclasses whose weights live outside the server
+        command line, e.g. hot-swapped adapters, put them back)."""
         self.server.restart(weight_version=self.version)
 
     def shutdown(self) -> None:

@@ -28,6 +28,8 @@ import numpy as np
 import torch
 from torch import nn
 
+from grpo import faults
+
 COMPLETE = "COMPLETE"
 _STEP_RE = re.compile(r"^step_(\d+)$")
 
@@ -201,6 +203,7 @@ class CheckpointManager:
             if scheduler is not None:
                 torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
             torch.save(_rng_state(), tmp / "rng.pt")
+            faults.point("checkpoint_write", step)  # test-only: GRPO_FAULT=sigterm@checkpoint_write:<step>
             (tmp / "trainer_state.json").write_text(state_json)
             (tmp / COMPLETE).write_text(f"{step}\n")
             _publish(tmp, final)

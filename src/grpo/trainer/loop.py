@@ -11,6 +11,8 @@ from typing import Any
 import torch
 from omegaconf import DictConfig
 
+from grpo import faults
+from grpo.inference.client import InferenceServerError
 from grpo.pipeline.base import DataPipeline
 from grpo.pipeline.batch import prepare_batch
 from grpo.sync.base import SyncStrategy
@@ -28,6 +30,18 @@ def peak_memory_gb(device: torch.device) -> float:
     import resource
 
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024**2  # ru_maxrss is in KiB on Linux
+
+
+def process_stats() -> dict[str, float]:
+    """Current RSS and open file descriptors of this process (Linux /proc; empty elsewhere), for leak watching."""
+    import os
+
+    try:
+        rss_pages = int(Path("/proc/self/statm").read_text().split()[1])
+        fds = len(os.listdir("/proc/self/fd"))
+    except OSError:
+        return {}
+    return {"memory/rss_gb": rss_pages * os.sysconf("SC_PAGE_SIZE") / 1024**3, "proc/open_fds": float(fds)}
 
 
 class NonFiniteError(RuntimeError):
@@ -76,6 +90,7 @@ class GRPOTrainer:
     def fit(self) -> list[float]:
         """Train until `train.steps`; returns the mean reward of every step run (for sweeps)."""
         while self.step < self.cfg.steps:
+            faults.server_faults(self.step + 1, getattr(self.sync, "server", None))
             self.sync.check_health()
             row = self.train_step()
             if (self.step % self.cfg.checkpoint_every == 0) or self.step == self.cfg.steps:
@@ -92,7 +107,15 @@ class GRPOTrainer:
     def train_step(self) -> dict[str, Any]:
         """One optimizer step; returns its metrics row."""
         t_start = time.perf_counter()
-        groups = self.pipeline.next_groups(self.step)
+        faults.point("generate", self.step + 1)
+        try:
+            groups = self.pipeline.next_groups(self.step)
+        except InferenceServerError:
+            # The server died while generating: restart it (bounded by server.max_restarts; raises when used up
+            # or when the server is healthy, i.e. the error was not a crash) and generate this step again.
+            if not self.sync.check_health():
+                raise
+            groups = self.pipeline.next_groups(self.step)
         t_data = time.perf_counter()
         batch = prepare_batch(
             groups,
@@ -119,6 +142,8 @@ class GRPOTrainer:
                 logprobs, mb.inference_logprobs, mb.advantages, mb.loss_mask,
                 ref_logprobs=mb.ref_logprobs, total_tokens=batch.num_loss_tokens, total_sequences=batch.num_sequences,
             )
+            if faults.active("nan_loss", self.step + 1):
+                loss = loss * float("nan")
             loss.backward()
             loss_total += float(loss.detach())
             # Token-weighted average of the micro-batch metrics over the step.
@@ -134,6 +159,7 @@ class GRPOTrainer:
             self.nonfinite_in_a_row = 0
             self.sync.before_optimizer_step()
             try:
+                faults.point("optimizer_step", self.step + 1)
                 self.optimizer.step()
             finally:
                 self.sync.after_optimizer_step()
@@ -172,6 +198,7 @@ class GRPOTrainer:
         row.setdefault("tokens/trained", float(batch.num_loss_tokens))
         row["throughput/trained_tokens_per_s"] = row["tokens/trained"] / max(t_opt - t_data, 1e-9)
         row["memory/peak_gb"] = peak_memory_gb(self.device)
+        row.update(process_stats())
         if "reward/mean" in row:
             self.rewards.append(float(row["reward/mean"]))
         return row

@@ -1,0 +1,64 @@
+"""Test-only fault injection, driven by the GRPO_FAULT environment variable; every call is a no-op when it is unset.
+
+GRPO_FAULT holds `;`-separated faults, `<kind>@<where>`; steps are 1-based (the step being run, as in
+metrics.jsonl):
+
+    sigterm@<phase>:<step>    SIGTERM this process in <phase> of <step>. Phases:
+                                generate          0.2 s into the rollout request (a timer thread, so it lands
+                                                  while generation runs)
+                                optimizer_step    right before optimizer.step()
+                                checkpoint_write  model and optimizer files written, COMPLETE not yet
+    nan_loss@<s>,<s>,...      the loss of these steps becomes NaN before backward (so the gradients are NaN too)
+    kill_server@<s>,<s>,...   SIGKILL the inference server's process group at the start of these steps (a crash)
+    stop_server@<s>,<s>,...   SIGSTOP it there (a hang; the health check's timeout must notice)
+
+Example: GRPO_FAULT="nan_loss@3;sigterm@checkpoint_write:5".
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+GENERATE_DELAY_S = 0.2
+
+
+def _faults() -> dict[str, set[str]]:
+    spec = os.environ.get("GRPO_FAULT", "")
+    out: dict[str, set[str]] = {}
+    for item in filter(None, (s.strip() for s in spec.split(";"))):
+        kind, _, where = item.partition("@")
+        out.setdefault(kind, set()).update(w.strip() for w in where.split(","))
+    return out
+
+
+def active(kind: str, step: int) -> bool:
+    """True when GRPO_FAULT asks for `kind` at `step` (nan_loss, kill_server, stop_server)."""
+    return str(step) in _faults().get(kind, ())
+
+
+def point(phase: str, step: int) -> None:
+    """Named point `phase` of `step`: SIGTERM ourselves when GRPO_FAULT says sigterm@<phase>:<step>."""
+    if f"{phase}:{step}" not in _faults().get("sigterm", ()):
+        return
+    log.warning("GRPO_FAULT: SIGTERM in %s of step %d", phase, step)
+    if phase == "generate":
+        threading.Timer(GENERATE_DELAY_S, os.kill, (os.getpid(), signal.SIGTERM)).start()
+    else:
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
+def server_faults(step: int, server: Any) -> None:
+    """At the start of `step`: kill or stop the inference server (`VLLMServer` or None) when GRPO_FAULT says so."""
+    pid = getattr(server, "pid", None)
+    if pid is None:
+        return
+    for kind, sig in (("kill_server", signal.SIGKILL), ("stop_server", signal.SIGSTOP)):
+        if active(kind, step):
+            log.warning("GRPO_FAULT: %s (pgid %d) at step %d", kind, pid, step)
+            os.killpg(pid, sig)
