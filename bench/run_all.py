@@ -48,8 +48,8 @@ def run(parts: list[str], quick: bool) -> None:
         _run(["bench/train_step.py", "--rounds", "1" if quick else "2", "--steps", "1" if quick else "3",
               *(["--models", "tiny"] if quick else [])])  # fmt: skip
     if "logprobs" in parts:
-        _run(["bench/logprobs_bench.py", "--repeats", "2", "--out", str(RESULTS / "logprobs_cpu.json"),
-              *(["--quick"] if quick else ["--seq-len", "1024"])])  # fmt: skip
+        _run(["bench/logprobs_bench.py", "--repeats", "2", "--out", str(RESULTS / "logprobs_cpu_float32.json"),
+              *(["--quick"] if quick else [])])  # fmt: skip
     if "e2e_modes" in parts:
         _run(["bench/e2e_modes.py", "--steps", "3" if quick else "10", "--modes", "none", "lora_only"])
         _run(["bench/e2e_modes.py", "--steps", "3", "--modes", "lora_restart", "--out", str(RESULTS / "e2e_modes_restart.json")])
@@ -78,12 +78,13 @@ def summary() -> dict:
                 r["throughput_ratio"], ">= 1.0x", r["throughput_ratio"] >= 1.0, "train_step.json")
             add(f"train step peak RSS MiB, {r['model']}", f"{o['max_rss_mib']:.0f}", f"TRL {t['max_rss_mib']:.0f}",
                 r["max_rss_ratio"], "<= 1.0x", r["max_rss_ratio"] <= 1.0, "train_step.json")  # fmt: skip
-    lp = _load("logprobs_cpu.json")
+    lp = _load("logprobs_cpu_float32.json") or _load("logprobs_cpu.json")
     if lp:
         for r in lp["rows"]:
-            add(f"log-prob peak MiB ({r['mode']}, prompt {r['prompt_frac']:.2f}, vocab {lp['config']['vocab']})",
+            add(f"log-prob peak MiB ({r['mode']}, prompt {r['prompt_frac']:.2f}, chunk {r.get('chunk', 1024)}, "
+                f"vocab {lp['config']['vocab']}, seq {lp['config']['seq_len']})",
                 f"{r['chunked_peak_mib']:.0f}", f"naive {r['naive_peak_mib']:.0f}", r["memory_ratio"], ">= 4x less",
-                r["memory_ratio"] >= 4.0, "logprobs_cpu.json")  # fmt: skip
+                r["memory_ratio"] >= 4.0, "logprobs_cpu_float32.json")  # fmt: skip
     sv = _load("server_throughput.json")
     if sv:
         m = sv["median_tokens_per_s"]
