@@ -86,6 +86,9 @@ class GRPOTrainer:
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.vocab_size = model.get_input_embeddings().num_embeddings
         self.rewards: list[float] = []
+        if device.type == "cuda":
+            # Peaks are per run: a multirun's earlier jobs must not leak into this one's figures.
+            torch.cuda.reset_peak_memory_stats(device)
 
     def fit(self) -> list[float]:
         """Train until `train.steps`; returns the mean reward of every step run (for sweeps)."""
