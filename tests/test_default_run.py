@@ -1,0 +1,28 @@
+"""The README's first command: the default job learns (reward clearly rising) on CPU in under 15 minutes."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from conftest import free_port
+from test_train_e2e import assert_clean, metrics, run_train
+
+# The margin the README promises: mean reward of the last 10 steps minus the first 10.
+MARGIN = 0.5
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_default_run_reward_rises(tmp_path):
+    run_dir = tmp_path / "default"
+    out, marker = run_train(f"server.port={free_port()}", f"hydra.run.dir={run_dir}", timeout=900)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert_clean(marker)
+    rewards = [r["reward/mean"] for r in metrics(run_dir)]
+    assert len(rewards) == 60
+    first, last = sum(rewards[:10]) / 10, sum(rewards[-10:]) / 10
+    assert last - first >= MARGIN, (first, last)
+    assert (run_dir / "curves.png").stat().st_size > 0
+    assert json.loads((run_dir / "summary.json").read_text())["status"] == "completed"
