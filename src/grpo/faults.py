@@ -4,7 +4,7 @@ GRPO_FAULT holds `;`-separated faults, `<kind>@<where>`; steps are 1-based (the 
 metrics.jsonl):
 
     sigterm@<phase>:<step>    SIGTERM this process in <phase> of <step>. Phases:
-                                generate          0.2 s into the rollout request (a timer thread, so it lands
+                                generate          0.05 s into the rollout request (a timer thread, so it lands
                                                   while generation runs)
                                 optimizer_step    right before optimizer.step()
                                 checkpoint_write  model and optimizer files written, COMPLETE not yet
@@ -25,7 +25,7 @@ from typing import Any
 
 log = logging.getLogger(__name__)
 
-GENERATE_DELAY_S = 0.2
+GENERATE_DELAY_S = 0.05
 
 
 def _faults() -> dict[str, set[str]]:
