@@ -165,7 +165,7 @@ def bench_ref(mdir: Path, steps: int, groups: list[dict], work: Path) -> dict:
             "peak_gb": int(maxrss[-1]) / 1024**2 if maxrss else None, "loadavg_end": loadavg()}  # fmt: skip
 
 
-def bench_ours(mdir: Path, steps: int, groups: list[dict], work: Path) -> dict:
+def bench_ours(mdir: Path, steps: int, groups: list[dict], work: Path, overrides: list[str] = ()) -> dict:
     api, url = start_run_api(work / "ours_run_api.log")
     run_dir = work / "ours_run"
     try:
@@ -173,7 +173,7 @@ def bench_ours(mdir: Path, steps: int, groups: list[dict], work: Path) -> dict:
                "train.micro_batch_size=32", "train.grad_accum=2", "optimizer.lr=1e-5", "lora=attention", "lora.r=16",
                "lora.alpha=32", "lora.dropout=0.0", "loss.clip_eps=0.2", f"server.port={free_port()}",
                "logging.progress_bar=false", "logging.plot=false", f"train.checkpoint_every={steps}",
-               f"hydra.run.dir={run_dir}"]  # fmt: skip
+               f"hydra.run.dir={run_dir}", *overrides]  # fmt: skip
         wall = run_trainer(cmd, url, groups, work / "ours_trainer.log")
     finally:
         stop(api)
@@ -192,6 +192,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--which", nargs="+", default=["ref", "ours", "ours", "ref"],
                     help="runs in this order (alternated so both see the same machine load)")
+    ap.add_argument("--ours-overrides", nargs="*", default=[],
+                    help="extra train.py overrides, e.g. model.dtype=bfloat16 model.gradient_checkpointing=true "
+                         "(what atropos-grpo does: it always loads the model in bfloat16 with gradient checkpointing)")
     ap.add_argument("--out", default=str(RESULTS / "reference_trainer.json"))
     args = ap.parse_args(argv)
     from transformers import AutoTokenizer
@@ -205,7 +208,10 @@ def main(argv=None) -> dict:
         sub = work / f"run{i}_{which}"
         sub.mkdir()
         try:
-            r = (bench_ref if which == "ref" else bench_ours)(mdir, args.steps, groups, sub)
+            if which == "ref":
+                r = bench_ref(mdir, args.steps, groups, sub)
+            else:
+                r = bench_ours(mdir, args.steps, groups, sub, args.ours_overrides)
             print(f"  {which}: step {r['step_s']:.2f}s sync {r['sync_s']}s peak {r['peak_gb']} GB "
                   f"(load {r['loadavg_end']:.1f})", flush=True)  # fmt: skip
         except Exception as e:  # noqa: BLE001 - recorded in the results

@@ -108,6 +108,30 @@ def worker(args) -> dict:
             torch.nn.utils.clip_grad_norm_(params, 1.0)
             opt.step()
             return float(loss.detach())
+    elif args.impl == "ref":
+        # The Atropos reference trainer's own step (example_trainer.training.run_training_step): full [B, T, V]
+        # logits, cross-entropy log-probs, per-sequence token mean, clip 1.0, optimizer step. Its data layout
+        # (example_trainer.data.pad_data_to_good_offset): tokens[:-1] in, labels = masks[1:], [B, 1] advantages,
+        # [B, 1, 1] temperatures, inference log-probs aligned with labels.
+        from types import SimpleNamespace
+
+        from example_trainer.training import run_training_step
+
+        full = torch.cat([d["prompt"], d["comp"]], 1)
+        labels = torch.cat([torch.full_like(d["prompt"], -100), torch.where(d["cmask"] > 0, d["comp"], -100)], 1)
+        inf = torch.cat([torch.ones_like(d["prompt"], dtype=torch.float32), d["old_lp"]], 1)
+        tokens, labels, inf = full[:, :-1].contiguous(), labels[:, 1:].contiguous(), inf[:, 1:].contiguous()
+        config = SimpleNamespace(clip_eps=0.2, warmup_steps=0, lr=1e-6, gradient_accumulation_steps=1, device="cpu")
+        opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-6, weight_decay=0.0)
+        temps = torch.ones(B, 1, 1)
+        step_idx = [0]
+
+        def step() -> float:
+            model.train()
+            m = run_training_step(model, opt, [tokens], [labels], [adv[:, None]], [temps], config, step_idx[0],
+                                  inference_logprob_batches=[inf])  # fmt: skip
+            step_idx[0] += 1
+            return float(m.get("loss", float("nan")))
     else:
         from datasets import Dataset
         from trl import GRPOConfig, GRPOTrainer
@@ -165,6 +189,8 @@ def main(argv=None) -> dict:
     p.add_argument("--models", nargs="+", default=["tiny", "small"])
     p.add_argument("--rounds", type=int, default=2, help="ours/trl alternations per model")
     p.add_argument("--steps", type=int, default=3, help="timed steps per subprocess (after one warm-up step)")
+    p.add_argument("--impls", nargs="+", default=["ours", "trl", "ref"],
+                   help="ours, trl (TRL GRPOTrainer.compute_loss), ref (atropos-grpo's run_training_step)")
     p.add_argument("--impl", help=argparse.SUPPRESS)
     p.add_argument("--model", help=argparse.SUPPRESS)
     p.add_argument("--out", default=str(RESULTS / "train_step.json"))
@@ -177,17 +203,18 @@ def main(argv=None) -> dict:
     for model in args.models:
         model_dir(model)  # build once, outside the measured subprocesses
         for r in range(args.rounds):
-            for impl in (("ours", "trl") if r % 2 == 0 else ("trl", "ours")):
+            impls = list(args.impls) if r % 2 == 0 else list(reversed(args.impls))
+            for impl in impls:
                 res = run_json([sys.executable, __file__, "--impl", impl, "--model", model, "--steps", str(args.steps)])
                 res["round"] = r
                 print(f"  {model:5} {impl:4} round {r}: {res['step_s']:.3f} s/step  {res['tokens_per_s']:8.0f} tok/s  "
                       f"max RSS {res['max_rss_mib']:.0f} MiB  step peak +{res['step_peak_mib']:.0f} MiB  "
                       f"loss {res['first_loss']:.6f}  load {res['loadavg_end']:.1f}", flush=True)  # fmt: skip
                 runs.append(res)
-    rows = []
+    rows, rows_ref = [], []
     for model in args.models:
         agg = {}
-        for impl in ("ours", "trl"):
+        for impl in args.impls:
             rs = [x for x in runs if x["model"] == model and x["impl"] == impl]
             times = [t for x in rs for t in x["times"]]
             agg[impl] = {
@@ -195,7 +222,14 @@ def main(argv=None) -> dict:
                 "max_rss_mib": max(x["max_rss_mib"] for x in rs), "step_peak_mib": max(x["step_peak_mib"] for x in rs),
                 "first_loss": rs[0]["first_loss"],
             }  # fmt: skip
-        o, t = agg["ours"], agg["trl"]
+        o, t = agg["ours"], agg.get("trl")
+        if "ref" in agg:
+            rf = agg["ref"]
+            rows_ref.append({"model": model, "shape": "B={} P={} C<={}".format(*SHAPES[model]), "ours": o, "ref": rf,
+                             "throughput_ratio": o["tokens_per_s"] / rf["tokens_per_s"],
+                             "max_rss_ratio": o["max_rss_mib"] / rf["max_rss_mib"]})  # fmt: skip
+        if t is None:
+            continue
         rows.append({
             "model": model, "shape": "B={} P={} C<={}".format(*SHAPES[model]), "loss_tokens": runs[0]["loss_tokens"]
             if runs[0]["model"] == model else next(x["loss_tokens"] for x in runs if x["model"] == model),
@@ -204,7 +238,7 @@ def main(argv=None) -> dict:
             "loss_abs_diff": abs(o["first_loss"] - t["first_loss"]),
         })  # fmt: skip
     result = {"bench": "train_step", "machine": machine(), "command": "python bench/train_step.py " + " ".join(argv or sys.argv[1:]),
-              "rows": rows, "runs": runs}  # fmt: skip
+              "rows": rows, "rows_ref": rows_ref, "runs": runs}  # fmt: skip
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
     print(table(result))
@@ -219,6 +253,14 @@ def table(result: dict) -> str:
         lines.append(f"| {r['model']} | {r['shape']} | {r['loss_tokens']} | {o['tokens_per_s']:.0f} | {t['tokens_per_s']:.0f} "
                      f"| {r['throughput_ratio']:.2f}x | {o['max_rss_mib']:.0f} | {t['max_rss_mib']:.0f} "
                      f"| {o['step_peak_mib']:.0f} | {t['step_peak_mib']:.0f} | {r['loss_abs_diff']:.1e} |")  # fmt: skip
+    if result.get("rows_ref"):
+        lines += ["", "| model | batch | ours tok/s | atropos-grpo step tok/s | ratio | ours max RSS MiB | ref max RSS MiB "
+                  "| ours step peak MiB | ref step peak MiB |", "|" + "---|" * 9]  # fmt: skip
+        for r in result["rows_ref"]:
+            o, f = r["ours"], r["ref"]
+            lines.append(f"| {r['model']} | {r['shape']} | {o['tokens_per_s']:.0f} | {f['tokens_per_s']:.0f} "
+                         f"| {r['throughput_ratio']:.2f}x | {o['max_rss_mib']:.0f} | {f['max_rss_mib']:.0f} "
+                         f"| {o['step_peak_mib']:.0f} | {f['step_peak_mib']:.0f} |")  # fmt: skip
     return "\n".join(lines)
 
 
