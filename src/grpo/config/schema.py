@@ -136,6 +136,25 @@ class SharedMemorySyncConfig:
     sync_every: int = 1
 
 
+@dataclass
+class NCCLBroadcastSyncConfig:
+    """mode=broadcast: trainer and vLLM on different GPUs; NCCL broadcast through vLLM's weight-transfer engine."""
+
+    _target_: str = "grpo.sync.nccl_broadcast.NCCLBroadcastSync"
+    sync_every: int = 1
+    # Largest packed bucket in MiB (a bigger tensor travels alone).
+    bucket_mb: float = 512.0
+    # Buckets in flight on the trainer at once (memory: num_buffers x bucket_mb).
+    num_buffers: int = 2
+    # Cast weights to this dtype before sending (e.g. bfloat16); null = the trainer's dtype.
+    transfer_dtype: Optional[str] = None
+    # Rendezvous of the trainer-vLLM NCCL group (the trainer hosts it); null port = a free one.
+    master_address: str = "127.0.0.1"
+    master_port: Optional[int] = None
+    # Longest wait for the group to form or one transfer to finish.
+    timeout_s: float = 600.0
+
+
 # ---------------------------------------------------------------- inference server
 @dataclass
 class ServerConfig:
@@ -261,5 +280,6 @@ def register_configs() -> None:
     cs.store(group="mode", name="lora_restart_schema", node=LoraRestartSyncConfig)
     cs.store(group="mode", name="lora_only_schema", node=LoraHotSwapSyncConfig)
     cs.store(group="mode", name="shared_vllm_schema", node=SharedMemorySyncConfig)
+    cs.store(group="mode", name="broadcast_schema", node=NCCLBroadcastSyncConfig)
     cs.store(group="data", name="atropos_schema", node=AtroposDataConfig)
     cs.store(group="data", name="local_schema", node=LocalDataConfig)

@@ -56,6 +56,62 @@ def check_run_dir(run_dir: Path) -> None:
         )
 
 
+def parallel_sizes(extra_args) -> dict[str, int]:
+    """Tensor / pipeline / data parallel sizes given in server.extra_args (1 when absent)."""
+    flags = {
+        "--tensor-parallel-size": "tensor", "-tp": "tensor",
+        "--pipeline-parallel-size": "pipeline", "-pp": "pipeline",
+        "--data-parallel-size": "data", "-dp": "data",
+    }
+    sizes = {"tensor": 1, "pipeline": 1, "data": 1}
+    args = [str(a) for a in (extra_args or [])]
+    for i, a in enumerate(args):
+        flag, eq, val = a.partition("=")
+        if flag in flags:
+            val = val if eq else (args[i + 1] if i + 1 < len(args) else "")
+            try:
+                sizes[flags[flag]] = int(val)
+            except ValueError:
+                raise ConfigError(f"server.extra_args: {flag} needs an integer, got {val!r}") from None
+    return sizes
+
+
+def check_layout(cfg: DictConfig, sync_cls: type, cuda: bool, world_size: int = 1) -> None:
+    """Checks of the multi-GPU layouts: shared_vllm needs one vLLM worker, broadcast needs vLLM on its own GPU,
+    and a torchrun (FSDP2) trainer composes with mode=broadcast."""
+    from grpo.sync.nccl_broadcast import NCCLBroadcastSync
+    from grpo.sync.shared_memory import SharedMemorySync
+
+    sizes = parallel_sizes(cfg.server.extra_args)
+    if issubclass(sync_cls, SharedMemorySync) and any(v > 1 for v in sizes.values()):
+        what = ", ".join(f"{k} parallel {v}" for k, v in sizes.items() if v > 1)
+        raise ConfigError(
+            f"mode=shared_vllm trains views of one vLLM worker's tensors and does not support vLLM {what} "
+            f"(server.extra_args={list(cfg.server.extra_args)}): each rank would hold only a shard. Use "
+            "mode=broadcast (trainer on its own GPU, weights sent to every vLLM rank by NCCL; set server.device) "
+            "or drop --tensor-parallel-size (tp=1) to keep mode=shared_vllm."
+        )
+    if issubclass(sync_cls, NCCLBroadcastSync) and not cuda:
+        raise ConfigError(
+            "mode=broadcast sends weights by NCCL from the trainer's GPU to vLLM's GPU(s) and needs CUDA; none is "
+            "visible here. Use mode=none, mode=lora_only or mode=lora_restart on this machine."
+        )
+    if issubclass(sync_cls, NCCLBroadcastSync) and cuda and cfg.server.external_url is None:
+        dev = cfg.server.device
+        if dev is None or (isinstance(dev, int) and dev < world_size):
+            raise ConfigError(
+                f"mode=broadcast needs vLLM on GPUs the trainer does not use (NCCL cannot join two ranks on one "
+                f"GPU): set server.device to a GPU index >= {world_size} (server.device={dev}); e.g. trainer on "
+                f"GPU 0, server.device=1"
+            )
+    if world_size > 1 and not issubclass(sync_cls, NCCLBroadcastSync):
+        raise ConfigError(
+            f"a torchrun trainer ({world_size} processes, FSDP2) composes with mode=broadcast only, not "
+            f"mode={_mode_name(cfg)}; run it with mode=broadcast server.device=<a GPU index >= {world_size}>, "
+            "or run one process"
+        )
+
+
 def validate(cfg: DictConfig, run_dir: Path | None = None) -> None:
     """Check everything that can be known before loading a model. Raises ConfigError naming the key."""
     from grpo.trainer.layers import resolve_layer_indices
@@ -72,6 +128,7 @@ def validate(cfg: DictConfig, run_dir: Path | None = None) -> None:
 
     sync_cls = get_class(cfg.mode._target_)
     cuda = _cuda_available()
+    check_layout(cfg, sync_cls, cuda, int(os.environ.get("WORLD_SIZE", "1")))
     if sync_cls.requires_cuda and not cuda:
         raise ConfigError(
             f"mode={_mode_name(cfg)} shares CUDA memory with vLLM and needs a CUDA GPU; none is visible here. "

@@ -13,6 +13,8 @@ every other request to vLLM untouched:
   `reload_weights`, wrapped by our worker extension, through `collective_rpc`), reset the prefix cache, bump the version.
 - ``POST /grpo/pause`` / ``POST /grpo/resume``: vLLM's `pause_generation` / `resume_generation`.
 - ``POST /grpo/rpc``: call a `grpo_*` method of the worker extension (`WeightSyncExtension`) on every worker.
+- ``POST /grpo/weight_transfer/init`` and ``/update``: vLLM's NCCL weight-transfer engine (mode=broadcast;
+  `grpo.inference.weight_transfer`).
 
 The middleware reaches the engine through ``app.state.engine_client``, which vLLM's own routes use too. It is
 added after vLLM's own middleware, so it is the outermost layer: API-key checks (``--api-key``) do not cover
@@ -191,6 +193,17 @@ ROUTES: dict[tuple[str, str], Handler] = {
     ("POST", "/grpo/resume"): handle_resume,
     ("POST", "/grpo/rpc"): handle_rpc,
 }
+
+
+def _weight_transfer_routes() -> None:
+    # mode=broadcast: vLLM's NCCL weight-transfer engine (grpo.inference.weight_transfer).
+    from grpo.inference import weight_transfer
+
+    ROUTES[("POST", "/grpo/weight_transfer/init")] = weight_transfer.handle_init
+    ROUTES[("POST", "/grpo/weight_transfer/update")] = weight_transfer.handle_update
+
+
+_weight_transfer_routes()
 
 
 class GRPOMiddleware:

@@ -50,6 +50,13 @@ class WeightSyncExtension:
         if quant_method is not None:
             quant_method.process_weights_after_loading(head)
 
+    def grpo_empty_cache(self) -> None:
+        """Release the CUDA caching allocator's unused blocks (after a weight transfer's receive buffers)."""
+        import torch
+
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
     def grpo_param_checksum(self) -> float:
         """Sum of |w| over all parameters: a cheap way to see that weights changed."""
         return float(sum(p.detach().float().abs().sum().item() for p in self._grpo_model().parameters()))

@@ -1,0 +1,263 @@
+"""mode=broadcast: trainer and vLLM on different GPUs; weights pushed by NCCL broadcast after each optimizer step.
+
+Built on vLLM's own weight-transfer engine (``--weight-transfer-config {"backend": "nccl"}``), present in vLLM
+0.26 and 0.32:
+
+1. launch: the server starts with the NCCL engine; the trainer (NCCL rank 0, on its own GPU) and every vLLM
+   worker (ranks 1..) join one group: `POST /grpo/weight_transfer/init` runs vLLM's `init_weight_transfer_engine`
+   on the workers while the trainer joins with vLLM's `trainer_init` (same rendezvous, same PyNccl code).
+2. sync: the trainer's parameters, under their Hugging Face names, unfused (vLLM's `load_weights` fuses q/k/v and
+   gate/up and shards for tensor parallelism itself), are packed into flat buckets of at most `bucket_mb`
+   (`grpo.sync.buckets`); generation is paused, `POST /grpo/weight_transfer/update` runs one vLLM weight-update
+   session with one `update_weights` call per bucket while the trainer broadcasts the buckets in the same order,
+   then the prefix cache is reset, the version bumped and generation resumed.
+
+Works with vLLM tensor parallelism (every rank receives the full tensors and keeps its shard) and with an FSDP2
+trainer (each parameter is gathered with `full_tensor()`; all trainer ranks iterate, rank 0 sends).
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+import time
+from collections import deque
+from pathlib import Path
+from typing import Any, Iterable, Iterator
+
+import torch
+import torch.nn as nn
+
+from grpo.sync.base import SyncContext
+from grpo.sync.buckets import Bucket, pack_bucket, plan_buckets
+from grpo.sync.server_base import ServerSync, _get
+
+log = logging.getLogger(__name__)
+
+WEIGHT_TRANSFER_FLAG = "--weight-transfer-config"
+WEIGHT_TRANSFER_CONFIG = '{"backend": "nccl"}'
+# Prefixes wrappers put in front of the Hugging Face names (torch.compile, DDP, FSDP1, activation checkpointing).
+_WRAPPER_PREFIXES = ("_orig_mod.", "module.", "_fsdp_wrapped_module.", "_checkpoint_wrapped_module.")
+
+
+def hf_weight_name(name: str) -> str:
+    """The Hugging Face parameter name vLLM's `load_weights` expects, without wrapper prefixes."""
+    parts = [p for p in name.split(".") if p + "." not in _WRAPPER_PREFIXES]
+    return ".".join(parts)
+
+
+def weight_specs(model: nn.Module, transfer_dtype: torch.dtype | None = None) -> list[tuple[str, torch.dtype, tuple]]:
+    """(HF name, dtype sent, global shape) of every parameter, in `named_parameters` order (tied ones once)."""
+    specs = []
+    for name, p in model.named_parameters():
+        if ".lora_" in name or name.startswith("base_model.model."):
+            raise ValueError(f"mode=broadcast sends full weights; {name} looks like a LoRA/PEFT parameter")
+        specs.append((hf_weight_name(name), transfer_dtype or p.dtype, tuple(p.shape)))
+    return specs
+
+
+def check_against_vllm(specs: list[tuple[str, Any, tuple]], vllm_params: list[dict], config: Any) -> None:
+    """Every HF name must land on vLLM's (fused) parameters and cover all of them (shapes checked when vLLM runs
+    one worker; with tensor parallelism only the names). Raises MappingError naming each problem."""
+    from grpo.sync.param_mapping import plan_mapping
+
+    plan_mapping({n: s for n, _, s in specs}, {p["name"]: tuple(p["shape"]) for p in vllm_params}, config)
+
+
+def _free_port(host: str) -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def _full_params(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    from grpo.trainer.distributed import iter_full_params
+
+    return iter_full_params(model)
+
+
+class _Call(threading.Thread):
+    """An HTTP call that blocks until the trainer's side of a collective runs; result or error on join."""
+
+    def __init__(self, fn, *args) -> None:
+        super().__init__(daemon=True)
+        self.fn, self.args, self.result, self.error = fn, args, None, None
+        self.start()
+
+    def run(self) -> None:
+        try:
+            self.result = self.fn(*self.args)
+        except BaseException as e:  # noqa: BLE001 - re-raised in the caller's thread
+            self.error = e
+
+    def get(self, timeout: float | None = None) -> Any:
+        self.join(timeout)
+        if self.is_alive():
+            raise TimeoutError(f"server did not finish {self.args[0]} within {timeout} s")
+        if self.error is not None:
+            raise self.error
+        return self.result
+
+
+class NCCLBroadcastSync(ServerSync):
+    """Push full weights into a vLLM server on another GPU through vLLM's NCCL weight-transfer engine."""
+
+    requires_cuda = True
+    uses_lora = False
+
+    def __init__(self, sync_every: int = 1, bucket_mb: float = 512, num_buffers: int = 2,
+                 transfer_dtype: str | None = None, master_address: str = "127.0.0.1",
+                 master_port: int | None = None, timeout_s: float = 600.0) -> None:
+        super().__init__(sync_every)
+        if bucket_mb <= 0 or num_buffers < 1:
+            raise ValueError("mode.bucket_mb must be > 0 and mode.num_buffers >= 1")
+        self.bucket_bytes = int(bucket_mb * 1024**2)
+        self.num_buffers = int(num_buffers)
+        self.transfer_dtype = getattr(torch, transfer_dtype) if transfer_dtype else None
+        self.master_address = master_address
+        self.master_port = master_port
+        self.timeout_s = timeout_s
+        self.group = None  # vLLM PyNcclCommunicator, trainer = rank 0
+        self.world_size = 0
+        self.device: torch.device | None = None
+        self._stream: torch.cuda.Stream | None = None
+        self._checked = False
+
+    # ------------------------------------------------------------------ launch
+    def launch(self, ctx: SyncContext) -> None:
+        if not torch.cuda.is_available():
+            raise RuntimeError("mode=broadcast sends weights by NCCL between GPUs and needs CUDA; use mode=none here")
+        self.device = torch.device("cuda", torch.cuda.current_device())
+        self._start_server(ctx, Path(ctx.resume_weights or ctx.model_dir))
+        if self.server is None and ctx.resume_weights:
+            self.client.reload_weights(str(ctx.resume_weights), version=self.version)
+        self._init_group()
+
+    def _start_server(self, ctx: SyncContext, model: Path, lora_modules=None) -> None:
+        # The server needs vLLM's NCCL weight-transfer engine: add the flag unless the user already set it.
+        from omegaconf import OmegaConf
+
+        cfg = ctx.server_cfg
+        extra = [str(a) for a in (_get(cfg, "extra_args", None) or [])]
+        if not any(a.split("=", 1)[0] == WEIGHT_TRANSFER_FLAG for a in extra) and not _get(cfg, "external_url"):
+            container = OmegaConf.to_container(cfg, resolve=True) if OmegaConf.is_config(cfg) else dict(vars(cfg) if not isinstance(cfg, dict) else cfg)
+            container["extra_args"] = extra + [WEIGHT_TRANSFER_FLAG, WEIGHT_TRANSFER_CONFIG]
+            ctx = SyncContext(**{**ctx.__dict__, "server_cfg": OmegaConf.create(container)})
+        super()._start_server(ctx, model, lora_modules)
+
+    def _init_group(self) -> None:
+        from vllm.distributed.weight_transfer.nccl_common import trainer_init
+
+        workers = self.client._post("/grpo/rpc", {"method": "grpo_param_info"})["results"]
+        self._vllm_params = workers[0]
+        self.world_size = 1 + len(workers)
+        port = self.master_port or _free_port(self.master_address)
+        body = {"master_address": self.master_address, "master_port": port, "world_size": self.world_size,
+                "rank_offset": 1, "bucket_bytes": self.bucket_bytes, "num_buffers": self.num_buffers}
+        t0 = time.perf_counter()
+        call = _Call(self.client._post, "/grpo/weight_transfer/init", body, self.timeout_s)
+        torch.cuda.set_device(self.device)
+        self.group = trainer_init({"master_address": self.master_address, "master_port": port,
+                                   "world_size": self.world_size})
+        call.get(self.timeout_s)
+        self._stream = torch.cuda.Stream(self.device)
+        log.info("NCCL weight-transfer group up: trainer + %d vLLM worker(s), %.2f s", len(workers),
+                 time.perf_counter() - t0)
+
+    def _restart_current(self) -> None:
+        # A restarted server has a fresh engine: push the current weights again after it joins a new group.
+        raise RuntimeError(
+            "mode=broadcast cannot restart a dead vLLM server mid-run (its NCCL group with the trainer is gone); "
+            "resume the run with train.resume=<run dir>"
+        )
+
+    # ------------------------------------------------------------------ sync
+    def plan(self, model: nn.Module) -> list[Bucket]:
+        return plan_buckets(weight_specs(model, self.transfer_dtype), self.bucket_bytes)
+
+    def sync(self, model: nn.Module, step: int) -> dict[str, float]:
+        return self.send(model, _full_params(model), step)
+
+    def send(self, model: nn.Module, named: Iterable[tuple[str, torch.Tensor]], step: int) -> dict[str, float]:
+        """Broadcast `named` (full tensors, `model`'s parameter order) into vLLM; returns the sync metrics."""
+        t0 = time.perf_counter()
+        buckets = self.plan(model)
+        if not self._checked:
+            self._check_names(model)
+        version = self.version + 1
+        body = {"buckets": [b.update_info() for b in buckets], "bucket_bytes": self.bucket_bytes,
+                "num_buffers": self.num_buffers, "weight_version": version}
+        self.client.pause()
+        t_paused = time.perf_counter()
+        try:
+            call = _Call(self.client._post, "/grpo/weight_transfer/update", body, self.timeout_s)
+            self._broadcast(buckets, named)
+            answer = call.get(self.timeout_s)
+        finally:
+            self.client.resume()
+        self.version = version
+        t1 = time.perf_counter()
+        return {
+            "sync/seconds": t1 - t0,
+            "sync/paused_seconds": t1 - t_paused,
+            "sync/server_seconds": float(answer.get("seconds", 0.0)),
+            "sync/bytes": float(sum(b.nbytes for b in buckets)),
+            "sync/buckets": float(len(buckets)),
+            "sync/version": float(version),
+        }
+
+    def _broadcast(self, buckets: list[Bucket], named: Iterable[tuple[str, torch.Tensor]]) -> None:
+        it = iter(named)
+        stream = self._stream
+        pending: deque = deque()
+        for bucket in buckets:
+            tensors = []
+            for meta in bucket.metas:
+                name, t = next(it)
+                if hf_weight_name(name) != meta.name:
+                    raise RuntimeError(f"parameter order changed: got {name}, planned {meta.name}")
+                tensors.append(t)
+            # Tensors gathered just now (FSDP full_tensor) come from the default stream.
+            stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(stream):
+                buf = pack_bucket(bucket, tensors, device=self.device)
+                self.group.broadcast(buf, src=0, stream=stream)
+                ev = torch.cuda.Event()
+                ev.record(stream)
+            pending.append((ev, buf, tensors))
+            while len(pending) >= self.num_buffers:  # bound the buffers in flight
+                pending.popleft()[0].synchronize()
+        rest = next(it, None)
+        if rest is not None:
+            raise RuntimeError(f"parameter {rest[0]} was not planned")
+        stream.synchronize()
+
+    def _check_names(self, model: nn.Module) -> None:
+        """Before the first transfer: every HF name maps onto vLLM's parameters (fail loudly, never drop)."""
+        specs = weight_specs(model)
+        if self.world_size == 2:
+            check_against_vllm(specs, self._vllm_params, model.config)
+        else:
+            from grpo.sync.param_mapping import MappingError
+
+            missing = [n for n, _, _ in specs if not _maps_by_name(n, {p["name"] for p in self._vllm_params})]
+            if missing:
+                raise MappingError(f"HF parameters with no vLLM counterpart: {missing}")
+        self._checked = True
+
+    def shutdown(self) -> None:
+        self.group = None
+        super().shutdown()
+
+
+def _maps_by_name(hf_name: str, vllm_names: set[str]) -> bool:
+    """Name-only check (tensor parallel: shapes are sharded): the HF name or its fused target exists in vLLM."""
+    from grpo.sync.param_mapping import _FUSED, normalize_vllm_name
+
+    names = {normalize_vllm_name(n) for n in vllm_names}
+    module, _, leaf = hf_name.rpartition(".")
+    parent, _, proj = module.rpartition(".")
+    if proj in _FUSED:
+        return f"{parent}.{_FUSED[proj][0]}.{leaf}" in names
+    return hf_name in names or hf_name == "lm_head.weight"

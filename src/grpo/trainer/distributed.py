@@ -1,0 +1,157 @@
+"""The trainer across N processes: PyTorch FSDP2 (`fully_shard`) started by `torchrun`.
+
+    torchrun --nproc-per-node 2 train.py mode=broadcast server.device=2 ...
+
+Single-process runs never touch this module's collectives: everything is behind `world_size() > 1` (torchrun sets
+WORLD_SIZE). The scheme, chosen for being simple and correct:
+
+- one process group from torchrun's environment (NCCL on CUDA, gloo on CPU), one GPU per rank (LOCAL_RANK);
+- the model sharded with FSDP2: every transformer block, then the root;
+- rank 0 owns every output (Hydra run dir, metrics.jsonl, checkpoints, the vLLM server and the data pipeline):
+  it fetches each step's groups and broadcasts them (`broadcast_object_list`); every rank builds the same
+  micro-batches and takes its share (`rank_share`); ranks with fewer micro-batches run a zero-weighted one so
+  every rank runs the same number of forward/backward passes (FSDP's collectives must match);
+- the loss is normalised by the global token count, so the right gradient is the *sum* over ranks: FSDP2 averages
+  over ranks, so each rank's loss is scaled by the world size (`loss_scale`);
+- loss and metrics summed over ranks (`all_reduce_sum`), reported once by rank 0;
+- weight sync: every rank iterates `iter_full_params` (a `full_tensor()` all-gather per parameter), rank 0 sends.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any, Iterator, Sequence
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+
+@dataclass(frozen=True)
+class DistInfo:
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    device: torch.device = torch.device("cpu")
+
+    @property
+    def is_rank0(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def enabled(self) -> bool:
+        return self.world_size > 1
+
+
+def world_size() -> int:
+    """Processes in this job as torchrun announced them (1 without torchrun)."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def rank() -> int:
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else int(os.environ.get("RANK", "0"))
+
+
+def is_rank0() -> bool:
+    return rank() == 0
+
+
+def init_from_env(device_type: str = "auto") -> DistInfo:
+    """Join the process group torchrun describes (MASTER_ADDR/PORT, RANK, WORLD_SIZE, LOCAL_RANK); NCCL with one
+    GPU per rank when CUDA is used, gloo on CPU. Idempotent."""
+    ws, r, lr = world_size(), int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0"))
+    use_cuda = torch.cuda.is_available() if device_type == "auto" else device_type == "cuda"
+    if use_cuda:
+        torch.cuda.set_device(lr)
+        device = torch.device("cuda", lr)
+    else:
+        device = torch.device("cpu")
+    if ws > 1 and not dist.is_initialized():
+        kwargs = {"device_id": device} if use_cuda else {}
+        dist.init_process_group(backend="nccl" if use_cuda else "gloo", rank=r, world_size=ws, **kwargs)
+    return DistInfo(rank=r, world_size=ws, local_rank=lr, device=device)
+
+
+def destroy() -> None:
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def transformer_blocks(model: nn.Module) -> list[nn.Module]:
+    """The decoder blocks of an HF causal LM (model.model.layers for Llama / Qwen2 families)."""
+    inner = getattr(model, "model", None)
+    layers = getattr(inner, "layers", None)
+    if layers is None and hasattr(model, "get_decoder"):
+        layers = getattr(model.get_decoder(), "layers", None)
+    if layers is None:
+        raise ValueError(f"cannot find the transformer blocks of {type(model).__name__} to shard")
+    return list(layers)
+
+
+def shard_model(model: nn.Module, mp_dtype: torch.dtype | None = None) -> nn.Module:
+    """FSDP2: each transformer block, then the root (embeddings, final norm, head). In place; returns `model`."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    kwargs: dict[str, Any] = {}
+    if mp_dtype is not None:
+        kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=mp_dtype, reduce_dtype=torch.float32)
+    for block in transformer_blocks(model):
+        fully_shard(block, **kwargs)
+    fully_shard(model, **kwargs)
+    return model
+
+
+def broadcast_object(obj: Any, src: int = 0) -> Any:
+    """`obj` from rank `src` on every rank (pickled; for a step's groups, small next to the weights)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return obj
+    box = [obj if dist.get_rank() == src else None]
+    dist.broadcast_object_list(box, src=src)
+    return box[0]
+
+
+def rank_share(items: Sequence[Any], rank_: int, world: int) -> tuple[list[Any], int]:
+    """This rank's contiguous slice of `items` and how many zero-weighted extra passes it must run so that every
+    rank runs `ceil(len/world)` passes. E.g. 5 items, 2 ranks: rank 0 gets 3, rank 1 gets 2 (+1 padding)."""
+    per = -(-len(items) // world) if items else 0
+    mine = list(items[rank_ * per : (rank_ + 1) * per])
+    return mine, per - len(mine)
+
+
+def loss_scale(world: int) -> float:
+    """Factor on each rank's loss so FSDP's gradient average over ranks becomes the sum (global normalisers)."""
+    return float(world)
+
+
+def all_reduce_sum(values: dict[str, float], device: torch.device | None = None) -> dict[str, float]:
+    """Sum of each value over ranks (keys must match on every rank)."""
+    if not (dist.is_available() and dist.is_initialized()) or not values:
+        return dict(values)
+    keys = sorted(values)
+    t = torch.tensor([float(values[k]) for k in keys], dtype=torch.float64, device=device or "cpu")
+    dist.all_reduce(t, op=dist.ReduceOp.SUM)
+    return dict(zip(keys, t.tolist()))
+
+
+def iter_full_params(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, full tensor) per parameter in `named_parameters` order. FSDP2 parameters (DTensors) are gathered
+    with `full_tensor()` -- a collective, so every rank must iterate to the end -- plain ones are returned as is."""
+    from torch.distributed.tensor import DTensor
+
+    for name, p in model.named_parameters():
+        t = p.detach()
+        yield name, (t.full_tensor() if isinstance(t, DTensor) else t)
+
+
+def drain_full_params(model: nn.Module) -> None:
+    """The non-sending ranks' side of a weight sync: take part in every gather, keep nothing."""
+    for _ in iter_full_params(model):
+        pass
+
+
+def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Full (unsharded) state dict on rank 0, on CPU; empty on the other ranks. A collective."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
