@@ -13,7 +13,9 @@ from __future__ import annotations
 import gc
 import json
 import logging
+import os
 import signal
+import sys
 from pathlib import Path
 
 import hydra
@@ -40,14 +42,18 @@ def main(cfg: DictConfig) -> float | None:
     """Returns the mean reward of the last 10 steps (the objective sweeps optimise)."""
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     multirun = HydraConfig.get().mode == RunMode.MULTIRUN
-    validate(cfg, run_dir)  # everything checkable before a model loads
+    rank0 = int(os.environ.get("RANK", "0")) == 0  # torchrun: rank 0 owns the run dir and every output
+    validate(cfg, run_dir if rank0 else None)  # everything checkable before a model loads
     signal.signal(signal.SIGTERM, _sigterm_as_interrupt)
-    record_provenance(run_dir)
-    summary = RunSummary(run_dir)
+    if rank0:
+        record_provenance(run_dir)
+    summary = RunSummary(run_dir) if rank0 else None
     try:
-        return summary.finish(train(cfg, run_dir))
+        rewards = train(cfg, run_dir)
+        return summary.finish(rewards) if summary is not None else None
     except BaseException as e:
-        summary.fail(e)
+        if summary is not None:
+            summary.fail(e)
         # A failed multirun job is logged and the sweep goes on with the next one.
         if multirun and not isinstance(e, KeyboardInterrupt):
             log.exception("job failed; continuing the sweep")
@@ -68,9 +74,20 @@ def train(cfg: DictConfig, run_dir: Path) -> list[float]:
     from grpo.trainer.metrics import MetricsLogger, plot_curves
     from grpo.trainer.optim import build_optimizer, build_scheduler
 
+    from grpo.trainer import distributed
+
     torch.manual_seed(cfg.train.seed)
     device = pick_device(cfg.train.device)
+    dist_info = None
+    if distributed.world_size() > 1:  # torchrun: FSDP2 across the ranks (grpo.trainer.distributed)
+        dist_info = distributed.init_from_env(cfg.train.device)
+        device = dist_info.device
+        if not dist_info.is_rank0:
+            torch.distributed.barrier()  # rank 0 builds an offline model dir first
     model_dir = resolve_model_dir(cfg.model)
+    if dist_info is not None and dist_info.is_rank0:
+        torch.distributed.barrier()
+    rank0 = dist_info is None or dist_info.is_rank0
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     log.info("run dir %s | model %s | device %s", run_dir, model_dir, device)
 
@@ -80,11 +97,13 @@ def train(cfg: DictConfig, run_dir: Path) -> list[float]:
     if cfg.train.resume and resume_ckpt is None:
         raise FileNotFoundError(f"train.resume={cfg.train.resume} has no complete checkpoint under checkpoints/")
 
-    sync = instantiate(cfg.mode)
+    sync = instantiate(cfg.mode) if rank0 else distributed.FollowerSync(cfg.mode.sync_every)
     log.info("sync strategy %s (every %d steps)", type(sync).__name__, sync.sync_every)
     loss_fn = instantiate(cfg.loss)
     log.info("loss %s", loss_fn)
-    pipeline = instantiate(cfg.data, _recursive_=False)
+    pipeline = instantiate(cfg.data, _recursive_=False) if rank0 else distributed.FollowerPipeline()
+    if dist_info is not None and rank0:
+        pipeline = distributed.LeaderPipeline(pipeline)
     log.info("data pipeline %s", type(pipeline).__name__)
 
     model = trainer = metrics = None
@@ -106,6 +125,8 @@ def train(cfg: DictConfig, run_dir: Path) -> list[float]:
             model = apply_lora(model, cfg.lora, indices, cfg.model.num_layers)
         else:
             freeze_to_layers(model, indices)
+        if dist_info is not None:
+            distributed.shard_model(model)
         trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
         log.info("model %s: %.2fM trainable parameters in layers %s", type(model).__name__, trainable / 1e6, cfg.layers.indices)
         optimizer = build_optimizer(model, cfg.optimizer)
@@ -124,14 +145,14 @@ def train(cfg: DictConfig, run_dir: Path) -> list[float]:
             max_seq_len=cfg.model.max_seq_len, run_dir=run_dir, total_steps=cfg.train.steps, start_step=start_step,
             checkpoint_every=cfg.train.checkpoint_every, seed=cfg.train.seed,
         ))
-        metrics = MetricsLogger(run_dir, cfg.logging, cfg, cfg.train.steps, start_step)
+        metrics = MetricsLogger(run_dir, cfg.logging, cfg, cfg.train.steps, start_step) if rank0 else distributed.NullMetrics()
         trainer = GRPOTrainer(
             train_cfg=cfg.train, model=model, tokenizer=tokenizer, optimizer=optimizer, scheduler=scheduler,
             loss_fn=loss_fn, pipeline=pipeline, sync=sync, checkpoints=checkpoints, metrics=metrics,
-            max_seq_len=cfg.model.max_seq_len, device=device, start_step=start_step,
+            max_seq_len=cfg.model.max_seq_len, device=device, start_step=start_step, dist=dist_info,
         )
         rewards = trainer.fit()
-        if cfg.logging.plot:
+        if cfg.logging.plot and rank0:
             plot_curves(run_dir / "metrics.jsonl", run_dir / "curves.png", title=str(run_dir.name))
         return rewards
     finally:
@@ -144,7 +165,20 @@ def train(cfg: DictConfig, run_dir: Path) -> list[float]:
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
+        if dist_info is not None:
+            distributed.destroy()
+
+
+def _non_rank0_hydra_args() -> list[str]:
+    """torchrun ranks > 0 keep Hydra's run dir and logs out of the run (rank 0 owns them)."""
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1 or int(os.environ.get("RANK", "0")) == 0:
+        return []
+    import tempfile
+
+    return ["hydra.output_subdir=null", f"hydra.run.dir={tempfile.gettempdir()}/grpo_rank{os.environ['RANK']}",
+            "hydra/job_logging=stdout"]
 
 
 if __name__ == "__main__":
+    sys.argv += _non_rank0_hydra_args()
     main()

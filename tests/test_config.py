@@ -45,7 +45,7 @@ def _targets(node, path=""):
 
 
 def test_groups_have_the_promised_options():
-    assert set(MODES) == {"none", "lora_only", "lora_restart", "shared_vllm"}
+    assert set(MODES) == {"none", "lora_only", "lora_restart", "shared_vllm", "broadcast"}
     assert {"hermes8b", "qwen14b", "qwen3b", "tiny_qwen2", "tiny_llama"} <= set(MODELS)
     assert set(OPTIMIZERS) == {"adamw", "adamw_8bit", "adafactor"}
     assert len(EXPERIMENTS) >= 4

@@ -4,7 +4,8 @@ Pure functions (no process groups, no devices beyond the tensors' own), so they 
 
 A bucket is one flat `uint8` buffer holding whole tensors back to back, in the order given, with no padding, plus
 the metadata to cut it up again: `(name, dtype, shape, offset, nbytes)` per tensor. Buckets hold at most
-`bucket_bytes` bytes, except that a tensor bigger than `bucket_bytes` gets a bucket of its own.
+`bucket_bytes` bytes, except that a tensor bigger than `bucket_bytes` gets a bucket of its own; a tensor whose
+offset would not be a multiple of its element size starts a new bucket (never the case for a model of one dtype).
 
 The layout is byte-for-byte vLLM's packed weight-transfer format (`vllm.distributed.weight_transfer.
 packed_tensor.unpack_tensor` splits a buffer by the tensors' byte sizes in order), and a bucket is one complete
@@ -71,7 +72,8 @@ def tensor_nbytes(dtype: torch.dtype | str, shape: Sequence[int]) -> int:
 
 def plan_buckets(specs: Iterable[tuple[str, torch.dtype | str, Sequence[int]]], bucket_bytes: int) -> list[Bucket]:
     """Greedy, order-preserving split of `(name, dtype, shape)` specs into buckets of at most `bucket_bytes` bytes;
-    a tensor larger than `bucket_bytes` gets its own bucket. Empty tensors are kept (0 bytes)."""
+    a tensor larger than `bucket_bytes` gets its own bucket, one that would sit at an offset not aligned to its
+    element size starts a new one. Empty tensors are kept (0 bytes)."""
     if bucket_bytes < 1:
         raise ValueError(f"bucket_bytes must be >= 1, got {bucket_bytes}")
     buckets: list[Bucket] = []
@@ -83,7 +85,10 @@ def plan_buckets(specs: Iterable[tuple[str, torch.dtype | str, Sequence[int]]], 
         seen.add(name)
         dname = dtype if isinstance(dtype, str) else dtype_name(dtype)
         n = tensor_nbytes(dname, shape)
-        if cur.metas and cur.nbytes + n > bucket_bytes:
+        itemsize = to_dtype(dname).itemsize
+        # A new bucket also when the offset would not be a multiple of the element size: vLLM's unpacker views
+        # each slice as its dtype in place, which needs an aligned offset (mixed dtypes, odd element counts).
+        if cur.metas and (cur.nbytes + n > bucket_bytes or cur.nbytes % itemsize):
             buckets.append(cur)
             cur = Bucket()
         cur.metas.append(TensorMeta(name, dname, tuple(int(s) for s in shape), cur.nbytes, n))

@@ -99,6 +99,16 @@ def shard_model(model: nn.Module, mp_dtype: torch.dtype | None = None) -> nn.Mod
     for block in transformer_blocks(model):
         fully_shard(block, **kwargs)
     fully_shard(model, **kwargs)
+    # The trainer's log-probs call the decoder and the head's weight directly (never model.forward), so the
+    # root's parameters (embeddings, final norm, head) would stay sharded: run them as an FSDP forward method.
+    import types
+
+    from torch.distributed.fsdp import register_fsdp_forward_method
+
+    from grpo.trainer.logprobs import token_logprobs
+
+    model.grpo_token_logprobs = types.MethodType(lambda self, *a, **k: token_logprobs(self, *a, **k), model)
+    register_fsdp_forward_method(model, "grpo_token_logprobs")
     return model
 
 
@@ -155,3 +165,83 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+# ---------------------------------------------------------------- rank roles (rank 0 leads, the others follow)
+class LeaderPipeline:
+    """Rank 0's data pipeline: fetches each step's groups and broadcasts them to the other ranks."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+
+    def next_groups(self, step: int) -> list[dict]:
+        return broadcast_object(self.inner.next_groups(step))
+
+    def __getattr__(self, name: str) -> Any:  # setup, state_dict, close, last_metrics ...
+        return getattr(self.inner, name)
+
+
+class FollowerPipeline:
+    """Ranks > 0: the groups rank 0 broadcast; no server, no rollouts of their own."""
+
+    last_metrics: dict = {}
+
+    def setup(self, ctx: Any) -> None:
+        pass
+
+    def next_groups(self, step: int) -> list[dict]:
+        return broadcast_object(None)
+
+    def state_dict(self) -> dict:
+        return {}
+
+    def load_state_dict(self, d: dict) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+class FollowerSync:
+    """Ranks > 0: no server; a weight sync is their share of the gathers rank 0's sync performs."""
+
+    uses_lora = False
+    requires_cuda = False
+
+    def __init__(self, sync_every: int = 1, version: int = 0) -> None:
+        self.sync_every = sync_every
+        self.version = version
+        self.server = None
+
+    def launch(self, ctx: Any) -> None:
+        pass
+
+    def load_model(self, ctx: Any) -> None:
+        return None
+
+    def before_optimizer_step(self) -> None:
+        pass
+
+    def after_optimizer_step(self) -> None:
+        pass
+
+    def check_health(self) -> bool:
+        return False
+
+    def sync(self, model: nn.Module, step: int) -> dict[str, float]:
+        drain_full_params(model)
+        self.version += 1
+        return {"sync/seconds": 0.0, "sync/version": float(self.version)}
+
+    def shutdown(self) -> None:
+        pass
+
+
+class NullMetrics:
+    """Ranks > 0 write no metrics."""
+
+    def log(self, metrics: dict) -> None:
+        pass
+
+    def close(self) -> None:
+        pass

@@ -67,6 +67,7 @@ class GRPOTrainer:
         max_seq_len: int,
         device: torch.device,
         start_step: int = 0,
+        dist: Any = None,
     ) -> None:
         self.cfg = train_cfg
         self.model = model
@@ -81,6 +82,8 @@ class GRPOTrainer:
         self.max_seq_len = max_seq_len
         self.device = device
         self.step = start_step
+        # grpo.trainer.distributed.DistInfo under torchrun (FSDP2); None in a single process.
+        self.dist = dist if dist is not None and dist.enabled else None
         self.nonfinite_in_a_row = 0
         self.nonfinite_total = 0
         self.params = [p for p in model.parameters() if p.requires_grad]
@@ -96,8 +99,8 @@ class GRPOTrainer:
             faults.server_faults(self.step + 1, getattr(self.sync, "server", None))
             self.sync.check_health()
             row = self.train_step()
-            if (self.step % self.cfg.checkpoint_every == 0) or self.step == self.cfg.steps:
-                self.save_checkpoint()
+            if ((self.step % self.cfg.checkpoint_every == 0) or self.step == self.cfg.steps) and self.dist is None:
+                self.save_checkpoint()  # FSDP2 runs: no checkpoints yet (see README "Beyond one GPU")
             self.metrics.log(row)
         return self.rewards
 
@@ -136,10 +139,20 @@ class GRPOTrainer:
         self.optimizer.zero_grad(set_to_none=True)
         sums: dict[str, float] = {}
         loss_total = 0.0
-        for mb in batch.micro_batches:
+        micro_batches, scale = [(mb, 1.0) for mb in batch.micro_batches], 1.0
+        if self.dist is not None:
+            from grpo.trainer import distributed
+
+            # This rank's share; zero-weighted repeats keep every rank's FSDP collectives in step.
+            mine, pad = distributed.rank_share(batch.micro_batches, self.dist.rank, self.dist.world_size)
+            micro_batches = [(mb, 1.0) for mb in mine] + [(batch.micro_batches[0], 0.0)] * pad
+            scale = distributed.loss_scale(self.dist.world_size)
+        for mb, weight in micro_batches:
             mb = mb.to(self.device)
-            logprobs = token_logprobs(
-                self.model, mb.input_ids, mb.attention_mask, mb.labels, mb.temperatures, chunk_size=self.cfg.logprob_chunk
+            # FSDP2 registers the model's own forward method for this (grpo.trainer.distributed.shard_model).
+            fn = getattr(self.model, "grpo_token_logprobs", None)
+            logprobs = (fn or token_logprobs)(
+                *(() if fn else (self.model,)), mb.input_ids, mb.attention_mask, mb.labels, mb.temperatures, chunk_size=self.cfg.logprob_chunk
             )
             loss, m = self.loss_fn(
                 logprobs, mb.inference_logprobs, mb.advantages, mb.loss_mask,
@@ -147,16 +160,24 @@ class GRPOTrainer:
             )
             if faults.active("nan_loss", self.step + 1):
                 loss = loss * float("nan")
-            loss.backward()
+            if weight == 0.0:
+                (loss * 0.0).backward()
+                continue
+            (loss * scale if scale != 1.0 else loss).backward()
             loss_total += float(loss.detach())
             # Token-weighted average of the micro-batch metrics over the step.
             w = float(mb.loss_mask.sum()) / max(batch.num_loss_tokens, 1)
             for k, v in m.items():
                 sums[k] = sums.get(k, 0.0) + w * float(v)
+        if self.dist is not None:
+            reduced = distributed.all_reduce_sum({**sums, "__loss": loss_total}, self.dist.device)
+            loss_total = reduced.pop("__loss")
+            sums = reduced
         t_fwd = time.perf_counter()
 
         max_norm = self.cfg.max_grad_norm if self.cfg.max_grad_norm is not None else math.inf
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, max_norm)) if self.params else 0.0
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.params, max_norm) if self.params else 0.0
+        grad_norm = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
         finite = math.isfinite(loss_total) and math.isfinite(grad_norm)
         if finite:
             self.nonfinite_in_a_row = 0

@@ -1,0 +1,339 @@
+"""Beyond one GPU, the parts testable on CPU: bucket packing (and its wire compatibility with vLLM's packed
+weight transfer), HF -> vLLM names for mode=broadcast, the start-up errors of the multi-GPU layouts, and an FSDP2
+trainer on 2 gloo processes (same loss and update as 1 process; only rank 0 writes)."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+from hydra.core.global_hydra import GlobalHydra
+from hydra.utils import get_class
+
+from grpo.config import ConfigError, register_configs
+from grpo.config.validate import check_layout, parallel_sizes
+from grpo.sync.buckets import Bucket, pack, pack_bucket, plan_buckets, unpack_bucket
+
+REPO = Path(__file__).resolve().parents[1]
+register_configs()
+
+
+# ---------------------------------------------------------------- buckets
+def _tensors():
+    g = torch.Generator().manual_seed(0)
+    return [
+        ("a.weight", torch.randn(7, 3, generator=g)),                          # 84 B fp32
+        ("b.weight", torch.randn(5, generator=g).to(torch.bfloat16)),          # 10 B, odd element count
+        ("c.weight", torch.randn(2, 2, 3, generator=g).to(torch.float16)),     # 24 B
+        ("d.idx", torch.arange(6, dtype=torch.int64).view(2, 3)),              # 48 B
+        ("e.big", torch.randn(40, 10, generator=g)),                           # 1600 B > bucket
+        ("f.flag", torch.tensor([True, False, True])),                         # 3 B
+        ("g.scalar", torch.tensor(3.5, dtype=torch.float64)),                  # 8 B, 0-dim
+        ("h.empty", torch.empty(0, 4)),                                        # 0 B
+        ("i.int8", torch.arange(-5, 6, dtype=torch.int8)),                     # 11 B
+    ]
+
+
+@pytest.mark.parametrize("bucket_bytes", [1, 64, 100, 200, 10_000])
+def test_bucket_round_trip(bucket_bytes):
+    named = _tensors()
+    packed = pack(named, bucket_bytes)
+    got = {}
+    for buf, bucket in packed:
+        assert buf.dtype == torch.uint8 and buf.numel() == bucket.nbytes
+        # Offsets are back to back, no padding (vLLM's unpack splits by size in order).
+        assert [m.offset for m in bucket.metas] == [sum(x.nbytes for x in bucket.metas[:i]) for i in range(len(bucket.metas))]
+        # At most bucket_bytes, unless one tensor alone is bigger.
+        assert bucket.nbytes <= bucket_bytes or len(bucket.metas) == 1
+        # Every slice is aligned to its dtype (vLLM views them in place).
+        assert all(m.offset % torch.empty(0, dtype=getattr(torch, m.dtype)).element_size() == 0 for m in bucket.metas)
+        for name, t in unpack_bucket(buf, bucket):
+            got[name] = t
+    # Every tensor once, in the original order, exact dtype / shape / values.
+    assert [n for _, b in packed for n in b.names] == [n for n, _ in named]
+    for name, t in named:
+        assert got[name].dtype == t.dtype and got[name].shape == t.shape
+        assert torch.equal(got[name], t), name
+
+
+def test_bucket_boundaries_greedy_and_oversized_alone():
+    specs = [("a", "float32", (10,)), ("b", "float32", (10,)), ("c", "float32", (100,)), ("d", "float32", (5,)),
+             ("e", "float32", (5,)), ("f", "float32", (5,))]
+    buckets = plan_buckets(specs, bucket_bytes=80)  # 40, 40, 400, 20, 20, 20 bytes
+    assert [b.names for b in buckets] == [["a", "b"], ["c"], ["d", "e", "f"]]
+    assert [b.nbytes for b in buckets] == [80, 400, 60]
+    # An int8 of 3 bytes leaves the next float32 misaligned: it starts a new bucket.
+    mixed = plan_buckets([("x", "int8", (3,)), ("y", "float32", (2,)), ("z", "int8", (1,))], 1000)
+    assert [b.names for b in mixed] == [["x"], ["y", "z"]]
+    with pytest.raises(ValueError, match="twice"):
+        plan_buckets([("a", "float32", (1,)), ("a", "float32", (1,))], 10)
+
+
+def test_pack_casts_to_planned_dtype_and_checks_shapes():
+    t = torch.randn(4, 4)
+    (bucket,) = plan_buckets([("w", torch.bfloat16, (4, 4))], 1 << 20)
+    (name, back), = unpack_bucket(pack_bucket(bucket, [t]), bucket)
+    assert back.dtype == torch.bfloat16 and torch.equal(back, t.to(torch.bfloat16))
+    with pytest.raises(ValueError, match="shape"):
+        pack_bucket(bucket, [torch.randn(4, 5)])
+
+
+def test_buckets_are_vllm_packed_chunks():
+    """Our bucket bytes are what vLLM's packed producer would send for the same tensors and what its unpacker
+    reads, and vLLM's chunking closes one chunk exactly at our bucket (so one update_weights call = one bucket)."""
+    packed_tensor = pytest.importorskip("vllm.distributed.weight_transfer.packed_tensor")
+    named = _tensors()
+    bucket_bytes = 100
+    for buf, bucket in pack([(n, t) for n, t in named if t.numel()], bucket_bytes):
+        chunk = packed_tensor.pack_tensors(
+            iter([(m.name, dict(named)[m.name]) for m in bucket.metas]), lambda x: x[1], bucket_bytes
+        )
+        assert chunk.names == bucket.names and torch.equal(chunk.packed_tensor, buf)
+        out = packed_tensor.unpack_tensor(
+            buf.clone(), chunk.names, chunk.shapes, chunk.dtypes, chunk.tensor_sizes
+        )
+        for (name, t), m in zip(out, bucket.metas):
+            assert name == m.name and torch.equal(t, dict(named)[name])
+
+
+def test_weight_transfer_fields_for_both_vllm_versions():
+    from grpo.inference.weight_transfer import build_init_info, build_update_info
+
+    body = {"master_address": "127.0.0.1", "master_port": 1234, "world_size": 3, "bucket_bytes": 512, "num_buffers": 2}
+    bucket = Bucket()
+    bucket = plan_buckets([("x.weight", "bfloat16", (2, 3))], 512)[0].update_info()
+    # vLLM 0.26: packed geometry per update.
+    init26 = {"master_address", "master_port", "rank_offset", "world_size"}
+    upd26 = {"names", "dtype_names", "shapes", "packed", "packed_buffer_size_bytes", "packed_num_buffers"}
+    assert build_init_info(body, init26, upd26) == {"master_address": "127.0.0.1", "master_port": 1234,
+                                                    "rank_offset": 1, "world_size": 3}
+    u = build_update_info(bucket, 512, 2, upd26)
+    assert u["packed"] is True and u["packed_buffer_size_bytes"] == 512 and u["names"] == ["x.weight"]
+    # vLLM 0.32: at init.
+    init32 = init26 | {"nccl_unique_id_b64", "packed", "packed_buffer_size_bytes", "packed_num_buffers"}
+    upd32 = {"names", "dtype_names", "shapes"}
+    assert build_init_info(body, init32, upd32)["packed_buffer_size_bytes"] == 512
+    assert set(build_update_info(bucket, 512, 2, upd32)) == upd32
+    # The installed vLLM accepts what we build (its own dataclasses parse it).
+    nccl_engine = pytest.importorskip("vllm.distributed.weight_transfer.nccl_engine")
+    from grpo.inference.weight_transfer import _nccl_fields
+
+    fi, fu = _nccl_fields()
+    nccl_engine.NCCLWeightTransferInitInfo(**build_init_info(body, fi, fu))
+    nccl_engine.NCCLWeightTransferUpdateInfo(**build_update_info(bucket, 512, 2, fu))
+
+
+# ---------------------------------------------------------------- names (mode=broadcast)
+def _vllm_shapes(model) -> dict[str, tuple]:
+    """vLLM's fused layout of an HF Llama/Qwen2 model (q/k/v -> qkv_proj, gate/up -> gate_up_proj)."""
+    fused: dict[str, list] = {}
+    out = {}
+    for name, p in model.named_parameters():
+        for hf, v in (("q_proj", "qkv_proj"), ("k_proj", "qkv_proj"), ("v_proj", "qkv_proj"),
+                      ("gate_proj", "gate_up_proj"), ("up_proj", "gate_up_proj")):
+            if f".{hf}." in name:
+                fused.setdefault(name.replace(hf, v), []).append(p.shape)
+                break
+        else:
+            out[name] = tuple(p.shape)
+    for name, shapes in fused.items():
+        out[name] = (sum(s[0] for s in shapes), *shapes[0][1:])
+    return out
+
+
+def test_broadcast_names_are_hf_unfused_and_map_onto_vllm(tiny_qwen2_dir):
+    from transformers import AutoModelForCausalLM
+
+    from grpo.sync.nccl_broadcast import _maps_by_name, check_against_vllm, hf_weight_name, weight_specs
+    from grpo.sync.param_mapping import MappingError
+
+    assert hf_weight_name("_orig_mod.model.layers.0.self_attn.q_proj.weight") == "model.layers.0.self_attn.q_proj.weight"
+    assert hf_weight_name("module.model.layers.1._checkpoint_wrapped_module.mlp.up_proj.weight") == \
+        "model.layers.1.mlp.up_proj.weight"
+    model = AutoModelForCausalLM.from_pretrained(tiny_qwen2_dir)
+    specs = weight_specs(model, torch.bfloat16)
+    names = [n for n, _, _ in specs]
+    assert names == [n for n, _ in model.named_parameters()]          # HF names, unfused, tied head once
+    assert any(".q_proj." in n for n in names) and not any("qkv_proj" in n for n in names)
+    assert all(dt == torch.bfloat16 for _, dt, _ in specs)
+    vllm = [{"name": n, "shape": list(s)} for n, s in _vllm_shapes(model).items()]
+    check_against_vllm(specs, vllm, model.config)                      # one worker: names and shapes
+    assert all(_maps_by_name(n, {v["name"] for v in vllm}) for n in names)  # tensor parallel: names only
+    with pytest.raises(MappingError):
+        check_against_vllm(specs[:-1], vllm, model.config)             # a vLLM parameter nobody sends
+    with pytest.raises(MappingError):
+        check_against_vllm(specs + [("model.extra.weight", torch.float32, (3,))], vllm, model.config)
+
+
+# ---------------------------------------------------------------- start-up errors of the layouts
+def _compose(overrides):
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
+        return compose(config_name="train", overrides=overrides)
+
+
+def test_parallel_sizes_from_extra_args():
+    assert parallel_sizes([]) == {"tensor": 1, "pipeline": 1, "data": 1}
+    assert parallel_sizes(["--tensor-parallel-size", "2", "-pp=2"]) == {"tensor": 2, "pipeline": 2, "data": 1}
+    assert parallel_sizes(["--tensor-parallel-size=4"])["tensor"] == 4
+    with pytest.raises(ConfigError, match="integer"):
+        parallel_sizes(["-tp", "two"])
+
+
+@pytest.mark.parametrize("args", [["--tensor-parallel-size", "2"], ["-tp", "2"], ["--pipeline-parallel-size", "2"]])
+def test_shared_vllm_with_vllm_parallelism_fails_clearly(args, tmp_path):
+    from grpo.config import validate
+
+    cfg = _compose(["mode=shared_vllm", f"server.extra_args=[{','.join(args)}]"])
+    for cuda in (True, False):
+        with pytest.raises(ConfigError, match=r"mode=broadcast.*tp=1"):
+            check_layout(cfg, get_class(cfg.mode._target_), cuda=cuda)
+    with pytest.raises(ConfigError, match="does not support vLLM"):
+        validate(cfg, tmp_path)  # what train.py runs before any model loads
+    check_layout(_compose(["mode=shared_vllm"]), get_class(cfg.mode._target_), cuda=True)  # tp=1 is fine
+
+
+def test_broadcast_layout_errors():
+    cls = get_class("grpo.sync.nccl_broadcast.NCCLBroadcastSync")
+    with pytest.raises(ConfigError, match="server.device"):
+        check_layout(_compose(["mode=broadcast", "server=gpu"]), cls, cuda=True)
+    with pytest.raises(ConfigError, match="needs CUDA"):
+        check_layout(_compose(["mode=broadcast", "server.device=1"]), cls, cuda=False)
+    check_layout(_compose(["experiment=qwen3b_broadcast_2gpu"]), cls, cuda=True)
+    with pytest.raises(ConfigError, match=">= 2"):  # torchrun with 2 trainer ranks: vLLM needs GPU 2+
+        check_layout(_compose(["experiment=qwen3b_broadcast_2gpu"]), cls, cuda=True, world_size=2)
+    none_cls = get_class("grpo.sync.checkpoint_restart.CheckpointRestartSync")
+    with pytest.raises(ConfigError, match="mode=broadcast only"):
+        check_layout(_compose(["mode=none"]), none_cls, cuda=True, world_size=2)
+
+
+# ---------------------------------------------------------------- FSDP2 on 2 gloo processes
+def _groups():
+    g = torch.Generator().manual_seed(1)
+    groups = []
+    for k in range(2):
+        prompt = torch.randint(0, 250, (5,), generator=g).tolist()
+        tokens, masks, lps = [], [], []
+        for j in range(3):
+            comp = torch.randint(0, 250, (4 + j,), generator=g).tolist()
+            tokens.append(prompt + comp)
+            masks.append([-100] * len(prompt) + comp)
+            lps.append([1.0] * len(prompt) + [-1.5 - 0.1 * i for i in range(len(comp))])
+        groups.append({"tokens": tokens, "masks": masks, "scores": [0.0, 1.0, 0.5 + k], "advantages": None,
+                       "ref_logprobs": None, "inference_logprobs": lps, "generation_params": None,
+                       "overrides": None, "group_overrides": None, "messages": None, "env_id": 0})
+    return groups
+
+
+class _Pipeline:
+    last_metrics: dict = {}
+
+    def next_groups(self, step):
+        return _groups()
+
+    def state_dict(self):
+        return {}
+
+    def close(self):
+        pass
+
+
+class _GatherSync:
+    """Rank 0's stand-in for mode=broadcast: takes every full parameter (the gathers the real sync does)."""
+
+    uses_lora, requires_cuda, sync_every, server = False, False, 1, None
+
+    def __init__(self):
+        self.version, self.checksum, self.names = 0, 0.0, []
+
+    def before_optimizer_step(self):
+        pass
+
+    def after_optimizer_step(self):
+        pass
+
+    def check_health(self):
+        return False
+
+    def sync(self, model, step):
+        from grpo.trainer.distributed import iter_full_params
+
+        self.names, self.checksum = [], 0.0
+        for name, t in iter_full_params(model):
+            self.names.append(name)
+            self.checksum += float(t.double().abs().sum()) + float(t.double().sum())
+        self.version += 1
+        return {"sync/seconds": 0.0, "sync/version": float(self.version)}
+
+
+def _train_one_step(rank: int, world: int, port: int, model_dir: str, out_root: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank))
+    from omegaconf import OmegaConf
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from grpo.config.schema import LoggingConfig, TrainConfig
+    from grpo.trainer import distributed
+    from grpo.trainer.checkpoint import CheckpointManager
+    from grpo.trainer.loop import GRPOTrainer
+    from grpo.trainer.loss import GRPOLoss
+    from grpo.trainer.metrics import MetricsLogger
+    from grpo.trainer.optim import build_scheduler
+
+    torch.manual_seed(0)
+    info = distributed.init_from_env("cpu")
+    run_dir = Path(out_root) / f"world{world}_rank{rank}"
+    run_dir.mkdir(parents=True)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    if info.enabled:
+        distributed.shard_model(model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    cfg = OmegaConf.structured(TrainConfig(steps=1, micro_batch_size=2, grad_accum=3, checkpoint_every=1,
+                                           max_grad_norm=None))
+    log_cfg = OmegaConf.structured(LoggingConfig(progress_bar=False, plot=False))
+    rank0 = rank == 0
+    pipeline = _Pipeline() if not info.enabled else (
+        distributed.LeaderPipeline(_Pipeline()) if rank0 else distributed.FollowerPipeline())
+    sync = _GatherSync() if rank0 else distributed.FollowerSync()
+    trainer = GRPOTrainer(
+        train_cfg=cfg, model=model, tokenizer=AutoTokenizer.from_pretrained(model_dir), optimizer=optimizer,
+        scheduler=build_scheduler(optimizer, "constant", 0, 1), loss_fn=GRPOLoss(), pipeline=pipeline, sync=sync,
+        checkpoints=CheckpointManager(run_dir, keep=1),
+        metrics=MetricsLogger(run_dir, log_cfg, cfg, 1, 0) if rank0 else distributed.NullMetrics(),
+        max_seq_len=64, device=info.device, start_step=0, dist=info,
+    )
+    trainer.fit()
+    trainer.metrics.close()
+    if rank0:
+        row = json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[0])
+        (Path(out_root) / f"result_world{world}.json").write_text(json.dumps(
+            {"loss": row["loss"], "grad_norm": row["grad_norm"], "logprob_diff": row["grpo/logprob_diff"],
+             "checksum": sync.checksum, "names": sync.names}))
+    distributed.destroy()
+
+
+def test_fsdp2_two_gloo_ranks_match_one_process(tmp_path, tiny_qwen2_dir):
+    """6 sequences in 3 micro-batches of 2: rank 0 trains 2, rank 1 trains 1 plus a zero-weighted one."""
+    import torch.multiprocessing as mp
+
+    from conftest import free_port
+
+    _train_one_step(0, 1, free_port(), str(tiny_qwen2_dir), str(tmp_path))
+    os.environ.pop("WORLD_SIZE"), os.environ.pop("RANK"), os.environ.pop("LOCAL_RANK")
+    mp.spawn(_train_one_step, args=(2, free_port(), str(tiny_qwen2_dir), str(tmp_path)), nprocs=2, join=True)
+    one = json.loads((tmp_path / "result_world1.json").read_text())
+    two = json.loads((tmp_path / "result_world2.json").read_text())
+    assert two["names"] == one["names"] and len(one["names"]) > 10
+    assert abs(two["loss"] - one["loss"]) < 1e-5, (one["loss"], two["loss"])
+    assert abs(two["logprob_diff"] - one["logprob_diff"]) < 1e-5
+    assert abs(two["grad_norm"] - one["grad_norm"]) < 1e-5 * max(1.0, one["grad_norm"])
+    # The same update: full weights after the step agree (sum of |w| + sum of w over all parameters).
+    assert abs(two["checksum"] - one["checksum"]) < 1e-5 * abs(one["checksum"])
+    # Only rank 0 wrote anything; no checkpoints in FSDP runs (yet).
+    assert (tmp_path / "world2_rank0" / "metrics.jsonl").exists()
+    assert list((tmp_path / "world2_rank1").iterdir()) == []
+    assert not (tmp_path / "world2_rank0" / "checkpoints").exists()
