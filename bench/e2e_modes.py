@@ -1,6 +1,6 @@
 """End-to-end step time per sync mode, split into generate / score / train / sync, from real ``train.py`` runs.
 
-    python bench/e2e_modes.py [--modes none lora_only lora_restart] [--steps 4]
+    python bench/e2e_modes.py [--modes none lora_only lora_restart] [--steps 4] [--overrides key=value ...]
 
 Runs ``python train.py mode=<mode> train.steps=<steps>`` (the default job otherwise: tiny Qwen2, digits task,
 8 prompts x 8 completions of <= 16 tokens, micro-batch 32 x 2, vLLM CPU engine) on a free port, then reads its
@@ -28,16 +28,18 @@ KEYS = {"generate": "generation/seconds", "train": "time/train_seconds", "fwd_bw
         "sync": "sync/seconds", "step": "time/step_seconds"}  # fmt: skip
 
 
-def run_mode(mode: str, steps: int, base: Path, extra: list[str]) -> dict:
+def run_mode(mode: str, steps: int, base: Path, extra: list[str], reuse: bool = False) -> dict:
     run_dir = base / mode
     cmd = [sys.executable, "train.py", f"mode={mode}", f"train.steps={steps}", f"server.port={free_port()}",
            "logging.progress_bar=false", "logging.plot=false", f"train.checkpoint_every={steps}",
            f"hydra.run.dir={run_dir}", *extra]  # fmt: skip
-    t0 = time.perf_counter()
-    p = subprocess.run(cmd, cwd=str(ROOT), capture_output=True, text=True, timeout=3600)
-    wall = time.perf_counter() - t0
-    if p.returncode != 0:
-        raise RuntimeError(f"{' '.join(cmd)} failed:\n{p.stderr[-3000:]}")
+    wall = float("nan")
+    if not reuse:
+        t0 = time.perf_counter()
+        p = subprocess.run(cmd, cwd=str(ROOT), capture_output=True, text=True, timeout=3600)
+        wall = time.perf_counter() - t0
+        if p.returncode != 0:
+            raise RuntimeError(f"{' '.join(cmd)} failed:\n{p.stderr[-3000:]}")
     rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
     per_step = []
     for r in rows:
@@ -58,12 +60,15 @@ def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--modes", nargs="+", default=["none", "lora_only", "lora_restart"])
     ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--overrides", nargs="*", default=[], help="extra train.py overrides for every mode")
+    ap.add_argument("--reuse", help="read the run dirs <REUSE>/<mode> of an earlier invocation instead of running")
     ap.add_argument("--out", default=str(RESULTS / "e2e_modes.json"))
-    args, extra = ap.parse_known_args(argv)
-    base = Path(tempfile.mkdtemp(prefix="bench_e2e_"))
+    args = ap.parse_args(argv)
+    extra = args.overrides
+    base = Path(args.reuse) if args.reuse else Path(tempfile.mkdtemp(prefix="bench_e2e_"))
     results = []
     for mode in args.modes:
-        res = run_mode(mode, args.steps, base, extra)
+        res = run_mode(mode, args.steps, base, extra, reuse=bool(args.reuse))
         m = res["median"]
         print(f"  {mode:12} step {m['step']:.2f}s = generate {m['generate']:.2f} + score {m['score']:.3f} + train "
               f"{m['train']:.2f} + sync {m['sync']:.2f}  (load {res['loadavg_end']:.1f})", flush=True)  # fmt: skip
