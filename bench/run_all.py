@@ -47,6 +47,8 @@ def run(parts: list[str], quick: bool) -> None:
     if "train_step" in parts:
         _run(["bench/train_step.py", "--rounds", "1" if quick else "2", "--steps", "1" if quick else "3",
               *(["--models", "tiny"] if quick else [])])  # fmt: skip
+        _run(["bench/train_step.py", "--interleaved", "--models", "tiny" if quick else "small", "--impls", "ours", "ref",
+              "trl", "--steps", "2" if quick else "6", "--out", str(RESULTS / "train_step_interleaved.json")])
     if "logprobs" in parts:
         _run(["bench/logprobs_bench.py", "--repeats", "2", "--out", str(RESULTS / "logprobs_cpu_float32.json"),
               *(["--quick"] if quick else [])])  # fmt: skip
@@ -93,6 +95,12 @@ def summary() -> dict:
                 r["throughput_ratio"] >= 1.0, name)
             add(f"train step peak RSS MiB vs atropos-grpo, {r['model']}", f"{o['max_rss_mib']:.0f}",
                 f"ref {f['max_rss_mib']:.0f}", r["max_rss_ratio"], "<= 1.0x", r["max_rss_ratio"] <= 1.0, name)  # fmt: skip
+    for r in (_load("train_step_interleaved.json") or {}).get("rows", []):
+        tp = r["tokens_per_s"]
+        for k, v in r["ratio_vs"].items():
+            who = {"ref": "atropos-grpo run_training_step", "trl": "TRL"}.get(k, k)
+            add(f"train step tok/s vs {who}, {r['model']} ({r['shape']}), one process, steps interleaved",
+                f"{tp['ours']:.1f}", f"{k} {tp[k]:.1f}", v, ">= 1.0x", v >= 1.0, "train_step_interleaved.json")
     lp = _load("logprobs_cpu_float32.json") or _load("logprobs_cpu.json")
     if lp:
         for r in lp["rows"]:

@@ -58,7 +58,8 @@ def group_advantages(scores, group: int = 8):
     return ((s - s.mean(1, keepdim=True)) / (s.std(1, unbiased=False, keepdim=True) + 1e-6)).view(-1)
 
 
-def worker(args) -> dict:
+def setup(args):
+    """Model, batch and the one-optimizer-step closure of ``args.impl`` on ``args.model``."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -165,6 +166,13 @@ def worker(args) -> dict:
             opt.step()
             return float(loss.detach())
 
+    return step, model, n_tokens, (B, P, C), vocab
+
+
+def worker(args) -> dict:
+    import torch
+
+    step, model, n_tokens, (B, P, C), vocab = setup(args)
     rss_before_first = max_rss_bytes()
     with RssPeak() as m:
         first_loss = step()  # also the warm-up
@@ -193,11 +201,16 @@ def main(argv=None) -> dict:
                    help="ours, trl (TRL GRPOTrainer.compute_loss), ref (atropos-grpo's run_training_step)")
     p.add_argument("--impl", help=argparse.SUPPRESS)
     p.add_argument("--model", help=argparse.SUPPRESS)
+    p.add_argument("--interleaved", action="store_true",
+                   help="time only: all --impls in ONE process, their steps alternated (A,B,C,A,B,C,...), so a noisy "
+                        "machine's load hits every side alike; peak memory needs the subprocess mode")
     p.add_argument("--out", default=str(RESULTS / "train_step.json"))
     args = p.parse_args(argv)
     if args.impl:
         print(json.dumps(worker(args)))
         return {}
+    if args.interleaved:
+        return interleaved(args)
 
     runs = []
     for model in args.models:
@@ -243,6 +256,34 @@ def main(argv=None) -> dict:
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
     print(table(result))
     return result
+
+
+def interleaved(args) -> dict:
+    import types
+
+    out = {"bench": "train_step_interleaved", "command": "python bench/train_step.py --interleaved " + " ".join(sys.argv[1:]),
+           "rows": []}  # fmt: skip
+    for model in args.models:
+        steps = {}
+        for impl in args.impls:
+            fn, _, n_tokens, shape, _ = setup(types.SimpleNamespace(impl=impl, model=model))
+            fn()  # warm-up
+            steps[impl] = fn
+        times = {impl: [] for impl in args.impls}
+        for r in range(args.steps):
+            for impl in (args.impls if r % 2 == 0 else args.impls[::-1]):
+                t0 = time.perf_counter()
+                steps[impl]()
+                times[impl].append(time.perf_counter() - t0)
+        med = {k: statistics.median(v) for k, v in times.items()}
+        row = {"model": model, "shape": "B={} P={} C<={}".format(*shape), "loss_tokens": n_tokens, "times": times,
+               "tokens_per_s": {k: n_tokens / v for k, v in med.items()},
+               "ratio_vs": {k: med[k] / med["ours"] for k in med if k != "ours"}, "loadavg_end": loadavg()}  # fmt: skip
+        print(json.dumps(row), flush=True)
+        out["rows"].append(row)
+    out["machine"] = machine()
+    Path(args.out).write_text(json.dumps(out, indent=2) + "\n")
+    return out
 
 
 def table(result: dict) -> str:
