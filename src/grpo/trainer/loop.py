@@ -157,6 +157,7 @@ class GRPOTrainer:
             loss, m = self.loss_fn(
                 logprobs, mb.inference_logprobs, mb.advantages, mb.loss_mask,
                 ref_logprobs=mb.ref_logprobs, total_tokens=batch.num_loss_tokens, total_sequences=batch.num_sequences,
+                max_tokens=batch.max_completion_tokens,
             )
             if faults.active("nan_loss", self.step + 1):
                 loss = loss * float("nan")
