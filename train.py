@@ -57,7 +57,7 @@ def main(cfg: DictConfig) -> float | None:
         # A failed multirun job is logged and the sweep goes on with the next one.
         if multirun and not isinstance(e, KeyboardInterrupt):
             log.exception("job failed; continuing the sweep")
-            return None
+            return float("nan")  # sweepers (Optuna) record a NaN objective as a failed trial
         raise
 
 
