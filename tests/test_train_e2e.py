@@ -130,4 +130,6 @@ def test_multirun_2x2_with_report_and_clean_teardown(tmp_path):
     import socket
 
     with socket.socket() as s:
+        # SO_REUSEADDR as every server sets it: closed connections in TIME_WAIT don't make a port busy.
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         s.bind(("127.0.0.1", port))

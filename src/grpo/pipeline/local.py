@@ -135,6 +135,9 @@ class LocalRolloutPipeline(DataPipeline):
         outs = self._client().generate(
             ids, n=self.group_size, max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p,
             model=getattr(ctx.sync, "served_model", None),
+            # Seeded sampling: a run re-run from its saved config draws the same rollouts (same weights, same
+            # server settings), so its first step reproduces.
+            seed=(ctx.seed * 1_000_003 + step) % (2**31),
         )
         gen_s = time.monotonic() - t0
 
