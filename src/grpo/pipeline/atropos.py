@@ -298,17 +298,6 @@ class AtroposPipeline(DataPipeline):
         }
         return groups
 
-    def metrics(self) -> dict[str, float]:
-        """Metrics of the last next_groups call (dropped groups, wait time, polls, retries)."""
-        return dict(self.last_metrics)
-
-    def state_dict(self) -> dict:
-        return {"step": self.step}
-
-    def load_state_dict(self, state: dict) -> None:
-        # run-api keeps its own queue; the step only matters for logging (starting_step comes from ctx.start_step).
-        self.step = state.get("step")
-
     def close(self) -> None:
         if self.session is not None:
             self.session.close()

@@ -36,12 +36,22 @@ class DataPipeline(ABC):
     def next_groups(self, step: int) -> list[dict]:
         """Groups for optimizer step `step`, at least `batch_size` sequences in all."""
 
+    # Last step served and that call's metrics (merged into the step's metrics row by the trainer).
+    step: int | None = None
+    last_metrics: dict[str, float] = {}
+
+    def metrics(self) -> dict[str, float]:
+        """Metrics of the last next_groups call."""
+        return dict(self.last_metrics)
+
     def state_dict(self) -> dict:
-        """Position in the data stream, saved in checkpoints."""
-        return {}
+        """Position in the data stream, saved in checkpoints: the last step served."""
+        return {"step": self.step}
 
     def load_state_dict(self, state: dict) -> None:
-        """Restore the position saved by state_dict()."""
+        """Restore the position saved by state_dict(). Both built-in pipelines resume from the step alone: local
+        prompts are a pure function of (seed, step) and run-api keeps its own queue."""
+        self.step = state.get("step")
 
     def close(self) -> None:
         """Release connections and processes. Safe to call twice."""

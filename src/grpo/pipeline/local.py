@@ -191,17 +191,6 @@ class LocalRolloutPipeline(DataPipeline):
         }
         return groups
 
-    def metrics(self) -> dict[str, float]:
-        """Metrics of the last next_groups call."""
-        return dict(self.last_metrics)
-
-    def state_dict(self) -> dict:
-        return {"step": self.step}
-
-    def load_state_dict(self, state: dict) -> None:
-        # The prompt stream depends only on (seed, step), so the trainer's step alone resumes it exactly.
-        self.step = state.get("step")
-
     def close(self) -> None:
         if self.client is not None:
             self.client.close()

@@ -132,7 +132,7 @@ class GRPOTrainer:
             vocab_size=self.vocab_size,
         )
         row: dict[str, Any] = {"step": self.step + 1}
-        row.update(getattr(self.pipeline, "last_metrics", {}) or {})
+        row.update(self.pipeline.metrics())
         row.update(batch.metrics)
 
         self.model.train()
