@@ -224,7 +224,7 @@ class TrainConfig:
     # per-group | batch | none: how rewards become advantages when the server sends none.
     advantage_norm: str = "group"
     # Token chunk size of the log-prob computation (never builds [B, T, vocab] float32 logits at once).
-    logprob_chunk: int = 1024
+    logprob_chunk: int = 512
     checkpoint_every: int = 10
     keep_checkpoints: int = 2
     # Run dir of an earlier run to continue from (its latest checkpoint); null starts fresh.
