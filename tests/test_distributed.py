@@ -14,6 +14,7 @@ from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 from hydra.utils import get_class
 
+from grpo.pipeline.base import DataPipeline
 from grpo.config import ConfigError, register_configs
 from grpo.config.validate import check_layout, parallel_sizes
 from grpo.sync.buckets import Bucket, pack, pack_bucket, plan_buckets, unpack_bucket
@@ -229,17 +230,14 @@ def _groups():
     return groups
 
 
-class _Pipeline:
-    last_metrics: dict = {}
+class _Pipeline(DataPipeline):
+    """Fixed groups every step (the data path is not what this test is about)."""
+
+    def setup(self, ctx):
+        pass
 
     def next_groups(self, step):
         return _groups()
-
-    def state_dict(self):
-        return {}
-
-    def close(self):
-        pass
 
 
 class _GatherSync:

@@ -22,6 +22,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "src"))
+from grpo.pipeline.base import DataPipeline  # noqa: E402  (after the sys.path insert)
 
 
 def groups(n_groups: int = 4, group_size: int = 4, seed: int = 1) -> list[dict]:
@@ -42,17 +43,14 @@ def groups(n_groups: int = 4, group_size: int = 4, seed: int = 1) -> list[dict]:
     return out
 
 
-class Pipeline:
-    last_metrics: dict = {}
+class Pipeline(DataPipeline):
+    """The same fixed groups every step."""
+
+    def setup(self, ctx):
+        pass
 
     def next_groups(self, step):
         return groups()
-
-    def state_dict(self):
-        return {}
-
-    def close(self):
-        pass
 
 
 class GatherSync:

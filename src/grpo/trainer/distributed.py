@@ -27,6 +27,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from grpo.pipeline.base import DataPipeline
+
 
 @dataclass(frozen=True)
 class DistInfo:
@@ -181,25 +183,14 @@ class LeaderPipeline:
         return getattr(self.inner, name)
 
 
-class FollowerPipeline:
+class FollowerPipeline(DataPipeline):
     """Ranks > 0: the groups rank 0 broadcast; no server, no rollouts of their own."""
-
-    last_metrics: dict = {}
 
     def setup(self, ctx: Any) -> None:
         pass
 
     def next_groups(self, step: int) -> list[dict]:
         return broadcast_object(None)
-
-    def state_dict(self) -> dict:
-        return {}
-
-    def load_state_dict(self, d: dict) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
 
 
 class FollowerSync:
