@@ -40,7 +40,6 @@ class CheckpointRestartSync(ServerSync):
         self.reload = reload
         self.served_dir: Path | None = None
         # What the last sync actually did: "inplace" or "restart".
-        self.last_method: str | None = None
 
     def launch(self, ctx: SyncContext) -> None:
         self.served_dir = Path(ctx.resume_weights or ctx.model_dir)
@@ -71,8 +70,7 @@ class CheckpointRestartSync(ServerSync):
                 raise RuntimeError("mode=none with reload=restart needs a server this trainer launched")
             self.server.restart(model=out, weight_version=version)
         self.version = version
-        self.last_method = method
-        previous, self.served_dir = self.served_dir, out
+        self.served_dir = out
         self._prune("served_weights", keep={out})
         t1 = time.perf_counter()
         return {
