@@ -1,7 +1,11 @@
-"""Peak memory and time of chunked ``token_logprobs`` against the naive full-logits computation.
+"""Peak memory and time of our log-prob + loss paths against the naive full-logits computation.
 
 A 1-layer Qwen2 with Qwen2.5-0.5B's width and vocabulary (hidden 896, vocab 151,936, tied embeddings) on one
-sequence of 2,048 tokens, forward + backward. Each variant runs in its own subprocess so one's allocations can't
+sequence of 2,048 tokens, forward + backward of the GRPO loss (``conf/loss/grpo.yaml``) on its log-probs. Variants:
+``naive`` (full ``[T, vocab]`` float32 logits), ``chunked`` (``token_logprobs``: logits recomputed per chunk in
+backward; ``train.fused_loss=false``) and ``fused`` (``fused_token_loss``: the loss gradient taken per chunk in the
+forward, the trainer's default). ``--modes head`` times the output projection alone on random hidden states.
+Each variant runs in its own subprocess so one's allocations can't
 hide the other's. Peak memory is the high-water mark above the memory in use just before the measured step:
 ``torch.cuda.max_memory_allocated`` on CUDA, a 1 ms RSS sampler (``/proc/self/statm``) on CPU (torch's CPU
 allocator returns big blocks to the OS, so RSS tracks live tensors). Time is the median of ``--repeats`` runs after
@@ -61,7 +65,9 @@ def _worker(args) -> dict:
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     sys.path.insert(0, str(HERE.parent / "src"))
-    from grpo.trainer.logprobs import hidden_logprobs, naive_token_logprobs, token_logprobs
+    from grpo.trainer.logprobs import (
+        fused_hidden_loss, fused_token_loss, hidden_logprobs, naive_token_logprobs, token_logprobs,
+    )
 
     torch.manual_seed(0)
     device = torch.device(args.device)
@@ -80,29 +86,43 @@ def _worker(args) -> dict:
     labels[:, -1] = -100
     temps = torch.full((1,), 0.9, device=device)
 
+    # The GRPO loss of conf/loss/grpo.yaml on rollout log-probs near the policy's (ratios on both sides of the clip).
+    from grpo.trainer.loss import GRPOLoss
+
+    loss_fn = GRPOLoss()
+    mask = (labels != -100).float()
+    gen = torch.Generator(device="cpu").manual_seed(1)
+    rollout = (torch.randn(labels.shape, generator=gen) * 0.1 - 8.0).to(device)
+    adv = torch.randn(labels.shape[0], generator=gen).to(device)
+
+    def loss_of(lp):
+        return loss_fn(lp, rollout, adv, mask)
+
     if args.mode == "head":
         # Only the output projection: random final hidden states into a trainable Linear(hidden, vocab).
         del model
         model = torch.nn.Linear(args.hidden, args.vocab, bias=False).to(device=device, dtype=dtype)
         hidden = torch.randn(1, T, args.hidden, device=device, dtype=dtype, requires_grad=True)
 
-        def run(chunked):
-            if chunked:
-                return hidden_logprobs(hidden, model, labels, temps, chunk_size=args.chunk)
-            logits = model(hidden).float() / temps[:, None, None]
-            lp = torch.log_softmax(logits, -1).gather(-1, labels.clamp(min=0)[..., None]).squeeze(-1)
-            return torch.where(labels != -100, lp, torch.zeros_like(lp))
-
         def step():
-            run(args.variant == "chunked").sum().backward()
-    elif args.variant == "chunked":
-        def step():
-            lp = token_logprobs(model, ids, attn, labels, temps, chunk_size=args.chunk)
-            lp.sum().backward()
+            if args.variant == "fused":
+                loss = fused_hidden_loss(hidden, model, labels, temps, loss_of, chunk_size=args.chunk)[0]
+            elif args.variant == "chunked":
+                loss = loss_of(hidden_logprobs(hidden, model, labels, temps, chunk_size=args.chunk, fused=True))[0]
+            else:
+                logits = model(hidden).float() / temps[:, None, None]
+                lp = torch.log_softmax(logits, -1).gather(-1, labels.clamp(min=0)[..., None]).squeeze(-1)
+                loss = loss_of(torch.where(labels != -100, lp, torch.zeros_like(lp)))[0]
+            loss.backward()
     else:
         def step():
-            lp = naive_token_logprobs(model, ids, attn, labels, temps)
-            lp.sum().backward()
+            if args.variant == "fused":
+                loss = fused_token_loss(model, ids, attn, labels, temps, loss_of, chunk_size=args.chunk)[0]
+            elif args.variant == "chunked":
+                loss = loss_of(token_logprobs(model, ids, attn, labels, temps, chunk_size=args.chunk))[0]
+            else:
+                loss = loss_of(naive_token_logprobs(model, ids, attn, labels, temps))[0]
+            loss.backward()
 
     def sync():
         if device.type == "cuda":
@@ -142,7 +162,10 @@ def main(argv=None) -> None:
     p.add_argument("--seq-len", type=int, default=2048)
     p.add_argument("--prompt-frac", type=float, nargs="+", default=[0.0, 0.25],
                    help="share of positions that are prompt (no loss); one row per value")
-    p.add_argument("--chunks", type=int, nargs="+", default=[1024, 256], help="chunk sizes of token_logprobs")
+    p.add_argument("--chunks", type=int, nargs="+", default=[512, 1024], help="chunk sizes of token_logprobs")
+    p.add_argument("--variants", nargs="+", default=["fused", "chunked"], choices=["fused", "chunked"],
+                   help="fused: loss gradient per chunk in the forward (train.fused_loss=true, the default); "
+                        "chunked: log-probs with logits recomputed in backward (train.fused_loss=false)")
     p.add_argument("--chunk", type=int, default=1024, help=argparse.SUPPRESS)
     p.add_argument("--modes", nargs="+", default=["head", "model"], choices=["head", "model"],
                    help="head: lm_head Linear on random hidden states; model: 1-layer Qwen2 through token_logprobs")
@@ -170,10 +193,10 @@ def main(argv=None) -> None:
             return json.loads(out.strip().splitlines()[-1])
 
         n = child("naive", 0)
-        for chunk in args.chunks:
-            c = child("chunked", chunk)
+        for chunk, variant in [(c, v) for c in args.chunks for v in args.variants]:
+            c = child(variant, chunk)
             rows.append({
-                "mode": mode, "prompt_frac": frac, "chunk": chunk,
+                "mode": mode, "variant": variant, "prompt_frac": frac, "chunk": chunk,
                 "loss_tokens": args.seq_len - int(args.seq_len * frac) - 1,
                 "naive_peak_mib": n["peak_bytes"] / 2**20, "chunked_peak_mib": c["peak_bytes"] / 2**20,
                 "memory_ratio": n["peak_bytes"] / max(c["peak_bytes"], 1),
@@ -183,10 +206,10 @@ def main(argv=None) -> None:
 
     print(f"\ntoken_logprobs vs naive: vocab {args.vocab}, seq {args.seq_len}, hidden {args.hidden}, {args.dtype}, "
           f"{args.device}, forward+backward, median of {args.repeats}")
-    print(f"{'mode':>6} {'prompt':>7} {'chunk':>6} {'loss tok':>8} {'naive MiB':>10} {'chunked MiB':>12} {'mem x':>6} "
+    print(f"{'mode':>6} {'variant':>8} {'prompt':>7} {'chunk':>6} {'loss tok':>8} {'naive MiB':>10} {'chunked MiB':>12} {'mem x':>6} "
           f"{'naive s':>8} {'chunked s':>10} {'speed x':>8}")
     for r in rows:
-        print(f"{r['mode']:>6} {r['prompt_frac']:>7.2f} {r['chunk']:>6} {r['loss_tokens']:>8} {r['naive_peak_mib']:>10.0f} "
+        print(f"{r['mode']:>6} {r['variant']:>8} {r['prompt_frac']:>7.2f} {r['chunk']:>6} {r['loss_tokens']:>8} {r['naive_peak_mib']:>10.0f} "
               f"{r['chunked_peak_mib']:>12.0f} {r['memory_ratio']:>6.1f} {r['naive_s']:>8.3f} "
               f"{r['chunked_s']:>10.3f} {r['speedup']:>8.2f}")
     result = {

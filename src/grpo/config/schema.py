@@ -225,6 +225,8 @@ class TrainConfig:
     advantage_norm: str = "group"
     # Token chunk size of the log-prob computation (never builds [B, T, vocab] float32 logits at once).
     logprob_chunk: int = 512
+    # Loss gradient per log-prob chunk in the forward pass (plain lm_head, token-separable loss); else unfused.
+    fused_loss: bool = True
     checkpoint_every: int = 10
     keep_checkpoints: int = 2
     # Run dir of an earlier run to continue from (its latest checkpoint); null starts fresh.

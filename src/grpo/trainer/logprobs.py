@@ -9,7 +9,7 @@ on lm_head, quantised) goes through ``torch.utils.checkpoint`` per chunk. Either
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -96,6 +96,108 @@ class _LinearLogprob(torch.autograd.Function):
                 grad_b.add_(grad.sum(0))
             del grad
         return grad_h, grad_w, grad_b, None, None, None
+
+
+class _FusedLinearLoss(torch.autograd.Function):
+    """A token-separable loss of ``log_softmax(h @ W.T + b) / T)[target]`` with its gradient taken in the forward pass.
+
+    Each chunk's logits are computed once: the chunk's log-probs go through the loss (autograd on a ``[B, T]`` leaf,
+    cheap next to a ``[chunk, V]`` block) to get ``d loss / d logp`` for those tokens, and the same buffer then
+    becomes the gradient of the logits in place, from which the hidden-state and weight gradients follow. That is
+    three matmuls per chunk, as many as the naive path, instead of four for recompute-in-backward, with at most one
+    ``[chunk, V]`` block alive. It is exact only because the loss is token-separable (``GRPOLoss.token_separable``):
+    token i's gradient depends on token i's log-prob alone, so log-probs of chunks not yet computed cannot change it.
+    """
+
+    @staticmethod
+    def forward(ctx, h, weight, bias, target, inv_temp, flat_index, shape, loss_of, chunk_size, out):  # type: ignore[override]
+        need_h, need_w, need_b = h.requires_grad, weight.requires_grad, bias is not None and bias.requires_grad
+        grad_h = torch.empty_like(h) if need_h else None
+        grad_w = torch.zeros_like(weight) if need_w else None
+        grad_b = torch.zeros_like(bias) if need_b else None
+        full = torch.zeros(shape, dtype=torch.float32, device=h.device)
+        flat = full.view(-1)
+        for s in range(0, h.shape[0], chunk_size):
+            sl = slice(s, s + chunk_size)
+            it = inv_temp[sl]
+            grad = _LinearLogprob._logits(h[sl], weight, bias, it)
+            picked = grad.gather(1, target[sl, None]).squeeze(1)
+            m = grad.max(dim=1).values
+            z = grad.sub_(m[:, None]).exp_().sum(dim=1)  # grad now holds exp(logit - max)
+            flat[flat_index[sl]] = picked - (z.log() + m)
+            with torch.enable_grad():
+                leaf = full.detach().requires_grad_(True)
+                (g_full,) = torch.autograd.grad(loss_of(leaf)[0], leaf)
+            g = g_full.view(-1)[flat_index[sl]] * it
+            # d loss / d rawlogit = g * (onehot(target) - softmax), in place in the chunk's one buffer.
+            grad.mul_((-g / z)[:, None]).scatter_add_(1, target[sl, None], g[:, None])
+            grad = grad.to(h.dtype)
+            if need_h:
+                torch.mm(grad, weight, out=grad_h[sl])
+            if need_w:
+                grad_w.addmm_(grad.t(), h[sl])
+            if need_b:
+                grad_b.add_(grad.sum(0))
+            del grad
+        loss, metrics = loss_of(full)
+        out["logprobs"], out["metrics"] = full, metrics
+        ctx.grads = (grad_h, grad_w, grad_b)
+        return loss.detach()
+
+    @staticmethod
+    def backward(ctx, grad_loss):  # type: ignore[override]
+        grads = [None if g is None else g * grad_loss.to(g.dtype) for g in ctx.grads]
+        ctx.grads = None
+        return (*grads, None, None, None, None, None, None, None)
+
+
+def fused_hidden_loss(
+    hidden: torch.Tensor,
+    head: nn.Linear,
+    labels: torch.Tensor,
+    temperatures: Optional[torch.Tensor],
+    loss_of: Callable[[torch.Tensor], tuple[torch.Tensor, dict]],
+    chunk_size: int = 512,
+) -> tuple[torch.Tensor, dict, torch.Tensor]:
+    """``loss_of(hidden_logprobs(...))`` from final hidden states ``[B, T, H]`` and a plain ``nn.Linear`` head, with
+    the head's backward done chunk by chunk in the forward (``_FusedLinearLoss``).
+
+    ``loss_of`` maps ``[B, T]`` log-probs to ``(scalar loss, metrics)`` and must be token-separable. Returns
+    ``(loss with grad, metrics, detached [B, T] log-probs)``; the loss's backward sends the precomputed gradients
+    into ``hidden`` and the head.
+    """
+    B, T = labels.shape
+    sel = labels != IGNORE
+    if temperatures is None:
+        temperatures = torch.ones(B, device=hidden.device)
+    inv_temp = (1.0 / temperatures.float().to(hidden.device))[:, None].expand(B, T)[sel]
+    flat_index = sel.reshape(-1).nonzero().squeeze(1)
+    out: dict = {}
+    loss = _FusedLinearLoss.apply(
+        hidden[sel], head.weight, head.bias, labels[sel], inv_temp, flat_index, (B, T), loss_of, chunk_size, out
+    )
+    return loss, out["metrics"], out["logprobs"]
+
+
+def fused_token_loss(
+    model: nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    labels: torch.Tensor,
+    temperatures: Optional[torch.Tensor],
+    loss_of: Callable[[torch.Tensor], tuple[torch.Tensor, dict]],
+    chunk_size: int = 512,
+) -> tuple[torch.Tensor, dict, torch.Tensor]:
+    """``loss_of(token_logprobs(...))`` through ``fused_hidden_loss``: the same loss, metrics and gradients, with
+    three matmuls per chunk of the output projection instead of four. Needs ``can_fuse(model, loss)``."""
+    decoder, head = backbone_and_head(model)
+    hidden = decoder(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
+    return fused_hidden_loss(hidden, head, labels, temperatures, loss_of, chunk_size)
+
+
+def can_fuse(model: nn.Module, loss_fn: object) -> bool:
+    """Whether ``fused_token_loss`` applies: a plain ``nn.Linear`` head and a loss declared token-separable."""
+    return bool(getattr(loss_fn, "token_separable", False)) and type(backbone_and_head(model)[1]) is nn.Linear
 
 
 def _module_chunk(head: nn.Module, h: torch.Tensor, target: torch.Tensor, inv_temp: torch.Tensor) -> torch.Tensor:

@@ -17,7 +17,7 @@ from grpo.pipeline.base import DataPipeline
 from grpo.pipeline.batch import prepare_batch
 from grpo.sync.base import SyncStrategy
 from grpo.trainer.checkpoint import CheckpointManager
-from grpo.trainer.logprobs import token_logprobs
+from grpo.trainer.logprobs import can_fuse, fused_token_loss, token_logprobs
 from grpo.trainer.metrics import MetricsLogger
 
 log = logging.getLogger(__name__)
@@ -88,6 +88,9 @@ class GRPOTrainer:
         self.nonfinite_total = 0
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.vocab_size = model.get_input_embeddings().num_embeddings
+        # The loss's gradient taken chunk by chunk in the forward (3 matmuls per chunk instead of 4); FSDP2 keeps
+        # the unfused path, whose forward method it registers (grpo.trainer.distributed.shard_model).
+        self.fused = bool(train_cfg.fused_loss) and self.dist is None and can_fuse(model, loss_fn)
         self.rewards: list[float] = []
         if device.type == "cuda":
             # Peaks are per run: a multirun's earlier jobs must not leak into this one's figures.
@@ -99,16 +102,18 @@ class GRPOTrainer:
             faults.server_faults(self.step + 1, getattr(self.sync, "server", None))
             self.sync.check_health()
             row = self.train_step()
-            if ((self.step % self.cfg.checkpoint_every == 0) or self.step == self.cfg.steps) and self.dist is None:
-                self.save_checkpoint()  # FSDP2 runs: no checkpoints yet (see README "Beyond one GPU")
+            if (self.step % self.cfg.checkpoint_every == 0) or self.step == self.cfg.steps:
+                self.save_checkpoint()  # FSDP2: every rank joins the gathers, rank 0 writes
             self.metrics.log(row)
         return self.rewards
 
-    def save_checkpoint(self) -> Path:
-        """Atomic checkpoint of model (or adapter), optimizer, scheduler, RNG, data position and counters."""
+    def save_checkpoint(self) -> Path | None:
+        """Atomic checkpoint of model (or adapter), optimizer, scheduler, RNG, data position and counters. Under
+        FSDP2 every rank must call it; rank 0 writes and gets the path, the others None."""
         state = {"step": self.step, "data": self.pipeline.state_dict(), "weight_version": self.sync.version,
                  "nonfinite_total": self.nonfinite_total}
-        return self.checkpoints.save(self.step, self.model, self.tokenizer, self.optimizer, self.scheduler, state)
+        save = self.checkpoints.save_distributed if self.dist is not None else self.checkpoints.save
+        return save(self.step, self.model, self.tokenizer, self.optimizer, self.scheduler, state)
 
     def train_step(self) -> dict[str, Any]:
         """One optimizer step; returns its metrics row."""
@@ -150,15 +155,25 @@ class GRPOTrainer:
         for mb, weight in micro_batches:
             mb = mb.to(self.device)
             # FSDP2 registers the model's own forward method for this (grpo.trainer.distributed.shard_model).
+            def loss_of(logprobs, mb=mb):
+                return self.loss_fn(
+                    logprobs, mb.inference_logprobs, mb.advantages, mb.loss_mask,
+                    ref_logprobs=mb.ref_logprobs, total_tokens=batch.num_loss_tokens,
+                    total_sequences=batch.num_sequences, max_tokens=batch.max_completion_tokens,
+                )
+
             fn = getattr(self.model, "grpo_token_logprobs", None)
-            logprobs = (fn or token_logprobs)(
-                *(() if fn else (self.model,)), mb.input_ids, mb.attention_mask, mb.labels, mb.temperatures, chunk_size=self.cfg.logprob_chunk
-            )
-            loss, m = self.loss_fn(
-                logprobs, mb.inference_logprobs, mb.advantages, mb.loss_mask,
-                ref_logprobs=mb.ref_logprobs, total_tokens=batch.num_loss_tokens, total_sequences=batch.num_sequences,
-                max_tokens=batch.max_completion_tokens,
-            )
+            if self.fused:
+                loss, m, _ = fused_token_loss(
+                    self.model, mb.input_ids, mb.attention_mask, mb.labels, mb.temperatures, loss_of,
+                    chunk_size=self.cfg.logprob_chunk,
+                )
+            else:
+                logprobs = (fn or token_logprobs)(
+                    *(() if fn else (self.model,)), mb.input_ids, mb.attention_mask, mb.labels, mb.temperatures,
+                    chunk_size=self.cfg.logprob_chunk,
+                )
+                loss, m = loss_of(logprobs)
             if faults.active("nan_loss", self.step + 1):
                 loss = loss * float("nan")
             if weight == 0.0:

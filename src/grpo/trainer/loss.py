@@ -50,6 +50,10 @@ class GRPOLoss:
         max_tokens_norm: constant divisor of ``seq_mean_token_sum_norm``; None = the longest completion.
     """
 
+    # Every term is a function of one token's log-prob and constants (normalisers come from the mask or the
+    # arguments), so the gradient at token i depends on logprobs[i] alone. The fused log-prob path relies on it.
+    token_separable = True
+
     def __init__(
         self,
         clip_eps: float = 0.2,

@@ -1,0 +1,118 @@
+"""The fused log-prob + loss path equals log-probs → loss → backward through autograd (value, metrics, gradients)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from grpo.trainer.logprobs import can_fuse, fused_token_loss, naive_token_logprobs
+from grpo.trainer.loss import GRPOLoss
+
+
+@pytest.fixture(scope="module")
+def model(tiny_qwen2_dir):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(tiny_qwen2_dir, dtype=torch.float32)
+
+
+def _inputs(model, B=4, T=20, seed=0):
+    vocab = model.config.vocab_size
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, vocab, (B, T), generator=g)
+    attn = torch.ones(B, T, dtype=torch.long)
+    labels = torch.randint(0, vocab, (B, T), generator=g)
+    labels[:, :5] = -100  # prompt
+    attn[1, 15:] = 0  # right padding
+    labels[1, 15:] = -100
+    labels[2, 9] = -100  # a hole inside the completion
+    mask = (labels != -100).float()
+    with torch.no_grad():
+        lp = naive_token_logprobs(model, ids, attn, labels)
+    # Rollout log-probs off by up to ±0.6 nats, so ratios land on both sides of every clip bound; two missing.
+    rollout = torch.where(mask > 0, lp + (torch.rand(B, T, generator=g) - 0.5) * 1.2, torch.ones(B, T))
+    rollout[0, 7] = float("nan")
+    rollout[3, 12] = float("nan")
+    ref = torch.where(mask > 0, lp + (torch.rand(B, T, generator=g) - 0.5) * 0.4, torch.full((B, T), float("nan")))
+    adv = torch.tensor([1.3, -0.7, 0.4, -1.5])  # both signs
+    temps = torch.tensor([1.0, 0.7, 1.0, 1.3])
+    return ids, attn, labels, mask, rollout, ref, adv, temps
+
+
+LOSSES = {
+    "grpo": dict(),
+    "dapo_clip_higher": dict(clip_eps=0.2, clip_eps_high=0.28),
+    "dual_clip": dict(dual_clip=1.5),
+    "tis": dict(tis_cap=1.2),
+    "kl_k3": dict(kl_coef=0.1, kl_estimator="k3"),
+    "kl_k2": dict(kl_coef=0.05, kl_estimator="k2"),
+    "seq_mean_token_mean": dict(aggregation="seq_mean_token_mean"),
+    "dr_grpo": dict(aggregation="seq_mean_token_sum_norm"),
+    "dr_grpo_fixed_norm": dict(aggregation="seq_mean_token_sum_norm", max_tokens_norm=32),
+}
+
+
+def _grads(model):
+    out = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    return out
+
+
+@pytest.mark.parametrize("chunk", [3, 1024])
+@pytest.mark.parametrize("name", list(LOSSES))
+def test_fused_equals_unfused(model, name, chunk):
+    ids, attn, labels, mask, rollout, ref, adv, temps = _inputs(model)
+    loss_fn = GRPOLoss(**LOSSES[name])
+    # Normalisers of a bigger optimizer step, as under gradient accumulation.
+    kw = dict(ref_logprobs=ref, total_tokens=71.0, total_sequences=6.0, max_tokens=17.0)
+
+    def loss_of(lp):
+        return loss_fn(lp, rollout, adv, mask, **kw)
+
+    model.zero_grad(set_to_none=True)
+    lp = naive_token_logprobs(model, ids, attn, labels, temps)
+    ref_loss, ref_metrics = loss_of(lp)
+    (ref_loss * 3.0).backward()  # a scale on the loss (FSDP world size, accumulation) reaches every gradient
+    want = _grads(model)
+
+    loss, metrics, fused_lp = fused_token_loss(model, ids, attn, labels, temps, loss_of, chunk_size=chunk)
+    (loss * 3.0).backward()
+    got = _grads(model)
+
+    torch.testing.assert_close(loss, ref_loss.detach(), atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(fused_lp, lp.detach(), atol=1e-5, rtol=0)
+    assert metrics.keys() == ref_metrics.keys()
+    for k in metrics:
+        assert metrics[k] == pytest.approx(ref_metrics[k], abs=1e-5), k
+    # The inputs do exercise the clip (TIS clips its weight instead: its PPO ratio is 1 by construction).
+    assert ref_metrics["grpo/tis_capped" if name == "tis" else "grpo/clipped_fraction"] > 0
+    assert got.keys() == want.keys() and len(got) > 5
+    for n in want:
+        torch.testing.assert_close(got[n], want[n], atol=1e-5, rtol=1e-4, msg=n)
+
+
+def test_fused_without_loss_tokens_keeps_graph(model):
+    ids, attn, labels, mask, rollout, ref, adv, temps = _inputs(model)
+    labels = torch.full_like(labels, -100)
+    mask = torch.zeros_like(mask)
+    loss, metrics, lp = fused_token_loss(model, ids, attn, labels, None, lambda x: GRPOLoss()(x, rollout, adv, mask))
+    loss.backward()
+    grads = _grads(model)
+    assert float(loss) == 0.0 and (lp == 0).all() and metrics["grpo/tokens"] == 0.0
+    assert all(float(g.abs().sum()) == 0.0 for g in grads.values())
+
+
+def test_can_fuse_needs_a_separable_loss_and_a_linear_head(model, tiny_qwen2_dir):
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    assert can_fuse(model, GRPOLoss())
+    assert not can_fuse(model, lambda *a, **k: None)  # an arbitrary callable makes no separability promise
+    lora_head = get_peft_model(
+        AutoModelForCausalLM.from_pretrained(tiny_qwen2_dir, dtype=torch.float32),
+        LoraConfig(r=2, target_modules=["lm_head", "q_proj"]),
+    )
+    assert not can_fuse(lora_head, GRPOLoss())  # LoRA on lm_head: the checkpointed per-chunk path instead
+    assert can_fuse(get_peft_model(
+        AutoModelForCausalLM.from_pretrained(tiny_qwen2_dir, dtype=torch.float32), LoraConfig(r=2, target_modules=["q_proj"])
+    ), GRPOLoss())
