@@ -25,10 +25,12 @@ PRESETS = {"tiny": ("tiny-qwen2", None), "small": ("tiny-qwen2", SMALL_OVERRIDES
 
 
 def model_dir(name: str) -> Path:
-    """Built (cached) model directory of a benchmark preset: ``tiny`` or ``small``."""
+    """Built (cached) model directory of a benchmark preset: ``tiny``, ``small`` or a real-size one (``qwen3b``)."""
     sys.path.insert(0, str(ROOT / "src"))
     from grpo.models.tiny import build_model_dir
 
+    if name not in PRESETS:  # a real-size preset (qwen3b, hermes8b, ...): random weights, built in bf16
+        return Path(build_model_dir(name, dtype="bfloat16"))
     preset, overrides = PRESETS[name]
     return Path(build_model_dir(preset, overrides=overrides))
 

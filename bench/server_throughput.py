@@ -35,18 +35,18 @@ import requests
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import RESULTS, ROOT, free_port, loadavg, machine, model_dir  # noqa: E402
 
-SERVER_ARGS = ["--max-model-len", "1024", "--dtype", "float32", "--disable-uvicorn-access-log"]
+SERVER_ARGS = ["--max-model-len", "1024", "--disable-uvicorn-access-log"]
 
 
 class PlainServer:
     """``python -m vllm.entrypoints.openai.api_server`` in its own process group (stopped by its pgid only)."""
 
-    def __init__(self, model: Path, log: Path, extra: list[str] = (), kv_share: float = 0.2):
+    def __init__(self, model: Path, log: Path, extra: list[str] = (), kv_share: float = 0.2, dtype: str = "float32"):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
                     "--host", "127.0.0.1", "--port", str(self.port), "--gpu-memory-utilization", str(kv_share),
-                    *SERVER_ARGS, *extra]  # fmt: skip
+                    "--dtype", dtype, *SERVER_ARGS, *extra]  # fmt: skip
         self.log = log
 
     def start(self, timeout: float = 600):
@@ -111,6 +111,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--kv-share", type=float, default=0.2,
                     help="--gpu-memory-utilization of both servers (on CPU: share of RAM for the KV cache)")
+    ap.add_argument("--dtype", default="float32", help="both servers' --dtype (bfloat16 on a GPU)")
+    ap.add_argument("--prompt-tokens", type=int, default=24)
     ap.add_argument("--out", default=str(RESULTS / "server_throughput.json"))
     args = ap.parse_args(argv)
     sys.path.insert(0, str(ROOT / "src"))
@@ -119,9 +121,9 @@ def main(argv=None) -> dict:
     mdir = model_dir(args.model)
     logdir = Path(tempfile.mkdtemp(prefix="bench_server_"))
     cfg = {"host": "127.0.0.1", "port": free_port(), "gpu_memory_utilization": args.kv_share, "max_model_len": 1024,
-           "dtype": "float32", "enforce_eager": None, "startup_timeout_s": 600, "extra_args": []}  # fmt: skip
+           "dtype": args.dtype, "enforce_eager": None, "startup_timeout_s": 600, "extra_args": []}  # fmt: skip
     ours = VLLMServer(mdir, cfg, logdir / "ours.log")
-    plain = PlainServer(mdir, logdir / "plain.log", kv_share=args.kv_share)
+    plain = PlainServer(mdir, logdir / "plain.log", kv_share=args.kv_share, dtype=args.dtype)
     t0 = time.perf_counter()
     ours.start()
     t_ours = time.perf_counter() - t0
@@ -129,7 +131,7 @@ def main(argv=None) -> dict:
         t0 = time.perf_counter()
         plain.start()
         t_plain = time.perf_counter() - t0
-        ps = prompts(args.prompts)
+        ps = prompts(args.prompts, args.prompt_tokens)
         targets = {"ours_generate": (ours.url, "generate"), "ours_completions": (ours.url, "completions"),
                    "plain_completions": (plain.url, "completions")}  # fmt: skip
         for name, (url, route) in targets.items():  # warm-up
@@ -151,9 +153,9 @@ def main(argv=None) -> dict:
     result = {
         "bench": "server_throughput", "machine": machine(),
         "command": "python bench/server_throughput.py " + " ".join(argv if argv is not None else sys.argv[1:]),
-        "workload": {"model": args.model, "prompts": args.prompts, "prompt_tokens": 24, "n": args.n,
+        "workload": {"model": args.model, "prompts": args.prompts, "prompt_tokens": args.prompt_tokens, "n": args.n,
                      "max_tokens": args.max_tokens, "ignore_eos": True, "temperature": 1.0},
-        "server_args": SERVER_ARGS + ["--gpu-memory-utilization", str(args.kv_share)], "ours_extra": "--logprobs-mode processed_logprobs --worker-extension-cls ... --middleware ...",
+        "server_args": SERVER_ARGS + ["--dtype", args.dtype, "--gpu-memory-utilization", str(args.kv_share)], "ours_extra": "--logprobs-mode processed_logprobs --worker-extension-cls ... --middleware ...",
         "startup_seconds": {"ours": t_ours, "plain": t_plain},
         "median_tokens_per_s": med,
         "ratio_generate_vs_plain": med["ours_generate"] / med["plain_completions"],

@@ -3,6 +3,9 @@
 #   bash bench/gpu/run_suite.sh shared     # shared_vllm checks: tiny model, then qwen3b-sized random weights
 #   bash bench/gpu/run_suite.sh modes      # train.py per mode on qwen3b-sized random weights (sync latency, tokens/s)
 #   bash bench/gpu/run_suite.sh optim      # train.py per optimizer (tokens/s, peak memory)
+#   bash bench/gpu/run_suite.sh logprobs   # fused / chunked log-prob + loss vs naive full logits (bf16 and fp32)
+#   bash bench/gpu/run_suite.sh throughput # decode tok/s, our server vs plain vLLM, qwen3b-sized, CUDA graphs on
+#   bash bench/gpu/run_suite.sh optim_bench [preset]  # per-optimizer step at a real size, peaks per phase
 # Results land in $OUT (or bench/results/gpu when OUT is unset).
 set -uo pipefail
 export VLLM_WORKER_MULTIPROC_METHOD=spawn VLLM_USE_FLASHINFER_SAMPLER=0 HF_HUB_OFFLINE=1 VLLM_NO_USAGE_STATS=1
@@ -38,5 +41,18 @@ case "${1:-shared}" in
     python3 train.py -m "${common[@]}" "${big[@]}" train.steps=4 mode=shared_vllm optimizer=adamw,adamw_8bit,adafactor \
       optimizer.lr=1e-6 hydra.sweep.dir="$out/optim" 2>&1 | grep -vE "INFO|DEBUG" | tail -40
     summarise "$out/optim" | tee "$out/optim.jsonl"
+    ;;
+  logprobs)
+    for dt in bfloat16 float32; do
+      python3 bench/logprobs_bench.py --device cuda --dtype $dt --repeats 5 --modes model --prompt-frac 0.25 \
+        --chunks 512 1024 --out "$out/logprobs_cuda_$dt.json" 2>&1 | tail -8
+    done
+    ;;
+  throughput)
+    python3 bench/server_throughput.py --model qwen3b --dtype bfloat16 --kv-share 0.4 --rounds 4 --prompts 32 \
+      --n 8 --max-tokens 256 --prompt-tokens 128 --out "$out/server_throughput_qwen3b.json" 2>&1 | tail -25
+    ;;
+  optim_bench)
+    python3 bench/gpu/optim_bench.py --preset "${2:-qwen3b}" --steps 4 --out "$out/optim_${2:-qwen3b}.json" 2>&1 | tail -8
     ;;
 esac

@@ -44,4 +44,5 @@ def load_model(model_dir: str, dtype: torch.dtype, device: torch.device, gradien
         # Inputs must require grad for checkpointed blocks when the embeddings are frozen (layer selection, LoRA).
         model.enable_input_require_grads()
     model.config.use_cache = False
-    return model
+    # from_pretrained returns eval mode, in which transformers silently skips gradient checkpointing.
+    return model.train()
