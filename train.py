@@ -22,7 +22,7 @@ import hydra
 import torch
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
-from hydra.utils import instantiate
+from hydra.utils import get_class, instantiate
 from omegaconf import DictConfig
 
 from grpo.config import register_configs, validate
@@ -97,7 +97,9 @@ def train(cfg: DictConfig, run_dir: Path) -> list[float]:
     if cfg.train.resume and resume_ckpt is None:
         raise FileNotFoundError(f"train.resume={cfg.train.resume} has no complete checkpoint under checkpoints/")
 
-    sync = instantiate(cfg.mode) if rank0 else distributed.FollowerSync(cfg.mode.sync_every)
+    # Ranks > 0 join the gathers of rank 0's sync, the kind its strategy runs (validate checked it has one).
+    sync = instantiate(cfg.mode) if rank0 else distributed.FollowerSync(
+        cfg.mode.sync_every, gather=get_class(cfg.mode._target_).fsdp_gather)
     log.info("sync strategy %s (every %d steps)", type(sync).__name__, sync.sync_every)
     loss_fn = instantiate(cfg.loss)
     log.info("loss %s", loss_fn)
@@ -135,7 +137,9 @@ def train(cfg: DictConfig, run_dir: Path) -> list[float]:
 
         start_step = 0
         if resume_ckpt is not None:
-            state = checkpoints.load(resume_ckpt, model, optimizer, scheduler)
+            # FSDP2: rank 0 reads the checkpoint and broadcasts it into every rank's shards.
+            load = checkpoints.load_distributed if dist_info is not None else checkpoints.load
+            state = load(resume_ckpt, model, optimizer, scheduler)
             start_step = int(state["step"])
             pipeline.load_state_dict(state.get("data", {}))
             log.info("resumed from %s at step %d", resume_ckpt, start_step)

@@ -78,7 +78,8 @@ def parallel_sizes(extra_args) -> dict[str, int]:
 
 def check_layout(cfg: DictConfig, sync_cls: type, cuda: bool, world_size: int = 1) -> None:
     """Checks of the multi-GPU layouts: shared_vllm needs one vLLM worker, broadcast needs vLLM on its own GPU,
-    and a torchrun (FSDP2) trainer composes with mode=broadcast."""
+    and a torchrun (FSDP2) trainer composes with the modes whose sync all ranks can join (`fsdp_gather`:
+    mode=none and mode=broadcast)."""
     from grpo.sync.nccl_broadcast import NCCLBroadcastSync
     from grpo.sync.shared_memory import SharedMemorySync
 
@@ -104,11 +105,15 @@ def check_layout(cfg: DictConfig, sync_cls: type, cuda: bool, world_size: int = 
                 f"GPU): set server.device to a GPU index >= {world_size} (server.device={dev}); e.g. trainer on "
                 f"GPU 0, server.device=1"
             )
-    if world_size > 1 and not issubclass(sync_cls, NCCLBroadcastSync):
+    if world_size > 1 and getattr(sync_cls, "fsdp_gather", None) is None:
+        # LoRA modes would need the adapter sharded and saved as an adapter; shared_vllm trains vLLM's own CUDA
+        # tensors in place, which cannot be sharded over trainer ranks. Neither is built.
+        why = ("shared_vllm trains vLLM's own CUDA tensors in place, which FSDP2 cannot shard"
+               if issubclass(sync_cls, SharedMemorySync) else "LoRA adapters are not sharded with FSDP2 here")
         raise ConfigError(
-            f"a torchrun trainer ({world_size} processes, FSDP2) composes with mode=broadcast only, not "
-            f"mode={_mode_name(cfg)}; run it with mode=broadcast server.device=<a GPU index >= {world_size}>, "
-            "or run one process"
+            f"a torchrun trainer ({world_size} processes, FSDP2) composes with mode=none or mode=broadcast, not "
+            f"mode={_mode_name(cfg)} ({why}); run it with mode=none, or mode=broadcast server.device=<a GPU index "
+            f">= {world_size}>, or run one process for this mode"
         )
 
 

@@ -34,6 +34,10 @@ class SyncStrategy(ABC):
     uses_lora: ClassVar[bool] = False
     # True when the strategy only works with CUDA (shared_vllm).
     requires_cuda: ClassVar[bool] = False
+    # How an FSDP2 trainer (torchrun) gathers full weights for this strategy's sync, which every rank joins:
+    # "params" (one `full_tensor()` per parameter), "state_dict" (one full state dict on rank 0), or None when
+    # the strategy does not compose with FSDP2 (refused at start-up). See grpo.trainer.distributed.FollowerSync.
+    fsdp_gather: ClassVar[str | None] = None
 
     def __init__(self, sync_every: int = 1) -> None:
         if sync_every < 1:

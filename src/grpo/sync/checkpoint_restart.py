@@ -4,6 +4,10 @@ The server stays up: the weights are reloaded in place on every vLLM worker (vLL
 through our worker extension and `collective_rpc`, ~0.03 s for the tiny model on CPU). Only when that is not
 possible (an external server without our endpoints, or a failed reload) does it fall back to restarting vLLM on the
 new directory, which leaves rollouts without a server for the whole start-up (~30 s here).
+
+Under torchrun (FSDP2) only rank 0 holds this strategy; its sync gathers the full state dict, which the other
+ranks join through `grpo.trainer.distributed.FollowerSync` (`fsdp_gather = "state_dict"`), then rank 0 alone saves
+and drives the server.
 """
 
 from __future__ import annotations
@@ -19,10 +23,13 @@ from grpo.sync.server_base import ServerSync
 
 
 def save_full_weights(model: nn.Module, tokenizer, out_dir: Path) -> Path:
-    """HF-format weights of `model` in `out_dir`, written atomically."""
+    """HF-format weights of `model` in `out_dir`, written atomically. For an FSDP2 model the full weights are
+    gathered first: a collective, which the other ranks join in `FollowerSync.sync`."""
+    from grpo.trainer import distributed
     from grpo.trainer.checkpoint import save_model_weights
 
-    return save_model_weights(model, tokenizer, out_dir)
+    state_dict = distributed.full_state_dict(model) if distributed.is_sharded(model) else None
+    return save_model_weights(model, tokenizer, out_dir, state_dict)
 
 
 class CheckpointRestartSync(ServerSync):
@@ -32,6 +39,7 @@ class CheckpointRestartSync(ServerSync):
     """
 
     uses_lora = False
+    fsdp_gather = "state_dict"  # FSDP2: every rank joins one full state dict gather, rank 0 saves it
 
     def __init__(self, sync_every: int = 1, reload: str = "inplace") -> None:
         super().__init__(sync_every)

@@ -105,6 +105,7 @@ class NCCLBroadcastSync(ServerSync):
 
     requires_cuda = True
     uses_lora = False
+    fsdp_gather = "params"  # FSDP2: every rank iterates the parameters, rank 0 sends each as it is gathered
 
     def __init__(self, sync_every: int = 1, bucket_mb: float = 512, num_buffers: int = 2,
                  transfer_dtype: str | None = None, master_address: str = "127.0.0.1",

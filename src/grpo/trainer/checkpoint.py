@@ -6,6 +6,9 @@ Layout of ``<run_dir>/checkpoints/step_XXXXXX/``:
   ``config.json``, tokenizer files) that ``transformers.from_pretrained`` and vLLM load directly; for a PEFT model
   the adapter instead (``adapter_model.safetensors`` + ``adapter_config.json``), loadable by PEFT and vLLM LoRA;
 - ``optimizer.pt``, ``scheduler.pt``, ``rng.pt`` (python, numpy, torch and CUDA generators);
+- FSDP2 runs (torchrun, ``save_distributed``): the same files, written by rank 0 from full state dicts every rank
+  helped gather; ``optimizer.pt`` is then keyed by parameter name (``get_optimizer_state_dict``'s full form, which
+  either kind of run loads) and ``rng_ranks.pt`` holds every rank's generators;
 - ``trainer_state.json`` (``step`` plus the caller's ``state``, which must be JSON-serialisable);
 - ``COMPLETE``, written last. A directory without it is never used.
 
@@ -76,20 +79,41 @@ def _publish(tmp: Path, final: Path) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
-def _write_model(model: nn.Module, tokenizer: Any, out: Path) -> None:
+def drop_tied_copies(model: nn.Module, state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``state_dict`` without the second name of a tied parameter (lm_head tied to the embeddings).
+
+    A gathered full state dict holds a separate copy under each name, so save_pretrained cannot see the tie the way
+    it does for the module's own shared tensors; dropping the copies keeps the files what a single process writes.
+    """
+    seen: set[int] = set()
+    drop = set()
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if id(p) in seen:
+            drop.add(name)
+        seen.add(id(p))
+    return {k: v for k, v in state_dict.items() if k not in drop}
+
+
+def _write_model(model: nn.Module, tokenizer: Any, out: Path, state_dict: dict | None = None) -> None:
     # save_pretrained writes the module's own (unfused) names; for a PeftModel it writes only the adapter.
-    model.save_pretrained(out, safe_serialization=True)
+    # `state_dict`: full tensors gathered from an FSDP2 model (its own are shards), written under the same names.
+    if state_dict is not None:
+        state_dict = drop_tied_copies(model, state_dict)
+    model.save_pretrained(out, safe_serialization=True, state_dict=state_dict)
     if tokenizer is not None:
         tokenizer.save_pretrained(out)
 
 
-def save_model_weights(model: nn.Module, tokenizer: Any, out_dir: str | Path) -> Path:
-    """Write ``model`` (HF format, or the adapter of a PEFT model) and ``tokenizer`` to ``out_dir`` atomically."""
+def save_model_weights(
+    model: nn.Module, tokenizer: Any, out_dir: str | Path, state_dict: dict[str, torch.Tensor] | None = None
+) -> Path:
+    """Write ``model`` (HF format, or the adapter of a PEFT model) and ``tokenizer`` to ``out_dir`` atomically.
+    ``state_dict``: the full tensors to write instead of the module's own (an FSDP2 model's gathered weights)."""
     final = Path(out_dir)
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".tmp_{final.name}_", dir=final.parent))
     try:
-        _write_model(model, tokenizer, tmp)
+        _write_model(model, tokenizer, tmp, state_dict)
         _publish(tmp, final)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -186,8 +210,16 @@ class CheckpointManager:
         optimizer: Optional[torch.optim.Optimizer],
         scheduler: Any,
         state: Optional[dict] = None,
+        *,
+        model_state: Optional[dict[str, torch.Tensor]] = None,
+        optimizer_state: Optional[dict] = None,
+        rng_states: Optional[list[dict]] = None,
     ) -> Path:
-        """Write checkpoint ``step`` atomically, then delete all but the newest ``keep`` complete ones."""
+        """Write checkpoint ``step`` atomically, then delete all but the newest ``keep`` complete ones.
+
+        ``model_state`` / ``optimizer_state``: full state dicts written instead of ``model``'s and ``optimizer``'s
+        own (an FSDP2 run's, gathered on rank 0); ``rng_states``: every rank's generators, rank 0 first (only
+        rank 0's go to ``rng.pt``). ``save_distributed`` passes them."""
         trainer_state = {"step": int(step), **(state or {})}
         try:
             state_json = json.dumps(trainer_state, indent=2, sort_keys=True)
@@ -197,12 +229,16 @@ class CheckpointManager:
         final = self.root / f"step_{step:06d}"
         tmp = Path(tempfile.mkdtemp(prefix=f".tmp_{final.name}_", dir=self.root))
         try:
-            _write_model(model, tokenizer, tmp)
-            if optimizer is not None:
+            _write_model(model, tokenizer, tmp, model_state)
+            if optimizer_state is not None:
+                torch.save(optimizer_state, tmp / "optimizer.pt")
+            elif optimizer is not None:
                 torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
             if scheduler is not None:
                 torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
-            torch.save(_rng_state(), tmp / "rng.pt")
+            torch.save(rng_states[0] if rng_states else _rng_state(), tmp / "rng.pt")
+            if rng_states and len(rng_states) > 1:
+                torch.save(rng_states, tmp / "rng_ranks.pt")
             faults.point("checkpoint_write", step)  # test-only: GRPO_FAULT=sigterm@checkpoint_write:<step>
             (tmp / "trainer_state.json").write_text(state_json)
             (tmp / COMPLETE).write_text(f"{step}\n")
@@ -235,8 +271,143 @@ class CheckpointManager:
         load_model_weights(model, path)
         # Our own files; optimizer states of some optimizers (bitsandbytes) hold non-tensor objects.
         if optimizer is not None:
-            optimizer.load_state_dict(torch.load(path / "optimizer.pt", map_location="cpu", weights_only=False))
+            optim_state = torch.load(path / "optimizer.pt", map_location="cpu", weights_only=False)
+            if _keyed_by_name(optim_state):  # written by an FSDP2 run (save_distributed)
+                from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+                set_optimizer_state_dict(model, optimizer, optim_state, options=StateDictOptions(full_state_dict=True))
+            else:
+                optimizer.load_state_dict(optim_state)
         if scheduler is not None and (path / "scheduler.pt").exists():
             scheduler.load_state_dict(torch.load(path / "scheduler.pt", weights_only=False))
         _set_rng_state(torch.load(path / "rng.pt", weights_only=False))
         return json.loads((path / "trainer_state.json").read_text())
+
+    # ------------------------------------------------------------------ FSDP2 (torchrun)
+    def save_distributed(
+        self,
+        step: int,
+        model: nn.Module,
+        tokenizer: Any,
+        optimizer: Optional[torch.optim.Optimizer],
+        scheduler: Any,
+        state: Optional[dict] = None,
+    ) -> Optional[Path]:
+        """``save`` for an FSDP2 model; every rank must call it. All ranks join the gathers of the full model and
+        optimizer state (onto rank 0's CPU), rank 0 alone writes them in ``save``'s format, atomically, and prunes;
+        it returns the checkpoint there and None elsewhere. It ends with a collective that carries rank 0's outcome,
+        so no rank runs ahead of a checkpoint being written and a failed write raises on every rank."""
+        from grpo.trainer import distributed
+
+        model_state, optimizer_state = distributed.full_state_dicts(model, optimizer)
+        rng_states = distributed.gather_object(_rng_state())
+        path, error = None, None
+        if distributed.is_rank0():
+            try:
+                path = self.save(step, model, tokenizer, optimizer, scheduler, state, model_state=model_state,
+                                 optimizer_state=optimizer_state, rng_states=rng_states)
+            except BaseException as e:  # noqa: BLE001 - re-raised below, after the other ranks have heard of it
+                error = e
+        failed = distributed.broadcast_object(None if error is None else repr(error))
+        if error is not None:
+            raise error
+        if failed is not None:
+            raise RuntimeError(f"rank 0 could not write checkpoint step {step}: {failed}")
+        return path
+
+    def load_distributed(
+        self,
+        path: str | Path,
+        model: nn.Module,
+        optimizer: Optional[torch.optim.Optimizer] = None,
+        scheduler: Any = None,
+    ) -> dict:
+        """``load`` for an FSDP2 model; every rank must call it. Rank 0 reads the checkpoint (of an FSDP2 run or of
+        a single process); the weights and optimizer state reach every rank's shards by broadcast
+        (``set_model_state_dict`` / ``set_optimizer_state_dict`` with ``broadcast_from_rank0``), scheduler, RNG
+        (each rank its own when the world size matches, else rank 0's) and trainer state by ``broadcast_object``.
+        Only rank 0 needs to see ``path``. Returns the trainer state."""
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            set_model_state_dict,
+            set_optimizer_state_dict,
+        )
+
+        from grpo.trainer import distributed
+
+        path = Path(path)
+        model_state: dict = {}
+        optimizer_state: dict = {}
+        small: Optional[dict] = None
+        error: Optional[BaseException] = None
+        if distributed.is_rank0():
+            try:
+                if not (path / COMPLETE).exists():
+                    raise FileNotFoundError(f"{path} is not a complete checkpoint (no {COMPLETE} marker)")
+                model_state = _read_safetensors(path, "model")
+                _check_covers(model, model_state, path)
+                if optimizer is not None:
+                    optimizer_state = _by_name(
+                        torch.load(path / "optimizer.pt", map_location="cpu", weights_only=False), model, optimizer
+                    )
+                rng_ranks = path / "rng_ranks.pt"
+                small = {
+                    "state": json.loads((path / "trainer_state.json").read_text()),
+                    "scheduler": torch.load(path / "scheduler.pt", weights_only=False)
+                    if scheduler is not None and (path / "scheduler.pt").exists() else None,
+                    "rng": torch.load(rng_ranks if rng_ranks.exists() else path / "rng.pt", weights_only=False),
+                }
+            except BaseException as e:  # noqa: BLE001 - re-raised below, after the other ranks have heard of it
+                error = e
+        # The small files, or rank 0's error, before any rank enters the weight broadcasts.
+        small = distributed.broadcast_object(small if error is None else repr(error))
+        if error is not None:
+            raise error
+        if not isinstance(small, dict):
+            raise RuntimeError(f"rank 0 could not read checkpoint {path}: {small}")
+        # strict=False: the files omit tied copies (lm_head); _check_covers checked every parameter is there.
+        options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=False)
+        set_model_state_dict(model, model_state, options=options)
+        if optimizer is not None:
+            set_optimizer_state_dict(model, optimizer, optimizer_state, options=options)
+        if scheduler is not None and small["scheduler"] is not None:
+            scheduler.load_state_dict(small["scheduler"])
+        rng = small["rng"]
+        if isinstance(rng, list):
+            rng = rng[distributed.rank()] if len(rng) == distributed.world_size() else rng[0]
+        _set_rng_state(rng)
+        return small["state"]
+
+
+def _keyed_by_name(optimizer_state: dict) -> bool:
+    """True for a full optimizer state dict keyed by parameter name (``get_optimizer_state_dict``)."""
+    params = [p for g in optimizer_state.get("param_groups", []) for p in g["params"]]
+    return bool(params) and all(isinstance(p, str) for p in params)
+
+
+def _by_name(optimizer_state: dict, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
+    """``optimizer_state`` keyed by parameter name, the form ``set_optimizer_state_dict`` takes. torch's own
+    ``Optimizer.state_dict()`` numbers the parameters in param_groups order; this optimizer, built the same way,
+    names them (the assumption ``Optimizer.load_state_dict`` makes too)."""
+    if _keyed_by_name(optimizer_state):
+        return optimizer_state
+    names = {id(p): n for n, p in model.named_parameters()}
+    order = [names[id(p)] for g in optimizer.param_groups for p in g["params"]]
+    saved = [i for g in optimizer_state["param_groups"] for i in g["params"]]
+    if len(saved) != len(order):
+        raise RuntimeError(f"optimizer state has {len(saved)} parameters, this optimizer {len(order)}")
+    return {
+        "state": {order[i]: v for i, v in optimizer_state["state"].items()},
+        "param_groups": [{**g, "params": [order[i] for i in g["params"]]} for g in optimizer_state["param_groups"]],
+    }
+
+
+def _check_covers(model: nn.Module, state_dict: dict[str, torch.Tensor], path: Path) -> None:
+    """Every parameter of ``model`` (tied ones once) in ``state_dict``, and no key the model lacks."""
+    known = {n for n, _ in model.named_parameters(remove_duplicate=False)} | {n for n, _ in model.named_buffers()}
+    unexpected = [k for k in state_dict if k not in known]
+    if unexpected:
+        raise RuntimeError(f"checkpoint {path} has keys the model lacks: {unexpected[:5]}")
+    missing = [n for n, _ in model.named_parameters() if n not in state_dict]
+    if missing:
+        raise RuntimeError(f"checkpoint {path} lacks parameters: {missing[:5]}")

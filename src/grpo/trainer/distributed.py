@@ -14,7 +14,12 @@ WORLD_SIZE). The scheme, chosen for being simple and correct:
 - the loss is normalised by the global token count, so the right gradient is the *sum* over ranks: FSDP2 averages
   over ranks, so each rank's loss is scaled by the world size (`loss_scale`);
 - loss and metrics summed over ranks (`all_reduce_sum`), reported once by rank 0;
-- weight sync: every rank iterates `iter_full_params` (a `full_tensor()` all-gather per parameter), rank 0 sends.
+- weight sync: every rank joins the gathers rank 0's sync needs, rank 0 alone talks to the server. Each sync
+  strategy says which gather it runs (`SyncStrategy.fsdp_gather`): mode=broadcast iterates `iter_full_params` (a
+  `full_tensor()` all-gather per parameter) and sends, mode=none gathers `full_state_dict` and saves it for vLLM;
+  modes without one (LoRA, shared_vllm) are refused at start-up (`grpo.config.validate.check_layout`);
+- checkpoints (`CheckpointManager.save_distributed` / `load_distributed`): every rank joins the gathers of the full
+  model and optimizer state, rank 0 writes the usual checkpoint; on resume rank 0 reads it and broadcasts it.
 """
 
 from __future__ import annotations
@@ -169,6 +174,36 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
 
+def full_state_dicts(
+    model: nn.Module, optimizer: torch.optim.Optimizer | None
+) -> tuple[dict[str, torch.Tensor], dict[str, Any] | None]:
+    """Full model and optimizer state dicts on rank 0, on CPU (empty on the other ranks); the optimizer's keyed by
+    parameter name. Collectives: every rank must call it. The optimizer's is None without an optimizer."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+    model_state = full_state_dict(model)
+    if optimizer is None:
+        return model_state, None
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    return model_state, get_optimizer_state_dict(model, optimizer, options=options)
+
+
+def gather_object(obj: Any, dst: int = 0) -> list[Any] | None:
+    """Every rank's `obj`, in rank order, on rank `dst` (None on the others); `[obj]` without a process group."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return [obj]
+    out = [None] * dist.get_world_size() if dist.get_rank() == dst else None
+    dist.gather_object(obj, out, dst=dst)
+    return out
+
+
+def is_sharded(model: nn.Module) -> bool:
+    """True when `model` holds FSDP2 (DTensor) parameters, whose full values only a collective can read."""
+    from torch.distributed.tensor import DTensor
+
+    return any(isinstance(p, DTensor) for p in model.parameters())
+
+
 # ---------------------------------------------------------------- rank roles (rank 0 leads, the others follow)
 class LeaderPipeline:
     """Rank 0's data pipeline: fetches each step's groups and broadcasts them to the other ranks."""
@@ -194,14 +229,20 @@ class FollowerPipeline(DataPipeline):
 
 
 class FollowerSync:
-    """Ranks > 0: no server; a weight sync is their share of the gathers rank 0's sync performs."""
+    """Ranks > 0: no server; a weight sync is their share of the gathers rank 0's sync performs.
+
+    `gather` is rank 0's strategy's `fsdp_gather`: "params" (mode=broadcast: `iter_full_params`) or "state_dict"
+    (mode=none: `full_state_dict`); both sides must run the same collectives in the same order."""
 
     uses_lora = False
     requires_cuda = False
 
-    def __init__(self, sync_every: int = 1, version: int = 0) -> None:
+    def __init__(self, sync_every: int = 1, version: int = 0, gather: str = "params") -> None:
+        if gather not in ("params", "state_dict"):
+            raise ValueError(f"gather must be 'params' or 'state_dict', got {gather!r}")
         self.sync_every = sync_every
         self.version = version
+        self.gather = gather
         self.server = None
 
     def launch(self, ctx: Any) -> None:
@@ -220,7 +261,10 @@ class FollowerSync:
         return False
 
     def sync(self, model: nn.Module, step: int) -> dict[str, float]:
-        drain_full_params(model)
+        if self.gather == "state_dict":
+            full_state_dict(model)  # empty here; rank 0 gets the tensors
+        else:
+            drain_full_params(model)
         self.version += 1
         return {"sync/seconds": 0.0, "sync/version": float(self.version)}
 
