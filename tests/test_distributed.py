@@ -1,6 +1,7 @@
 """Beyond one GPU, the parts testable on CPU: bucket packing (and its wire compatibility with vLLM's packed
 weight transfer), HF -> vLLM names for mode=broadcast, the start-up errors of the multi-GPU layouts, and an FSDP2
-trainer on 2 gloo processes (same loss and update as 1 process; only rank 0 writes)."""
+trainer on 2 gloo processes (same loss and update as 1 process; only rank 0 writes; its checkpoints load in
+transformers and resume exactly; `torchrun train.py mode=none` trains, checkpoints and resumes)."""
 
 from __future__ import annotations
 
@@ -207,14 +208,18 @@ def test_broadcast_layout_errors():
     check_layout(_compose(["experiment=qwen3b_broadcast_2gpu"]), cls, cuda=True)
     with pytest.raises(ConfigError, match=">= 2"):  # torchrun with 2 trainer ranks: vLLM needs GPU 2+
         check_layout(_compose(["experiment=qwen3b_broadcast_2gpu"]), cls, cuda=True, world_size=2)
-    none_cls = get_class("grpo.sync.checkpoint_restart.CheckpointRestartSync")
-    with pytest.raises(ConfigError, match="mode=broadcast only"):
-        check_layout(_compose(["mode=none"]), none_cls, cuda=True, world_size=2)
+    # torchrun (FSDP2): mode=none and mode=broadcast compose; LoRA modes and shared_vllm stop with what works.
+    check_layout(_compose(["mode=none"]), get_class("grpo.sync.checkpoint_restart.CheckpointRestartSync"),
+                 cuda=False, world_size=2)
+    for mode in ("lora_only", "lora_restart", "shared_vllm"):
+        cfg = _compose([f"mode={mode}"])
+        with pytest.raises(ConfigError, match=r"composes with mode=none or mode=broadcast, not"):
+            check_layout(cfg, get_class(cfg.mode._target_), cuda=True, world_size=2)
 
 
 # ---------------------------------------------------------------- FSDP2 on 2 gloo processes
-def _groups():
-    g = torch.Generator().manual_seed(1)
+def _groups(seed: int = 1):
+    g = torch.Generator().manual_seed(seed)
     groups = []
     for k in range(2):
         prompt = torch.randint(0, 250, (5,), generator=g).tolist()
@@ -238,6 +243,17 @@ class _Pipeline(DataPipeline):
 
     def next_groups(self, step):
         return _groups()
+
+
+class _StepPipeline(DataPipeline):
+    """Other groups every step, so a resumed run must take up the data where it stopped."""
+
+    def setup(self, ctx):
+        pass
+
+    def next_groups(self, step):
+        self.step = step
+        return _groups(seed=100 + step)
 
 
 class _GatherSync:
@@ -306,23 +322,34 @@ def _train_one_step(rank: int, world: int, port: int, model_dir: str, out_root: 
     )
     trainer.fit()
     trainer.metrics.close()
+    # The weights after the step, as every rank helps gather them (the checkpoint must hold exactly these).
+    gathered = distributed.full_state_dict(model) if info.enabled else model.state_dict()
     if rank0:
         row = json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[0])
         (Path(out_root) / f"result_world{world}.json").write_text(json.dumps(
             {"loss": row["loss"], "grad_norm": row["grad_norm"], "logprob_diff": row["grpo/logprob_diff"],
              "checksum": sync.checksum, "names": sync.names}))
+        torch.save({k: v.detach().clone() for k, v in gathered.items()}, Path(out_root) / f"gathered_world{world}.pt")
     distributed.destroy()
 
 
-def test_fsdp2_two_gloo_ranks_match_one_process(tmp_path, tiny_qwen2_dir):
-    """6 sequences in 3 micro-batches of 2: rank 0 trains 2, rank 1 trains 1 plus a zero-weighted one."""
+@pytest.fixture(scope="module")
+def one_step_runs(tmp_path_factory, tiny_qwen2_dir) -> Path:
+    """One optimizer step (checkpoint_every=1) in 1 process, then on 2 gloo ranks with FSDP2; their outputs."""
     import torch.multiprocessing as mp
 
     from conftest import free_port
 
-    _train_one_step(0, 1, free_port(), str(tiny_qwen2_dir), str(tmp_path))
+    out = tmp_path_factory.mktemp("fsdp_one_step")
+    _train_one_step(0, 1, free_port(), str(tiny_qwen2_dir), str(out))
     os.environ.pop("WORLD_SIZE"), os.environ.pop("RANK"), os.environ.pop("LOCAL_RANK")
-    mp.spawn(_train_one_step, args=(2, free_port(), str(tiny_qwen2_dir), str(tmp_path)), nprocs=2, join=True)
+    mp.spawn(_train_one_step, args=(2, free_port(), str(tiny_qwen2_dir), str(out)), nprocs=2, join=True)
+    return out
+
+
+def test_fsdp2_two_gloo_ranks_match_one_process(one_step_runs):
+    """6 sequences in 3 micro-batches of 2: rank 0 trains 2, rank 1 trains 1 plus a zero-weighted one."""
+    tmp_path = one_step_runs
     one = json.loads((tmp_path / "result_world1.json").read_text())
     two = json.loads((tmp_path / "result_world2.json").read_text())
     assert two["names"] == one["names"] and len(one["names"]) > 10
@@ -331,7 +358,207 @@ def test_fsdp2_two_gloo_ranks_match_one_process(tmp_path, tiny_qwen2_dir):
     assert abs(two["grad_norm"] - one["grad_norm"]) < 1e-5 * max(1.0, one["grad_norm"])
     # The same update: full weights after the step agree (sum of |w| + sum of w over all parameters).
     assert abs(two["checksum"] - one["checksum"]) < 1e-5 * abs(one["checksum"])
-    # Only rank 0 wrote anything; no checkpoints in FSDP runs (yet).
+    # Only rank 0 wrote anything: metrics and the checkpoint.
     assert (tmp_path / "world2_rank0" / "metrics.jsonl").exists()
     assert list((tmp_path / "world2_rank1").iterdir()) == []
-    assert not (tmp_path / "world2_rank0" / "checkpoints").exists()
+    assert (tmp_path / "world2_rank0" / "checkpoints" / "step_000001" / "COMPLETE").exists()
+
+
+def test_fsdp2_checkpoint_is_the_single_process_format_and_reloads_with_the_gathered_logits(one_step_runs):
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from grpo.trainer.checkpoint import CheckpointManager
+
+    fsdp = CheckpointManager(one_step_runs / "world2_rank0").latest()
+    single = CheckpointManager(one_step_runs / "world1_rank0").latest()
+    assert fsdp.name == single.name == "step_000001"
+    # The same files (plus every rank's RNG) and the same tensor names: unfused, tied lm_head once.
+    assert {p.name for p in fsdp.iterdir()} == {p.name for p in single.iterdir()} | {"rng_ranks.pt"}
+    names = set(load_file(fsdp / "model.safetensors"))
+    assert names == set(load_file(single / "model.safetensors"))
+    assert "model.layers.0.self_attn.q_proj.weight" in names and "lm_head.weight" not in names
+    assert json.loads((fsdp / "trainer_state.json").read_text())["step"] == 1
+    assert len(torch.load(fsdp / "rng_ranks.pt", weights_only=False)) == 2
+
+    # transformers loads it and computes the logits of the weights the ranks gathered after the step.
+    gathered = torch.load(one_step_runs / "gathered_world2.pt")
+    reloaded = AutoModelForCausalLM.from_pretrained(fsdp, dtype=torch.float32).eval()
+    reference = AutoModelForCausalLM.from_pretrained(single, dtype=torch.float32).eval()
+    reference.load_state_dict(gathered)
+    ids = torch.tensor([_groups()[0]["tokens"][0], _groups()[1]["tokens"][2][:9]])
+    with torch.no_grad():
+        got, want = reloaded(input_ids=ids).logits, reference(input_ids=ids).logits
+        one_process = AutoModelForCausalLM.from_pretrained(single, dtype=torch.float32).eval()(input_ids=ids).logits
+    torch.testing.assert_close(got, want, atol=0, rtol=0)
+    torch.testing.assert_close(got, one_process, atol=1e-5, rtol=1e-5)  # and the 1-process step's checkpoint
+
+
+# ---------------------------------------------------------------- FSDP2 resume == straight
+def _fsdp_phase(info, model_dir: str, run_dir: Path, steps: int, resume: Path | None = None):
+    """Train to `steps` with FSDP2 (AdamW, warm-up + cosine, clipping, checkpoint every 2), from `resume`'s latest
+    checkpoint when given; returns the full weights after the last step (rank 0) and the metrics rows."""
+    from omegaconf import OmegaConf
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from grpo.config.schema import LoggingConfig, TrainConfig
+    from grpo.trainer import distributed
+    from grpo.trainer.checkpoint import CheckpointManager
+    from grpo.trainer.loop import GRPOTrainer
+    from grpo.trainer.loss import GRPOLoss
+    from grpo.trainer.metrics import MetricsLogger
+    from grpo.trainer.optim import build_scheduler
+
+    rank0 = info.is_rank0
+    model = distributed.shard_model(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    scheduler = build_scheduler(optimizer, "cosine", 1, 4)
+    pipeline = distributed.LeaderPipeline(_StepPipeline()) if rank0 else distributed.FollowerPipeline()
+    start = 0
+    if resume is not None:
+        state = CheckpointManager(resume).load_distributed(CheckpointManager(resume).latest(), model, optimizer,
+                                                           scheduler)
+        start = int(state["step"])
+        pipeline.load_state_dict(state["data"])
+    cfg = OmegaConf.structured(TrainConfig(steps=steps, micro_batch_size=2, grad_accum=3, checkpoint_every=2,
+                                           max_grad_norm=1.0))
+    log_cfg = OmegaConf.structured(LoggingConfig(progress_bar=False, plot=False))
+    trainer = GRPOTrainer(
+        train_cfg=cfg, model=model, tokenizer=AutoTokenizer.from_pretrained(model_dir), optimizer=optimizer,
+        scheduler=scheduler, loss_fn=GRPOLoss(), pipeline=pipeline,
+        sync=_GatherSync() if rank0 else distributed.FollowerSync(),
+        checkpoints=CheckpointManager(run_dir, keep=1),
+        metrics=MetricsLogger(run_dir, log_cfg, cfg, steps, start) if rank0 else distributed.NullMetrics(),
+        max_seq_len=64, device=info.device, start_step=start, dist=info,
+    )
+    trainer.fit()
+    trainer.metrics.close()
+    assert scheduler.last_epoch == steps
+    weights = distributed.full_state_dict(model)
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()] if rank0 else []
+    return weights, rows
+
+
+def _resume_worker(rank: int, world: int, port: int, model_dir: str, out_root: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank))
+    from grpo.trainer import distributed
+
+    info = distributed.init_from_env("cpu")
+    out = Path(out_root)
+    runs = {name: out / f"{name}_rank{rank}" for name in ("straight", "first")}
+    for d in runs.values():
+        d.mkdir()
+    torch.manual_seed(0)
+    straight, straight_rows = _fsdp_phase(info, model_dir, runs["straight"], 4)
+    torch.manual_seed(0)
+    first, _ = _fsdp_phase(info, model_dir, runs["first"], 2)
+    torch.manual_seed(999)  # a new process would start from other RNG states
+    # Resume into the same run dir, as `train.resume=<run dir>` does (rank 0's holds the checkpoints).
+    resumed, resumed_rows = _fsdp_phase(info, model_dir, runs["first"], 4, resume=out / "first_rank0")
+    if info.is_rank0:
+        torch.save({"straight": straight, "first": first, "resumed": resumed, "straight_rows": straight_rows,
+                    "resumed_rows": resumed_rows}, out / "resume_results.pt")
+    distributed.destroy()
+
+
+def test_fsdp2_two_plus_two_steps_with_resume_equal_four_straight(tmp_path, tiny_qwen2_dir):
+    import torch.multiprocessing as mp
+
+    from conftest import free_port
+    from grpo.trainer.checkpoint import CheckpointManager
+
+    mp.spawn(_resume_worker, args=(2, free_port(), str(tiny_qwen2_dir), str(tmp_path)), nprocs=2, join=True)
+    r = torch.load(tmp_path / "resume_results.pt", weights_only=False)
+    assert r["straight"].keys() == r["resumed"].keys() and len(r["straight"]) > 10
+    for name in r["straight"]:
+        torch.testing.assert_close(r["resumed"][name], r["straight"][name], atol=1e-6, rtol=1e-6, msg=name)
+    # The steps after the resume really moved the weights, and saw the same losses and gradients.
+    assert any(not torch.equal(r["first"][n], r["straight"][n]) for n in r["straight"])
+    assert [row["step"] for row in r["resumed_rows"]] == [1, 2, 3, 4]
+    for a, b in zip(r["straight_rows"][2:], r["resumed_rows"][2:]):
+        assert a["loss"] == pytest.approx(b["loss"], abs=1e-6) and a["lr"] == pytest.approx(b["lr"])
+        assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-5)
+    assert list((tmp_path / "first_rank1").iterdir()) == []  # rank 1 wrote nothing
+
+    # A single process loads the FSDP2 checkpoint too (the optimizer state is keyed by name there).
+    from transformers import AutoModelForCausalLM
+
+    from grpo.trainer.optim import build_scheduler
+
+    ckpt = CheckpointManager(tmp_path / "first_rank0").latest()
+    assert ckpt.name == "step_000004"
+    model = AutoModelForCausalLM.from_pretrained(tiny_qwen2_dir, dtype=torch.float32)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    scheduler = build_scheduler(optimizer, "cosine", 1, 4)
+    assert CheckpointManager(tmp_path / "first_rank0").load(ckpt, model, optimizer, scheduler)["step"] == 4
+    assert scheduler.last_epoch == 4
+    assert all("exp_avg" in optimizer.state[p] for p in model.parameters())
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.detach(), r["resumed"][name], atol=0, rtol=0, msg=name)
+
+
+# ---------------------------------------------------------------- torchrun train.py, mode=none (real vLLM on CPU)
+@pytest.mark.vllm
+def test_torchrun_two_ranks_mode_none_trains_checkpoints_and_resumes(tmp_path):
+    """`torchrun --nproc-per-node 2 train.py mode=none`: every rank joins each gather of the full weights, rank 0
+    saves them for vLLM (reloaded in place), writes the checkpoints and resumes from them."""
+    import subprocess
+    import sys
+    import uuid
+
+    from conftest import free_port
+    from test_train_e2e import QUICK, assert_clean, metrics
+
+    run_dir = tmp_path / "run"
+    port = free_port()
+
+    def torchrun(*overrides):
+        marker = f"GRPO_TEST_{uuid.uuid4().hex}"
+        env = dict(os.environ, GRPO_TEST_MARKER=marker, PYTHONUNBUFFERED="1")
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
+               str(free_port()), str(REPO / "train.py"), "mode=none", *QUICK, "train.checkpoint_every=1",
+               f"server.port={port}", f"hydra.run.dir={run_dir}", *overrides]
+        out = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=540, env=env)
+        assert out.returncode == 0, (out.stdout[-2000:], out.stderr[-3000:])
+        assert_clean(marker)
+
+    torchrun("train.steps=2")
+    rows = metrics(run_dir)
+    assert [r["step"] for r in rows] == [1, 2]
+    assert all(r["sync/inplace"] == 1.0 for r in rows) and [r["sync/version"] for r in rows] == [1.0, 2.0]
+    complete = sorted(p.name for p in (run_dir / "checkpoints").iterdir() if (p / "COMPLETE").exists())
+    assert complete == ["step_000001", "step_000002"]
+    assert (run_dir / "served_weights" / "v2" / "model.safetensors").exists()
+
+    torchrun("train.steps=3", f"train.resume={run_dir}")
+    rows = metrics(run_dir)
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert rows[-1]["sync/version"] == 3.0  # the weight version goes on from the checkpoint's
+    assert json.loads((run_dir / "checkpoints" / "step_000003" / "trainer_state.json").read_text())["step"] == 3
+
+
+def test_single_process_optimizer_state_converts_to_the_fsdp2_form(tiny_qwen2_dir):
+    """What `load_distributed` does with a single process's `optimizer.pt` (numbered parameters): the same
+    name-keyed full state `get_optimizer_state_dict` gives, so an FSDP2 run resumes a single-process run."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+    from transformers import AutoModelForCausalLM
+
+    from grpo.trainer.checkpoint import _by_name, _keyed_by_name
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_qwen2_dir, dtype=torch.float32)
+    decay = [p for n, p in model.named_parameters() if "norm" not in n]
+    optimizer = torch.optim.AdamW([{"params": decay}, {"params": [p for n, p in model.named_parameters()
+                                                                  if "norm" in n], "weight_decay": 0.0}])
+    model(input_ids=torch.tensor([[1, 2, 3, 4]])).logits.sum().backward()
+    optimizer.step()
+    numbered = optimizer.state_dict()
+    assert not _keyed_by_name(numbered)
+    named = _by_name(numbered, model, optimizer)
+    want = get_optimizer_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True))
+    assert _keyed_by_name(named) and named["state"].keys() == want["state"].keys()
+    assert [g["params"] for g in named["param_groups"]] == [g["params"] for g in want["param_groups"]]
+    for name, st in want["state"].items():
+        for k, v in st.items():
+            assert torch.equal(named["state"][name][k], v), (name, k)
+    assert _by_name(want, model, optimizer) is want  # already by name: as is
