@@ -95,8 +95,8 @@ def _worker(args) -> dict:
     rollout = (torch.randn(labels.shape, generator=gen) * 0.1 - 8.0).to(device)
     adv = torch.randn(labels.shape[0], generator=gen).to(device)
 
-    def loss_of(lp):
-        return loss_fn(lp, rollout, adv, mask)
+    def loss_of(lp, with_metrics=True):
+        return loss_fn(lp, rollout, adv, mask, with_metrics=with_metrics)
 
     if args.mode == "head":
         # Only the output projection: random final hidden states into a trainable Linear(hidden, vocab).

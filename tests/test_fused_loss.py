@@ -66,8 +66,8 @@ def test_fused_equals_unfused(model, name, chunk):
     # Normalisers of a bigger optimizer step, as under gradient accumulation.
     kw = dict(ref_logprobs=ref, total_tokens=71.0, total_sequences=6.0, max_tokens=17.0)
 
-    def loss_of(lp):
-        return loss_fn(lp, rollout, adv, mask, **kw)
+    def loss_of(lp, with_metrics=True):
+        return loss_fn(lp, rollout, adv, mask, with_metrics=with_metrics, **kw)
 
     model.zero_grad(set_to_none=True)
     lp = naive_token_logprobs(model, ids, attn, labels, temps)
@@ -95,7 +95,7 @@ def test_fused_without_loss_tokens_keeps_graph(model):
     ids, attn, labels, mask, rollout, ref, adv, temps = _inputs(model)
     labels = torch.full_like(labels, -100)
     mask = torch.zeros_like(mask)
-    loss, metrics, lp = fused_token_loss(model, ids, attn, labels, None, lambda x: GRPOLoss()(x, rollout, adv, mask))
+    loss, metrics, lp = fused_token_loss(model, ids, attn, labels, None, lambda x, with_metrics=True: GRPOLoss()(x, rollout, adv, mask, with_metrics=with_metrics))
     loss.backward()
     grads = _grads(model)
     assert float(loss) == 0.0 and (lp == 0).all() and metrics["grpo/tokens"] == 0.0

@@ -5,7 +5,7 @@
 Same model, batch (16 sequences x 1024 tokens, 768 completion tokens each), loss (grpo.yaml defaults), gradient
 checkpointing and bf16 weights for every optimizer; each optimizer in a fresh subprocess so peaks are its own.
 The first step (optimizer state allocation) is reported apart from the steady steps. Peak allocated memory is
-reported per phase (rollout log-probs under no_grad, forward, backward, optimizer step), the maximum over steps.
+reported per phase (before the step: weights and optimizer state; forward; backward; optimizer step), the maximum over steps.
 """
 
 from __future__ import annotations
@@ -56,20 +56,18 @@ def one(preset: str, optimizer: str, steps: int, batch: int, seq: int, chunk: in
         phases[name] = max(phases.get(name, 0.0), torch.cuda.max_memory_allocated() / 1024**3)
         torch.cuda.reset_peak_memory_stats()
 
+    with torch.no_grad():  # rollout log-probs close to the policy's (what vLLM sends with the rollouts); untimed
+        old = (token_logprobs(model, ids[:, :-1], torch.ones_like(ids[:, :-1]), labels, temps, chunk_size=chunk)
+               + 0.01 * torch.randn_like(mask)) * mask
+
+    def loss_of(lp, with_metrics=True):
+        return loss_fn(lp, old, adv, mask, with_metrics=with_metrics)
+
     torch.cuda.reset_peak_memory_stats()
-    peak = 0.0
     for _ in range(steps):
         torch.cuda.synchronize()
         t0 = time.perf_counter()
-        old = None
-
-        def loss_of(lp):
-            return loss_fn(lp, old, adv, mask)
-
-        with torch.no_grad():  # rollout log-probs close to the policy's, as after a sync
-            old = (token_logprobs(model, ids[:, :-1], torch.ones_like(ids[:, :-1]), labels, temps, chunk_size=chunk)
-                   + 0.01 * torch.randn_like(mask)) * mask
-        mark("rollout_logprobs")
+        mark("before_step")  # weights + optimizer state carried from the previous step
         if fused:
             loss, _, _ = fused_token_loss(model, ids[:, :-1], torch.ones_like(ids[:, :-1]), labels, temps, loss_of, chunk)
         else:

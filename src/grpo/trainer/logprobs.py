@@ -127,7 +127,7 @@ class _FusedLinearLoss(torch.autograd.Function):
             flat[flat_index[sl]] = picked - (z.log() + m)
             with torch.enable_grad():
                 leaf = full.detach().requires_grad_(True)
-                (g_full,) = torch.autograd.grad(loss_of(leaf)[0], leaf)
+                (g_full,) = torch.autograd.grad(loss_of(leaf, with_metrics=False)[0], leaf)
             g = g_full.view(-1)[flat_index[sl]] * it
             # d loss / d rawlogit = g * (onehot(target) - softmax), in place in the chunk's one buffer.
             grad.mul_((-g / z)[:, None]).scatter_add_(1, target[sl, None], g[:, None])
@@ -146,8 +146,9 @@ class _FusedLinearLoss(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_loss):  # type: ignore[override]
-        grads = [None if g is None else g * grad_loss.to(g.dtype) for g in ctx.grads]
-        ctx.grads = None
+        grads, ctx.grads = ctx.grads, None
+        if not bool(grad_loss == 1):  # scaled losses (accumulation weights, FSDP): in place, no second [V, H] copy
+            grads = tuple(None if g is None else g.mul_(grad_loss.to(g.dtype)) for g in grads)
         return (*grads, None, None, None, None, None, None, None)
 
 
@@ -162,7 +163,8 @@ def fused_hidden_loss(
     """``loss_of(hidden_logprobs(...))`` from final hidden states ``[B, T, H]`` and a plain ``nn.Linear`` head, with
     the head's backward done chunk by chunk in the forward (``_FusedLinearLoss``).
 
-    ``loss_of`` maps ``[B, T]`` log-probs to ``(scalar loss, metrics)`` and must be token-separable. Returns
+    ``loss_of(logprobs, with_metrics=True)`` maps ``[B, T]`` log-probs to ``(scalar loss, metrics)`` and must be
+    token-separable; it is called once per chunk with ``with_metrics=False`` and once at the end. Returns
     ``(loss with grad, metrics, detached [B, T] log-probs)``; the loss's backward sends the precomputed gradients
     into ``hidden`` and the head.
     """

@@ -155,11 +155,12 @@ class GRPOTrainer:
         for mb, weight in micro_batches:
             mb = mb.to(self.device)
             # FSDP2 registers the model's own forward method for this (grpo.trainer.distributed.shard_model).
-            def loss_of(logprobs, mb=mb):
+            def loss_of(logprobs, mb=mb, with_metrics=True):
                 return self.loss_fn(
                     logprobs, mb.inference_logprobs, mb.advantages, mb.loss_mask,
                     ref_logprobs=mb.ref_logprobs, total_tokens=batch.num_loss_tokens,
                     total_sequences=batch.num_sequences, max_tokens=batch.max_completion_tokens,
+                    with_metrics=with_metrics,
                 )
 
             fn = getattr(self.model, "grpo_token_logprobs", None)

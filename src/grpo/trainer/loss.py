@@ -109,6 +109,7 @@ class GRPOLoss:
         total_tokens: Optional[float] = None,
         total_sequences: Optional[float] = None,
         max_tokens: Optional[float] = None,
+        with_metrics: bool = True,
     ) -> tuple[torch.Tensor, dict[str, float]]:
         """Loss of one micro-batch and its metrics.
 
@@ -123,6 +124,7 @@ class GRPOLoss:
                 (default: this micro-batch), so summing micro-batch losses equals the full-batch loss.
             max_tokens: Dr. GRPO divisor when ``max_tokens_norm`` is None (default: the longest completion of this
                 micro-batch; pass ``PreparedBatch.max_completion_tokens`` to match across micro-batches).
+            with_metrics: False skips the metrics (each is a device sync); the fused path's per-chunk calls use it.
         Returns:
             ``(scalar loss, metrics)`` with python-float metrics averaged over this micro-batch's loss tokens.
         """
@@ -170,6 +172,8 @@ class GRPOLoss:
 
         per_token = per_token * mask  # zero (not NaN) at masked positions
         loss = self._aggregate(per_token, mask, total_tokens, total_sequences, max_tokens)
+        if not with_metrics:
+            return loss, {}
 
         with torch.no_grad():
             n = mask.sum().clamp(min=1)
