@@ -104,10 +104,12 @@ def summary() -> dict:
     lp = _load("logprobs_cpu_float32.json") or _load("logprobs_cpu.json")
     if lp:
         for r in lp["rows"]:
-            add(f"log-prob peak MiB ({r['mode']}, prompt {r['prompt_frac']:.2f}, chunk {r.get('chunk', 1024)}, "
-                f"vocab {lp['config']['vocab']}, seq {lp['config']['seq_len']})",
-                f"{r['chunked_peak_mib']:.0f}", f"naive {r['naive_peak_mib']:.0f}", r["memory_ratio"], ">= 4x less",
-                r["memory_ratio"] >= 4.0, "logprobs_cpu_float32.json")  # fmt: skip
+            what = (f"{r.get('variant', 'chunked')} {r['mode']}, prompt {r['prompt_frac']:.2f}, chunk {r.get('chunk', 1024)}, "
+                    f"vocab {lp['config']['vocab']}, seq {lp['config']['seq_len']}")
+            add(f"log-prob + GRPO loss peak MiB ({what})", f"{r['chunked_peak_mib']:.0f}", f"naive {r['naive_peak_mib']:.0f}",
+                r["memory_ratio"], ">= 4x less", r["memory_ratio"] >= 4.0, "logprobs_cpu_float32.json")
+            add(f"log-prob + GRPO loss fwd+bwd s ({what})", f"{r['chunked_s']:.2f}", f"naive {r['naive_s']:.2f}",
+                r["speedup"], ">= 1.0x", r["speedup"] >= 1.0, "logprobs_cpu_float32.json")  # fmt: skip
     sv = _load("server_throughput.json")
     if sv:
         m = sv["median_tokens_per_s"]
