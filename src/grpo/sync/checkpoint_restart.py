@@ -12,7 +12,6 @@ and drives the server.
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import torch.nn as nn
@@ -47,7 +46,6 @@ class CheckpointRestartSync(ServerSync):
             raise ValueError(f"reload must be 'inplace' or 'restart', got {reload!r}")
         self.reload = reload
         self.served_dir: Path | None = None
-        # What the last sync actually did: "inplace" or "restart".
 
     def launch(self, ctx: SyncContext) -> None:
         self.served_dir = Path(ctx.resume_weights or ctx.model_dir)
@@ -61,10 +59,11 @@ class CheckpointRestartSync(ServerSync):
         self.server.restart(model=self.served_dir, weight_version=self.version)
 
     def sync(self, model: nn.Module, step: int) -> dict[str, float]:
-        t0 = time.perf_counter()
-        version = self.version + 1
-        out = save_full_weights(model, self.ctx.tokenizer, self._versioned_dir("served_weights", version))
-        t_saved = time.perf_counter()
+        return self._save_and_load(
+            "served_weights", lambda d: save_full_weights(model, self.ctx.tokenizer, d), self._serve_weights
+        )
+
+    def _serve_weights(self, out: Path, version: int) -> dict[str, float]:
         method = self.reload
         if method == "inplace":
             try:
@@ -77,14 +76,6 @@ class CheckpointRestartSync(ServerSync):
             if self.server is None:
                 raise RuntimeError("mode=none with reload=restart needs a server this trainer launched")
             self.server.restart(model=out, weight_version=version)
-        self.version = version
         self.served_dir = out
         self._prune("served_weights", keep={out})
-        t1 = time.perf_counter()
-        return {
-            "sync/seconds": t1 - t0,
-            "sync/save_seconds": t_saved - t0,
-            "sync/load_seconds": t1 - t_saved,
-            "sync/inplace": float(method == "inplace"),
-            "sync/version": float(version),
-        }
+        return {"sync/inplace": float(method == "inplace")}

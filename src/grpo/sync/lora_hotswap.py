@@ -7,7 +7,6 @@ failing. No --enforce-eager: vLLM runs LoRA inside its CUDA graphs.
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import torch.nn as nn
@@ -51,10 +50,9 @@ class LoraHotSwapSync(ServerSync):
             self.client.load_lora(self._current, str(self._current_dir))
 
     def sync(self, model: nn.Module, step: int) -> dict[str, float]:
-        t0 = time.perf_counter()
-        version = self.version + 1
-        out = save_adapter(model, self._versioned_dir("adapters", version))
-        t_saved = time.perf_counter()
+        return self._save_and_load("adapters", lambda d: save_adapter(model, d), self._swap_in)
+
+    def _swap_in(self, out: Path, version: int) -> None:
         name = self._name(version)
         self.client.load_lora(name, str(out))
         # Unload the adapter from two syncs ago; the one just replaced may still have requests in flight.
@@ -62,14 +60,6 @@ class LoraHotSwapSync(ServerSync):
             self.client.unload_lora(self._previous)
         self._previous, self._current = self._current, name
         self.client.set_weight_version(version)
-        self.version = version
         keep = {out} | ({self._current_dir} if self._current_dir else set())
         self._current_dir = out
         self._prune("adapters", keep=keep)
-        t1 = time.perf_counter()
-        return {
-            "sync/seconds": t1 - t0,
-            "sync/save_seconds": t_saved - t0,
-            "sync/load_seconds": t1 - t_saved,
-            "sync/version": float(version),
-        }

@@ -6,7 +6,6 @@ server; lora_only avoids it by hot-swapping.
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import torch.nn as nn
@@ -46,18 +45,9 @@ class LoraRestartSync(ServerSync):
         return self.adapter_name if self._adapter_dir else None
 
     def sync(self, model: nn.Module, step: int) -> dict[str, float]:
-        t0 = time.perf_counter()
-        version = self.version + 1
-        out = save_adapter(model, self._versioned_dir("adapters", version))
-        t_saved = time.perf_counter()
+        return self._save_and_load("adapters", lambda d: save_adapter(model, d), self._serve_adapter)
+
+    def _serve_adapter(self, out: Path, version: int) -> None:
         self.server.restart(lora_modules={self.adapter_name: out}, weight_version=version)
-        self.version = version
         self._adapter_dir = out
         self._prune("adapters", keep={out})
-        t1 = time.perf_counter()
-        return {
-            "sync/seconds": t1 - t0,
-            "sync/save_seconds": t_saved - t0,
-            "sync/load_seconds": t1 - t_saved,
-            "sync/version": float(version),
-        }

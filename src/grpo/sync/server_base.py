@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import logging
 import shutil
+import time
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 from grpo.inference.client import InferenceClient
 from grpo.inference.process import VLLMServer
@@ -106,6 +107,27 @@ class ServerSync(SyncStrategy):
             self.client.close()
 
     # ------------------------------------------------------------------ weight directories
+    def _save_and_load(
+        self, kind: str, save: Callable[[Path], Path], load: Callable[[Path, int], Mapping[str, float] | None]
+    ) -> dict[str, float]:
+        """One sync of a file-based mode: ``save`` the weights into ``<run_dir>/<kind>/v<next version>``, have the
+        server ``load(dir, version)`` them, then advance the version. Returns the timings every such mode reports
+        plus whatever ``load`` adds."""
+        t0 = time.perf_counter()
+        version = self.version + 1
+        out = save(self._versioned_dir(kind, version))
+        t_saved = time.perf_counter()
+        extra = dict(load(out, version) or {})
+        self.version = version
+        t1 = time.perf_counter()
+        return {
+            "sync/seconds": t1 - t0,
+            "sync/save_seconds": t_saved - t0,
+            "sync/load_seconds": t1 - t_saved,
+            **extra,
+            "sync/version": float(version),
+        }
+
     def _versioned_dir(self, kind: str, version: int) -> Path:
         return Path(self.ctx.run_dir) / kind / f"v{version}"
 
