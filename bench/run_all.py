@@ -68,6 +68,8 @@ def run(parts: list[str], quick: bool) -> None:
         _run(["bench/reference_trainer.py", "--steps", "3" if quick else "4"])
         _run(["bench/reference_trainer.py", "--steps", "3" if quick else "4", "--which", "ours", "ref", "--ours-overrides",
               "model.dtype=bfloat16", "model.gradient_checkpointing=true", "--out", str(RESULTS / "reference_trainer_bf16_gc.json")])
+        _run(["bench/reference_trainer.py", "--steps", "3" if quick else "4", "--which", "ours", "ref", "ours", "--ours-overrides",
+              "model.dtype=bfloat16", "--out", str(RESULTS / "reference_trainer_bf16.json")])
     if "trl_e2e" in parts:
         _run(["bench/trl_e2e.py", "--steps", "3" if quick else "6"])
 
@@ -125,7 +127,8 @@ def summary() -> dict:
             a, b = by["lora_only"]["sync_seconds_median"], by["lora_restart"]["sync_seconds_median"]
             add("sync s, lora_only vs lora_restart", f"{a:.3f}", f"lora_restart {b:.2f}", b / a, ">= 10x faster",
                 b / a >= 10, "sync_latency.json")  # fmt: skip
-    for name, label in (("reference_trainer.json", "ours fp32"), ("reference_trainer_bf16_gc.json", "ours bf16+GC")):
+    for name, label in (("reference_trainer.json", "ours fp32"), ("reference_trainer_bf16.json", "ours bf16"),
+                        ("reference_trainer_bf16_gc.json", "ours bf16+GC")):
         rf = _load(name)
         if not rf:
             continue
