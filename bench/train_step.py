@@ -5,7 +5,7 @@
 One optimizer step on one micro-batch of B sequences (prompt P tokens, completions of random length in [C/2, C]),
 full fine-tuning, AdamW (lr 1e-6), gradient clip 1.0, clip eps 0.2, no KL, token-mean over the batch:
 
-- ours: ``grpo.pipeline.batch.prepare_batch`` (outside the timed region) → ``grpo.trainer.logprobs.token_logprobs``
+- ours: ``grpo.pipeline.batch.prepare_batch`` (outside the timed region) → ``grpo.trainer.logprobs.fused_token_loss``
   → ``grpo.trainer.loss.GRPOLoss(aggregation="token_mean")`` → backward → clip → ``build_optimizer`` AdamW step.
 - trl: a real ``trl.GRPOTrainer`` (dummy reward, one-row dataset, ``loss_type="dapo"`` = token sum / tokens in the
   batch, ``beta=0``, ``temperature=1``) and its own ``compute_loss(model, inputs)`` (→ ``_compute_loss`` →
@@ -75,7 +75,7 @@ def setup(args):
 
     if args.impl == "ours":
         from grpo.pipeline.batch import prepare_batch
-        from grpo.trainer.logprobs import token_logprobs
+        from grpo.trainer.logprobs import fused_token_loss
         from grpo.trainer.loss import GRPOLoss
         from grpo.trainer.optim import build_optimizer
 
@@ -102,9 +102,12 @@ def setup(args):
         def step() -> float:
             model.train()
             opt.zero_grad(set_to_none=True)
-            lp = token_logprobs(model, mb.input_ids, mb.attention_mask, mb.labels, mb.temperatures, chunk_size=1024)
-            loss, _ = loss_fn(lp, mb.inference_logprobs, mb.advantages, mb.loss_mask,
-                              total_tokens=batch.num_loss_tokens, total_sequences=batch.num_sequences)  # fmt: skip
+            def loss_of(lp, with_metrics=True):
+                return loss_fn(lp, mb.inference_logprobs, mb.advantages, mb.loss_mask, total_tokens=batch.num_loss_tokens,
+                               total_sequences=batch.num_sequences, with_metrics=with_metrics)  # fmt: skip
+
+            # The trainer's default path (train.fused_loss=true, train.logprob_chunk=512; GRPOTrainer._train_step).
+            loss, _, _ = fused_token_loss(model, mb.input_ids, mb.attention_mask, mb.labels, mb.temperatures, loss_of, 512)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(params, 1.0)
             opt.step()

@@ -98,7 +98,7 @@ def test_fused_without_loss_tokens_keeps_graph(model):
     loss, metrics, lp = fused_token_loss(model, ids, attn, labels, None, lambda x, with_metrics=True: GRPOLoss()(x, rollout, adv, mask, with_metrics=with_metrics))
     loss.backward()
     grads = _grads(model)
-    assert float(loss) == 0.0 and (lp == 0).all() and metrics["grpo/tokens"] == 0.0
+    assert float(loss.detach()) == 0.0 and (lp == 0).all() and metrics["grpo/tokens"] == 0.0
     assert all(float(g.abs().sum()) == 0.0 for g in grads.values())
 
 
