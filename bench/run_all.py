@@ -127,7 +127,8 @@ def summary() -> dict:
             a, b = by["lora_only"]["sync_seconds_median"], by["lora_restart"]["sync_seconds_median"]
             add("sync s, lora_only vs lora_restart", f"{a:.3f}", f"lora_restart {b:.2f}", b / a, ">= 10x faster",
                 b / a >= 10, "sync_latency.json")  # fmt: skip
-    for name, label in (("reference_trainer.json", "ours fp32"), ("reference_trainer_bf16.json", "ours bf16"),
+    for name, label in (("reference_trainer.json", "ours fp32"), ("reference_trainer_fp32_gc.json", "ours fp32+GC"),
+                        ("reference_trainer_bf16.json", "ours bf16"),
                         ("reference_trainer_bf16_gc.json", "ours bf16+GC")):
         rf = _load(name)
         if not rf:
