@@ -562,3 +562,18 @@ def test_single_process_optimizer_state_converts_to_the_fsdp2_form(tiny_qwen2_di
         for k, v in st.items():
             assert torch.equal(named["state"][name][k], v), (name, k)
     assert _by_name(want, model, optimizer) is want  # already by name: as is
+
+
+def test_server_started_by_a_torchrun_rank_gets_no_rank_variables(monkeypatch, tmp_path):
+    """vLLM started by rank 0 must not inherit RANK/WORLD_SIZE/MASTER_* (it is not in the trainer's group)."""
+    from grpo.inference.process import VLLMServer
+
+    torchrun_env = {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "2",
+                    "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500", "TORCHELASTIC_RUN_ID": "x",
+                    "GROUP_RANK": "0", "ROLE_RANK": "0"}
+    for k, v in torchrun_env.items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.setenv("GRPO_KEEP_ME", "1")
+    env = VLLMServer(tmp_path / "model", {"device": 1}, tmp_path / "vllm.log").environment()
+    assert not set(torchrun_env) & set(env)
+    assert env["GRPO_KEEP_ME"] == "1" and env["CUDA_VISIBLE_DEVICES"] == "1"

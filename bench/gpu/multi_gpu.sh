@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
 # Issue 10 on the 2-GPU machine (nvidia-h200-x2), after the vLLM 0.26 kit is installed (bench/gpu/README.md):
 #   bash bench/gpu/multi_gpu.sh            # all three parts, < 9 minutes
-#   bash bench/gpu/multi_gpu.sh fsdp|train|qwen3b
+#   bash bench/gpu/multi_gpu.sh fsdp|train|qwen3b|none   (none: not part of "all")
 # (c) fsdp:   FSDP2 on 2 GPUs vs 1 GPU, same batch: loss, grad norm and updated weights agree (fsdp_compare.json)
 # (a) train:  train.py mode=broadcast, tiny model, trainer on GPU 0, vLLM on GPU 1 (metrics_broadcast_tiny.jsonl:
 #             grpo/logprob_diff stays small after every sync; sync/seconds, sync/bytes, sync/buckets per step)
 # (b) qwen3b: qwen3b-sized random weights, vLLM on GPU 1: sync seconds per round and served log-probs following
 #             the trainer (broadcast_qwen3b.json)
+# (d) none:   torchrun train.py mode=none on 2 GPUs (FSDP2), checkpoints every step, then a resume
 # Small result files land at the top level of $OUT (or bench/results/gpu when OUT is unset).
 set -uo pipefail
 export VLLM_WORKER_MULTIPROC_METHOD=spawn VLLM_USE_FLASHINFER_SAMPLER=0 HF_HUB_OFFLINE=1 VLLM_NO_USAGE_STATS=1
@@ -51,5 +52,21 @@ if [[ $what == all || $what == qwen3b ]]; then
   timeout 190 python3 bench/gpu/broadcast_check.py --preset qwen3b --eager --rounds 4 --lr 1e-5 --bucket-mb 512 \
     --gpu-memory-utilization 0.5 --out "$work/broadcast_qwen3b.json" 2>&1 | grep -vE "INFO|DEBUG" | tail -20
   cp "$work/broadcast_qwen3b.json" "$out/" 2>/dev/null
+fi
+if [[ $what == none ]]; then
+  stamp "torchrun train.py mode=none, FSDP2 on 2 GPUs, vLLM beside rank 0 (d)"
+  # 2 steps with a checkpoint each, then a resume to step 3 in the same run dir (what tests/test_distributed.py
+  # checks on CPU/gloo), here with NCCL.
+  run_none() {
+    timeout 230 torchrun --nproc-per-node 2 --master-port 29631 train.py mode=none server=gpu server.enforce_eager=true \
+      server.gpu_memory_utilization=0.3 server.max_model_len=512 server.dtype=float32 train.device=cuda model.dtype=float32 \
+      train.micro_batch_size=32 train.grad_accum=2 train.checkpoint_every=1 logging.progress_bar=false logging.plot=false \
+      hydra.run.dir="$work/fsdp_none" "$@" 2>&1 | grep -vE "INFO|DEBUG|Loading weights|Writing model" | tail -12
+  }
+  run_none train.steps=2
+  run_none train.steps=3 train.resume="$work/fsdp_none"
+  cp "$work/fsdp_none/metrics.jsonl" "$out/metrics_fsdp_none.jsonl" 2>/dev/null
+  ls "$work/fsdp_none/checkpoints" "$work/fsdp_none/checkpoints/step_000003" > "$out/fsdp_none_checkpoints.txt" 2>&1
+  tail -c 4000 "$work/fsdp_none/logs/vllm.log" > "$out/vllm_fsdp_none.log" 2>/dev/null
 fi
 stamp "done"

@@ -52,6 +52,13 @@ def _die_with_parent() -> None:
         pass
 
 
+# What torchrun sets for each trainer rank (plus TORCHELASTIC_*).
+_TORCHRUN_VARS = frozenset({
+    "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE", "ROLE_RANK",
+    "ROLE_WORLD_SIZE", "ROLE_NAME", "MASTER_ADDR", "MASTER_PORT",
+})
+
+
 class VLLMServer:
     """Launches, watches and stops one vLLM server with our /generate and /grpo/* endpoints.
 
@@ -133,7 +140,9 @@ class VLLMServer:
         return args
 
     def environment(self) -> dict[str, str]:
-        env = dict(os.environ)
+        # Under torchrun the trainer's rank variables would otherwise leak into vLLM, which is not a member of the
+        # trainer's process group and runs its own torch.distributed setup.
+        env = {k: v for k, v in os.environ.items() if k not in _TORCHRUN_VARS and not k.startswith("TORCHELASTIC_")}
         device = _cfg(self.cfg, "device")
         if device is not None:
             env["CUDA_VISIBLE_DEVICES"] = str(device)
