@@ -117,3 +117,18 @@ def test_no_grad_mode(model):
         a = token_logprobs(model, ids, attn, labels, torch.ones(3), chunk_size=8)
         b = naive_token_logprobs(model, ids, attn, labels, torch.ones(3))
     torch.testing.assert_close(a, b, atol=ATOL, rtol=0)
+
+
+def test_right_padding_drops_the_mask_left_padding_keeps_it(model):
+    from grpo.trainer.logprobs import causal_attention_mask
+
+    right = torch.tensor([[1, 1, 1, 0], [1, 1, 1, 1]])
+    left = torch.tensor([[0, 1, 1, 1], [1, 1, 1, 1]])
+    assert causal_attention_mask(right) is None  # the causal mask alone is exact for right padding
+    assert causal_attention_mask(left) is left
+    # Left padding (mask kept) still matches the naive computation.
+    ids, attn, labels = _batch(model.config.vocab_size)
+    attn = torch.ones_like(attn)
+    attn[1, :4] = 0
+    labels[1, :6] = -100
+    _compare(model, ids, attn, labels, torch.ones(3), 5)

@@ -31,6 +31,18 @@ def _causal_lm(model: nn.Module) -> nn.Module:
     return model
 
 
+def causal_attention_mask(attention_mask: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    """The mask the decoder needs: None when every row is right-padded (ones, then zeros).
+
+    Under causal attention no real token can attend to a pad token after it, so for right padding the mask changes
+    nothing at the positions that carry loss; without it SDPA takes its fused causal kernel instead of building a
+    ``[B, 1, T, T]`` mask (and, on CPU, keeping the attention weights for backward). Any other layout keeps it.
+    """
+    if attention_mask is None or attention_mask.shape[1] < 2:
+        return None
+    return None if bool((attention_mask[:, 1:] <= attention_mask[:, :-1]).all()) else attention_mask
+
+
 def backbone_and_head(model: nn.Module) -> tuple[nn.Module, nn.Module]:
     """``(decoder, lm_head)`` of a transformers CausalLM or a PEFT-wrapped one."""
     lm = _causal_lm(model)
@@ -193,7 +205,8 @@ def fused_token_loss(
     """``loss_of(token_logprobs(...))`` through ``fused_hidden_loss``: the same loss, metrics and gradients, with
     three matmuls per chunk of the output projection instead of four. Needs ``can_fuse(model, loss)``."""
     decoder, head = backbone_and_head(model)
-    hidden = decoder(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
+    mask = causal_attention_mask(attention_mask)
+    hidden = decoder(input_ids=input_ids, attention_mask=mask, use_cache=False).last_hidden_state
     return fused_hidden_loss(hidden, head, labels, temperatures, loss_of, chunk_size)
 
 
@@ -259,7 +272,8 @@ def token_logprobs(
     distribution the rollout was sampled from. Works for transformers CausalLMs and PEFT-wrapped ones.
     """
     decoder, head = backbone_and_head(model)
-    hidden = decoder(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
+    mask = causal_attention_mask(attention_mask)
+    hidden = decoder(input_ids=input_ids, attention_mask=mask, use_cache=False).last_hidden_state
     return hidden_logprobs(hidden, head, labels, temperatures, chunk_size)
 
 
