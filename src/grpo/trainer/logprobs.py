@@ -55,6 +55,22 @@ def backbone_and_head(model: nn.Module) -> tuple[nn.Module, nn.Module]:
     return decoder, head
 
 
+def _final_hidden(
+    model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor
+) -> tuple[torch.Tensor, nn.Module]:
+    """The decoder's last hidden states ``[B, T, H]`` (no logits) and the head that maps them to the vocabulary."""
+    decoder, head = backbone_and_head(model)
+    mask = causal_attention_mask(attention_mask)
+    return decoder(input_ids=input_ids, attention_mask=mask, use_cache=False).last_hidden_state, head
+
+
+def _selected_inv_temp(temperatures: Optional[torch.Tensor], sel: torch.Tensor) -> torch.Tensor:
+    """``1 / temperature`` of each selected token's sequence (1 when no temperatures are given)."""
+    if temperatures is None:
+        temperatures = torch.ones(sel.shape[0], device=sel.device)
+    return (1.0 / temperatures.float().to(sel.device))[:, None].expand(sel.shape)[sel]
+
+
 class _LinearLogprob(torch.autograd.Function):
     """``log_softmax(h @ W.T + b) / T)[target]`` over all selected tokens, one chunk of tokens at a time.
 
@@ -182,9 +198,7 @@ def fused_hidden_loss(
     """
     B, T = labels.shape
     sel = labels != IGNORE
-    if temperatures is None:
-        temperatures = torch.ones(B, device=hidden.device)
-    inv_temp = (1.0 / temperatures.float().to(hidden.device))[:, None].expand(B, T)[sel]
+    inv_temp = _selected_inv_temp(temperatures, sel)
     flat_index = sel.reshape(-1).nonzero().squeeze(1)
     out: dict = {}
     loss = _FusedLinearLoss.apply(
@@ -204,9 +218,7 @@ def fused_token_loss(
 ) -> tuple[torch.Tensor, dict, torch.Tensor]:
     """``loss_of(token_logprobs(...))`` through ``fused_hidden_loss``: the same loss, metrics and gradients, with
     three matmuls per chunk of the output projection instead of four. Needs ``can_fuse(model, loss)``."""
-    decoder, head = backbone_and_head(model)
-    mask = causal_attention_mask(attention_mask)
-    hidden = decoder(input_ids=input_ids, attention_mask=mask, use_cache=False).last_hidden_state
+    hidden, head = _final_hidden(model, input_ids, attention_mask)
     return fused_hidden_loss(hidden, head, labels, temperatures, loss_of, chunk_size)
 
 
@@ -239,9 +251,7 @@ def hidden_logprobs(
     if not bool(sel.any()):
         # Keep the graph connected so backward() on a loss built from this still works.
         return out + 0.0 * hidden.sum()
-    if temperatures is None:
-        temperatures = torch.ones(B, device=hidden.device)
-    inv_temp = (1.0 / temperatures.float().to(hidden.device))[:, None].expand(B, T)[sel]
+    inv_temp = _selected_inv_temp(temperatures, sel)
     h = hidden[sel]
     target = labels[sel]
     if fused is None:
@@ -271,9 +281,7 @@ def token_logprobs(
     Logits are divided by the sequence's sampling temperature before the softmax, so the log-probs are those of the
     distribution the rollout was sampled from. Works for transformers CausalLMs and PEFT-wrapped ones.
     """
-    decoder, head = backbone_and_head(model)
-    mask = causal_attention_mask(attention_mask)
-    hidden = decoder(input_ids=input_ids, attention_mask=mask, use_cache=False).last_hidden_state
+    hidden, head = _final_hidden(model, input_ids, attention_mask)
     return hidden_logprobs(hidden, head, labels, temperatures, chunk_size)
 
 

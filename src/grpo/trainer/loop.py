@@ -154,7 +154,7 @@ class GRPOTrainer:
             scale = distributed.loss_scale(self.dist.world_size)
         for mb, weight in micro_batches:
             mb = mb.to(self.device)
-            # FSDP2 registers the model's own forward method for this (grpo.trainer.distributed.shard_model).
+
             def loss_of(logprobs, mb=mb, with_metrics=True):
                 return self.loss_fn(
                     logprobs, mb.inference_logprobs, mb.advantages, mb.loss_mask,
@@ -163,13 +163,14 @@ class GRPOTrainer:
                     with_metrics=with_metrics,
                 )
 
-            fn = getattr(self.model, "grpo_token_logprobs", None)
             if self.fused:
                 loss, m, _ = fused_token_loss(
                     self.model, mb.input_ids, mb.attention_mask, mb.labels, mb.temperatures, loss_of,
                     chunk_size=self.cfg.logprob_chunk,
                 )
             else:
+                # FSDP2 registers the model's own forward method for this (grpo.trainer.distributed.shard_model).
+                fn = getattr(self.model, "grpo_token_logprobs", None)
                 logprobs = (fn or token_logprobs)(
                     *(() if fn else (self.model,)), mb.input_ids, mb.attention_mask, mb.labels, mb.temperatures,
                     chunk_size=self.cfg.logprob_chunk,
