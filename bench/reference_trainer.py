@@ -136,8 +136,11 @@ def run_trainer(cmd: list[str], url: str, groups: list[dict], log: Path, env: di
     return wall
 
 
-def bench_ref(mdir: Path, steps: int, groups: list[dict], work: Path) -> dict:
-    plain = PlainServer(mdir, work / "ref_vllm.log", ["--enable-lora", "--max-lora-rank", "64"])
+def bench_ref(mdir: Path, steps: int, groups: list[dict], work: Path, busy_loop_s: float | None = None) -> dict:
+    # busy_loop_s: a control run that gives the reference's plain server our cap on vLLM's idle busy-loop
+    # (grpo.inference.vllm_plugin, installed in this environment) to separate trainer from server effects.
+    env = {"GRPO_VLLM_BUSY_LOOP_S": str(busy_loop_s)} if busy_loop_s is not None else {}
+    plain = PlainServer(mdir, work / "ref_vllm.log", ["--enable-lora", "--max-lora-rank", "64"], env=env)
     os.environ["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"
     api, url = start_run_api(work / "ref_run_api.log")
     try:
@@ -159,7 +162,8 @@ def bench_ref(mdir: Path, steps: int, groups: list[dict], work: Path) -> dict:
     step_t = [float(x) for x in re.findall(r"Step time: ([0-9.]+)s", text)]
     sync_t = [float(x) for x in re.findall(r"Sync time: ([0-9.]+)s", text)]
     maxrss = re.findall(r"BENCH_MAXRSS_KIB (\d+)", text)
-    return {"impl": "ref", "command": "atropos-grpo " + " ".join(cmd[3:]), "wall_seconds": wall, "server_launch_s": launch,
+    return {"impl": "ref", "command": "atropos-grpo " + " ".join(cmd[3:]), "server_env": env, "wall_seconds": wall,
+            "server_launch_s": launch,
             "step_times": step_t, "sync_times": sync_t,
             "step_s": statistics.median(step_t[1:] or step_t), "sync_s": statistics.median(sync_t[1:] or sync_t) if sync_t else None,
             "peak_gb": int(maxrss[-1]) / 1024**2 if maxrss else None, "loadavg_end": loadavg()}  # fmt: skip
@@ -195,6 +199,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--ours-overrides", nargs="*", default=[],
                     help="extra train.py overrides, e.g. model.dtype=bfloat16 model.gradient_checkpointing=true "
                          "(what atropos-grpo does: it always loads the model in bfloat16 with gradient checkpointing)")
+    ap.add_argument("--ref-busy-loop-s", type=float, default=None,
+                    help="control: cap the reference's plain vLLM server's idle busy-loop as our server=cpu does "
+                         "(default: plain vLLM, 1 s)")
     ap.add_argument("--out", default=str(RESULTS / "reference_trainer.json"))
     args = ap.parse_args(argv)
     from transformers import AutoTokenizer
@@ -209,7 +216,7 @@ def main(argv=None) -> dict:
         sub.mkdir()
         try:
             if which == "ref":
-                r = bench_ref(mdir, args.steps, groups, sub)
+                r = bench_ref(mdir, args.steps, groups, sub, args.ref_busy_loop_s)
             else:
                 r = bench_ours(mdir, args.steps, groups, sub, args.ours_overrides)
             print(f"  {which}: step {r['step_s']:.2f}s sync {r['sync_s']}s peak {r['peak_gb']} GB "

@@ -41,16 +41,18 @@ SERVER_ARGS = ["--max-model-len", "1024", "--disable-uvicorn-access-log"]
 class PlainServer:
     """``python -m vllm.entrypoints.openai.api_server`` in its own process group (stopped by its pgid only)."""
 
-    def __init__(self, model: Path, log: Path, extra: list[str] = (), kv_share: float = 0.2, dtype: str = "float32"):
+    def __init__(self, model: Path, log: Path, extra: list[str] = (), kv_share: float = 0.2, dtype: str = "float32",
+                 env: dict | None = None):  # fmt: skip
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
                     "--host", "127.0.0.1", "--port", str(self.port), "--gpu-memory-utilization", str(kv_share),
                     "--dtype", dtype, *SERVER_ARGS, *extra]  # fmt: skip
         self.log = log
+        self.env = env or {}
 
     def start(self, timeout: float = 600):
-        env = dict(os.environ, VLLM_WORKER_MULTIPROC_METHOD="spawn")
+        env = dict(os.environ, VLLM_WORKER_MULTIPROC_METHOD="spawn", **self.env)
         self.proc = subprocess.Popen(self.cmd, stdout=open(self.log, "ab"), stderr=subprocess.STDOUT,
                                      stdin=subprocess.DEVNULL, env=env, start_new_session=True)  # fmt: skip
         t0 = time.time()

@@ -45,7 +45,7 @@ def server_cfg(port: int | None = None, **overrides):
 
     base = dict(
         host="127.0.0.1", port=port or free_port(), gpu_memory_utilization=0.2, max_model_len=512,
-        dtype="float32", max_lora_rank=16, startup_timeout_s=240,
+        dtype="float32", max_lora_rank=16, startup_timeout_s=240, busy_loop_s=0.02,
     )  # fmt: skip
     base.update(overrides)
     return ServerConfig(**base)

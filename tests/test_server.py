@@ -121,3 +121,47 @@ def test_start_errors_are_clear(tmp_path, tiny_qwen2_dir):
     with pytest.raises(ServerStartError, match="no-such-flag"):
         bad.start(timeout=120)
     assert not bad.running()
+
+
+def test_busy_loop_cap_reaches_the_vllm_worker(vllm_server):
+    # server_cfg sets busy_loop_s=0.02 as conf/server/cpu.yaml does: the plugin must have run in the worker process,
+    # where vLLM's shared-memory queue reader spins, not only in the API server.
+    import re
+
+    text = vllm_server.log_path.read_text()
+    capped = re.findall(r"\(([\w-]+) pid=\d+\).*busy-loop capped at 0\.02 s", text)
+    assert any("Worker" in name for name in capped), f"no worker process among {capped}"
+
+
+def test_busy_loop_plugin_caps_spin_condition_only_when_asked(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    script = """
+import os, zmq
+from vllm.distributed.device_communicators.shm_broadcast import SpinCondition
+reader = SpinCondition(is_reader=True, context=zmq.Context(), notify_address="ipc://{addr}")
+from grpo.inference.vllm_plugin import register
+register()
+reader.wait(timeout_ms=0)  # inside the busy window: yields, then returns
+print(reader.busy_loop_s)
+"""
+    results = {}
+    for value in ("0.05", None):
+        env = {k: v for k, v in os.environ.items() if k != "GRPO_VLLM_BUSY_LOOP_S"}
+        if value:
+            env["GRPO_VLLM_BUSY_LOOP_S"] = value
+        out = subprocess.run([sys.executable, "-c", script.format(addr=tmp_path / "n")], env=env, capture_output=True,
+                             text=True, timeout=120)  # fmt: skip
+        assert out.returncode == 0, out.stderr[-2000:]
+        results[value] = float(out.stdout.split()[-1])
+    assert results == {"0.05": 0.05, None: 1.0}
+
+
+def test_server_environment_carries_the_busy_loop_cap(tmp_path, monkeypatch):
+    from grpo.inference.process import VLLMServer
+
+    monkeypatch.setenv("GRPO_VLLM_BUSY_LOOP_S", "7")  # a stray value in the caller's environment is not inherited
+    assert VLLMServer(tmp_path, server_cfg(busy_loop_s=0.02), tmp_path / "a.log").environment()["GRPO_VLLM_BUSY_LOOP_S"] == "0.02"
+    assert "GRPO_VLLM_BUSY_LOOP_S" not in VLLMServer(tmp_path, server_cfg(busy_loop_s=None), tmp_path / "b.log").environment()

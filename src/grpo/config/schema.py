@@ -177,6 +177,8 @@ class ServerConfig:
     extra_args: list[str] = field(default_factory=list)
     # CUDA device index for vLLM when trainer and server share a host.
     device: Optional[int] = None
+    # Cap (seconds) on how long vLLM's worker busy-polls after each message before sleeping; null = vLLM's 1 s.
+    busy_loop_s: Optional[float] = None
 
 
 # ---------------------------------------------------------------- data pipelines

@@ -161,6 +161,9 @@ def validate(cfg: DictConfig, run_dir: Path | None = None) -> None:
                 f"or set model.offline=<preset> for random weights"
             )
 
+    if cfg.server.busy_loop_s is not None and cfg.server.busy_loop_s < 0:
+        raise ConfigError(f"server.busy_loop_s must be >= 0 seconds or null, got {cfg.server.busy_loop_s}")
+
     if cfg.server.external_url is None and not _port_free(cfg.server.host, cfg.server.port):
         raise ConfigError(
             f"server.port={cfg.server.port} on {cfg.server.host} is already in use; pick a free port "

@@ -152,6 +152,11 @@ class VLLMServer:
         # vLLM spawns its workers; a forked child of a process that already ran torch can hang (REFERENCE.md).
         env.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
         env["GRPO_WEIGHT_VERSION"] = str(self.weight_version)
+        # Read by grpo.inference.vllm_plugin in each vLLM process; unset keeps vLLM's own busy-loop.
+        env.pop("GRPO_VLLM_BUSY_LOOP_S", None)
+        busy_loop_s = _cfg(self.cfg, "busy_loop_s")
+        if busy_loop_s is not None:
+            env["GRPO_VLLM_BUSY_LOOP_S"] = str(float(busy_loop_s))
         env.update(self.env)
         return env
 
