@@ -14,6 +14,9 @@ every sample has exactly that many tokens, temperature 1, one log-prob per token
 
 in an order that rotates every round (so all three see the same machine load). Throughput = generated tokens /
 wall seconds of the round (prompts sent concurrently). The ratio is ours / plain on the median of the rounds.
+A pause (``--gap-s``, 1.5 s) follows each measurement: an idle vLLM worker busy-polls for up to 1 s after its last
+message (ours is capped by ``--busy-loop-s``, as ``conf/server/cpu.yaml`` does), and without the pause that tail of one
+server would fall on the next server's measurement.
 """
 
 from __future__ import annotations
@@ -115,6 +118,10 @@ def main(argv=None) -> dict:
                     help="--gpu-memory-utilization of both servers (on CPU: share of RAM for the KV cache)")
     ap.add_argument("--dtype", default="float32", help="both servers' --dtype (bfloat16 on a GPU)")
     ap.add_argument("--prompt-tokens", type=int, default=24)
+    ap.add_argument("--gap-s", type=float, default=1.5, help="pause after each measurement (servers go idle)")
+    ap.add_argument("--busy-loop-s", type=float, default=0.02,
+                    help="our server's server.busy_loop_s (conf/server/cpu.yaml: 0.02; gpu.yaml: null = vLLM's 1 s); "
+                         "negative = null")  # fmt: skip
     ap.add_argument("--out", default=str(RESULTS / "server_throughput.json"))
     args = ap.parse_args(argv)
     sys.path.insert(0, str(ROOT / "src"))
@@ -123,7 +130,8 @@ def main(argv=None) -> dict:
     mdir = model_dir(args.model)
     logdir = Path(tempfile.mkdtemp(prefix="bench_server_"))
     cfg = {"host": "127.0.0.1", "port": free_port(), "gpu_memory_utilization": args.kv_share, "max_model_len": 1024,
-           "dtype": args.dtype, "enforce_eager": None, "startup_timeout_s": 600, "extra_args": []}  # fmt: skip
+           "dtype": args.dtype, "enforce_eager": None, "startup_timeout_s": 600, "extra_args": [],
+           "busy_loop_s": args.busy_loop_s if args.busy_loop_s >= 0 else None}  # fmt: skip
     ours = VLLMServer(mdir, cfg, logdir / "ours.log")
     plain = PlainServer(mdir, logdir / "plain.log", kv_share=args.kv_share, dtype=args.dtype)
     t0 = time.perf_counter()
@@ -146,6 +154,9 @@ def main(argv=None) -> dict:
                 url, route = targets[name]
                 res = run_round(url, route, str(mdir), ps, args.n, args.max_tokens)
                 rounds[name].append(res)
+                # Let the server just used go idle (vLLM's worker busy-polls for up to 1 s after its last
+                # message) so its tail does not land on the next measurement.
+                time.sleep(args.gap_s)
                 print(f"  round {r} {name:18} {res['tokens_per_s']:8.1f} tok/s ({res['seconds']:.2f}s, load "
                       f"{res['loadavg']:.1f})", flush=True)  # fmt: skip
     finally:
@@ -155,9 +166,9 @@ def main(argv=None) -> dict:
     result = {
         "bench": "server_throughput", "machine": machine(),
         "command": "python bench/server_throughput.py " + " ".join(argv if argv is not None else sys.argv[1:]),
-        "workload": {"model": args.model, "prompts": args.prompts, "prompt_tokens": args.prompt_tokens, "n": args.n,
+        "workload": {"gap_s": args.gap_s, "model": args.model, "prompts": args.prompts, "prompt_tokens": args.prompt_tokens, "n": args.n,
                      "max_tokens": args.max_tokens, "ignore_eos": True, "temperature": 1.0},
-        "server_args": SERVER_ARGS + ["--dtype", args.dtype, "--gpu-memory-utilization", str(args.kv_share)], "ours_extra": "--logprobs-mode processed_logprobs --worker-extension-cls ... --middleware ...",
+        "server_args": SERVER_ARGS + ["--dtype", args.dtype, "--gpu-memory-utilization", str(args.kv_share)], "ours_extra": "--logprobs-mode processed_logprobs --worker-extension-cls ... --middleware ...", "ours_busy_loop_s": cfg["busy_loop_s"],
         "startup_seconds": {"ours": t_ours, "plain": t_plain},
         "median_tokens_per_s": med,
         "ratio_generate_vs_plain": med["ours_generate"] / med["plain_completions"],
