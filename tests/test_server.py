@@ -165,3 +165,6 @@ def test_server_environment_carries_the_busy_loop_cap(tmp_path, monkeypatch):
     monkeypatch.setenv("GRPO_VLLM_BUSY_LOOP_S", "7")  # a stray value in the caller's environment is not inherited
     assert VLLMServer(tmp_path, server_cfg(busy_loop_s=0.02), tmp_path / "a.log").environment()["GRPO_VLLM_BUSY_LOOP_S"] == "0.02"
     assert "GRPO_VLLM_BUSY_LOOP_S" not in VLLMServer(tmp_path, server_cfg(busy_loop_s=None), tmp_path / "b.log").environment()
+    monkeypatch.setenv("VLLM_PLUGINS", "lora_filesystem_resolver")  # an allow-list keeps our plugin in
+    env = VLLMServer(tmp_path, server_cfg(busy_loop_s=0.02), tmp_path / "c.log").environment()
+    assert env["VLLM_PLUGINS"] == "lora_filesystem_resolver,grpo_busy_loop"

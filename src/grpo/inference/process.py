@@ -157,6 +157,9 @@ class VLLMServer:
         busy_loop_s = _cfg(self.cfg, "busy_loop_s")
         if busy_loop_s is not None:
             env["GRPO_VLLM_BUSY_LOOP_S"] = str(float(busy_loop_s))
+            # A VLLM_PLUGINS allow-list would otherwise leave the plugin, and so the cap, out.
+            if env.get("VLLM_PLUGINS") and "grpo_busy_loop" not in env["VLLM_PLUGINS"].split(","):
+                env["VLLM_PLUGINS"] += ",grpo_busy_loop"
         env.update(self.env)
         return env
 
