@@ -1,4 +1,4 @@
-"""The README's first command: the default job learns (reward clearly rising) on CPU in under 15 minutes."""
+"""The README's first command: the default job learns (reward clearly rising); about 75 s on 2 idle CPU cores."""
 
 from __future__ import annotations
 
@@ -9,11 +9,11 @@ import pytest
 from conftest import free_port
 from test_train_e2e import assert_clean, metrics, run_train
 
-# The margin the README promises: mean reward of the last 10 steps minus the first 10.
-MARGIN = 0.5
+# The margin the README promises: mean reward of the last 10 steps minus the first 10. The default run reaches 0.89;
+# with one sampling seed for every prompt of a step (a defect fixed in InferenceClient.generate) it reached 0.57.
+MARGIN = 0.75
 
 
-@pytest.mark.slow
 @pytest.mark.vllm
 def test_default_run_reward_rises(tmp_path):
     run_dir = tmp_path / "default"

@@ -80,6 +80,21 @@ def test_client_generate_and_prompt_logprobs(vllm_server, hf_model):
     assert max(abs(a - b) for a, b in zip(got, hf_logprobs(hf_model, seq, 1))) < 1e-4
 
 
+def test_seeded_generate_reproduces_and_gives_every_sample_its_own_stream(vllm_server):
+    from grpo.inference.client import InferenceClient
+
+    client = InferenceClient(vllm_server.url)
+    prompts = [[10, 20, 30]] * 3  # the same prompt three times: only the seeds can tell the samples apart
+    kw = dict(n=4, max_tokens=12, temperature=1.0, seed=1234)
+    first = [[tuple(c.token_ids) for c in r] for r in client.generate(prompts, **kw)]
+    again = [[tuple(c.token_ids) for c in r] for r in client.generate(prompts, **kw)]
+    assert first == again  # a saved config re-draws the same rollouts
+    samples = [t for r in first for t in r]
+    # 12 samples of one prompt from a near-uniform tiny model: with one seed for all prompts, sample k of each prompt
+    # drew the same tokens (3 copies of 4 completions); each sample on its own stream makes them all differ.
+    assert len(set(samples)) == len(samples)
+
+
 def test_logprobs_follow_sampling_temperature(vllm_server, hf_model):
     """--logprobs-mode processed_logprobs: the log-probs are those of the distribution sampled from."""
     from grpo.inference.client import InferenceClient

@@ -144,19 +144,25 @@ class InferenceClient:
     ) -> list[list[Completion]]:
         """`n` completions for each prompt; result[i] belongs to prompts[i].
 
-        Prompts go out as concurrent requests so the server batches them.
+        Prompts go out as concurrent requests so the server batches them. A `seed` in `sampling` is the call's base
+        seed: prompt i is sent with `seed + i * n` (vLLM gives sample k of a request `seed + k`), so every sample of
+        the call draws from its own random stream. One seed for every prompt would give sample k of each prompt
+        the same draws: on a model whose next-token distribution barely depends on the prompt (early in training),
+        the batch's prompts then get near-identical completions.
         """
         if not prompts:
             return []
+        base_seed = sampling.pop("seed", None)
 
-        def one(p: list[int]) -> list[Completion]:
-            return self.generate_one(p, n, max_tokens, temperature, top_p, model, **sampling)
+        def one(i: int) -> list[Completion]:
+            seed = {} if base_seed is None else {"seed": (int(base_seed) + i * n) % (2**63)}
+            return self.generate_one(prompts[i], n, max_tokens, temperature, top_p, model, **seed, **sampling)
 
         workers = min(self.max_concurrency, len(prompts))
         if workers == 1:
-            return [one(prompts[0])]
+            return [one(i) for i in range(len(prompts))]
         with ThreadPoolExecutor(max_workers=workers) as pool:
-            return list(pool.map(one, prompts))
+            return list(pool.map(one, range(len(prompts))))
 
     def prompt_logprobs(self, tokens: list[int], model: str | None = None) -> list[float]:
         """Log-prob of tokens[i] given tokens[:i] for i = 1..len-1 (len(tokens) - 1 values), from the raw logits.

@@ -136,7 +136,7 @@ class LocalRolloutPipeline(DataPipeline):
             ids, n=self.group_size, max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p,
             model=getattr(ctx.sync, "served_model", None),
             # Seeded sampling: a run re-run from its saved config draws the same rollouts (same weights, same
-            # server settings), so its first step reproduces.
+            # server settings), so its first step reproduces. The client gives each prompt its own seeds from this base.
             seed=(ctx.seed * 1_000_003 + step) % (2**31),
         )
         gen_s = time.monotonic() - t0
