@@ -55,7 +55,7 @@ def run(parts: list[str], quick: bool) -> None:
     if "e2e_modes" in parts:
         # KV share 0.05: two or three vLLM CPU servers at 0.2 of RAM each don't fit next to other work on a 23 GiB
         # machine; the tiny workload needs far less KV cache than either.
-        _run(["bench/e2e_modes.py", "--steps", "3" if quick else "6", "--modes", "none", "lora_only",
+        _run(["bench/e2e_modes.py", "--steps", "3" if quick else "20", "--modes", "none", "lora_only",
               "--overrides", "server.gpu_memory_utilization=0.05"])
         _run(["bench/e2e_modes.py", "--steps", "3", "--modes", "lora_restart", "--out", str(RESULTS / "e2e_modes_restart.json"),
               "--overrides", "server.gpu_memory_utilization=0.05"])
@@ -74,7 +74,7 @@ def run(parts: list[str], quick: bool) -> None:
         _run(["bench/reference_trainer.py", "--steps", steps, "--ref-busy-loop-s", "0.02", "--ours-overrides", *bf16_gc,
               "--out", str(RESULTS / "reference_trainer_bf16_gc_control.json")])
     if "trl_e2e" in parts:
-        _run(["bench/trl_e2e.py", "--steps", "3" if quick else "6"])
+        _run(["bench/trl_e2e.py", "--steps", "3" if quick else "20"])
 
 
 def summary() -> dict:
