@@ -17,6 +17,8 @@ from typing import Any, Mapping, Sequence
 
 import requests
 
+from grpo.inference import vllm_plugin
+
 
 class ServerStartError(RuntimeError):
     """The server could not start (bad arguments, port taken, crash or timeout during start-up)."""
@@ -153,13 +155,13 @@ class VLLMServer:
         env.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
         env["GRPO_WEIGHT_VERSION"] = str(self.weight_version)
         # Read by grpo.inference.vllm_plugin in each vLLM process; unset keeps vLLM's own busy-loop.
-        env.pop("GRPO_VLLM_BUSY_LOOP_S", None)
+        env.pop(vllm_plugin.ENV, None)
         busy_loop_s = _cfg(self.cfg, "busy_loop_s")
         if busy_loop_s is not None:
-            env["GRPO_VLLM_BUSY_LOOP_S"] = str(float(busy_loop_s))
+            env[vllm_plugin.ENV] = str(float(busy_loop_s))
             # A VLLM_PLUGINS allow-list would otherwise leave the plugin, and so the cap, out.
-            if env.get("VLLM_PLUGINS") and "grpo_busy_loop" not in env["VLLM_PLUGINS"].split(","):
-                env["VLLM_PLUGINS"] += ",grpo_busy_loop"
+            if env.get("VLLM_PLUGINS") and vllm_plugin.PLUGIN_NAME not in env["VLLM_PLUGINS"].split(","):
+                env["VLLM_PLUGINS"] += "," + vllm_plugin.PLUGIN_NAME
         env.update(self.env)
         return env
 

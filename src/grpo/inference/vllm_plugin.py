@@ -18,6 +18,8 @@ import os
 # A child of vLLM's logger, so the line reaches the server log through vLLM's own handler, with the process prefix.
 log = logging.getLogger("vllm.grpo_busy_loop")
 ENV = "GRPO_VLLM_BUSY_LOOP_S"
+# This plugin's entry-point name in pyproject.toml (what a VLLM_PLUGINS allow-list must name).
+PLUGIN_NAME = "grpo_busy_loop"
 
 
 def register() -> None:
