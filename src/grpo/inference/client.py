@@ -32,6 +32,16 @@ class Completion:
     weight_version: int = -1
 
 
+@dataclass(frozen=True)
+class Endpoint:
+    """What a caller needs to sample from the policy being trained: where the server is, which model name to put
+    in requests (the adapter name in LoRA modes; None = the server's default) and the weight version it serves."""
+
+    base_url: str
+    model: str | None
+    version: int
+
+
 def parse_generate_response(body: dict[str, Any]) -> list[Completion]:
     """Turn a /generate answer (the shape Atropos' VLLMServer reads) into Completions."""
     version = int(body.get("weight_version", -1))

@@ -9,6 +9,8 @@ from typing import Any, ClassVar
 
 import torch.nn as nn
 
+from grpo.inference.client import Endpoint
+
 
 @dataclass
 class SyncContext:
@@ -73,6 +75,11 @@ class SyncStrategy(ABC):
     def served_model(self) -> str | None:
         """Model name to put in requests (the adapter name in LoRA modes); None = the server's default."""
         return None
+
+    def endpoint(self) -> Endpoint:
+        """The server a pipeline or evaluator samples the current policy from (read it anew for every request
+        batch: a restart may move the server and a sync advances the version)."""
+        return Endpoint(base_url=self.base_url, model=self.served_model, version=int(self.version))
 
     def check_health(self) -> bool:
         """Restart a dead server (bounded); True when it did, False when all was well; raise when it cannot."""
