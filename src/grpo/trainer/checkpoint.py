@@ -32,93 +32,20 @@ import torch
 from torch import nn
 
 from grpo import faults
+from grpo.weights import params
+from grpo.weights.hf_dir import (
+    is_peft,
+    load_model_weights,
+    publish_dir,
+    read_safetensors,
+    save_model_weights,
+    write_model,
+)
+
+__all__ = ["COMPLETE", "CheckpointManager", "load_model_weights", "save_model_weights"]
 
 COMPLETE = "COMPLETE"
 _STEP_RE = re.compile(r"^step_(\d+)$")
-
-
-def _is_peft(model: nn.Module) -> bool:
-    try:
-        from peft import PeftModel
-    except ImportError:
-        return False
-    return isinstance(model, PeftModel)
-
-
-def _fsync_tree(root: Path) -> None:
-    """Flush every file and directory under ``root`` (and ``root`` itself) to disk."""
-    for dirpath, _, files in os.walk(root):
-        for f in files:
-            fd = os.open(os.path.join(dirpath, f), os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-        _fsync_dir(Path(dirpath))
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _publish(tmp: Path, final: Path) -> None:
-    """Rename a finished ``tmp`` onto ``final`` (replacing an older one), durably."""
-    _fsync_tree(tmp)
-    old = None
-    if final.exists():
-        # os.replace can't overwrite a non-empty directory: move the old one aside first, drop it afterwards.
-        old = final.parent / f".old_{final.name}_{os.getpid()}"
-        os.replace(final, old)
-    os.replace(tmp, final)
-    _fsync_dir(final.parent)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
-
-
-def drop_tied_copies(model: nn.Module, state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """``state_dict`` without the second name of a tied parameter (lm_head tied to the embeddings).
-
-    A gathered full state dict holds a separate copy under each name, so save_pretrained cannot see the tie the way
-    it does for the module's own shared tensors; dropping the copies keeps the files what a single process writes.
-    """
-    seen: set[int] = set()
-    drop = set()
-    for name, p in model.named_parameters(remove_duplicate=False):
-        if id(p) in seen:
-            drop.add(name)
-        seen.add(id(p))
-    return {k: v for k, v in state_dict.items() if k not in drop}
-
-
-def _write_model(model: nn.Module, tokenizer: Any, out: Path, state_dict: dict | None = None) -> None:
-    # save_pretrained writes the module's own (unfused) names; for a PeftModel it writes only the adapter.
-    # `state_dict`: full tensors gathered from an FSDP2 model (its own are shards), written under the same names.
-    if state_dict is not None:
-        state_dict = drop_tied_copies(model, state_dict)
-    model.save_pretrained(out, safe_serialization=True, state_dict=state_dict)
-    if tokenizer is not None:
-        tokenizer.save_pretrained(out)
-
-
-def save_model_weights(
-    model: nn.Module, tokenizer: Any, out_dir: str | Path, state_dict: dict[str, torch.Tensor] | None = None
-) -> Path:
-    """Write ``model`` (HF format, or the adapter of a PEFT model) and ``tokenizer`` to ``out_dir`` atomically.
-    ``state_dict``: the full tensors to write instead of the module's own (an FSDP2 model's gathered weights)."""
-    final = Path(out_dir)
-    final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".tmp_{final.name}_", dir=final.parent))
-    try:
-        _write_model(model, tokenizer, tmp, state_dict)
-        _publish(tmp, final)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return final
 
 
 def _rng_state() -> dict:
@@ -134,44 +61,6 @@ def _set_rng_state(state: dict) -> None:
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
-
-
-def _read_safetensors(directory: Path, stem: str) -> dict[str, torch.Tensor]:
-    """All tensors of ``<stem>.safetensors`` or its sharded ``<stem>-XXXXX-of-XXXXX.safetensors`` files."""
-    from safetensors.torch import load_file
-
-    single = directory / f"{stem}.safetensors"
-    files = [single] if single.exists() else sorted(directory.glob(f"{stem}-*-of-*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"no {stem}.safetensors in {directory}")
-    sd: dict[str, torch.Tensor] = {}
-    for f in files:
-        sd.update(load_file(str(f)))
-    return sd
-
-
-def load_model_weights(model: nn.Module, directory: str | Path) -> None:
-    """Load weights written by ``save_model_weights`` into ``model`` in place (adapter only for PEFT models)."""
-    directory = Path(directory)
-    if _is_peft(model):
-        from peft import set_peft_model_state_dict
-
-        result = set_peft_model_state_dict(model, _read_safetensors(directory, "adapter_model"))
-        unexpected = getattr(result, "unexpected_keys", [])
-        if unexpected:
-            raise RuntimeError(f"adapter in {directory} has keys the model lacks: {unexpected[:5]}")
-        return
-    sd = _read_safetensors(directory, "model")
-    result = model.load_state_dict(sd, strict=False)
-    if result.unexpected_keys:
-        raise RuntimeError(f"checkpoint {directory} has keys the model lacks: {result.unexpected_keys[:5]}")
-    # save_pretrained omits tied copies (lm_head tied to the embeddings); anything else missing is an error.
-    params = dict(model.named_parameters(remove_duplicate=False))
-    loaded = {params[k].data_ptr() for k in sd if k in params}
-    missing = [k for k in result.missing_keys if k not in params or params[k].data_ptr() not in loaded]
-    missing = [k for k in missing if k in params]  # buffers (e.g. rotary inv_freq) are rebuilt by the model
-    if missing:
-        raise RuntimeError(f"checkpoint {directory} lacks parameters: {missing[:5]}")
 
 
 class CheckpointManager:
@@ -229,7 +118,7 @@ class CheckpointManager:
         final = self.root / f"step_{step:06d}"
         tmp = Path(tempfile.mkdtemp(prefix=f".tmp_{final.name}_", dir=self.root))
         try:
-            _write_model(model, tokenizer, tmp, model_state)
+            write_model(model, tokenizer, tmp, model_state)
             if optimizer_state is not None:
                 torch.save(optimizer_state, tmp / "optimizer.pt")
             elif optimizer is not None:
@@ -242,7 +131,7 @@ class CheckpointManager:
             faults.point("checkpoint_write", step)  # test-only: GRPO_FAULT=sigterm@checkpoint_write:<step>
             (tmp / "trainer_state.json").write_text(state_json)
             (tmp / COMPLETE).write_text(f"{step}\n")
-            _publish(tmp, final)
+            publish_dir(tmp, final)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
@@ -299,7 +188,7 @@ class CheckpointManager:
         so no rank runs ahead of a checkpoint being written and a failed write raises on every rank."""
         from grpo.trainer import distributed
 
-        model_state, optimizer_state = distributed.full_state_dicts(model, optimizer)
+        model_state, optimizer_state = params.full_state_dicts(model, optimizer)
         rng_states = distributed.gather_object(_rng_state())
         path, error = None, None
         if distributed.is_rank0():
@@ -344,7 +233,7 @@ class CheckpointManager:
             try:
                 if not (path / COMPLETE).exists():
                     raise FileNotFoundError(f"{path} is not a complete checkpoint (no {COMPLETE} marker)")
-                model_state = _read_safetensors(path, "model")
+                model_state = read_safetensors(path, "model")
                 _check_covers(model, model_state, path)
                 if optimizer is not None:
                     optimizer_state = _by_name(

@@ -1,0 +1,142 @@
+"""Hugging Face weight directories, written atomically and durably, and read back into a model.
+
+A directory is written into a hidden temporary sibling, fsynced, then renamed into place with ``os.replace``, so a
+crash leaves either the previous directory or the new complete one. Checkpoints (grpo.trainer.checkpoint) and the
+file-based sync modes (grpo.sync) both publish weights this way.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+
+def is_peft(model: nn.Module) -> bool:
+    """True for a PEFT-wrapped model (its weights are saved and loaded as an adapter)."""
+    try:
+        from peft import PeftModel
+    except ImportError:
+        return False
+    return isinstance(model, PeftModel)
+
+
+def fsync_dir(path: Path) -> None:
+    """Flush a directory entry to disk (so a rename inside it survives a crash)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_tree(root: Path) -> None:
+    """Flush every file and directory under ``root`` (and ``root`` itself) to disk."""
+    for dirpath, _, files in os.walk(root):
+        for f in files:
+            fd = os.open(os.path.join(dirpath, f), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        fsync_dir(Path(dirpath))
+
+
+def publish_dir(tmp: Path, final: Path) -> None:
+    """Rename a finished ``tmp`` onto ``final`` (replacing an older one), durably."""
+    fsync_tree(tmp)
+    old = None
+    if final.exists():
+        # os.replace can't overwrite a non-empty directory: move the old one aside first, drop it afterwards.
+        old = final.parent / f".old_{final.name}_{os.getpid()}"
+        os.replace(final, old)
+    os.replace(tmp, final)
+    fsync_dir(final.parent)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def drop_tied_copies(model: nn.Module, state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``state_dict`` without the second name of a tied parameter (lm_head tied to the embeddings).
+
+    A gathered full state dict holds a separate copy under each name, so save_pretrained cannot see the tie the way
+    it does for the module's own shared tensors; dropping the copies keeps the files what a single process writes.
+    """
+    seen: set[int] = set()
+    drop = set()
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if id(p) in seen:
+            drop.add(name)
+        seen.add(id(p))
+    return {k: v for k, v in state_dict.items() if k not in drop}
+
+
+def write_model(model: nn.Module, tokenizer: Any, out: Path, state_dict: dict | None = None) -> None:
+    """``save_pretrained`` into ``out`` (not atomic; see save_model_weights)."""
+    # save_pretrained writes the module's own (unfused) names; for a PeftModel it writes only the adapter.
+    # `state_dict`: full tensors gathered from an FSDP2 model (its own are shards), written under the same names.
+    if state_dict is not None:
+        state_dict = drop_tied_copies(model, state_dict)
+    model.save_pretrained(out, safe_serialization=True, state_dict=state_dict)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(out)
+
+
+def save_model_weights(
+    model: nn.Module, tokenizer: Any, out_dir: str | Path, state_dict: dict[str, torch.Tensor] | None = None
+) -> Path:
+    """Write ``model`` (HF format, or the adapter of a PEFT model) and ``tokenizer`` to ``out_dir`` atomically.
+    ``state_dict``: the full tensors to write instead of the module's own (an FSDP2 model's gathered weights)."""
+    final = Path(out_dir)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".tmp_{final.name}_", dir=final.parent))
+    try:
+        write_model(model, tokenizer, tmp, state_dict)
+        publish_dir(tmp, final)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return final
+
+
+def read_safetensors(directory: Path, stem: str) -> dict[str, torch.Tensor]:
+    """All tensors of ``<stem>.safetensors`` or its sharded ``<stem>-XXXXX-of-XXXXX.safetensors`` files."""
+    from safetensors.torch import load_file
+
+    single = directory / f"{stem}.safetensors"
+    files = [single] if single.exists() else sorted(directory.glob(f"{stem}-*-of-*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no {stem}.safetensors in {directory}")
+    sd: dict[str, torch.Tensor] = {}
+    for f in files:
+        sd.update(load_file(str(f)))
+    return sd
+
+
+def load_model_weights(model: nn.Module, directory: str | Path) -> None:
+    """Load weights written by ``save_model_weights`` into ``model`` in place (adapter only for PEFT models)."""
+    directory = Path(directory)
+    if is_peft(model):
+        from peft import set_peft_model_state_dict
+
+        result = set_peft_model_state_dict(model, read_safetensors(directory, "adapter_model"))
+        unexpected = getattr(result, "unexpected_keys", [])
+        if unexpected:
+            raise RuntimeError(f"adapter in {directory} has keys the model lacks: {unexpected[:5]}")
+        return
+    sd = read_safetensors(directory, "model")
+    result = model.load_state_dict(sd, strict=False)
+    if result.unexpected_keys:
+        raise RuntimeError(f"checkpoint {directory} has keys the model lacks: {result.unexpected_keys[:5]}")
+    # save_pretrained omits tied copies (lm_head tied to the embeddings); anything else missing is an error.
+    params = dict(model.named_parameters(remove_duplicate=False))
+    loaded = {params[k].data_ptr() for k in sd if k in params}
+    missing = [k for k in result.missing_keys if k not in params or params[k].data_ptr() not in loaded]
+    missing = [k for k in missing if k in params]  # buffers (e.g. rotary inv_freq) are rebuilt by the model
+    if missing:
+        raise RuntimeError(f"checkpoint {directory} lacks parameters: {missing[:5]}")
