@@ -65,96 +65,24 @@ def train(cfg: DictConfig, run_dir: Path) -> list[float]:
     """Build every component from the config, train, and tear everything down (also between multirun jobs)."""
     from transformers import AutoTokenizer
 
-    from grpo.models.loading import load_model, pick_device, pick_dtype, resolve_model_dir
-    from grpo.pipeline.base import PipelineContext
-    from grpo.sync.base import SyncContext
-    from grpo.trainer.checkpoint import CheckpointManager
-    from grpo.trainer.layers import apply_lora, freeze_to_layers, resolve_layer_indices
-    from grpo.trainer.loop import GRPOTrainer
-    from grpo.trainer.metrics import MetricsLogger, plot_curves
-    from grpo.trainer.optim import build_optimizer, build_scheduler
-
-    from grpo.trainer import distributed
+    from grpo.trainer.metrics import plot_curves
 
     torch.manual_seed(cfg.train.seed)
-    device = pick_device(cfg.train.device)
-    dist_info = None
-    if distributed.world_size() > 1:  # torchrun: FSDP2 across the ranks (grpo.trainer.distributed)
-        dist_info = distributed.init_from_env(cfg.train.device)
-        device = dist_info.device
-        if not dist_info.is_rank0:
-            torch.distributed.barrier()  # rank 0 builds an offline model dir first
-    model_dir = resolve_model_dir(cfg.model)
-    if dist_info is not None and dist_info.is_rank0:
-        torch.distributed.barrier()
+    dist_info, device = start_processes(cfg)
     rank0 = dist_info is None or dist_info.is_rank0
+    model_dir = model_directory(cfg, dist_info)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     log.info("run dir %s | model %s | device %s", run_dir, model_dir, device)
-
-    # Resuming: the checkpoint's weights are what the server serves first and what the trainer loads.
-    checkpoints = CheckpointManager(run_dir, keep=cfg.train.keep_checkpoints)
-    resume_ckpt = CheckpointManager(Path(cfg.train.resume), keep=cfg.train.keep_checkpoints).latest() if cfg.train.resume else None
-    if cfg.train.resume and resume_ckpt is None:
-        raise FileNotFoundError(f"train.resume={cfg.train.resume} has no complete checkpoint under checkpoints/")
-
-    # Ranks > 0 join the gathers of rank 0's sync, the kind its strategy runs (validate checked it has one).
-    sync = instantiate(cfg.mode) if rank0 else distributed.FollowerSync(
-        cfg.mode.sync_every, gather=get_class(cfg.mode._target_).fsdp_gather)
-    log.info("sync strategy %s (every %d steps)", type(sync).__name__, sync.sync_every)
+    resume_ckpt = resume_checkpoint(cfg)
+    sync = build_sync(cfg, rank0, resume_ckpt)
     loss_fn = instantiate(cfg.loss)
     log.info("loss %s", loss_fn)
-    pipeline = instantiate(cfg.data, _recursive_=False) if rank0 else distributed.FollowerPipeline()
-    if dist_info is not None and rank0:
-        pipeline = distributed.LeaderPipeline(pipeline)
-    log.info("data pipeline %s", type(pipeline).__name__)
-
-    model = trainer = metrics = None
+    data = instantiate(cfg.data, _recursive_=False) if rank0 else None
+    log.info("data pipeline %s", type(data).__name__ if data is not None else "rank 0's")
+    trainer = metrics = None
     try:
-        sync_ctx = SyncContext(
-            run_dir=run_dir, model_dir=Path(model_dir), server_cfg=cfg.server, lora_cfg=cfg.lora,
-            tokenizer=tokenizer, resume_weights=resume_ckpt,
-        )
-        if resume_ckpt is not None:
-            # The server reports the resumed weights' version from its first answer on.
-            sync.version = int(json.loads((resume_ckpt / "trainer_state.json").read_text()).get("weight_version", 0))
-        sync.launch(sync_ctx)
-        model = sync.load_model(sync_ctx)
-        if model is None:
-            base = model_dir if (resume_ckpt is None or sync.uses_lora) else str(resume_ckpt)
-            model = load_model(base, pick_dtype(cfg.model.dtype, device), device, cfg.model.gradient_checkpointing)
-        indices = resolve_layer_indices(cfg.layers.indices, cfg.model.num_layers)
-        if sync.uses_lora:
-            model = apply_lora(model, cfg.lora, indices, cfg.model.num_layers)
-        else:
-            freeze_to_layers(model, indices)
-        if dist_info is not None:
-            distributed.shard_model(model)
-        trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-        log.info("model %s: %.2fM trainable parameters in layers %s", type(model).__name__, trainable / 1e6, cfg.layers.indices)
-        optimizer = build_optimizer(model, cfg.optimizer)
-        scheduler = build_scheduler(optimizer, cfg.train.lr_schedule, cfg.train.warmup_steps, cfg.train.steps)
-        log.info("optimizer %s lr %g", type(optimizer).__name__, cfg.optimizer.lr)
-
-        start_step = 0
-        if resume_ckpt is not None:
-            # FSDP2: rank 0 reads the checkpoint and broadcasts it into every rank's shards.
-            load = checkpoints.load_distributed if dist_info is not None else checkpoints.load
-            state = load(resume_ckpt, model, optimizer, scheduler)
-            start_step = int(state["step"])
-            pipeline.load_state_dict(state.get("data", {}))
-            log.info("resumed from %s at step %d", resume_ckpt, start_step)
-
-        pipeline.setup(PipelineContext(
-            tokenizer=tokenizer, sync=sync, batch_size=cfg.train.micro_batch_size * cfg.train.grad_accum,
-            max_seq_len=cfg.model.max_seq_len, run_dir=run_dir, total_steps=cfg.train.steps, start_step=start_step,
-            checkpoint_every=cfg.train.checkpoint_every, seed=cfg.train.seed,
-        ))
-        metrics = MetricsLogger(run_dir, cfg.logging, cfg, cfg.train.steps, start_step) if rank0 else distributed.NullMetrics()
-        trainer = GRPOTrainer(
-            train_cfg=cfg.train, model=model, tokenizer=tokenizer, optimizer=optimizer, scheduler=scheduler,
-            loss_fn=loss_fn, pipeline=pipeline, sync=sync, checkpoints=checkpoints, metrics=metrics,
-            max_seq_len=cfg.model.max_seq_len, device=device, start_step=start_step, dist=dist_info,
-        )
+        trainer, metrics = build_trainer(cfg, run_dir, model_dir, tokenizer, sync, loss_fn, data, resume_ckpt,
+                                         device, dist_info)
         rewards = trainer.fit()
         if cfg.logging.plot and rank0:
             plot_curves(run_dir / "metrics.jsonl", run_dir / "curves.png", title=str(run_dir.name))
@@ -163,14 +91,141 @@ def train(cfg: DictConfig, run_dir: Path) -> list[float]:
         # Tear down in reverse order so a multirun's next job starts from a clean process table and memory.
         if metrics is not None:
             metrics.close()
-        pipeline.close()
+        if data is not None:
+            data.close()
         sync.shutdown()
-        del trainer, model
+        del trainer
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
         if dist_info is not None:
+            from grpo.trainer import distributed
+
             distributed.destroy()
+
+
+def start_processes(cfg: DictConfig):
+    """Under torchrun, join the process group (FSDP2 across the ranks); returns (DistInfo or None, device)."""
+    from grpo.models.loading import pick_device
+    from grpo.trainer import distributed
+
+    if distributed.world_size() <= 1:
+        return None, pick_device(cfg.train.device)
+    dist_info = distributed.init_from_env(cfg.train.device)
+    return dist_info, dist_info.device
+
+
+def model_directory(cfg: DictConfig, dist_info) -> str:
+    """The HF directory of the initial weights (an offline preset is built here); under torchrun rank 0 builds it
+    while the other ranks wait."""
+    import torch.distributed as tdist
+
+    from grpo.models.loading import resolve_model_dir
+
+    if dist_info is not None and not dist_info.is_rank0:
+        tdist.barrier()
+    model_dir = resolve_model_dir(cfg.model)
+    if dist_info is not None and dist_info.is_rank0:
+        tdist.barrier()
+    return model_dir
+
+
+def resume_checkpoint(cfg: DictConfig) -> Path | None:
+    """The latest complete checkpoint of `train.resume`'s run dir, or None for a fresh run."""
+    from grpo.trainer.checkpoint import CheckpointManager
+
+    if not cfg.train.resume:
+        return None
+    ckpt = CheckpointManager(Path(cfg.train.resume), keep=cfg.train.keep_checkpoints).latest()
+    if ckpt is None:
+        raise FileNotFoundError(f"train.resume={cfg.train.resume} has no complete checkpoint under checkpoints/")
+    return ckpt
+
+
+def build_sync(cfg: DictConfig, rank0: bool, resume_ckpt: Path | None):
+    """The run's sync strategy; torchrun ranks > 0 get a follower that joins the gathers rank 0's strategy runs."""
+    from grpo.sync.follower import FollowerSync
+
+    sync = instantiate(cfg.mode) if rank0 else FollowerSync(
+        cfg.mode.sync_every, gather=get_class(cfg.mode._target_).fsdp_gather)
+    if resume_ckpt is not None:
+        # The server reports the resumed weights' version from its first answer on.
+        sync.version = int(json.loads((resume_ckpt / "trainer_state.json").read_text()).get("weight_version", 0))
+    log.info("sync strategy %s (every %d steps)", type(sync).__name__, sync.sync_every)
+    return sync
+
+
+def build_model(cfg: DictConfig, sync, sync_ctx, resume_ckpt: Path | None, device, dist_info) -> torch.nn.Module:
+    """The trainable model: the strategy's own (shared_vllm) or loaded, with LoRA or frozen layers, sharded under
+    torchrun."""
+    from grpo.models.loading import load_model, pick_dtype
+    from grpo.trainer import distributed
+    from grpo.trainer.layers import apply_lora, freeze_to_layers, resolve_layer_indices
+
+    model = sync.load_model(sync_ctx)
+    if model is None:
+        base = sync_ctx.model_dir if (resume_ckpt is None or sync.uses_lora) else resume_ckpt
+        model = load_model(str(base), pick_dtype(cfg.model.dtype, device), device, cfg.model.gradient_checkpointing)
+    indices = resolve_layer_indices(cfg.layers.indices, cfg.model.num_layers)
+    if sync.uses_lora:
+        model = apply_lora(model, cfg.lora, indices, cfg.model.num_layers)
+    else:
+        freeze_to_layers(model, indices)
+    if dist_info is not None:
+        distributed.shard_model(model)
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    log.info("model %s: %.2fM trainable parameters in layers %s", type(model).__name__, trainable / 1e6,
+             cfg.layers.indices)
+    return model
+
+
+def build_trainer(cfg, run_dir, model_dir, tokenizer, sync, loss_fn, data, resume_ckpt, device, dist_info):
+    """Launch the server, build model, optimizer, data source and metrics, restore a checkpoint; the trainer."""
+    from grpo.pipeline.base import BatchShape, PipelineContext
+    from grpo.pipeline.distributed import FollowerPipeline, LeaderPipeline
+    from grpo.sync.base import SyncContext
+    from grpo.trainer import distributed
+    from grpo.trainer.checkpoint import CheckpointManager
+    from grpo.trainer.loop import GRPOTrainer
+    from grpo.trainer.metrics import MetricsLogger, NullMetrics
+    from grpo.trainer.optim import build_optimizer, build_scheduler
+
+    sync_ctx = SyncContext(run_dir=run_dir, model_dir=Path(model_dir), server_cfg=cfg.server, lora_cfg=cfg.lora,
+                           tokenizer=tokenizer, resume_weights=resume_ckpt)
+    sync.launch(sync_ctx)
+    model = build_model(cfg, sync, sync_ctx, resume_ckpt, device, dist_info)
+    optimizer = build_optimizer(model, cfg.optimizer)
+    scheduler = build_scheduler(optimizer, cfg.train.lr_schedule, cfg.train.warmup_steps, cfg.train.steps)
+    log.info("optimizer %s lr %g", type(optimizer).__name__, cfg.optimizer.lr)
+    source = data if dist_info is None else (LeaderPipeline(data) if data is not None else FollowerPipeline())
+    checkpoints = CheckpointManager(run_dir, keep=cfg.train.keep_checkpoints)
+    start_step = 0
+    if resume_ckpt is not None:
+        # FSDP2: rank 0 reads the checkpoint and broadcasts it into every rank's shards.
+        load = checkpoints.load_distributed if dist_info is not None else checkpoints.load
+        state = load(resume_ckpt, model, optimizer, scheduler)
+        start_step = int(state["step"])
+        source.load_state_dict(state.get("data", {}))
+        log.info("resumed from %s at step %d", resume_ckpt, start_step)
+    if data is not None:
+        data.setup(PipelineContext(
+            tokenizer=tokenizer, endpoint=sync.endpoint, batch_size=cfg.train.micro_batch_size * cfg.train.grad_accum,
+            max_seq_len=cfg.model.max_seq_len, run_dir=run_dir, total_steps=cfg.train.steps, start_step=start_step,
+            checkpoint_every=cfg.train.checkpoint_every, seed=cfg.train.seed,
+            batch_shape=BatchShape(
+                micro_batch_size=cfg.train.micro_batch_size, max_seq_len=cfg.model.max_seq_len,
+                pad_token_id=tokenizer.pad_token_id, vocab_size=model.get_input_embeddings().num_embeddings,
+                advantage_norm=cfg.train.advantage_norm,
+            ),
+        ))
+    metrics = MetricsLogger(run_dir, cfg.logging, cfg, cfg.train.steps, start_step) if data is not None else NullMetrics()
+    trainer = GRPOTrainer(
+        train_cfg=cfg.train, model=model, tokenizer=tokenizer, optimizer=optimizer, scheduler=scheduler,
+        loss_fn=loss_fn, pipeline=source, sync=sync, checkpoints=checkpoints, metrics=metrics, device=device,
+        start_step=start_step, dist=dist_info,
+        logprob_fn=distributed.sharded_token_logprobs(model) if dist_info is not None else None,
+    )
+    return trainer, metrics
 
 
 def _non_rank0_hydra_args() -> list[str]:

@@ -66,7 +66,11 @@ def _worker(args) -> dict:
 
     sys.path.insert(0, str(HERE.parent / "src"))
     from grpo.trainer.logprobs import (
-        fused_hidden_loss, fused_token_loss, hidden_logprobs, naive_token_logprobs, token_logprobs,
+        fused_hidden_loss,
+        fused_token_loss,
+        hidden_logprobs,
+        naive_token_logprobs,
+        token_logprobs,
     )
 
     torch.manual_seed(0)
@@ -184,7 +188,7 @@ def main(argv=None) -> None:
 
     rows = []
     for mode, frac in [(m, f) for m in args.modes for f in args.prompt_frac]:
-        def child(variant, chunk):
+        def child(variant, chunk, mode=mode, frac=frac):
             cmd = [sys.executable, __file__, "--variant", variant, "--mode", mode, "--device", args.device,
                    "--dtype", args.dtype, "--vocab", str(args.vocab), "--hidden", str(args.hidden),
                    "--seq-len", str(args.seq_len), "--prompt-frac", str(frac), "--chunk", str(chunk),

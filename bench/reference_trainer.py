@@ -58,7 +58,7 @@ def make_groups(tok, steps: int, seed: int = 0) -> list[dict]:
 
     rng = random.Random(seed)
     groups = []
-    for g in range(steps * GROUPS_PER_STEP):
+    for _ in range(steps * GROUPS_PER_STEP):
         chars = "".join(rng.choice("abcdefghij0123456789") for _ in range(8))
         msgs = [{"role": "user", "content": f"Write digits after: {chars}"}]
         text = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)

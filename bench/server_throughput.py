@@ -144,7 +144,7 @@ def main(argv=None) -> dict:
         ps = prompts(args.prompts, args.prompt_tokens)
         targets = {"ours_generate": (ours.url, "generate"), "ours_completions": (ours.url, "completions"),
                    "plain_completions": (plain.url, "completions")}  # fmt: skip
-        for name, (url, route) in targets.items():  # warm-up
+        for url, route in targets.values():  # warm-up
             run_round(url, route, str(mdir), ps[:2], 2, 8)
         rounds: dict[str, list[dict]] = {k: [] for k in targets}
         names = list(targets)

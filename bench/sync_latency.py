@@ -39,11 +39,11 @@ def make_strategy(mode: str):
 
 
 def bench_mode(mode: str, model_dir: Path, syncs: int) -> dict:
-    from conftest import server_cfg
-    from test_sync_modes import lora_model, optimizer_step, trainer_logprobs
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from conftest import server_cfg
     from grpo.sync.base import SyncContext
+    from test_sync_modes import lora_model, optimizer_step, trainer_logprobs
 
     sync = make_strategy(mode)
     with tempfile.TemporaryDirectory(prefix=f"bench_{mode}_") as run_dir:

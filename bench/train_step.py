@@ -32,7 +32,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import RESULTS, ROOT, RssPeak, loadavg, machine, max_rss_bytes, model_dir, run_json  # noqa: E402
+from common import RESULTS, RssPeak, loadavg, machine, max_rss_bytes, model_dir, run_json  # noqa: E402
 
 SHAPES = {  # model: (B sequences, P prompt tokens, C max completion tokens)
     "tiny": (64, 32, 64),

@@ -9,12 +9,12 @@ import sys
 import threading
 import time
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import requests
 
 from conftest import free_port
+from grpo.inference.client import Endpoint
 from grpo.pipeline.atropos import AtroposError, AtroposPipeline
 from grpo.pipeline.base import PipelineContext
 
@@ -72,7 +72,7 @@ class _Tok:
 
 def _ctx(tmp_path, max_seq_len=64, start_step=0) -> PipelineContext:
     return PipelineContext(
-        tokenizer=_Tok(), sync=SimpleNamespace(version=0), batch_size=BATCH, max_seq_len=max_seq_len,
+        tokenizer=_Tok(), endpoint=lambda: Endpoint("http://unused", None, 0), batch_size=BATCH, max_seq_len=max_seq_len,
         run_dir=tmp_path, total_steps=10, start_step=start_step, checkpoint_every=5, seed=0,
     )
 
@@ -138,17 +138,17 @@ def test_consumes_pushed_groups_and_step_advances(run_api, tmp_path):
             for g in pushed[2 * (step - 3): 2 * (step - 2)]:
                 _push(run_api, g, env["id"])
         groups = pipe.next_groups(step)
-        assert sum(len(g["tokens"]) for g in groups) == BATCH
+        assert sum(len(g.tokens) for g in groups) == BATCH
         assert pipe.last_metrics["data/dropped_malformed"] == 0
         received.extend(groups)
         assert _status(run_api)["current_step"] == step + 1
-    key = lambda g: g["scores"]  # noqa: E731
-    assert sorted(map(key, received)) == sorted(map(key, pushed))
+    assert sorted(g.scores for g in received) == sorted(p["scores"] for p in pushed)
     for got in received:
-        want = next(p for p in pushed if p["scores"] == got["scores"])
-        for field in ("tokens", "masks", "inference_logprobs", "generation_params"):
-            assert got[field] == want[field], field
-        assert got["env_id"] == env["id"]
+        want = next(p for p in pushed if p["scores"] == got.scores)
+        for field in ("tokens", "masks", "inference_logprobs"):
+            assert getattr(got, field) == want[field], field
+        assert got.temperatures == [want["generation_params"]["temperature"]] * len(got)
+        assert got.env_id == env["id"]
     thread.join()
     assert pipe.state_dict() == {"step": 5}
     assert pipe.last_metrics["data/polls"] == 1 and pipe.last_metrics["data/retries"] == 0
@@ -177,7 +177,7 @@ def test_bad_groups_are_dropped_and_counted(run_api, tmp_path):
     for g in (good, too_long, wrong_mask, bad_logprobs, out_of_vocab, bad_temperature):
         _push(run_api, g, env_id)
     groups = pipe.next_groups(0)
-    assert [g["scores"] for g in groups] == [good["scores"]]
+    assert [g.scores for g in groups] == [good["scores"]]
     m = pipe.metrics()
     assert m["data/dropped_too_long"] == 1
     assert m["data/dropped_malformed"] == 4

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -15,10 +16,16 @@ from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 from hydra.utils import get_class
 
-from grpo.pipeline.base import DataPipeline
 from grpo.config import ConfigError, register_configs
-from grpo.config.validate import check_layout, parallel_sizes
+from grpo.inference.process import parallel_sizes
+from grpo.pipeline.base import BatchShape, DataPipeline
+from grpo.pipeline.distributed import FollowerPipeline, LeaderPipeline
+from grpo.sync.base import SyncStrategy
 from grpo.sync.buckets import Bucket, pack, pack_bucket, plan_buckets, unpack_bucket
+from grpo.sync.follower import FollowerSync
+from grpo.trainer.batch import IGNORE_INDEX
+from grpo.trainer.metrics import NullMetrics
+from grpo.weights.params import full_state_dict, iter_full_params
 
 REPO = Path(__file__).resolve().parents[1]
 register_configs()
@@ -193,28 +200,28 @@ def test_shared_vllm_with_vllm_parallelism_fails_clearly(args, tmp_path):
     cfg = _compose(["mode=shared_vllm", f"server.extra_args=[{','.join(args)}]"])
     for cuda in (True, False):
         with pytest.raises(ConfigError, match=r"mode=broadcast.*tp=1"):
-            check_layout(cfg, get_class(cfg.mode._target_), cuda=cuda)
+            get_class(cfg.mode._target_).check_config(cfg, cuda=cuda)
     with pytest.raises(ConfigError, match="does not support vLLM"):
         validate(cfg, tmp_path)  # what train.py runs before any model loads
-    check_layout(_compose(["mode=shared_vllm"]), get_class(cfg.mode._target_), cuda=True)  # tp=1 is fine
+    get_class(cfg.mode._target_).check_config(_compose(["mode=shared_vllm"]), cuda=True)  # tp=1 is fine
 
 
 def test_broadcast_layout_errors():
     cls = get_class("grpo.sync.nccl_broadcast.NCCLBroadcastSync")
     with pytest.raises(ConfigError, match="server.device"):
-        check_layout(_compose(["mode=broadcast", "server=gpu"]), cls, cuda=True)
+        cls.check_config(_compose(["mode=broadcast", "server=gpu"]), cuda=True)
     with pytest.raises(ConfigError, match="needs CUDA"):
-        check_layout(_compose(["mode=broadcast", "server.device=1"]), cls, cuda=False)
-    check_layout(_compose(["experiment=qwen3b_broadcast_2gpu"]), cls, cuda=True)
+        cls.check_config(_compose(["mode=broadcast", "server.device=1"]), cuda=False)
+    cls.check_config(_compose(["experiment=qwen3b_broadcast_2gpu"]), cuda=True)
     with pytest.raises(ConfigError, match=">= 2"):  # torchrun with 2 trainer ranks: vLLM needs GPU 2+
-        check_layout(_compose(["experiment=qwen3b_broadcast_2gpu"]), cls, cuda=True, world_size=2)
+        cls.check_config(_compose(["experiment=qwen3b_broadcast_2gpu"]), cuda=True, world_size=2)
     # torchrun (FSDP2): mode=none and mode=broadcast compose; LoRA modes and shared_vllm stop with what works.
-    check_layout(_compose(["mode=none"]), get_class("grpo.sync.checkpoint_restart.CheckpointRestartSync"),
-                 cuda=False, world_size=2)
+    get_class("grpo.sync.checkpoint_restart.CheckpointRestartSync").check_config(
+        _compose(["mode=none"]), cuda=False, world_size=2)
     for mode in ("lora_only", "lora_restart", "shared_vllm"):
         cfg = _compose([f"mode={mode}"])
         with pytest.raises(ConfigError, match=r"composes with mode=none or mode=broadcast, not"):
-            check_layout(cfg, get_class(cfg.mode._target_), cuda=True, world_size=2)
+            get_class(cfg.mode._target_).check_config(cfg, cuda=True, world_size=2)
 
 
 # ---------------------------------------------------------------- FSDP2 on 2 gloo processes
@@ -227,7 +234,7 @@ def _groups(seed: int = 1):
         for j in range(3):
             comp = torch.randint(0, 250, (4 + j,), generator=g).tolist()
             tokens.append(prompt + comp)
-            masks.append([-100] * len(prompt) + comp)
+            masks.append([IGNORE_INDEX] * len(prompt) + comp)
             lps.append([1.0] * len(prompt) + [-1.5 - 0.1 * i for i in range(len(comp))])
         groups.append({"tokens": tokens, "masks": masks, "scores": [0.0, 1.0, 0.5 + k], "advantages": None,
                        "ref_logprobs": None, "inference_logprobs": lps, "generation_params": None,
@@ -238,6 +245,9 @@ def _groups(seed: int = 1):
 class _Pipeline(DataPipeline):
     """Fixed groups every step (the data path is not what this test is about)."""
 
+    def __init__(self, pad_token_id: int) -> None:
+        self.ctx = SimpleNamespace(batch_shape=BatchShape(micro_batch_size=2, max_seq_len=64, pad_token_id=pad_token_id))
+
     def setup(self, ctx):
         pass
 
@@ -245,37 +255,34 @@ class _Pipeline(DataPipeline):
         return _groups()
 
 
-class _StepPipeline(DataPipeline):
+class _StepPipeline(_Pipeline):
     """Other groups every step, so a resumed run must take up the data where it stopped."""
-
-    def setup(self, ctx):
-        pass
 
     def next_groups(self, step):
         self.step = step
         return _groups(seed=100 + step)
 
 
-class _GatherSync:
+class _GatherSync(SyncStrategy):
     """Rank 0's stand-in for mode=broadcast: takes every full parameter (the gathers the real sync does)."""
 
-    uses_lora, requires_cuda, sync_every, server = False, False, 1, None
+    fsdp_gather = "params"
 
     def __init__(self):
-        self.version, self.checksum, self.names = 0, 0.0, []
+        super().__init__()
+        self.checksum, self.names = 0.0, []
 
-    def before_optimizer_step(self):
+    def launch(self, ctx):
         pass
 
-    def after_optimizer_step(self):
-        pass
+    @property
+    def base_url(self):
+        return "http://unused"
 
-    def check_health(self):
-        return False
+    def shutdown(self):
+        pass
 
     def sync(self, model, step):
-        from grpo.trainer.distributed import iter_full_params
-
         self.names, self.checksum = [], 0.0
         for name, t in iter_full_params(model):
             self.names.append(name)
@@ -310,20 +317,22 @@ def _train_one_step(rank: int, world: int, port: int, model_dir: str, out_root: 
                                            max_grad_norm=None))
     log_cfg = OmegaConf.structured(LoggingConfig(progress_bar=False, plot=False))
     rank0 = rank == 0
-    pipeline = _Pipeline() if not info.enabled else (
-        distributed.LeaderPipeline(_Pipeline()) if rank0 else distributed.FollowerPipeline())
-    sync = _GatherSync() if rank0 else distributed.FollowerSync()
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    pad = tokenizer.pad_token_id
+    pipeline = _Pipeline(pad) if not info.enabled else (LeaderPipeline(_Pipeline(pad)) if rank0 else FollowerPipeline())
+    sync = _GatherSync() if rank0 else FollowerSync()
     trainer = GRPOTrainer(
-        train_cfg=cfg, model=model, tokenizer=AutoTokenizer.from_pretrained(model_dir), optimizer=optimizer,
+        train_cfg=cfg, model=model, tokenizer=tokenizer, optimizer=optimizer,
         scheduler=build_scheduler(optimizer, "constant", 0, 1), loss_fn=GRPOLoss(), pipeline=pipeline, sync=sync,
         checkpoints=CheckpointManager(run_dir, keep=1),
-        metrics=MetricsLogger(run_dir, log_cfg, cfg, 1, 0) if rank0 else distributed.NullMetrics(),
-        max_seq_len=64, device=info.device, start_step=0, dist=info,
+        metrics=MetricsLogger(run_dir, log_cfg, cfg, 1, 0) if rank0 else NullMetrics(),
+        device=info.device, start_step=0, dist=info,
+        logprob_fn=distributed.sharded_token_logprobs(model) if info.enabled else None,
     )
     trainer.fit()
     trainer.metrics.close()
     # The weights after the step, as every rank helps gather them (the checkpoint must hold exactly these).
-    gathered = distributed.full_state_dict(model) if info.enabled else model.state_dict()
+    gathered = full_state_dict(model) if info.enabled else model.state_dict()
     if rank0:
         row = json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[0])
         (Path(out_root) / f"result_world{world}.json").write_text(json.dumps(
@@ -413,7 +422,8 @@ def _fsdp_phase(info, model_dir: str, run_dir: Path, steps: int, resume: Path | 
     model = distributed.shard_model(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32))
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
     scheduler = build_scheduler(optimizer, "cosine", 1, 4)
-    pipeline = distributed.LeaderPipeline(_StepPipeline()) if rank0 else distributed.FollowerPipeline()
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    pipeline = LeaderPipeline(_StepPipeline(tokenizer.pad_token_id)) if rank0 else FollowerPipeline()
     start = 0
     if resume is not None:
         state = CheckpointManager(resume).load_distributed(CheckpointManager(resume).latest(), model, optimizer,
@@ -424,17 +434,17 @@ def _fsdp_phase(info, model_dir: str, run_dir: Path, steps: int, resume: Path | 
                                            max_grad_norm=1.0))
     log_cfg = OmegaConf.structured(LoggingConfig(progress_bar=False, plot=False))
     trainer = GRPOTrainer(
-        train_cfg=cfg, model=model, tokenizer=AutoTokenizer.from_pretrained(model_dir), optimizer=optimizer,
+        train_cfg=cfg, model=model, tokenizer=tokenizer, optimizer=optimizer,
         scheduler=scheduler, loss_fn=GRPOLoss(), pipeline=pipeline,
-        sync=_GatherSync() if rank0 else distributed.FollowerSync(),
+        sync=_GatherSync() if rank0 else FollowerSync(),
         checkpoints=CheckpointManager(run_dir, keep=1),
-        metrics=MetricsLogger(run_dir, log_cfg, cfg, steps, start) if rank0 else distributed.NullMetrics(),
-        max_seq_len=64, device=info.device, start_step=start, dist=info,
+        metrics=MetricsLogger(run_dir, log_cfg, cfg, steps, start) if rank0 else NullMetrics(),
+        device=info.device, start_step=start, dist=info, logprob_fn=distributed.sharded_token_logprobs(model),
     )
     trainer.fit()
     trainer.metrics.close()
     assert scheduler.last_epoch == steps
-    weights = distributed.full_state_dict(model)
+    weights = full_state_dict(model)
     rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()] if rank0 else []
     return weights, rows
 

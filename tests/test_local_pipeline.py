@@ -3,16 +3,17 @@
 from __future__ import annotations
 
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 from omegaconf import OmegaConf
 
 from conftest import REPO
+from grpo.inference.client import Endpoint
 from grpo.pipeline.base import PipelineContext
 from grpo.pipeline.local import LocalRolloutPipeline
 from grpo.pipeline.rewards import DigitFractionReward
 from grpo.pipeline.tasks import DigitsTask
+from grpo.trainer.batch import IGNORE_INDEX
 
 
 def _data_cfg(name: str):
@@ -46,26 +47,26 @@ def tokenizer(tiny_qwen2_dir):
 
 def _ctx(tokenizer, url="http://unused", max_seq_len=512, seed=0, version=7, batch_size=16) -> PipelineContext:
     return PipelineContext(
-        tokenizer=tokenizer, sync=SimpleNamespace(base_url=url, served_model=None, version=version),
+        tokenizer=tokenizer, endpoint=lambda: Endpoint(url, None, version),
         batch_size=batch_size, max_seq_len=max_seq_len, run_dir=Path("/tmp"), total_steps=10, start_step=0,
         checkpoint_every=5, seed=seed,
     )
 
 
 def _check_group_shape(g: dict, group_size: int, temperature: float) -> None:
-    assert len(g["tokens"]) == len(g["masks"]) == len(g["scores"]) == len(g["inference_logprobs"]) == group_size
-    for tokens, masks, lps in zip(g["tokens"], g["masks"], g["inference_logprobs"]):
+    assert len(g.tokens) == len(g.masks) == len(g.scores) == len(g.inference_logprobs) == group_size
+    for tokens, masks, lps in zip(g.tokens, g.masks, g.inference_logprobs):
         assert len(tokens) == len(masks) == len(lps)
-        n_prompt = masks.index(next(m for m in masks if m != -100))
+        n_prompt = masks.index(next(m for m in masks if m != IGNORE_INDEX))
         assert n_prompt > 0 and all(m == -100 for m in masks[:n_prompt])
         assert masks[n_prompt:] == tokens[n_prompt:]  # completion positions carry the token id
         assert lps[:n_prompt] == [1.0] * n_prompt
         assert all(lp <= 0.0 for lp in lps[n_prompt:])
     # Every sequence of a group shares its prompt.
-    first = g["tokens"][0][: g["masks"][0].index(next(m for m in g["masks"][0] if m != -100))]
-    assert all(t[: len(first)] == first for t in g["tokens"])
-    assert g["generation_params"] == {"temperature": temperature}
-    assert g["advantages"] is None and g["ref_logprobs"] is None
+    first = g.tokens[0][: g.masks[0].index(next(m for m in g.masks[0] if m != IGNORE_INDEX))]
+    assert all(t[: len(first)] == first for t in g.tokens)
+    assert g.temperatures == [temperature] * group_size
+    assert g.advantages == [None] * group_size and g.ref_logprobs == [None] * group_size
 
 
 def test_prompt_stream_is_deterministic_and_resumes(tokenizer):
@@ -110,10 +111,10 @@ def test_digits_groups_through_vllm(vllm_url, tokenizer):
     prompts = pipe.prompts_for_step(0)
     for g, prompt in zip(groups, prompts):
         _check_group_shape(g, 4, 0.8)
-        assert g["weight_version"] == 7
-        n_prompt = g["masks"][0].count(-100)
-        assert tokenizer.decode(g["tokens"][0][:n_prompt]) == prompt.text
-        for tokens, score in zip(g["tokens"], g["scores"]):
+        assert g.weight_version == 7
+        n_prompt = g.masks[0].count(IGNORE_INDEX)
+        assert tokenizer.decode(g.tokens[0][:n_prompt]) == prompt.text
+        for tokens, score in zip(g.tokens, g.scores):
             text = tokenizer.decode(tokens[n_prompt:], skip_special_tokens=True)
             assert score == pytest.approx(reward(prompt, text))
             assert len(tokens) - n_prompt <= 16
@@ -140,9 +141,9 @@ def test_gsm8k_groups_and_length_cap(vllm_url, tokenizer):
     groups = pipe.next_groups(3)
     for g in groups:
         _check_group_shape(g, 4, 1.0)
-        assert all(len(t) <= longest + 5 for t in g["tokens"])
-        assert all(s in (0.0, 0.1, 1.0, 1.1) for s in g["scores"])
+        assert all(len(t) <= longest + 5 for t in g.tokens)
+        assert all(s in (0.0, 0.1, 1.0, 1.1) for s in g.scores)
     assert set(pipe.last_metrics) >= {"reward/correct", "reward/format"}
-    text = tokenizer.decode(groups[0]["tokens"][0])
+    text = tokenizer.decode(groups[0].tokens[0])
     assert text.startswith("<|im_start|>user\n") and "####" in text
     prepare_batch(groups, max_seq_len=longest + 5, micro_batch_size=8, pad_token_id=tokenizer.pad_token_id)

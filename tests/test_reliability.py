@@ -244,9 +244,9 @@ def test_null_logprobs_and_empty_group_through_run_api(tmp_path):
         _push(url, null_field, env_id)
         _push(url, good, env_id)
         groups = pipe.next_groups(0)
-        assert sum(len(g["tokens"]) for g in groups) == BATCH
-        assert sorted(g["scores"] for g in groups) == [null_field["scores"], good["scores"]]
-        assert [g["inference_logprobs"] is None for g in groups].count(True) == 1
+        assert sum(len(g.tokens) for g in groups) == BATCH
+        assert sorted(g.scores for g in groups) == [null_field["scores"], good["scores"]]
+        assert [all(r is None for r in g.inference_logprobs) for g in groups].count(True) == 1
         _loss_is_finite(groups, missing=4)
     finally:
         _stop(proc)
@@ -295,7 +295,7 @@ def test_malformed_json_mid_run_empty_group_and_null_rows_from_a_bad_server(tmp_
         groups = pipe.next_groups(0)
         m = pipe.metrics()
         assert (m["data/retries"], m["data/dropped_malformed"], m["data/groups"]) == (1, 1, 2)
-        assert groups[0]["scores"] == null_row["scores"]
+        assert groups[0].scores == null_row["scores"]
         _loss_is_finite(groups, missing=1)
     finally:
         server.shutdown()

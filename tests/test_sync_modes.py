@@ -64,8 +64,9 @@ def check_moves(sync, model, lr: float, step: int = 1) -> dict:
 
 
 def make_ctx(tmp_path, model_dir, **cfg):
-    from grpo.sync.base import SyncContext
     from transformers import AutoTokenizer
+
+    from grpo.sync.base import SyncContext
 
     return SyncContext(
         run_dir=tmp_path, model_dir=model_dir, server_cfg=server_cfg(**cfg), tokenizer=AutoTokenizer.from_pretrained(model_dir)

@@ -23,6 +23,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "src"))
 from grpo.pipeline.base import DataPipeline  # noqa: E402  (after the sys.path insert)
+from grpo.sync.base import SyncStrategy  # noqa: E402
+from grpo.trainer.batch import IGNORE_INDEX  # noqa: E402
 
 
 def groups(n_groups: int = 4, group_size: int = 4, seed: int = 1) -> list[dict]:
@@ -34,7 +36,7 @@ def groups(n_groups: int = 4, group_size: int = 4, seed: int = 1) -> list[dict]:
         for j in range(group_size):
             comp = torch.randint(0, 250, (6 + j,), generator=g).tolist()
             tokens.append(prompt + comp)
-            masks.append([-100] * len(prompt) + comp)
+            masks.append([IGNORE_INDEX] * len(prompt) + comp)
             lps.append([1.0] * len(prompt) + [-1.5 - 0.1 * i for i in range(len(comp))])
         out.append({"tokens": tokens, "masks": masks, "scores": [float(j % 3) + k for j in range(group_size)],
                     "advantages": None, "ref_logprobs": None, "inference_logprobs": lps,
@@ -46,6 +48,13 @@ def groups(n_groups: int = 4, group_size: int = 4, seed: int = 1) -> list[dict]:
 class Pipeline(DataPipeline):
     """The same fixed groups every step."""
 
+    def __init__(self, pad_token_id: int) -> None:
+        from types import SimpleNamespace
+
+        from grpo.pipeline.base import BatchShape
+
+        self.ctx = SimpleNamespace(batch_shape=BatchShape(micro_batch_size=2, max_seq_len=64, pad_token_id=pad_token_id))
+
     def setup(self, ctx):
         pass
 
@@ -53,23 +62,27 @@ class Pipeline(DataPipeline):
         return groups()
 
 
-class GatherSync:
-    uses_lora, requires_cuda, sync_every, server = False, False, 1, None
+class GatherSync(SyncStrategy):
+    """Rank 0's stand-in for mode=broadcast: gathers every full parameter, sends nothing."""
+
+    fsdp_gather = "params"
 
     def __init__(self):
-        self.version, self.checksum, self.seconds = 0, 0.0, 0.0
+        super().__init__()
+        self.checksum, self.seconds = 0.0, 0.0
 
-    def before_optimizer_step(self):
+    def launch(self, ctx):
         pass
 
-    def after_optimizer_step(self):
-        pass
+    @property
+    def base_url(self):
+        return "http://unused"
 
-    def check_health(self):
-        return False
+    def shutdown(self):
+        pass
 
     def sync(self, model, step):
-        from grpo.trainer.distributed import iter_full_params
+        from grpo.weights.params import iter_full_params
 
         t0 = time.perf_counter()
         self.checksum = sum(float(t.double().abs().sum() + t.double().sum()) for _, t in iter_full_params(model))
@@ -84,11 +97,13 @@ def run(out: str, preset: str, device: str = "cuda") -> None:
 
     from grpo.config.schema import LoggingConfig, TrainConfig
     from grpo.models.tiny import build_model_dir
+    from grpo.pipeline.distributed import FollowerPipeline, LeaderPipeline
+    from grpo.sync.follower import FollowerSync
     from grpo.trainer import distributed
     from grpo.trainer.checkpoint import CheckpointManager
     from grpo.trainer.loop import GRPOTrainer
     from grpo.trainer.loss import GRPOLoss
-    from grpo.trainer.metrics import MetricsLogger
+    from grpo.trainer.metrics import MetricsLogger, NullMetrics
     from grpo.trainer.optim import build_scheduler
 
     torch.manual_seed(0)
@@ -106,18 +121,19 @@ def run(out: str, preset: str, device: str = "cuda") -> None:
                                            max_grad_norm=None))
     rank0 = info.is_rank0
     run_dir = Path(out).parent / f"fsdp_run_world{info.world_size}"
-    pipeline = Pipeline() if not info.enabled else (
-        distributed.LeaderPipeline(Pipeline()) if rank0 else distributed.FollowerPipeline())
-    sync = GatherSync() if rank0 else distributed.FollowerSync()
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    pad = tokenizer.pad_token_id
+    pipeline = Pipeline(pad) if not info.enabled else (LeaderPipeline(Pipeline(pad)) if rank0 else FollowerPipeline())
+    sync = GatherSync() if rank0 else FollowerSync()
     if rank0:
         run_dir.mkdir(parents=True, exist_ok=True)
     metrics = (MetricsLogger(run_dir, OmegaConf.structured(LoggingConfig(progress_bar=False, plot=False)), cfg, 1, 0)
-               if rank0 else distributed.NullMetrics())
+               if rank0 else NullMetrics())
     trainer = GRPOTrainer(
-        train_cfg=cfg, model=model, tokenizer=AutoTokenizer.from_pretrained(model_dir), optimizer=optimizer,
+        train_cfg=cfg, model=model, tokenizer=tokenizer, optimizer=optimizer,
         scheduler=build_scheduler(optimizer, "constant", 0, 1), loss_fn=GRPOLoss(), pipeline=pipeline, sync=sync,
-        checkpoints=CheckpointManager(run_dir, keep=1), metrics=metrics, max_seq_len=64, device=info.device,
-        start_step=0, dist=info,
+        checkpoints=CheckpointManager(run_dir, keep=1), metrics=metrics, device=info.device,
+        start_step=0, dist=info, logprob_fn=distributed.sharded_token_logprobs(model) if info.enabled else None,
     )
     t0 = time.perf_counter()
     trainer.fit()

@@ -144,9 +144,9 @@ def main() -> None:
         del plain
         torch.cuda.empty_cache()
         log = (run_dir / "logs" / "vllm.log").read_text(errors="replace")
-        res["vllm_log_cuda_graph_lines"] = [l for l in log.splitlines() if "CUDA graph" in l or "cudagraph" in l.lower()][-5:]
+        res["vllm_log_cuda_graph_lines"] = [ln for ln in log.splitlines() if "CUDA graph" in ln or "cudagraph" in ln.lower()][-5:]
         res["enforce_eager_in_cmd"] = "--enforce-eager" in log
-    except Exception as e:  # report what happened, with the server log, rather than dying silently
+    except Exception:  # report what happened, with the server log, rather than dying silently
         import traceback
 
         res["error"] = traceback.format_exc()

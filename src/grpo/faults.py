@@ -21,7 +21,6 @@ import logging
 import os
 import signal
 import threading
-from typing import Any
 
 log = logging.getLogger(__name__)
 
@@ -53,9 +52,9 @@ def point(phase: str, step: int) -> None:
         os.kill(os.getpid(), signal.SIGTERM)
 
 
-def server_faults(step: int, server: Any) -> None:
-    """At the start of `step`: kill or stop the inference server (`VLLMServer` or None) when GRPO_FAULT says so."""
-    pid = getattr(server, "pid", None)
+def server_faults(step: int, pid: int | None) -> None:
+    """At the start of `step`: kill or stop the inference server (process group `pid`; None = no server of ours)
+    when GRPO_FAULT says so."""
     if pid is None:
         return
     for kind, sig in (("kill_server", signal.SIGKILL), ("stop_server", signal.SIGSTOP)):

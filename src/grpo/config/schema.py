@@ -8,10 +8,61 @@ before any model loads. Polymorphic groups (optimizer, mode, data) have one sche
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from enum import StrEnum
 from typing import Any, Optional
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
+
+
+# ---------------------------------------------------------------- choices (a wrong value fails at composition)
+class DType(StrEnum):
+    """Training dtype; auto = bfloat16 where the device supports it, else float32."""
+
+    auto = "auto"
+    float32 = "float32"
+    bfloat16 = "bfloat16"
+    float16 = "float16"
+
+
+class KLEstimator(StrEnum):
+    """Estimator of KL(pi || ref) per token (Schulman's k1, k2, k3)."""
+
+    k1 = "k1"
+    k2 = "k2"
+    k3 = "k3"
+
+
+class Aggregation(StrEnum):
+    """How per-token losses become one number (grpo.trainer.loss)."""
+
+    token_mean = "token_mean"
+    seq_mean_token_mean = "seq_mean_token_mean"
+    seq_mean_token_sum_norm = "seq_mean_token_sum_norm"
+
+
+class AdvantageNorm(StrEnum):
+    """How rewards become advantages when the data source sends none."""
+
+    group = "group"
+    batch = "batch"
+    none = "none"
+
+
+class LRSchedule(StrEnum):
+    """Learning-rate schedule after warmup."""
+
+    constant = "constant"
+    linear = "linear"
+    cosine = "cosine"
+
+
+class Device(StrEnum):
+    """Training device; auto = cuda when available."""
+
+    auto = "auto"
+    cuda = "cuda"
+    cpu = "cpu"
 
 
 # ---------------------------------------------------------------- model
@@ -27,8 +78,8 @@ class ModelConfig:
     seed: int = 0
     # Number of transformer blocks; used to resolve layer presets before the model loads.
     num_layers: int = MISSING
-    # Parameter dtype for training: float32, bfloat16 or auto (bf16 where the device supports it).
-    dtype: str = "auto"
+    # Parameter dtype for training: float32, bfloat16, float16 or auto (bf16 where the device supports it).
+    dtype: DType = DType.auto
     # Recompute activations in the backward pass (non-reentrant) to save memory.
     gradient_checkpointing: bool = False
     # Longest prompt + completion in tokens; longer sequences are dropped and counted.
@@ -41,7 +92,8 @@ class AdamWConfig:
     """torch.optim.AdamW."""
 
     _target_: str = "torch.optim.AdamW"
-    lr: float = 1e-5
+    # Peak learning rate (after warmup); 1e-3 suits the tiny CPU models, real models want ~1e-6 to 1e-5.
+    lr: float = 1e-3
     betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
     eps: float = 1e-8
     weight_decay: float = 0.0
@@ -59,7 +111,8 @@ class AdafactorConfig:
     """transformers Adafactor with an external learning rate (no relative step)."""
 
     _target_: str = "transformers.optimization.Adafactor"
-    lr: float = 1e-5
+    # Peak learning rate (external: relative_step is off).
+    lr: float = 1e-3
     weight_decay: float = 0.0
     scale_parameter: bool = False
     relative_step: bool = False
@@ -78,8 +131,8 @@ class LossConfig:
     dual_clip: Optional[float] = None
     tis_cap: Optional[float] = None
     kl_coef: float = 0.0
-    kl_estimator: str = "k3"
-    aggregation: str = "token_mean"
+    kl_estimator: KLEstimator = KLEstimator.k3
+    aggregation: Aggregation = Aggregation.token_mean
     max_tokens_norm: Optional[int] = None
 
 
@@ -214,29 +267,29 @@ class LocalDataConfig:
 class TrainConfig:
     """Optimisation loop settings."""
 
-    steps: int = 50
-    micro_batch_size: int = 8
-    grad_accum: int = 1
+    steps: int = 60
+    micro_batch_size: int = 32
+    grad_accum: int = 2
     seed: int = 0
     # constant | linear | cosine, after warmup.
-    lr_schedule: str = "constant"
+    lr_schedule: LRSchedule = LRSchedule.constant
     warmup_steps: int = 0
     # null disables gradient clipping.
     max_grad_norm: Optional[float] = 1.0
-    # per-group | batch | none: how rewards become advantages when the server sends none.
-    advantage_norm: str = "group"
+    # group | batch | none: how rewards become advantages when the server sends none.
+    advantage_norm: AdvantageNorm = AdvantageNorm.group
     # Token chunk size of the log-prob computation (never builds [B, T, vocab] float32 logits at once).
     logprob_chunk: int = 512
     # Loss gradient per log-prob chunk in the forward pass (plain lm_head, token-separable loss); else unfused.
     fused_loss: bool = True
-    checkpoint_every: int = 10
+    checkpoint_every: int = 20
     keep_checkpoints: int = 2
     # Run dir of an earlier run to continue from (its latest checkpoint); null starts fresh.
     resume: Optional[str] = None
     # Stop after this many consecutive steps with a non-finite loss or gradient.
     max_nonfinite_steps: int = 3
     # cpu | cuda | auto.
-    device: str = "auto"
+    device: Device = Device.auto
 
 
 @dataclass

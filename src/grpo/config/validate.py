@@ -11,14 +11,12 @@ from pathlib import Path
 from hydra.utils import get_class
 from omegaconf import DictConfig
 
-# LoRA ranks vLLM accepts for --max-lora-rank (vllm/config/lora.py).
-VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+from grpo.options import ConfigError
+
+__all__ = ["ConfigError", "check_run_dir", "validate"]
+
 # Below this much free space in the run dir, a full checkpoint of even a small model may not fit.
 MIN_FREE_BYTES = 200 * 1024**2
-
-
-class ConfigError(ValueError):
-    """A config that composes but cannot run; the message says which key to change."""
 
 
 def _port_free(host: str, port: int) -> bool:
@@ -56,69 +54,26 @@ def check_run_dir(run_dir: Path) -> None:
         )
 
 
-def parallel_sizes(extra_args) -> dict[str, int]:
-    """Tensor / pipeline / data parallel sizes given in server.extra_args (1 when absent)."""
-    flags = {
-        "--tensor-parallel-size": "tensor", "-tp": "tensor",
-        "--pipeline-parallel-size": "pipeline", "-pp": "pipeline",
-        "--data-parallel-size": "data", "-dp": "data",
-    }
-    sizes = {"tensor": 1, "pipeline": 1, "data": 1}
-    args = [str(a) for a in (extra_args or [])]
-    for i, a in enumerate(args):
-        flag, eq, val = a.partition("=")
-        if flag in flags:
-            val = val if eq else (args[i + 1] if i + 1 < len(args) else "")
-            try:
-                sizes[flags[flag]] = int(val)
-            except ValueError:
-                raise ConfigError(f"server.extra_args: {flag} needs an integer, got {val!r}") from None
-    return sizes
-
-
-def check_layout(cfg: DictConfig, sync_cls: type, cuda: bool, world_size: int = 1) -> None:
-    """Checks of the multi-GPU layouts: shared_vllm needs one vLLM worker, broadcast needs vLLM on its own GPU,
-    and a torchrun (FSDP2) trainer composes with the modes whose sync all ranks can join (`fsdp_gather`:
-    mode=none and mode=broadcast)."""
-    from grpo.sync.nccl_broadcast import NCCLBroadcastSync
-    from grpo.sync.shared_memory import SharedMemorySync
-
-    sizes = parallel_sizes(cfg.server.extra_args)
-    if issubclass(sync_cls, SharedMemorySync) and any(v > 1 for v in sizes.values()):
-        what = ", ".join(f"{k} parallel {v}" for k, v in sizes.items() if v > 1)
-        raise ConfigError(
-            f"mode=shared_vllm trains views of one vLLM worker's tensors and does not support vLLM {what} "
-            f"(server.extra_args={list(cfg.server.extra_args)}): each rank would hold only a shard. Use "
-            "mode=broadcast (trainer on its own GPU, weights sent to every vLLM rank by NCCL; set server.device) "
-            "or drop --tensor-parallel-size (tp=1) to keep mode=shared_vllm."
-        )
-    if issubclass(sync_cls, NCCLBroadcastSync) and not cuda:
-        raise ConfigError(
-            "mode=broadcast sends weights by NCCL from the trainer's GPU to vLLM's GPU(s) and needs CUDA; none is "
-            "visible here. Use mode=none, mode=lora_only or mode=lora_restart on this machine."
-        )
-    if issubclass(sync_cls, NCCLBroadcastSync) and cuda and cfg.server.external_url is None:
-        dev = cfg.server.device
-        if dev is None or (isinstance(dev, int) and dev < world_size):
-            raise ConfigError(
-                f"mode=broadcast needs vLLM on GPUs the trainer does not use (NCCL cannot join two ranks on one "
-                f"GPU): set server.device to a GPU index >= {world_size} (server.device={dev}); e.g. trainer on "
-                f"GPU 0, server.device=1"
-            )
-    if world_size > 1 and getattr(sync_cls, "fsdp_gather", None) is None:
-        # LoRA modes would need the adapter sharded and saved as an adapter; shared_vllm trains vLLM's own CUDA
-        # tensors in place, which cannot be sharded over trainer ranks. Neither is built.
-        why = ("shared_vllm trains vLLM's own CUDA tensors in place, which FSDP2 cannot shard"
-               if issubclass(sync_cls, SharedMemorySync) else "LoRA adapters are not sharded with FSDP2 here")
-        raise ConfigError(
-            f"a torchrun trainer ({world_size} processes, FSDP2) composes with mode=none or mode=broadcast, not "
-            f"mode={_mode_name(cfg)} ({why}); run it with mode=none, or mode=broadcast server.device=<a GPU index "
-            f">= {world_size}>, or run one process for this mode"
-        )
-
-
 def validate(cfg: DictConfig, run_dir: Path | None = None) -> None:
-    """Check everything that can be known before loading a model. Raises ConfigError naming the key."""
+    """Check everything that can be known before loading a model. Raises ConfigError naming the key.
+
+    Each component checks its own part where it lives (the sync strategy: `SyncStrategy.check_config`); what
+    spans components or concerns the machine is checked here."""
+    check_layers(cfg)
+    check_optimizer(cfg)
+    sync_cls = get_class(cfg.mode._target_)
+    sync_cls.check_config(cfg, cuda=_cuda_available(), world_size=int(os.environ.get("WORLD_SIZE", "1")))
+    if cfg.train.device == "cuda" and not _cuda_available():
+        raise ConfigError("train.device=cuda but no CUDA device is visible; use train.device=auto or cpu")
+    check_model(cfg)
+    check_server(cfg)
+    check_train(cfg)
+    if run_dir is not None:
+        check_run_dir(run_dir)
+
+
+def check_layers(cfg: DictConfig) -> None:
+    """`layers.indices` resolves against the model's block count (the trainer's own parser decides)."""
     from grpo.trainer.layers import resolve_layer_indices
 
     try:
@@ -126,67 +81,50 @@ def validate(cfg: DictConfig, run_dir: Path | None = None) -> None:
     except ValueError as e:
         raise ConfigError(f"layers.indices: {e}") from e
 
+
+def check_optimizer(cfg: DictConfig) -> None:
+    """The optimizer's package is importable."""
     if cfg.optimizer._target_.startswith("bitsandbytes."):
         _check_importable(cfg.optimizer._target_, "optimizer", "Install it with `pip install bitsandbytes`, or choose optimizer=adamw.")
     else:
         _check_importable(cfg.optimizer._target_, "optimizer", "Install the package or choose another optimizer.")
 
-    sync_cls = get_class(cfg.mode._target_)
-    cuda = _cuda_available()
-    check_layout(cfg, sync_cls, cuda, int(os.environ.get("WORLD_SIZE", "1")))
-    if sync_cls.requires_cuda and not cuda:
+
+def check_model(cfg: DictConfig) -> None:
+    """A local `model.name` exists; a hub id is refused when the hub is off."""
+    if cfg.model.offline is not None:
+        return
+    name = cfg.model.name
+    looks_local = name.startswith(("/", ".", "~")) or os.path.isabs(name)
+    if looks_local and not Path(name).expanduser().exists():
+        raise ConfigError(f"model.name={name} does not exist")
+    if not looks_local and os.environ.get("HF_HUB_OFFLINE") == "1" and not Path(name).exists():
         raise ConfigError(
-            f"mode={_mode_name(cfg)} shares CUDA memory with vLLM and needs a CUDA GPU; none is visible here. "
-            "Use mode=none, mode=lora_only or mode=lora_restart on this machine."
+            f"model.name={name} is a hub id but HF_HUB_OFFLINE=1; point model.name at a local directory "
+            f"or set model.offline=<preset> for random weights"
         )
-    if cfg.train.device == "cuda" and not cuda:
-        raise ConfigError("train.device=cuda but no CUDA device is visible; use train.device=auto or cpu")
-    if cfg.train.device not in ("auto", "cuda", "cpu"):
-        raise ConfigError(f"train.device must be auto, cuda or cpu, got {cfg.train.device!r}")
 
-    if sync_cls.uses_lora:
-        if cfg.lora.r not in VLLM_LORA_RANKS:
-            raise ConfigError(f"lora.r={cfg.lora.r} is not a rank vLLM serves; use one of {VLLM_LORA_RANKS}")
-        if cfg.lora.r > cfg.server.max_lora_rank:
-            raise ConfigError(f"lora.r={cfg.lora.r} exceeds server.max_lora_rank={cfg.server.max_lora_rank}; raise the latter")
 
-    if cfg.model.offline is None:
-        name = cfg.model.name
-        looks_local = name.startswith(("/", ".", "~")) or os.path.isabs(name)
-        if looks_local and not Path(name).expanduser().exists():
-            raise ConfigError(f"model.name={name} does not exist")
-        if not looks_local and os.environ.get("HF_HUB_OFFLINE") == "1" and not Path(name).exists():
-            raise ConfigError(
-                f"model.name={name} is a hub id but HF_HUB_OFFLINE=1; point model.name at a local directory "
-                f"or set model.offline=<preset> for random weights"
-            )
-
+def check_server(cfg: DictConfig) -> None:
+    """The server's port is free (or an external server is named) and its knobs are in range."""
     if cfg.server.busy_loop_s is not None and cfg.server.busy_loop_s < 0:
         raise ConfigError(f"server.busy_loop_s must be >= 0 seconds or null, got {cfg.server.busy_loop_s}")
-
     if cfg.server.external_url is None and not _port_free(cfg.server.host, cfg.server.port):
         raise ConfigError(
             f"server.port={cfg.server.port} on {cfg.server.host} is already in use; pick a free port "
             "(server.port=...) or attach to that server with server.external_url=http://host:port"
         )
 
+
+def check_train(cfg: DictConfig) -> None:
+    """Loop sizes are positive and `train.resume` exists (choices are typed by the schema)."""
     if cfg.train.micro_batch_size < 1 or cfg.train.grad_accum < 1 or cfg.train.steps < 1:
         raise ConfigError("train.micro_batch_size, train.grad_accum and train.steps must all be >= 1")
-    if cfg.train.advantage_norm not in ("group", "batch", "none"):
-        raise ConfigError(f"train.advantage_norm must be group, batch or none, got {cfg.train.advantage_norm!r}")
-    if cfg.train.lr_schedule not in ("constant", "linear", "cosine"):
-        raise ConfigError(f"train.lr_schedule must be constant, linear or cosine, got {cfg.train.lr_schedule!r}")
     if cfg.train.resume is not None and not Path(cfg.train.resume).exists():
         raise ConfigError(f"train.resume={cfg.train.resume} does not exist")
-    if run_dir is not None:
-        check_run_dir(run_dir)
 
 
 def _cuda_available() -> bool:
     import torch
 
     return torch.cuda.is_available()
-
-
-def _mode_name(cfg: DictConfig) -> str:
-    return cfg.mode._target_.rsplit(".", 1)[-1]

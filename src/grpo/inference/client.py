@@ -227,9 +227,13 @@ class InferenceClient:
         """Weight version the server reports on /generate."""
         return int(self._request("GET", "/grpo/weight_version").json()["weight_version"])
 
-    def set_weight_version(self, version: int) -> None:
-        """Tell the server which weight version it serves now (after a LoRA swap or a restart)."""
-        self._post("/grpo/weight_version", {"weight_version": int(version)})
+    def set_weight_version(self, version: int, reset_prefix_cache: bool = False) -> None:
+        """Tell the server which weight version it serves now (after a LoRA swap or a restart); with
+        `reset_prefix_cache`, KV blocks cached under older weights are dropped too (weights changed in place)."""
+        payload: dict[str, Any] = {"weight_version": int(version)}
+        if reset_prefix_cache:
+            payload["reset_prefix_cache"] = True
+        self._post("/grpo/weight_version", payload)
 
     def reload_weights(self, path: str, version: int | None = None) -> dict:
         """Reload full HF weights from `path` in place on every worker; bumps the served version."""
@@ -246,5 +250,20 @@ class InferenceClient:
         """Resume generation after pause()."""
         self._post("/grpo/resume", {})
 
+    def rpc(self, method: str) -> list[Any]:
+        """Call worker-extension method `method` (a `grpo_*` name) on every vLLM worker; their results in order."""
+        return self._post("/grpo/rpc", {"method": method})["results"]
+
+    def weight_transfer_init(self, info: dict, timeout: float | None = None) -> Any:
+        """Have every worker join the NCCL weight-transfer group `info` describes (mode=broadcast). Blocks until
+        the trainer joins too, so callers run it beside their own side of the rendezvous."""
+        return self._post("/grpo/weight_transfer/init", info, timeout)
+
+    def weight_transfer_update(self, info: dict, timeout: float | None = None) -> Any:
+        """Have every worker receive one weight update by NCCL broadcast (mode=broadcast); blocks until the
+        trainer has sent every bucket."""
+        return self._post("/grpo/weight_transfer/update", info, timeout)
+
     def close(self) -> None:
+        """Close the connection pool."""
         self._session.close()

@@ -18,6 +18,7 @@ from typing import Any, Mapping, Sequence
 import requests
 
 from grpo.inference import vllm_plugin
+from grpo.options import ConfigError, option
 
 
 class ServerStartError(RuntimeError):
@@ -28,12 +29,24 @@ class ServerCrashedError(RuntimeError):
     """The server process exited while it was expected to serve."""
 
 
-def _cfg(cfg: Any, key: str, default: Any = None) -> Any:
-    if cfg is None:
-        return default
-    if isinstance(cfg, Mapping):
-        return cfg.get(key, default)
-    return getattr(cfg, key, default)
+def parallel_sizes(extra_args) -> dict[str, int]:
+    """Tensor / pipeline / data parallel sizes given in server.extra_args (1 when absent)."""
+    flags = {
+        "--tensor-parallel-size": "tensor", "-tp": "tensor",
+        "--pipeline-parallel-size": "pipeline", "-pp": "pipeline",
+        "--data-parallel-size": "data", "-dp": "data",
+    }
+    sizes = {"tensor": 1, "pipeline": 1, "data": 1}
+    args = [str(a) for a in (extra_args or [])]
+    for i, a in enumerate(args):
+        flag, eq, val = a.partition("=")
+        if flag in flags:
+            val = val if eq else (args[i + 1] if i + 1 < len(args) else "")
+            try:
+                sizes[flags[flag]] = int(val)
+            except ValueError:
+                raise ConfigError(f"server.extra_args: {flag} needs an integer, got {val!r}") from None
+    return sizes
 
 
 def port_in_use(host: str, port: int) -> bool:
@@ -93,8 +106,8 @@ class VLLMServer:
         self.env = dict(env or {})
         # Passed to the server at start so /generate reports it (versions survive restarts).
         self.weight_version = weight_version
-        self.host: str = _cfg(server_cfg, "host", "127.0.0.1")
-        self.port: int = int(_cfg(server_cfg, "port", 9001))
+        self.host: str = option(server_cfg, "host", "127.0.0.1")
+        self.port: int = int(option(server_cfg, "port", 9001))
         self.proc: subprocess.Popen | None = None
         self._log_file = None
         self.restarts = 0
@@ -123,21 +136,21 @@ class VLLMServer:
             "--model", self.model,
             "--host", self.host,
             "--port", str(self.port),
-            "--gpu-memory-utilization", str(_cfg(c, "gpu_memory_utilization", 0.9)),
-            "--max-model-len", str(_cfg(c, "max_model_len", 2048)),
-            "--dtype", str(_cfg(c, "dtype", "auto")),
+            "--gpu-memory-utilization", str(option(c, "gpu_memory_utilization", 0.9)),
+            "--max-model-len", str(option(c, "max_model_len", 2048)),
+            "--dtype", str(option(c, "dtype", "auto")),
             # Atropos clients post many requests at once; uvicorn's access log costs time and log space.
             "--disable-uvicorn-access-log",
         ]  # fmt: skip
         if self.served_model_name:
             args += ["--served-model-name", self.served_model_name]
-        if _cfg(c, "enforce_eager") is True:
+        if option(c, "enforce_eager") is True:
             args.append("--enforce-eager")
         if self.enable_lora:
-            args += ["--enable-lora", "--max-lora-rank", str(_cfg(c, "max_lora_rank", 64))]
+            args += ["--enable-lora", "--max-lora-rank", str(option(c, "max_lora_rank", 64))]
             if self.lora_modules:
                 args += ["--lora-modules", *[f"{k}={v}" for k, v in self.lora_modules.items()]]
-        args += [str(a) for a in _cfg(c, "extra_args", None) or []]
+        args += [str(a) for a in option(c, "extra_args", None) or []]
         args += self.extra_args
         return args
 
@@ -145,7 +158,7 @@ class VLLMServer:
         # Under torchrun the trainer's rank variables would otherwise leak into vLLM, which is not a member of the
         # trainer's process group and runs its own torch.distributed setup.
         env = {k: v for k, v in os.environ.items() if k not in _TORCHRUN_VARS and not k.startswith("TORCHELASTIC_")}
-        device = _cfg(self.cfg, "device")
+        device = option(self.cfg, "device")
         if device is not None:
             env["CUDA_VISIBLE_DEVICES"] = str(device)
         if self.enable_lora:
@@ -156,7 +169,7 @@ class VLLMServer:
         env["GRPO_WEIGHT_VERSION"] = str(self.weight_version)
         # Read by grpo.inference.vllm_plugin in each vLLM process; unset keeps vLLM's own busy-loop.
         env.pop(vllm_plugin.ENV, None)
-        busy_loop_s = _cfg(self.cfg, "busy_loop_s")
+        busy_loop_s = option(self.cfg, "busy_loop_s")
         if busy_loop_s is not None:
             env[vllm_plugin.ENV] = str(float(busy_loop_s))
             # A VLLM_PLUGINS allow-list would otherwise leave the plugin, and so the cap, out.
@@ -196,7 +209,7 @@ class VLLMServer:
         )
         # The pid (= process group id) of the running server, for operators and fault tests.
         self.pid_path.write_text(f"{self.proc.pid}\n")
-        self.wait_healthy(timeout if timeout is not None else float(_cfg(self.cfg, "startup_timeout_s", 300)))
+        self.wait_healthy(timeout if timeout is not None else float(option(self.cfg, "startup_timeout_s", 300)))
 
     def wait_healthy(self, timeout: float) -> None:
         """Poll /health until it answers 200; fail fast if the process exits."""

@@ -22,6 +22,10 @@ ENV = "GRPO_VLLM_BUSY_LOOP_S"
 PLUGIN_NAME = "grpo_busy_loop"
 
 
+# Marks vLLM's SpinCondition as patched by us, so a second register() in the same process patches nothing.
+CAPPED_MARK = "grpo_busy_loop_capped"
+
+
 def register() -> None:
     """Cap ``SpinCondition.busy_loop_s`` at ``$GRPO_VLLM_BUSY_LOOP_S`` seconds (no-op when unset)."""
     value = os.environ.get(ENV)
@@ -33,7 +37,7 @@ def register() -> None:
     except ImportError:  # older vLLM without SpinCondition: nothing to cap (decoding is unaffected either way)
         log.warning("%s=%s: this vLLM has no SpinCondition; the worker's busy-loop is left as it is", ENV, value)
         return
-    if getattr(SpinCondition, "_grpo_capped", False):
+    if getattr(SpinCondition, CAPPED_MARK, False):
         return
     original = SpinCondition.wait
 
@@ -44,5 +48,5 @@ def register() -> None:
         return original(self, timeout_ms)
 
     SpinCondition.wait = wait
-    SpinCondition._grpo_capped = True
+    setattr(SpinCondition, CAPPED_MARK, True)
     log.info("grpo: vLLM worker busy-loop capped at %s s (%s)", cap, ENV)

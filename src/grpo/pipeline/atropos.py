@@ -9,14 +9,15 @@ hands out a batch advances the server's step (`GET /status` → `current_step`).
 from __future__ import annotations
 
 import logging
-import math
 import time
-from numbers import Real
 from typing import Any, Optional
 
 import requests
 
 from grpo.pipeline.base import DataPipeline, PipelineContext
+from grpo.pipeline.group import Group, MalformedGroup, parse_group
+
+__all__ = ["AtroposError", "AtroposPipeline", "AtroposTimeoutError", "MalformedGroup", "validate_group"]
 
 log = logging.getLogger(__name__)
 
@@ -29,95 +30,13 @@ class AtroposTimeoutError(AtroposError, TimeoutError):
     """No batch arrived within `max_wait_s`."""
 
 
-class MalformedGroup(ValueError):
-    """A group that fails structural validation; the message names the field."""
-
-
-def _is_int(x: Any) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
-
-
-def _is_num(x: Any) -> bool:
-    return isinstance(x, Real) and not isinstance(x, bool) and math.isfinite(x)
-
-
-def _check_per_token(group: dict, key: str, lengths: list[int], allow_null_rows: bool) -> None:
-    """Optional field `key`: null, or one list of finite numbers per sequence with one number per token."""
-    value = group.get(key)
-    if value is None:
-        return
-    if not isinstance(value, list) or len(value) != len(lengths):
-        raise MalformedGroup(f"{key}: expected {len(lengths)} rows, got {type(value).__name__}")
-    for i, (row, n) in enumerate(zip(value, lengths)):
-        if row is None and allow_null_rows:
-            continue
-        if not isinstance(row, list) or len(row) != n:
-            raise MalformedGroup(f"{key}[{i}]: expected {n} values to match tokens[{i}]")
-        if not all(_is_num(v) for v in row):
-            raise MalformedGroup(f"{key}[{i}]: non-numeric or non-finite value")
-
-
-def _check_temperature(where: str, params: Any) -> None:
-    if params is None:
-        return
-    if not isinstance(params, dict):
-        raise MalformedGroup(f"{where}: expected an object or null, got {type(params).__name__}")
-    t = params.get("temperature")
-    if t is not None and not (_is_num(t) and t > 0):
-        raise MalformedGroup(f"{where}: temperature must be a positive number, got {t!r}")
-
-
-def validate_group(group: Any, vocab_size: Optional[int] = None) -> None:
-    """Raise MalformedGroup (naming the field) unless `group` is a structurally sound Atropos group.
-
-    Mirrors what grpo.pipeline.batch.prepare_batch would reject, so a bad group from the server is dropped here
-    instead of stopping the run there.
-    """
-    if not isinstance(group, dict):
-        raise MalformedGroup(f"group is a {type(group).__name__}, not an object")
-    for key in ("tokens", "masks", "scores"):
-        if key not in group or group[key] is None:
-            raise MalformedGroup(f"{key}: missing")
-    tokens, masks, scores = group["tokens"], group["masks"], group["scores"]
-    if not isinstance(tokens, list) or not tokens:
-        raise MalformedGroup("tokens: empty or not a list")
-    if not isinstance(masks, list) or len(masks) != len(tokens):
-        raise MalformedGroup(f"masks: expected {len(tokens)} rows like tokens")
-    if not isinstance(scores, list) or len(scores) != len(tokens):
-        raise MalformedGroup(f"scores: expected {len(tokens)} values like tokens")
-    lengths = []
-    for i, (seq, mask) in enumerate(zip(tokens, masks)):
-        if not isinstance(seq, list) or not seq or not all(_is_int(t) and t >= 0 for t in seq):
-            raise MalformedGroup(f"tokens[{i}]: empty, or not a list of non-negative ints")
-        if vocab_size is not None and max(seq) >= vocab_size:
-            raise MalformedGroup(f"tokens[{i}]: id {max(seq)} outside the vocabulary [0, {vocab_size})")
-        if not isinstance(mask, list) or len(mask) != len(seq) or not all(_is_int(m) for m in mask):
-            raise MalformedGroup(f"masks[{i}]: expected {len(seq)} ints like tokens[{i}]")
-        # Completion positions carry the token id itself; anything else would train on the wrong target.
-        if any(m != -100 and m != t for m, t in zip(mask, seq)):
-            raise MalformedGroup(f"masks[{i}]: a value is neither -100 nor the token id at its position")
-        lengths.append(len(seq))
-    if not all(_is_num(s) for s in scores):
-        raise MalformedGroup("scores: non-numeric or non-finite value")
-    _check_per_token(group, "inference_logprobs", lengths, allow_null_rows=True)
-    _check_per_token(group, "ref_logprobs", lengths, allow_null_rows=True)
-    adv = group.get("advantages")
-    if adv is not None:
-        # Per sequence ([float]) or per token ([[float]]), possibly mixed row by row.
-        if not isinstance(adv, list) or len(adv) != len(lengths):
-            raise MalformedGroup(f"advantages: expected {len(lengths)} entries like tokens")
-        for i, (a, n) in enumerate(zip(adv, lengths)):
-            if not (_is_num(a) or (isinstance(a, list) and len(a) == n and all(_is_num(v) for v in a))):
-                raise MalformedGroup(f"advantages[{i}]: expected a finite number or {n} finite numbers")
-    _check_temperature("generation_params", group.get("generation_params"))
-    _check_temperature("group_overrides", group.get("group_overrides"))
-    overrides = group.get("overrides")
-    if overrides is not None:
-        if not isinstance(overrides, list) or len(overrides) != len(lengths):
-            raise MalformedGroup(f"overrides: expected null or {len(lengths)} per-sequence objects")
-        for i, ov in enumerate(overrides):
-            if ov is not None:
-                _check_temperature(f"overrides[{i}]", ov)
+def validate_group(raw: Any, vocab_size: Optional[int] = None) -> Group:
+    """A group from run-api as a `Group`; raises MalformedGroup (naming the field) when it cannot be trained on,
+    an empty group included (the pipeline drops and counts it instead of stopping the run in the batcher)."""
+    group = parse_group(raw, vocab_size)
+    if len(group) == 0:
+        raise MalformedGroup("tokens", "empty: the group has no sequences")
+    return group
 
 
 class AtroposPipeline(DataPipeline):
@@ -224,21 +143,23 @@ class AtroposPipeline(DataPipeline):
         self.session = requests.Session()
         self._retries = 0
         # Ids at or past the tokenizer's size decode to nothing and may be past the model's embedding rows.
-        self.vocab_size = getattr(ctx, "vocab_size", None) or (len(ctx.tokenizer) if ctx.tokenizer is not None else None)
+        sizes = [len(ctx.tokenizer) if ctx.tokenizer is not None else None,
+                 ctx.batch_shape.vocab_size if ctx.batch_shape is not None else None]
+        self.vocab_size = min((v for v in sizes if v), default=None)
         self._register()
         log.info("registered with run-api at %s (uuid %s, batch %d sequences)", self.url, self.uuid, ctx.batch_size)
 
-    def _filter(self, batch: list, counts: dict[str, int]) -> list[dict]:
+    def _filter(self, batch: list, counts: dict[str, int]) -> list[Group]:
         assert self.ctx is not None
         kept = []
-        for i, group in enumerate(batch):
+        for i, raw in enumerate(batch):
             try:
-                validate_group(group, self.vocab_size)
+                group = validate_group(raw, self.vocab_size)
             except MalformedGroup as e:
                 counts["data/dropped_malformed"] += 1
                 log.warning("dropping malformed group %d from %s: %s", i, self.url, e)
                 continue
-            longest = max(len(seq) for seq in group["tokens"])
+            longest = max(len(seq) for seq in group.tokens)
             if longest > self.ctx.max_seq_len:
                 counts["data/dropped_too_long"] += 1
                 log.warning("dropping group %d: a sequence of %d tokens > max_seq_len %d", i, longest,
@@ -247,7 +168,7 @@ class AtroposPipeline(DataPipeline):
             kept.append(group)
         return kept
 
-    def next_groups(self, step: int) -> list[dict]:
+    def next_groups(self, step: int) -> list[Group]:
         """Poll /batch until a batch with at least one valid group arrives, or raise after max_wait_s."""
         start = time.monotonic()
         self._retries = 0

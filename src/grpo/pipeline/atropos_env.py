@@ -20,11 +20,12 @@ import logging
 import random
 from typing import Any, Optional
 
+from atroposlib.envs.base import APIServerConfig, BaseEnv, BaseEnvConfig, ScoredDataGroup
 from pydantic import Field
 
-from atroposlib.envs.base import APIServerConfig, BaseEnv, BaseEnvConfig, ScoredDataGroup
 from grpo.pipeline.rewards import AnswerFormatReward, DigitFractionReward, MathAnswerReward
 from grpo.pipeline.tasks import DigitsTask, GSM8KTask, Prompt, Task
+from grpo.trainer.batch import IGNORE_INDEX
 
 log = logging.getLogger(__name__)
 
@@ -129,7 +130,7 @@ class GRPOTaskEnv(BaseEnv):
             text = self.tokenizer.decode(ids, skip_special_tokens=True)
             score = sum(w * float(fn(item, text)) for fn, w in self.rewards)
             group["tokens"].append(prompt_ids + list(ids))
-            group["masks"].append([-100] * len(prompt_ids) + list(ids))
+            group["masks"].append([IGNORE_INDEX] * len(prompt_ids) + list(ids))
             group["inference_logprobs"].append([1.0] * len(prompt_ids) + [float(x) for x in lps])
             group["scores"].append(score)
         group["generation_params"] = {"temperature": self.config.temperature}

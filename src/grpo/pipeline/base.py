@@ -1,11 +1,29 @@
-"""The contract every data pipeline (conf/data/) implements."""
+"""The contract every data pipeline (conf/data/) implements, and what it learns from the run at setup."""
 
 from __future__ import annotations
 
-from abc import ABC, abstractmethod
+from abc import abstractmethod
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Optional
+
+from grpo.inference.client import Endpoint
+from grpo.pipeline.batch import prepare_batch
+from grpo.pipeline.group import Group
+from grpo.trainer.batch import BatchSource, PreparedBatch
+
+
+@dataclass(frozen=True)
+class BatchShape:
+    """How the batcher turns a step's groups into micro-batches (from the `train` and `model` config)."""
+
+    micro_batch_size: int
+    max_seq_len: int
+    pad_token_id: int
+    # Token ids at or past it are rejected (they would index past the embedding rows); None = unchecked.
+    vocab_size: Optional[int] = None
+    # group | batch | none: how rewards become advantages when the source sends none.
+    advantage_norm: str = "group"
 
 
 @dataclass
@@ -13,8 +31,9 @@ class PipelineContext:
     """What a pipeline learns from the trainer at setup."""
 
     tokenizer: Any
-    # The sync strategy: base_url, served_model and version of the inference server.
-    sync: Any
+    # The server to sample the current policy from (url, model name, weight version), read anew for every request
+    # batch: a restart may move the server and a sync advances the version.
+    endpoint: Callable[[], Endpoint]
     # Sequences per optimizer step (micro_batch_size x grad_accum).
     batch_size: int
     max_seq_len: int
@@ -23,18 +42,32 @@ class PipelineContext:
     start_step: int
     checkpoint_every: int
     seed: int
+    # How groups become micro-batches; None = the pipeline only yields groups (next_batch is unavailable).
+    batch_shape: Optional[BatchShape] = None
 
 
-class DataPipeline(ABC):
-    """Produces Atropos-shaped groups (see docs/architecture.md), one list per optimizer step."""
+class DataPipeline(BatchSource):
+    """Produces the groups of each optimizer step (see grpo.pipeline.group) and batches them for the trainer."""
+
+    ctx: Optional[PipelineContext] = None
 
     @abstractmethod
     def setup(self, ctx: PipelineContext) -> None:
         """Connect to the data source; called once before the first step."""
 
     @abstractmethod
-    def next_groups(self, step: int) -> list[dict]:
+    def next_groups(self, step: int) -> list[Group]:
         """Groups for optimizer step `step`, at least `batch_size` sequences in all."""
+
+    def next_batch(self, step: int) -> PreparedBatch:
+        """The step's groups as micro-batches shaped by `ctx.batch_shape`."""
+        shape = self.ctx.batch_shape if self.ctx is not None else None
+        if shape is None:
+            raise RuntimeError(f"{type(self).__name__}.setup() got no batch_shape; it can only yield groups")
+        return prepare_batch(
+            self.next_groups(step), advantage_norm=shape.advantage_norm, max_seq_len=shape.max_seq_len,
+            micro_batch_size=shape.micro_batch_size, pad_token_id=shape.pad_token_id, vocab_size=shape.vocab_size,
+        )
 
     # Last step served and that call's metrics (merged into the step's metrics row by the trainer).
     step: int | None = None
@@ -52,6 +85,3 @@ class DataPipeline(ABC):
         """Restore the position saved by state_dict(). Both built-in pipelines resume from the step alone: local
         prompts are a pure function of (seed, step) and run-api keeps its own queue."""
         self.step = state.get("step")
-
-    def close(self) -> None:
-        """Release connections and processes. Safe to call twice."""

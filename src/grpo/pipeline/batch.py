@@ -1,6 +1,6 @@
-"""Atropos groups → padded, causally shifted training micro-batches.
+"""Groups → padded, causally shifted training micro-batches (the batcher).
 
-One optimizer step's groups (the Atropos wire format, see docs/architecture.md) are validated, turned into
+One optimizer step's groups (`grpo.pipeline.group.Group`, the wire format) are turned into
 advantages, shifted for a causal LM, padded and split into micro-batches. Every decision about the data (what is
 dropped, what is missing) is counted in ``PreparedBatch.metrics`` so nothing is silently discarded.
 """

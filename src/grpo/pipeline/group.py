@@ -49,6 +49,8 @@ class Group:
     zero_advantage: list[bool]
     # Weight version the sequences were sampled under (None when the source does not say).
     weight_version: Optional[int] = None
+    # The Atropos environment the group came from (run-api's id; None for local rollouts).
+    env_id: Optional[int] = None
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -82,6 +84,7 @@ class Group:
             "overrides": [{"temperature": t, "set_advantage_to_zero": z}
                           for t, z in zip(self.temperatures, self.zero_advantage)],
             "generation_params": None, "group_overrides": None, "weight_version": self.weight_version,
+            "env_id": self.env_id,
         }
 
 
@@ -216,4 +219,5 @@ def parse_group(raw: Any, vocab_size: Optional[int] = None) -> Group:
         inference_logprobs=_per_token_rows(raw, "inference_logprobs", lengths),
         ref_logprobs=_per_token_rows(raw, "ref_logprobs", lengths),
         temperatures=temps, zero_advantage=zeros, weight_version=int(version) if _is_int(version) else None,
+        env_id=raw.get("env_id") if _is_int(raw.get("env_id")) else None,
     )

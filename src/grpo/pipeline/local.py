@@ -13,6 +13,7 @@ import time
 from typing import Any, Mapping, Optional
 
 from grpo.pipeline.base import DataPipeline, PipelineContext
+from grpo.pipeline.group import Group
 from grpo.pipeline.tasks import Prompt, Task
 
 log = logging.getLogger(__name__)
@@ -53,7 +54,7 @@ class LocalRolloutPipeline(DataPipeline):
     """Generates and scores its own groups each step: `prompts_per_step` prompts x `group_size` completions.
 
     The prompt stream is a pure function of (seed, step), so a resumed run sees exactly the prompts it would have
-    seen. Each group carries `weight_version` (the sync strategy's version when it was generated).
+    seen. Each group carries `weight_version` (the served weight version when it was generated).
     """
 
     def __init__(
@@ -96,11 +97,10 @@ class LocalRolloutPipeline(DataPipeline):
         self.ctx = ctx
         self.task.bind_tokenizer(ctx.tokenizer)
 
-    def _client(self):
+    def _client(self, url: str):
         # The sync strategy may restart the server on another URL; follow it.
         from grpo.inference.client import InferenceClient
 
-        url = self.ctx.sync.base_url
         if self.client is None or url != self._client_url:
             if self.client is not None:
                 self.client.close()
@@ -115,83 +115,98 @@ class LocalRolloutPipeline(DataPipeline):
         rng = random.Random(f"grpo-local:{self.ctx.seed}:{step}")
         return self.task.sample(rng, self.prompts_per_step)
 
-    def next_groups(self, step: int) -> list[dict]:
+    def _tokenized_prompts(self, step: int) -> tuple[list[Prompt], list[list[int]], int]:
+        """The step's prompts that fit max_seq_len, their token ids, and how many were dropped as too long."""
         ctx = self.ctx
-        assert ctx is not None, "LocalRolloutPipeline.setup() was not called"
-        tok = ctx.tokenizer
         prompts = self.prompts_for_step(step)
         # add_special_tokens=False: chat templates already carry their special tokens; plain prompts need none.
-        ids = [tok.encode(p.text, add_special_tokens=False) for p in prompts]
+        ids = [ctx.tokenizer.encode(p.text, add_special_tokens=False) for p in prompts]
         keep = [i for i, x in enumerate(ids) if 0 < len(x) < ctx.max_seq_len]
-        dropped_long = len(ids) - len(keep)
         if not keep:
             raise ValueError(f"every prompt of step {step} is empty or has >= max_seq_len={ctx.max_seq_len} tokens")
-        prompts, ids = [prompts[i] for i in keep], [ids[i] for i in keep]
-        # Completions never push a sequence past max_seq_len (it would be dropped by prepare_batch).
-        max_tokens = min(self.max_new_tokens, ctx.max_seq_len - max(len(x) for x in ids))
-        version = int(getattr(ctx.sync, "version", 0) or 0)
+        return [prompts[i] for i in keep], [ids[i] for i in keep], len(ids) - len(keep)
 
+    def next_groups(self, step: int) -> list[Group]:
+        ctx = self.ctx
+        assert ctx is not None, "LocalRolloutPipeline.setup() was not called"
+        prompts, ids, dropped_long = self._tokenized_prompts(step)
+        # Completions never push a sequence past max_seq_len (it would be dropped by the batcher).
+        max_tokens = min(self.max_new_tokens, ctx.max_seq_len - max(len(x) for x in ids))
+        endpoint = ctx.endpoint()
         t0 = time.monotonic()
-        outs = self._client().generate(
+        outs = self._client(endpoint.base_url).generate(
             ids, n=self.group_size, max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p,
-            model=getattr(ctx.sync, "served_model", None),
+            model=endpoint.model,
             # Seeded sampling: a run re-run from its saved config draws the same rollouts (same weights, same
             # server settings), so its first step reproduces. The client gives each prompt its own seeds from this base.
             seed=(ctx.seed * 1_000_003 + step) % (2**31),
         )
         gen_s = time.monotonic() - t0
-
-        groups: list[dict] = []
-        per_reward: dict[str, list[float]] = {name: [] for name in self.rewards}
-        totals, lengths, truncated = [], [], 0
-        for prompt, prompt_ids, completions in zip(prompts, ids, outs):
-            if len(completions) != self.group_size:
-                raise RuntimeError(f"inference server returned {len(completions)} completions, asked for {self.group_size}")
-            tokens, masks, lps, scores = [], [], [], []
-            for c in completions:
-                if len(c.logprobs) != len(c.token_ids):
-                    raise RuntimeError(
-                        f"inference server returned {len(c.logprobs)} log-probs for {len(c.token_ids)} tokens"
-                    )
-                # Score the text the tokens decode to, without special tokens (EOS is not an answer character).
-                text = tok.decode(c.token_ids, skip_special_tokens=True)
-                score = 0.0
-                for name, (fn, weight) in self.rewards.items():
-                    r = float(fn(prompt, text))
-                    per_reward[name].append(r)
-                    score += weight * r
-                tokens.append(prompt_ids + list(c.token_ids))
-                masks.append([-100] * len(prompt_ids) + list(c.token_ids))
-                lps.append([1.0] * len(prompt_ids) + [float(x) for x in c.logprobs])
-                scores.append(score)
-                lengths.append(len(c.token_ids))
-                truncated += c.finish_reason == "length"
-            totals.extend(scores)
-            groups.append({
-                "tokens": tokens, "masks": masks, "scores": scores,
-                "advantages": None, "ref_logprobs": None, "messages": None,
-                "inference_logprobs": lps,
-                "generation_params": {"temperature": self.temperature},
-                "overrides": None, "group_overrides": None, "images": None, "env_id": None,
-                "distill_token_ids": None, "distill_logprobs": None,
-                "weight_version": version,
-            })
-
-        n_tok = sum(lengths)
+        scorer = _Scorer(self.rewards, ctx.tokenizer)
+        groups = [
+            self._group(prompt, prompt_ids, completions, scorer, endpoint.version)
+            for prompt, prompt_ids, completions in zip(prompts, ids, outs)
+        ]
         self.step = step
         self.last_metrics = {
-            **{f"reward/{name}": sum(v) / len(v) for name, v in per_reward.items()},
-            "reward/weighted": sum(totals) / len(totals),
-            "completion/mean_tokens": n_tok / len(lengths),
-            "completion/max_tokens": float(max(lengths)),
-            "completion/truncated_fraction": truncated / len(lengths),
+            **scorer.metrics(),
             "generation/seconds": gen_s,
-            "generation/tokens_per_s": n_tok / gen_s if gen_s > 0 else 0.0,
+            "generation/tokens_per_s": scorer.tokens / gen_s if gen_s > 0 else 0.0,
             "data/dropped_prompts_too_long": float(dropped_long),
         }
         return groups
+
+    def _group(self, prompt: Prompt, prompt_ids: list[int], completions: list, scorer: "_Scorer", version: int) -> Group:
+        if len(completions) != self.group_size:
+            raise RuntimeError(f"inference server returned {len(completions)} completions, asked for {self.group_size}")
+        for c in completions:
+            if len(c.logprobs) != len(c.token_ids):
+                raise RuntimeError(f"inference server returned {len(c.logprobs)} log-probs for {len(c.token_ids)} tokens")
+        return Group.sampled(
+            prompt_ids, [c.token_ids for c in completions], [c.logprobs for c in completions],
+            [scorer.score(prompt, c) for c in completions], self.temperature, weight_version=version,
+        )
 
     def close(self) -> None:
         if self.client is not None:
             self.client.close()
             self.client = None
+
+
+class _Scorer:
+    """Scores completions with the weighted rewards of one step and keeps that step's reward and length figures."""
+
+    def __init__(self, rewards: dict[str, tuple[Any, float]], tokenizer: Any) -> None:
+        self.rewards = rewards
+        self.tokenizer = tokenizer
+        self.per_reward: dict[str, list[float]] = {name: [] for name in rewards}
+        self.totals: list[float] = []
+        self.lengths: list[int] = []
+        self.truncated = 0
+
+    @property
+    def tokens(self) -> int:
+        return sum(self.lengths)
+
+    def score(self, prompt: Prompt, completion: Any) -> float:
+        # Score the text the tokens decode to, without special tokens (EOS is not an answer character).
+        text = self.tokenizer.decode(completion.token_ids, skip_special_tokens=True)
+        total = 0.0
+        for name, (fn, weight) in self.rewards.items():
+            r = float(fn(prompt, text))
+            self.per_reward[name].append(r)
+            total += weight * r
+        self.totals.append(total)
+        self.lengths.append(len(completion.token_ids))
+        self.truncated += completion.finish_reason == "length"
+        return total
+
+    def metrics(self) -> dict[str, float]:
+        n = len(self.lengths)
+        return {
+            **{f"reward/{name}": sum(v) / len(v) for name, v in self.per_reward.items()},
+            "reward/weighted": sum(self.totals) / n,
+            "completion/mean_tokens": self.tokens / n,
+            "completion/max_tokens": float(max(self.lengths)),
+            "completion/truncated_fraction": self.truncated / n,
+        }

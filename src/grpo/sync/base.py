@@ -5,11 +5,15 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal, Optional
 
 import torch.nn as nn
 
 from grpo.inference.client import Endpoint
+from grpo.options import ConfigError, option
+
+# LoRA ranks vLLM accepts for --max-lora-rank (vllm/config/lora.py).
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 
 
 @dataclass
@@ -32,14 +36,16 @@ class SyncContext:
 class SyncStrategy(ABC):
     """How trained weights reach the vLLM server. One instance per run; owns the server process it launches."""
 
+    # The `mode=` option this strategy is (for messages).
+    mode_name: ClassVar[str] = "?"
     # True when the trainer trains a LoRA adapter instead of the full model.
     uses_lora: ClassVar[bool] = False
     # True when the strategy only works with CUDA (shared_vllm).
     requires_cuda: ClassVar[bool] = False
     # How an FSDP2 trainer (torchrun) gathers full weights for this strategy's sync, which every rank joins:
     # "params" (one `full_tensor()` per parameter), "state_dict" (one full state dict on rank 0), or None when
-    # the strategy does not compose with FSDP2 (refused at start-up). See grpo.trainer.distributed.FollowerSync.
-    fsdp_gather: ClassVar[str | None] = None
+    # the strategy does not compose with FSDP2 (refused at start-up). See grpo.sync.follower.FollowerSync.
+    fsdp_gather: ClassVar[Optional[Literal["params", "state_dict"]]] = None
 
     def __init__(self, sync_every: int = 1) -> None:
         if sync_every < 1:
@@ -48,6 +54,33 @@ class SyncStrategy(ABC):
         # Weight version served right now; rollouts carry it so a batch traces back to its weights.
         self.version = 0
 
+    # ------------------------------------------------------------------ start-up checks
+    @classmethod
+    def check_config(cls, cfg: Any, *, cuda: bool, world_size: int = 1) -> None:
+        """Refuse a run config this strategy cannot serve, before any model loads (ConfigError naming the key).
+        `cfg` is the whole run config; subclasses add their own checks to these."""
+        if cls.requires_cuda and not cuda:
+            raise ConfigError(
+                f"mode={cls.mode_name} needs a CUDA GPU; none is visible here. Use mode=none, mode=lora_only or "
+                "mode=lora_restart on this machine."
+            )
+        if world_size > 1 and cls.fsdp_gather is None:
+            raise ConfigError(
+                f"a torchrun trainer ({world_size} processes, FSDP2) composes with mode=none or mode=broadcast, not "
+                f"mode={cls.mode_name} ({cls.fsdp_refusal}); run it with mode=none, or mode=broadcast "
+                f"server.device=<a GPU index >= {world_size}>, or run one process for this mode"
+            )
+        if cls.uses_lora:
+            r, max_rank = option(cfg.lora, "r"), option(cfg.server, "max_lora_rank")
+            if r not in VLLM_LORA_RANKS:
+                raise ConfigError(f"lora.r={r} is not a rank vLLM serves; use one of {VLLM_LORA_RANKS}")
+            if r > max_rank:
+                raise ConfigError(f"lora.r={r} exceeds server.max_lora_rank={max_rank}; raise the latter")
+
+    # Why FSDP2 is refused (fsdp_gather None), for the start-up message.
+    fsdp_refusal: ClassVar[str] = "LoRA adapters are not sharded with FSDP2 here"
+
+    # ------------------------------------------------------------------ serving
     @abstractmethod
     def launch(self, ctx: SyncContext) -> None:
         """Start (or attach to) the inference server serving the initial weights."""
@@ -81,8 +114,18 @@ class SyncStrategy(ABC):
         batch: a restart may move the server and a sync advances the version)."""
         return Endpoint(base_url=self.base_url, model=self.served_model, version=int(self.version))
 
+    # ------------------------------------------------------------------ faults
+    def prepare_step(self, step: int) -> None:
+        """Before optimizer step `step` (1-based): make sure the server is up (restart a dead one, bounded)."""
+        self.check_health()
+
     def check_health(self) -> bool:
         """Restart a dead server (bounded); True when it did, False when all was well; raise when it cannot."""
+        return False
+
+    def recover(self, error: BaseException) -> bool:
+        """`error` interrupted generation: when it means the server died, restart it (bounded) and return True so
+        the caller retries; False when the error is not the server's (the caller re-raises it)."""
         return False
 
     @abstractmethod

@@ -6,7 +6,7 @@ possible (an external server without our endpoints, or a failed reload) does it 
 new directory, which leaves rollouts without a server for the whole start-up (~30 s here).
 
 Under torchrun (FSDP2) only rank 0 holds this strategy; its sync gathers the full state dict, which the other
-ranks join through `grpo.trainer.distributed.FollowerSync` (`fsdp_gather = "state_dict"`), then rank 0 alone saves
+ranks join through `grpo.sync.follower.FollowerSync` (`fsdp_gather = "state_dict"`), then rank 0 alone saves
 and drives the server.
 """
 
@@ -19,16 +19,7 @@ import torch.nn as nn
 from grpo.inference.client import InferenceServerError
 from grpo.sync.base import SyncContext
 from grpo.sync.server_base import ServerSync
-
-
-def save_full_weights(model: nn.Module, tokenizer, out_dir: Path) -> Path:
-    """HF-format weights of `model` in `out_dir`, written atomically. For an FSDP2 model the full weights are
-    gathered first: a collective, which the other ranks join in `FollowerSync.sync`."""
-    from grpo.trainer import distributed
-    from grpo.trainer.checkpoint import save_model_weights
-
-    state_dict = distributed.full_state_dict(model) if distributed.is_sharded(model) else None
-    return save_model_weights(model, tokenizer, out_dir, state_dict)
+from grpo.weights.params import save_full_weights
 
 
 class CheckpointRestartSync(ServerSync):
@@ -37,6 +28,7 @@ class CheckpointRestartSync(ServerSync):
     `reload`: "inplace" (default; falls back to restart on failure) or "restart" (always restart).
     """
 
+    mode_name = "none"
     uses_lora = False
     fsdp_gather = "state_dict"  # FSDP2: every rank joins one full state dict gather, rank 0 saves it
 

@@ -19,6 +19,7 @@ from grpo.sync.server_base import ServerSync
 class LoraHotSwapSync(ServerSync):
     """Save the adapter to `<run_dir>/adapters/vN`, load it as `<prefix>-vN` via /v1/load_lora_adapter."""
 
+    mode_name = "lora_only"
     uses_lora = True
     enable_lora = True
 

@@ -12,18 +12,18 @@ import torch.nn as nn
 
 from grpo.sync.base import SyncContext
 from grpo.sync.server_base import ServerSync
+from grpo.weights.hf_dir import save_model_weights
 
 
 def save_adapter(model: nn.Module, out_dir: Path) -> Path:
     """The PEFT adapter of `model` in `out_dir`, written atomically."""
-    from grpo.trainer.checkpoint import save_model_weights
-
     return save_model_weights(model, None, out_dir)
 
 
 class LoraRestartSync(ServerSync):
     """Save the adapter to `<run_dir>/adapters/vN`; restart vLLM serving it as `adapter_name`."""
 
+    mode_name = "lora_restart"
     uses_lora = True
     enable_lora = True
 

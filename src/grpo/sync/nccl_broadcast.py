@@ -24,14 +24,16 @@ import threading
 import time
 from collections import deque
 from pathlib import Path
-from typing import Any, Iterable, Iterator
+from typing import Any, Iterable
 
 import torch
 import torch.nn as nn
 
+from grpo.options import ConfigError, option
 from grpo.sync.base import SyncContext
 from grpo.sync.buckets import Bucket, pack_bucket, plan_buckets
-from grpo.sync.server_base import ServerSync, _get
+from grpo.sync.server_base import ServerSync
+from grpo.weights.params import iter_full_params
 
 log = logging.getLogger(__name__)
 
@@ -71,12 +73,6 @@ def _free_port(host: str) -> int:
         return s.getsockname()[1]
 
 
-def _full_params(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
-    from grpo.trainer.distributed import iter_full_params
-
-    return iter_full_params(model)
-
-
 class _Call(threading.Thread):
     """An HTTP call that blocks until the trainer's side of a collective runs; result or error on join."""
 
@@ -94,7 +90,7 @@ class _Call(threading.Thread):
     def get(self, timeout: float | None = None) -> Any:
         self.join(timeout)
         if self.is_alive():
-            raise TimeoutError(f"server did not finish {self.args[0]} within {timeout} s")
+            raise TimeoutError(f"server did not finish {getattr(self.fn, '__name__', self.fn)} within {timeout} s")
         if self.error is not None:
             raise self.error
         return self.result
@@ -103,9 +99,27 @@ class _Call(threading.Thread):
 class NCCLBroadcastSync(ServerSync):
     """Push full weights into a vLLM server on another GPU through vLLM's NCCL weight-transfer engine."""
 
+    mode_name = "broadcast"
     requires_cuda = True
     uses_lora = False
-    fsdp_gather = "params"  # FSDP2: every rank iterates the parameters, rank 0 sends each as it is gathered
+    fsdp_gather = "params"
+
+    @classmethod
+    def check_config(cls, cfg: Any, *, cuda: bool, world_size: int = 1) -> None:
+        """CUDA, and vLLM on GPUs the trainer's ranks do not use (NCCL cannot join two ranks on one GPU)."""
+        if not cuda:
+            raise ConfigError(
+                "mode=broadcast sends weights by NCCL from the trainer's GPU to vLLM's GPU(s) and needs CUDA; none "
+                "is visible here. Use mode=none, mode=lora_only or mode=lora_restart on this machine."
+            )
+        dev = cfg.server.device
+        if cfg.server.external_url is None and (dev is None or (isinstance(dev, int) and dev < world_size)):
+            raise ConfigError(
+                f"mode=broadcast needs vLLM on GPUs the trainer does not use (NCCL cannot join two ranks on one "
+                f"GPU): set server.device to a GPU index >= {world_size} (server.device={dev}); e.g. trainer on "
+                f"GPU 0, server.device=1"
+            )
+        super().check_config(cfg, cuda=cuda, world_size=world_size)  # FSDP2: every rank iterates the parameters, rank 0 sends each as it is gathered
 
     def __init__(self, sync_every: int = 1, bucket_mb: float = 512, num_buffers: int = 2,
                  transfer_dtype: str | None = None, master_address: str = "127.0.0.1",
@@ -140,8 +154,8 @@ class NCCLBroadcastSync(ServerSync):
         from omegaconf import OmegaConf
 
         cfg = ctx.server_cfg
-        extra = [str(a) for a in (_get(cfg, "extra_args", None) or [])]
-        if not any(a.split("=", 1)[0] == WEIGHT_TRANSFER_FLAG for a in extra) and not _get(cfg, "external_url"):
+        extra = [str(a) for a in (option(cfg, "extra_args", None) or [])]
+        if not any(a.split("=", 1)[0] == WEIGHT_TRANSFER_FLAG for a in extra) and not option(cfg, "external_url"):
             container = OmegaConf.to_container(cfg, resolve=True) if OmegaConf.is_config(cfg) else dict(vars(cfg) if not isinstance(cfg, dict) else cfg)
             container["extra_args"] = extra + [WEIGHT_TRANSFER_FLAG, WEIGHT_TRANSFER_CONFIG]
             ctx = SyncContext(**{**ctx.__dict__, "server_cfg": OmegaConf.create(container)})
@@ -150,14 +164,14 @@ class NCCLBroadcastSync(ServerSync):
     def _init_group(self) -> None:
         from vllm.distributed.weight_transfer.nccl_common import trainer_init
 
-        workers = self.client._post("/grpo/rpc", {"method": "grpo_param_info"})["results"]
+        workers = self.client.rpc("grpo_param_info")
         self._vllm_params = workers[0]
         self.world_size = 1 + len(workers)
         port = self.master_port or _free_port(self.master_address)
         body = {"master_address": self.master_address, "master_port": port, "world_size": self.world_size,
                 "rank_offset": 1, "bucket_bytes": self.bucket_bytes, "num_buffers": self.num_buffers}
         t0 = time.perf_counter()
-        call = _Call(self.client._post, "/grpo/weight_transfer/init", body, self.timeout_s)
+        call = _Call(self.client.weight_transfer_init, body, self.timeout_s)
         torch.cuda.set_device(self.device)
         self.group = trainer_init({"master_address": self.master_address, "master_port": port,
                                    "world_size": self.world_size})
@@ -178,7 +192,7 @@ class NCCLBroadcastSync(ServerSync):
         return plan_buckets(weight_specs(model, self.transfer_dtype), self.bucket_bytes)
 
     def sync(self, model: nn.Module, step: int) -> dict[str, float]:
-        return self.send(model, _full_params(model), step)
+        return self.send(model, iter_full_params(model), step)
 
     def send(self, model: nn.Module, named: Iterable[tuple[str, torch.Tensor]], step: int) -> dict[str, float]:
         """Broadcast `named` (full tensors, `model`'s parameter order) into vLLM; returns the sync metrics."""
@@ -192,7 +206,7 @@ class NCCLBroadcastSync(ServerSync):
         self.client.pause()
         t_paused = time.perf_counter()
         try:
-            call = _Call(self.client._post, "/grpo/weight_transfer/update", body, self.timeout_s)
+            call = _Call(self.client.weight_transfer_update, body, self.timeout_s)
             self._broadcast(buckets, named)
             answer = call.get(self.timeout_s)
         finally:
@@ -254,11 +268,11 @@ class NCCLBroadcastSync(ServerSync):
 
 def _maps_by_name(hf_name: str, vllm_names: set[str]) -> bool:
     """Name-only check (tensor parallel: shapes are sharded): the HF name or its fused target exists in vLLM."""
-    from grpo.sync.param_mapping import _FUSED, normalize_vllm_name
+    from grpo.sync.param_mapping import FUSED_PROJECTIONS, normalize_vllm_name
 
     names = {normalize_vllm_name(n) for n in vllm_names}
     module, _, leaf = hf_name.rpartition(".")
     parent, _, proj = module.rpartition(".")
-    if proj in _FUSED:
-        return f"{parent}.{_FUSED[proj][0]}.{leaf}" in names
+    if proj in FUSED_PROJECTIONS:
+        return f"{parent}.{FUSED_PROJECTIONS[proj][0]}.{leaf}" in names
     return hf_name in names or hf_name == "lm_head.weight"

@@ -17,8 +17,10 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
+from grpo.options import option
+
 # HF projection -> (vLLM fused projection, index of the shard in the fused rows).
-_FUSED = {
+FUSED_PROJECTIONS = {
     "q_proj": ("qkv_proj", 0),
     "k_proj": ("qkv_proj", 1),
     "v_proj": ("qkv_proj", 2),
@@ -46,17 +48,13 @@ def normalize_vllm_name(name: str) -> str:
     return name.replace(".base_layer.", ".")
 
 
-def _cfg(config: Any, key: str, default: Any = None) -> Any:
-    return config.get(key, default) if isinstance(config, Mapping) else getattr(config, key, default)
-
-
 def shard_sizes(config: Any) -> dict[str, list[int]]:
     """Row counts of the shards of each fused projection, from an HF config (Llama / Qwen2 families)."""
-    hidden = _cfg(config, "hidden_size")
-    heads = _cfg(config, "num_attention_heads")
-    kv_heads = _cfg(config, "num_key_value_heads") or heads
-    head_dim = _cfg(config, "head_dim") or hidden // heads
-    inter = _cfg(config, "intermediate_size")
+    hidden = option(config, "hidden_size")
+    heads = option(config, "num_attention_heads")
+    kv_heads = option(config, "num_key_value_heads") or heads
+    head_dim = option(config, "head_dim") or hidden // heads
+    inter = option(config, "intermediate_size")
     return {
         "qkv_proj": [heads * head_dim, kv_heads * head_dim, kv_heads * head_dim],
         "gate_up_proj": [inter, inter],
@@ -77,15 +75,15 @@ def plan_mapping(
     """
     vllm = {normalize_vllm_name(n): tuple(s) for n, s in vllm_shapes.items()}
     sizes = shard_sizes(config)
-    tied = bool(_cfg(config, "tie_word_embeddings", False))
+    tied = bool(option(config, "tie_word_embeddings", False))
     plan: dict[str, ParamSlice] = {}
     problems: list[str] = []
     for hf_name, hf_shape in hf_shapes.items():
         hf_shape = tuple(hf_shape)
         module, _, leaf = hf_name.rpartition(".")
         parent, _, proj = module.rpartition(".")
-        if proj in _FUSED and leaf in ("weight", "bias"):
-            fused, idx = _FUSED[proj]
+        if proj in FUSED_PROJECTIONS and leaf in ("weight", "bias"):
+            fused, idx = FUSED_PROJECTIONS[proj]
             target = f"{parent}.{fused}.{leaf}"
             start = sum(sizes[fused][:idx])
             stop = start + sizes[fused][idx]

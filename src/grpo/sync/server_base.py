@@ -6,19 +6,15 @@ import logging
 import shutil
 import time
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Callable, Mapping
 
-from grpo.inference.client import InferenceClient
+from grpo import faults
+from grpo.inference.client import InferenceClient, InferenceServerError
 from grpo.inference.process import VLLMServer
+from grpo.options import option
 from grpo.sync.base import SyncContext, SyncStrategy
 
 log = logging.getLogger(__name__)
-
-
-def _get(cfg: Any, key: str, default: Any = None) -> Any:
-    if cfg is None:
-        return default
-    return cfg.get(key, default) if isinstance(cfg, Mapping) else getattr(cfg, key, default)
 
 
 class ServerSync(SyncStrategy):
@@ -40,7 +36,7 @@ class ServerSync(SyncStrategy):
         self, ctx: SyncContext, model: Path, lora_modules: Mapping[str, Path] | None = None
     ) -> None:
         self.ctx = ctx
-        external = _get(ctx.server_cfg, "external_url")
+        external = option(ctx.server_cfg, "external_url")
         if external:
             self._external_url = external.rstrip("/").removesuffix("/v1")
             self.client = InferenceClient(self._external_url)
@@ -81,7 +77,7 @@ class ServerSync(SyncStrategy):
             return False
         if self.server.healthy(timeout=self.health_timeout_s):
             return False
-        limit = int(_get(self.ctx.server_cfg, "max_restarts", 3))
+        limit = int(option(self.ctx.server_cfg, "max_restarts", 3))
         state = "exited" if not self.server.running() else f"not answering /health within {self.health_timeout_s:g}s"
         tail = self.server.log_tail(40)
         if self._restarts_used >= limit:
@@ -94,6 +90,15 @@ class ServerSync(SyncStrategy):
                     self.version)
         self._restart_current()
         return True
+
+    def prepare_step(self, step: int) -> None:
+        # GRPO_FAULT (tests) kills or stops our server here, so the health check below must notice.
+        faults.server_faults(step, self.server.pid if self.server is not None else None)
+        self.check_health()
+
+    def recover(self, error: BaseException) -> bool:
+        # A server error while the server answers /health is not a crash: the caller re-raises it.
+        return isinstance(error, InferenceServerError) and self.check_health()
 
     def _restart_current(self) -> None:
         """Restart the server serving the current weights (subclasses whose weights live outside the server

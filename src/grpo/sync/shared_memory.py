@@ -16,10 +16,13 @@ import base64
 import pickle
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn as nn
 
+from grpo.inference.process import parallel_sizes
+from grpo.options import ConfigError
 from grpo.sync.base import SyncContext
 from grpo.sync.param_mapping import MappingError, build_views, plan_mapping
 from grpo.sync.server_base import ServerSync
@@ -28,8 +31,29 @@ from grpo.sync.server_base import ServerSync
 class SharedMemorySync(ServerSync):
     """Train views of vLLM's parameters (same host, CUDA); sync = version bump + prefix-cache reset."""
 
+    mode_name = "shared_vllm"
     requires_cuda = True
     uses_lora = False
+    fsdp_refusal = "shared_vllm trains vLLM's own CUDA tensors in place, which FSDP2 cannot shard"
+
+    @classmethod
+    def check_config(cls, cfg: Any, *, cuda: bool, world_size: int = 1) -> None:
+        """One vLLM worker (no tensor/pipeline/data parallelism): the trainer trains views of its tensors."""
+        sizes = parallel_sizes(cfg.server.extra_args)
+        if any(v > 1 for v in sizes.values()):
+            what = ", ".join(f"{k} parallel {v}" for k, v in sizes.items() if v > 1)
+            raise ConfigError(
+                f"mode=shared_vllm trains views of one vLLM worker's tensors and does not support vLLM {what} "
+                f"(server.extra_args={list(cfg.server.extra_args)}): each rank would hold only a shard. Use "
+                "mode=broadcast (trainer on its own GPU, weights sent to every vLLM rank by NCCL; set server.device) "
+                "or drop --tensor-parallel-size (tp=1) to keep mode=shared_vllm."
+            )
+        if not cuda:
+            raise ConfigError(
+                "mode=shared_vllm shares CUDA memory with vLLM and needs a CUDA GPU; none is visible here. "
+                "Use mode=none, mode=lora_only or mode=lora_restart on this machine."
+            )
+        super().check_config(cfg, cuda=cuda, world_size=world_size)
 
     def launch(self, ctx: SyncContext) -> None:
         if not torch.cuda.is_available():
@@ -45,7 +69,7 @@ class SharedMemorySync(ServerSync):
         """The HF model whose parameters are views into the server's tensors."""
         from transformers import AutoConfig, AutoModelForCausalLM
 
-        res = self.client._post("/grpo/rpc", {"method": "grpo_export_ipc_handles"})["results"]
+        res = self.client.rpc("grpo_export_ipc_handles")
         if len(res) != 1:
             raise RuntimeError(f"shared_vllm supports one vLLM worker (tensor parallel 1), got {len(res)}")
         handles = pickle.loads(base64.b64decode(res[0]))
@@ -91,5 +115,5 @@ class SharedMemorySync(ServerSync):
         torch.cuda.synchronize()
         self.version += 1
         # KV blocks cached from older weights must not be reused; the version tells rollouts what they ran on.
-        self.client._post("/grpo/weight_version", {"weight_version": self.version, "reset_prefix_cache": True})
+        self.client.set_weight_version(self.version, reset_prefix_cache=True)
         return {"sync/seconds": time.perf_counter() - t0, "sync/version": float(self.version)}

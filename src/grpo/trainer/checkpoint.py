@@ -19,7 +19,6 @@ Everything is written into a hidden temporary directory beside the final one, fs
 from __future__ import annotations
 
 import json
-import os
 import random
 import re
 import shutil
@@ -34,7 +33,6 @@ from torch import nn
 from grpo import faults
 from grpo.weights import params
 from grpo.weights.hf_dir import (
-    is_peft,
     load_model_weights,
     publish_dir,
     read_safetensors,

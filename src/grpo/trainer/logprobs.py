@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-IGNORE = -100
+from grpo.trainer.batch import IGNORE_INDEX
 
 
 def _causal_lm(model: nn.Module) -> nn.Module:
@@ -71,6 +71,11 @@ def _selected_inv_temp(temperatures: Optional[torch.Tensor], sel: torch.Tensor) 
     return (1.0 / temperatures.float().to(sel.device))[:, None].expand(sel.shape)[sel]
 
 
+def _scaled_logits(h: torch.Tensor, weight: torch.Tensor, bias, inv_temp: torch.Tensor) -> torch.Tensor:
+    """float32 logits of one chunk of hidden states, divided by each token's temperature."""
+    return F.linear(h, weight, bias).float().mul_(inv_temp[:, None])
+
+
 class _LinearLogprob(torch.autograd.Function):
     """``log_softmax(h @ W.T + b) / T)[target]`` over all selected tokens, one chunk of tokens at a time.
 
@@ -80,16 +85,12 @@ class _LinearLogprob(torch.autograd.Function):
     """
 
     @staticmethod
-    def _logits(h, weight, bias, inv_temp):
-        return F.linear(h, weight, bias).float().mul_(inv_temp[:, None])
-
-    @staticmethod
     def forward(ctx, h, weight, bias, target, inv_temp, chunk_size):  # type: ignore[override]
         out = torch.empty(h.shape[0], dtype=torch.float32, device=h.device)
         lse = torch.empty_like(out)
         for s in range(0, h.shape[0], chunk_size):
             sl = slice(s, s + chunk_size)
-            logits = _LinearLogprob._logits(h[sl], weight, bias, inv_temp[sl])
+            logits = _scaled_logits(h[sl], weight, bias, inv_temp[sl])
             picked = logits.gather(1, target[sl, None]).squeeze(1)
             m = logits.max(dim=1).values
             # In place: log-sum-exp without a second [chunk, V] buffer.
@@ -112,7 +113,7 @@ class _LinearLogprob(torch.autograd.Function):
         for s in range(0, h.shape[0], ctx.chunk_size):
             sl = slice(s, s + ctx.chunk_size)
             g = g_all[sl]
-            grad = _LinearLogprob._logits(h[sl], weight, bias, inv_temp[sl])
+            grad = _scaled_logits(h[sl], weight, bias, inv_temp[sl])
             grad.sub_(lse[sl, None]).exp_().mul_(-g[:, None])
             grad.scatter_add_(1, target[sl, None], g[:, None])
             grad = grad.to(h.dtype)
@@ -148,7 +149,7 @@ class _FusedLinearLoss(torch.autograd.Function):
         for s in range(0, h.shape[0], chunk_size):
             sl = slice(s, s + chunk_size)
             it = inv_temp[sl]
-            grad = _LinearLogprob._logits(h[sl], weight, bias, it)
+            grad = _scaled_logits(h[sl], weight, bias, it)
             picked = grad.gather(1, target[sl, None]).squeeze(1)
             m = grad.max(dim=1).values
             z = grad.sub_(m[:, None]).exp_().sum(dim=1)  # grad now holds exp(logit - max)
@@ -197,7 +198,7 @@ def fused_hidden_loss(
     into ``hidden`` and the head.
     """
     B, T = labels.shape
-    sel = labels != IGNORE
+    sel = labels != IGNORE_INDEX
     inv_temp = _selected_inv_temp(temperatures, sel)
     flat_index = sel.reshape(-1).nonzero().squeeze(1)
     out: dict = {}
@@ -240,14 +241,14 @@ def hidden_logprobs(
     chunk_size: int = 1024,
     fused: Optional[bool] = None,
 ) -> torch.Tensor:
-    """Log-probs of ``labels`` (``[B, T]``, -100 = skip → 0) from final hidden states ``[B, T, H]`` and the head.
+    """Log-probs of ``labels`` (``[B, T]``, IGNORE_INDEX = skip → 0) from final hidden states ``[B, T, H]`` and the head.
 
     ``fused`` picks the custom autograd path (plain ``nn.Linear`` heads only; default: whenever possible) or
     per-chunk checkpointing of ``head`` (any module).
     """
     B, T = labels.shape
     out = torch.zeros(B, T, dtype=torch.float32, device=hidden.device)
-    sel = labels != IGNORE
+    sel = labels != IGNORE_INDEX
     if not bool(sel.any()):
         # Keep the graph connected so backward() on a loss built from this still works.
         return out + 0.0 * hidden.sum()
@@ -276,7 +277,7 @@ def token_logprobs(
     temperatures: Optional[torch.Tensor] = None,
     chunk_size: int = 1024,
 ) -> torch.Tensor:
-    """``[B, T]`` float32 log-probs of ``labels`` under ``model`` at per-sequence ``temperatures`` (0 where -100).
+    """``[B, T]`` float32 log-probs of ``labels`` under ``model`` at per-sequence ``temperatures`` (0 where IGNORE_INDEX).
 
     Logits are divided by the sequence's sampling temperature before the softmax, so the log-probs are those of the
     distribution the rollout was sampled from. Works for transformers CausalLMs and PEFT-wrapped ones.
@@ -297,4 +298,4 @@ def naive_token_logprobs(
     if temperatures is not None:
         logits = logits / temperatures.float()[:, None, None]
     lp = torch.log_softmax(logits, dim=-1).gather(-1, labels.clamp(min=0)[..., None]).squeeze(-1)
-    return torch.where(labels != IGNORE, lp, torch.zeros_like(lp))
+    return torch.where(labels != IGNORE_INDEX, lp, torch.zeros_like(lp))

@@ -94,3 +94,13 @@ def plot_curves(metrics_path: Path, out_path: Path, title: str = "") -> Path:
     fig.savefig(out_path, dpi=110)
     plt.close(fig)
     return out_path
+
+
+class NullMetrics:
+    """The metrics sink of torchrun ranks > 0: rank 0 alone writes metrics."""
+
+    def log(self, metrics: dict) -> None:
+        """Drop the row."""
+
+    def close(self) -> None:
+        """Nothing to close."""

@@ -1,0 +1,44 @@
+"""The sync strategy of torchrun ranks > 0 (FSDP2): no server of their own; each weight sync is their share of
+the gathers rank 0's strategy performs (`SyncStrategy.fsdp_gather`), run in the same order."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch.nn as nn
+
+from grpo.sync.base import SyncContext, SyncStrategy
+from grpo.weights.params import drain_full_params, full_state_dict
+
+
+class FollowerSync(SyncStrategy):
+    """Ranks > 0: joins the full-weight gathers of rank 0's sync and keeps nothing.
+
+    `gather` is rank 0's strategy's `fsdp_gather`: "params" (mode=broadcast: `iter_full_params`) or "state_dict"
+    (mode=none: `full_state_dict`)."""
+
+    mode_name = "follower"
+
+    def __init__(self, sync_every: int = 1, gather: Literal["params", "state_dict"] = "params") -> None:
+        super().__init__(sync_every)
+        if gather not in ("params", "state_dict"):
+            raise ValueError(f"gather must be 'params' or 'state_dict', got {gather!r}")
+        self.gather = gather
+
+    def launch(self, ctx: SyncContext) -> None:
+        """Nothing to start: rank 0 owns the server."""
+
+    @property
+    def base_url(self) -> str:
+        raise RuntimeError("torchrun ranks > 0 have no inference server; rank 0 owns it")
+
+    def sync(self, model: nn.Module, step: int) -> dict[str, float]:
+        if self.gather == "state_dict":
+            full_state_dict(model)  # empty here; rank 0 gets the tensors
+        else:
+            drain_full_params(model)
+        self.version += 1
+        return {"sync/seconds": 0.0, "sync/version": float(self.version)}
+
+    def shutdown(self) -> None:
+        """Nothing to stop."""
