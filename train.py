@@ -199,12 +199,13 @@ def build_trainer(cfg, run_dir, model_dir, tokenizer, sync, loss_fn, data, resum
     log.info("optimizer %s lr %g", type(optimizer).__name__, cfg.optimizer.lr)
     source = data if dist_info is None else (LeaderPipeline(data) if data is not None else FollowerPipeline())
     checkpoints = CheckpointManager(run_dir, keep=cfg.train.keep_checkpoints)
-    start_step = 0
+    start_step, start_batch = 0, None
     if resume_ckpt is not None:
         # FSDP2: rank 0 reads the checkpoint and broadcasts it into every rank's shards.
         load = checkpoints.load_distributed if dist_info is not None else checkpoints.load
         state = load(resume_ckpt, model, optimizer, scheduler)
         start_step = int(state["step"])
+        start_batch = state.get("batch")
         source.load_state_dict(state.get("data", {}))
         log.info("resumed from %s at step %d", resume_ckpt, start_step)
     if data is not None:
@@ -222,7 +223,7 @@ def build_trainer(cfg, run_dir, model_dir, tokenizer, sync, loss_fn, data, resum
     trainer = GRPOTrainer(
         train_cfg=cfg.train, model=model, tokenizer=tokenizer, optimizer=optimizer, scheduler=scheduler,
         loss_fn=loss_fn, pipeline=source, sync=sync, checkpoints=checkpoints, metrics=metrics, device=device,
-        start_step=start_step, dist=dist_info,
+        start_step=start_step, start_batch=start_batch, dist=dist_info,
         logprob_fn=distributed.sharded_token_logprobs(model) if dist_info is not None else None,
     )
     return trainer, metrics

@@ -57,6 +57,13 @@ class LRSchedule(StrEnum):
     cosine = "cosine"
 
 
+class OldLogprobs(StrEnum):
+    """The pi_old of the PPO ratio: vLLM's rollout log-probs, or the trainer's own before the batch's first update."""
+
+    rollout = "rollout"
+    recompute = "recompute"
+
+
 class Device(StrEnum):
     """Training device; auto = cuda when available."""
 
@@ -134,6 +141,8 @@ class LossConfig:
     kl_estimator: KLEstimator = KLEstimator.k3
     aggregation: Aggregation = Aggregation.token_mean
     max_tokens_norm: Optional[int] = None
+    # pi_old of the ratio: rollout (vLLM's log-probs) or recompute (one extra forward per rollout batch).
+    old_logprobs: OldLogprobs = OldLogprobs.rollout
 
 
 # ---------------------------------------------------------------- layers
@@ -270,6 +279,10 @@ class TrainConfig:
     steps: int = 60
     micro_batch_size: int = 32
     grad_accum: int = 2
+    # Passes over each rollout batch (PPO epochs); > 1 lets the policy move away from pi_old so the clip acts.
+    ppo_epochs: int = 1
+    # Optimizer steps per pass: the rollout batch split into this many shuffled mini-batches.
+    mini_batches: int = 1
     seed: int = 0
     # constant | linear | cosine, after warmup.
     lr_schedule: LRSchedule = LRSchedule.constant

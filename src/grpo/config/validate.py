@@ -120,6 +120,20 @@ def check_train(cfg: DictConfig) -> None:
     """Loop sizes are positive and `train.resume` exists (choices are typed by the schema)."""
     if cfg.train.micro_batch_size < 1 or cfg.train.grad_accum < 1 or cfg.train.steps < 1:
         raise ConfigError("train.micro_batch_size, train.grad_accum and train.steps must all be >= 1")
+    if cfg.train.ppo_epochs < 1 or cfg.train.mini_batches < 1:
+        raise ConfigError("train.ppo_epochs and train.mini_batches must be >= 1")
+    updates = cfg.train.ppo_epochs * cfg.train.mini_batches
+    if cfg.train.steps % updates:
+        raise ConfigError(
+            f"train.steps={cfg.train.steps} counts optimizer steps and must be a multiple of train.ppo_epochs x "
+            f"train.mini_batches = {updates} (each rollout batch gets that many updates); e.g. "
+            f"train.steps={cfg.train.steps // updates * updates or updates}"
+        )
+    if cfg.train.mini_batches > cfg.train.micro_batch_size * cfg.train.grad_accum:
+        raise ConfigError(
+            f"train.mini_batches={cfg.train.mini_batches} exceeds the {cfg.train.micro_batch_size * cfg.train.grad_accum} "
+            "sequences of a rollout batch (train.micro_batch_size x train.grad_accum)"
+        )
     if cfg.train.resume is not None and not Path(cfg.train.resume).exists():
         raise ConfigError(f"train.resume={cfg.train.resume} does not exist")
 

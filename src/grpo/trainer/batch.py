@@ -34,6 +34,9 @@ class TrainBatch:
     advantages: torch.Tensor
     temperatures: torch.Tensor
     scores: torch.Tensor
+    # The trainer's own log-probs at the start of the rollout batch's first update (loss.old_logprobs=recompute);
+    # None = the PPO ratio is taken against the rollout log-probs.
+    old_logprobs: Optional[torch.Tensor] = None
 
     @property
     def num_sequences(self) -> int:
@@ -62,6 +65,11 @@ class PreparedBatch:
     num_sequences: int = 0
     # Longest completion (loss tokens of one sequence) in the whole step: the default Dr. GRPO divisor.
     max_completion_tokens: int = 0
+
+    @property
+    def micro_batch_size(self) -> int:
+        """Rows of the largest micro-batch."""
+        return max((mb.num_sequences for mb in self.micro_batches), default=0)
 
 
 class BatchSource(ABC):

@@ -18,6 +18,7 @@ from grpo.trainer.batch import BatchSource, PreparedBatch, TrainBatch
 from grpo.trainer.checkpoint import CheckpointManager
 from grpo.trainer.logprobs import can_fuse, fused_token_loss, token_logprobs
 from grpo.trainer.metrics import MetricsLogger, NullMetrics
+from grpo.trainer.minibatch import update_plan
 
 log = logging.getLogger(__name__)
 
@@ -65,6 +66,7 @@ class GRPOTrainer:
         metrics: MetricsLogger | NullMetrics,
         device: torch.device,
         start_step: int = 0,
+        start_batch: Optional[int] = None,
         dist: Optional[distributed.DistInfo] = None,
         logprob_fn: Optional[Callable[..., torch.Tensor]] = None,
     ) -> None:
@@ -80,6 +82,10 @@ class GRPOTrainer:
         self.metrics = metrics
         self.device = device
         self.step = start_step
+        # Rollout batches done (the data source's index); a run resumes at a batch boundary.
+        self.batch_number = start_step // self.updates_per_batch if start_batch is None else start_batch
+        # pi_old of the PPO ratio: recomputed by one extra forward per rollout batch (loss.old_logprobs).
+        self.recompute_old = getattr(loss_fn, "old_logprobs", "rollout") == "recompute"
         # Under torchrun (FSDP2) the ranks' roles; None in a single process.
         self.dist = dist if dist is not None and dist.enabled else None
         self.nonfinite_in_a_row = 0
@@ -94,67 +100,110 @@ class GRPOTrainer:
             # Peaks are per run: a multirun's earlier jobs must not leak into this one's figures.
             torch.cuda.reset_peak_memory_stats(device)
 
+    @property
+    def updates_per_batch(self) -> int:
+        """Optimizer steps per rollout batch: `train.ppo_epochs` passes x `train.mini_batches` mini-batches."""
+        return int(self.cfg.ppo_epochs) * int(self.cfg.mini_batches)
+
     def fit(self) -> list[float]:
-        """Train until `train.steps`; returns the mean reward of every step run (for sweeps)."""
+        """Train until `train.steps` optimizer steps; returns the mean reward of every rollout batch (for sweeps)."""
         while self.step < self.cfg.steps:
             self.sync.prepare_step(self.step + 1)
-            row = self.train_step()
-            if (self.step % self.cfg.checkpoint_every == 0) or self.step == self.cfg.steps:
-                self.save_checkpoint()  # FSDP2: every rank joins the gathers, rank 0 writes
-            self.metrics.log(row)
+            first = self.step
+            rows = self.train_batch()
+            every = self.cfg.checkpoint_every
+            if self.step // every > first // every or self.step == self.cfg.steps:
+                self.save_checkpoint()  # at rollout-batch boundaries; FSDP2: every rank joins, rank 0 writes
+            for row in rows:
+                self.metrics.log(row)
         return self.rewards
 
     def save_checkpoint(self) -> Path | None:
         """Atomic checkpoint of model (or adapter), optimizer, scheduler, RNG, data position and counters. Under
         FSDP2 every rank must call it; rank 0 writes and gets the path, the others None."""
-        state = {"step": self.step, "data": self.pipeline.state_dict(), "weight_version": self.sync.version,
-                 "nonfinite_total": self.nonfinite_total}
+        state = {"step": self.step, "batch": self.batch_number, "data": self.pipeline.state_dict(),
+                 "weight_version": self.sync.version, "nonfinite_total": self.nonfinite_total}
         save = self.checkpoints.save_distributed if self.dist is not None else self.checkpoints.save
         return save(self.step, self.model, self.tokenizer, self.optimizer, self.scheduler, state)
 
-    # ------------------------------------------------------------------ one optimizer step, phase by phase
-    def train_step(self) -> dict[str, Any]:
-        """One optimizer step: fetch → forward/backward → optimizer → sync → metrics; returns its metrics row."""
+    # ------------------------------------------------------------------ one rollout batch, phase by phase
+    def train_batch(self) -> list[dict[str, Any]]:
+        """One rollout batch: fetch → (recompute pi_old) → per update: forward/backward → optimizer → then sync.
+        Returns one metrics row per optimizer step; the first carries the batch's data metrics, the last the sync's."""
         t_start = time.perf_counter()
         batch = self.fetch_batch()
         t_data = time.perf_counter()
-        row: dict[str, Any] = {"step": self.step + 1, **self.pipeline.metrics(), **batch.metrics}
+        head: dict[str, Any] = {**self.pipeline.metrics(), **batch.metrics}
+        if self.recompute_old:
+            self.recompute_old_logprobs(batch)
+            head["time/old_logprobs_seconds"] = time.perf_counter() - t_data
+        rows = []
+        for epoch, mini in update_plan(batch, self.cfg.ppo_epochs, self.cfg.mini_batches, self.cfg.seed,
+                                       self.batch_number):
+            if self.step >= self.cfg.steps:
+                break
+            rows.append({"step": self.step + 1, **self.update(mini), "batch": float(self.batch_number + 1),
+                         "epoch": float(epoch)})
+        self.batch_number += 1
+        t_sync = time.perf_counter()
+        sync_metrics = self.maybe_sync()
+        t_end = time.perf_counter()
+        rows[0] = {"step": rows[0]["step"], **head, **rows[0]}
+        rows[0]["time/data_seconds"] = t_data - t_start
+        # Step times add up to the batch's wall time: fetch (and pi_old) count on the first update, sync on the last.
+        rows[0]["time/step_seconds"] += t_sync - t_start - sum(r["time/step_seconds"] for r in rows)
+        rows[-1]["time/step_seconds"] += t_end - t_sync
+        for row in rows:
+            row.update(sync_metrics if row is rows[-1] else
+                       {"sync/seconds": 0.0, "sync/version": float(self.sync.version)})
+            row["memory/peak_gb"] = peak_memory_gb(self.device)
+            row.update(process_stats())
+        if "reward/mean" in rows[0]:
+            self.rewards.append(float(rows[0]["reward/mean"]))
+        return rows
+
+    def update(self, batch: PreparedBatch) -> dict[str, Any]:
+        """One optimizer step on `batch` (a rollout batch or one of its mini-batches); its metrics."""
+        t0 = time.perf_counter()
         loss_total, loss_metrics = self.forward_backward(batch)
         t_fwd = time.perf_counter()
         grad_norm = self.optimizer_step(loss_total)
         self.step += 1
         t_opt = time.perf_counter()
-        row.update(loss_metrics)
-        row.update(self.maybe_sync())
-        t_end = time.perf_counter()
-        row.update({
+        return {
+            **loss_metrics,
             "loss": loss_total,
             "grad_norm": grad_norm,
             "lr": self.scheduler.get_last_lr()[0],
             "train/skipped_nonfinite": float(self.nonfinite_total),
-            "time/data_seconds": t_data - t_start,
-            "time/train_seconds": t_opt - t_data,
-            "time/forward_backward_seconds": t_fwd - t_data,
-            "time/step_seconds": t_end - t_start,
-        })
-        row.setdefault("tokens/trained", float(batch.num_loss_tokens))
-        row["throughput/trained_tokens_per_s"] = row["tokens/trained"] / max(t_opt - t_data, 1e-9)
-        row["memory/peak_gb"] = peak_memory_gb(self.device)
-        row.update(process_stats())
-        if "reward/mean" in row:
-            self.rewards.append(float(row["reward/mean"]))
-        return row
+            "time/train_seconds": t_opt - t0,
+            "time/forward_backward_seconds": t_fwd - t0,
+            "time/step_seconds": t_opt - t0,
+            "tokens/trained": float(batch.num_loss_tokens),
+            "throughput/trained_tokens_per_s": batch.num_loss_tokens / max(t_opt - t0, 1e-9),
+        }
+
+    @torch.no_grad()
+    def recompute_old_logprobs(self, batch: PreparedBatch) -> None:
+        """pi_old for every sequence of the rollout batch: the trainer's log-probs before its first update (stored on
+        each micro-batch as `old_logprobs`). Every FSDP2 rank computes all of them (the forwards are collectives)."""
+        self.model.train()  # the mode of the updates, so the first update's ratio is exactly 1
+        for mb in batch.micro_batches:
+            dev = mb.to(self.device)
+            lp = self.token_logprobs(dev.input_ids, dev.attention_mask, dev.labels, dev.temperatures,
+                                     chunk_size=self.cfg.logprob_chunk)
+            mb.old_logprobs = lp.detach().to(mb.labels.device)
 
     def fetch_batch(self) -> PreparedBatch:
-        """This step's batch. A server that died while generating is restarted by the sync strategy (bounded by
+        """The next rollout batch (the data source is indexed by rollout batch, 0-based). A server that died while generating is restarted by the sync strategy (bounded by
         server.max_restarts; it raises when they are used up) and the step's generation runs again once."""
         faults.point("generate", self.step + 1)
         try:
-            return self.pipeline.next_batch(self.step)
+            return self.pipeline.next_batch(self.batch_number)
         except Exception as error:
             if not self.sync.recover(error):
                 raise
-        return self.pipeline.next_batch(self.step)
+        return self.pipeline.next_batch(self.batch_number)
 
     def forward_backward(self, batch: PreparedBatch) -> tuple[float, dict[str, float]]:
         """Gradients of the step's loss, accumulated over its micro-batches; (summed loss, token-weighted
@@ -191,12 +240,15 @@ class GRPOTrainer:
     def micro_batch_loss(self, mb: TrainBatch, batch: PreparedBatch) -> tuple[torch.Tensor, dict[str, Any]]:
         """The loss of one micro-batch (normalised by the whole step's counts) and its metrics."""
 
+        # pi_old when the loss recomputes it (loss.old_logprobs=recompute); custom losses never see the keyword.
+        old = {"old_logprobs": mb.old_logprobs} if mb.old_logprobs is not None else {}
+
         def loss_of(logprobs: torch.Tensor, with_metrics: bool = True) -> tuple[torch.Tensor, dict[str, Any]]:
             return self.loss_fn(
                 logprobs, mb.inference_logprobs, mb.advantages, mb.loss_mask,
                 ref_logprobs=mb.ref_logprobs, total_tokens=batch.num_loss_tokens,
                 total_sequences=batch.num_sequences, max_tokens=batch.max_completion_tokens,
-                with_metrics=with_metrics,
+                with_metrics=with_metrics, **old,
             )
 
         if self.fused:
@@ -239,7 +291,8 @@ class GRPOTrainer:
         return grad_norm
 
     def maybe_sync(self) -> dict[str, float]:
-        """Push the weights to the server every `mode.sync_every` steps and after the last one."""
-        if self.step % self.sync.sync_every == 0 or self.step == self.cfg.steps:
+        """Push the weights to the server every `mode.sync_every` rollout batches (after the batch's last update)
+        and after the last step."""
+        if self.batch_number % self.sync.sync_every == 0 or self.step == self.cfg.steps:
             return self.sync.sync(self.model, self.step)
         return {"sync/seconds": 0.0, "sync/version": float(self.sync.version)}

@@ -20,6 +20,7 @@ import torch
 
 AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm")
 KL_ESTIMATORS = ("k1", "k2", "k3")
+OLD_LOGPROBS = ("rollout", "recompute")
 # exp() of a log-ratio beyond this overflows float32 gradients in the unclipped branch; beyond it the ratio is
 # saturated (gradient 0), which only happens for tokens far outside any trust region.
 _MAX_LOG_RATIO = 20.0
@@ -48,6 +49,14 @@ class GRPOLoss:
             (Dr. GRPO: a sequence's token sum / ``max_tokens_norm`` (or the longest completion), then mean over
             sequences).
         max_tokens_norm: constant divisor of ``seq_mean_token_sum_norm``; None = the longest completion.
+        old_logprobs: the pi_old of the PPO ratio. ``rollout``: the rollout (vLLM) log-probs, as above.
+            ``recompute``: the trainer's own log-probs at the start of the rollout batch's first update (one extra
+            forward without grad; verl's recompute_log_prob), passed as ``old_logprobs``: the ratio is
+            ``pi / pi_old`` (exactly 1 at the first update, so only the policy's own movement is clipped) and, with
+            ``tis_cap``, each token is weighted by the truncated off-policy correction ``min(pi_old / mu, tis_cap)``
+            against vLLM's sampler ``mu``. Several updates per batch (``train.ppo_epochs``, ``train.mini_batches``)
+            are where the two differ; with ``rollout`` and ``tis_cap`` the ratio is the proximal one (1 in value,
+            so the clip never binds), hence use ``recompute`` with ``tis_cap``.
     """
 
     # Every term is a function of one token's log-prob and constants (normalisers come from the mask or the
@@ -64,6 +73,7 @@ class GRPOLoss:
         kl_estimator: str = "k3",
         aggregation: str = "token_mean",
         max_tokens_norm: Optional[int] = None,
+        old_logprobs: str = "rollout",
     ):
         if not 0 < clip_eps < 1:
             raise ValueError(f"clip_eps must be in (0, 1), got {clip_eps}")
@@ -79,6 +89,8 @@ class GRPOLoss:
             raise ValueError(f"kl_estimator must be one of {KL_ESTIMATORS}, got {kl_estimator!r}")
         if aggregation not in AGGREGATIONS:
             raise ValueError(f"aggregation must be one of {AGGREGATIONS}, got {aggregation!r}")
+        if old_logprobs not in OLD_LOGPROBS:
+            raise ValueError(f"old_logprobs must be one of {OLD_LOGPROBS}, got {old_logprobs!r}")
         if max_tokens_norm is not None and max_tokens_norm <= 0:
             raise ValueError(f"max_tokens_norm must be > 0, got {max_tokens_norm}")
         self.clip_eps = float(clip_eps)
@@ -89,6 +101,7 @@ class GRPOLoss:
         self.kl_estimator = kl_estimator
         self.aggregation = aggregation
         self.max_tokens_norm = max_tokens_norm
+        self.old_logprobs = old_logprobs
 
     def kl(self, logprobs: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
         """Per-token KL estimate of the policy from ``ref`` (same shape as ``logprobs``)."""
@@ -110,6 +123,7 @@ class GRPOLoss:
         total_sequences: Optional[float] = None,
         max_tokens: Optional[float] = None,
         with_metrics: bool = True,
+        old_logprobs: Optional[torch.Tensor] = None,
     ) -> tuple[torch.Tensor, dict[str, float]]:
         """Loss of one micro-batch and its metrics.
 
@@ -125,6 +139,8 @@ class GRPOLoss:
             max_tokens: Dr. GRPO divisor when ``max_tokens_norm`` is None (default: the longest completion of this
                 micro-batch; pass ``PreparedBatch.max_completion_tokens`` to match across micro-batches).
             with_metrics: False skips the metrics (each is a device sync); the fused path's per-chunk calls use it.
+            old_logprobs: ``[B, T]`` pi_old recomputed by the trainer (``old_logprobs="recompute"``); None = the
+                rollout log-probs are pi_old.
         Returns:
             ``(scalar loss, metrics)`` with python-float metrics averaged over this micro-batch's loss tokens.
         """
@@ -142,10 +158,19 @@ class GRPOLoss:
         log_ratio = logprobs - rollout
         ratio = torch.exp(log_ratio.clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO))
         ratio_det = ratio.detach()
-        if self.tis_cap is not None:
+        if old_logprobs is not None:
+            old = torch.where(valid, old_logprobs.to(logprobs.dtype), lp_det)
+            pg_ratio = torch.exp((logprobs - old).clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO))
+            off_policy = torch.exp((old - rollout).clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO))
+            tis_src = off_policy
+            tis_w = off_policy.clamp(max=self.tis_cap) if self.tis_cap is not None else None
+        elif self.tis_cap is not None:
+            old = lp_det
+            tis_src = ratio_det
             tis_w = ratio_det.clamp(max=self.tis_cap)
             pg_ratio = torch.exp(logprobs - lp_det)  # proximal ratio: 1 in value, grad of logp
         else:
+            old = rollout
             tis_w = None
             pg_ratio = ratio
 
@@ -180,8 +205,13 @@ class GRPOLoss:
             pr = pg_ratio.detach()
             low = valid & (adv < 0) & (pr < lo)
             high = valid & (adv > 0) & (pr > hi)
+            log_r_old = (lp_det - old) * mask
             metrics = {
                 "grpo/mean_ratio": float((ratio_det * mask).sum() / n),
+                # Against pi_old (what the clip sees): how far this update has moved the policy.
+                "grpo/ratio_old_mean": float((pr * mask).sum() / n),
+                "grpo/ratio_old_max": float(torch.where(valid, pr, torch.zeros_like(pr)).max()) if bool(valid.any()) else 1.0,
+                "grpo/approx_kl_old": float((0.5 * log_r_old * log_r_old).sum() / n),
                 "grpo/clipped_fraction": float((low | high).sum() / n),
                 "grpo/clipped_low": float(low.sum() / n),
                 "grpo/clipped_high": float(high.sum() / n),
@@ -194,7 +224,7 @@ class GRPOLoss:
                 metrics["grpo/dual_clipped"] = float((dual_active & valid).sum() / n)
             if tis_w is not None:
                 metrics["grpo/tis_weight"] = float((tis_w * mask).sum() / n)
-                metrics["grpo/tis_capped"] = float((valid & (ratio_det > self.tis_cap)).sum() / n)
+                metrics["grpo/tis_capped"] = float((valid & (tis_src > self.tis_cap)).sum() / n)
         return loss, metrics
 
     def _aggregate(

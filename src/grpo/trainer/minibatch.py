@@ -1,0 +1,87 @@
+"""Several policy updates per rollout batch: the batch's sequences split into shuffled mini-batches, one optimizer
+step each, for `train.ppo_epochs` passes (PPO's epochs and mini-batches; TRL's num_iterations, verl's ppo_epochs and
+ppo_mini_batch_size).
+
+With one epoch and one mini-batch the rollout batch is used as it is, untouched, so the default run is exactly the
+one-update-per-batch loop.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Optional
+
+import torch
+
+from grpo.trainer.batch import IGNORE_INDEX, PreparedBatch, TrainBatch
+
+# Padding value of each TrainBatch field when rows of different lengths are gathered into one micro-batch. Padded
+# positions carry no loss (labels IGNORE_INDEX, loss_mask 0) and, right-padded, never influence earlier positions.
+_PAD = {"input_ids": 0, "attention_mask": 0, "labels": IGNORE_INDEX, "loss_mask": 0.0, "inference_logprobs": 0.0,
+        "ref_logprobs": float("nan"), "advantages": 0.0, "old_logprobs": 0.0}
+
+
+def _row(t: torch.Tensor, i: int, length: int, pad: float) -> torch.Tensor:
+    row = t[i]
+    if row.dim() == 0 or row.shape[0] >= length:
+        return row[:length] if row.dim() else row
+    return torch.cat([row, row.new_full((length - row.shape[0],), pad)])
+
+
+def gather_rows(micro_batches: list[TrainBatch], picks: list[tuple[int, int]]) -> TrainBatch:
+    """One micro-batch of the rows `picks` ((micro-batch index, row index) pairs), right-padded to the longest."""
+    length = max(int(micro_batches[m].attention_mask[r].sum()) for m, r in picks)
+    length = max(length, 1)
+    fields: dict[str, Optional[torch.Tensor]] = {}
+    for name in TrainBatch.__dataclass_fields__:
+        sources = [getattr(micro_batches[m], name) for m, _ in picks]
+        if all(t is None for t in sources):
+            fields[name] = None
+            continue
+        rows = []
+        for (m, r), t in zip(picks, sources):
+            if t is None:  # this micro-batch has no such tensor (e.g. ref_logprobs): NaN = missing
+                shape_src = micro_batches[m].labels[r]
+                rows.append(shape_src.new_full((length,), float("nan"), dtype=torch.float32))
+            elif t.dim() == 1:  # per sequence: advantages [B], temperatures, scores
+                rows.append(t[r])
+            else:
+                rows.append(_row(t, r, length, _PAD.get(name, 0)))
+        fields[name] = torch.stack(rows)
+    return TrainBatch(**fields)
+
+
+def split_mini_batches(
+    batch: PreparedBatch, mini_batches: int, micro_batch_size: int, rng: random.Random
+) -> list[PreparedBatch]:
+    """The rollout batch's sequences shuffled by `rng` and split into `mini_batches` mini-batches (sizes differ by
+    at most one), each in micro-batches of at most `micro_batch_size` rows, normalised by its own token and sequence
+    counts. The Dr. GRPO divisor stays the rollout batch's longest completion."""
+    picks = [(m, r) for m, mb in enumerate(batch.micro_batches) for r in range(mb.num_sequences)]
+    if mini_batches > len(picks):
+        raise ValueError(f"train.mini_batches={mini_batches} exceeds the {len(picks)} sequences of the rollout batch")
+    rng.shuffle(picks)
+    out = []
+    for k in range(mini_batches):
+        mine = picks[k * len(picks) // mini_batches : (k + 1) * len(picks) // mini_batches]
+        micro = [gather_rows(batch.micro_batches, mine[i : i + micro_batch_size])
+                 for i in range(0, len(mine), micro_batch_size)]
+        out.append(PreparedBatch(
+            micro_batches=micro, metrics={}, num_loss_tokens=sum(mb.num_loss_tokens for mb in micro),
+            num_sequences=len(mine), max_completion_tokens=batch.max_completion_tokens,
+        ))
+    return out
+
+
+def update_plan(
+    batch: PreparedBatch, ppo_epochs: int, mini_batches: int, seed: int, batch_number: int
+) -> list[tuple[int, PreparedBatch]]:
+    """(epoch, mini-batch) of every optimizer step of one rollout batch, in order. Shuffles use their own
+    generator seeded by (run seed, batch number, epoch), so no other random stream moves and resume replays them."""
+    if ppo_epochs == 1 and mini_batches == 1:
+        return [(0, batch)]
+    plan = []
+    for epoch in range(ppo_epochs):
+        rng = random.Random(f"grpo-minibatch:{seed}:{batch_number}:{epoch}")
+        plan += [(epoch, mb) for mb in split_mini_batches(batch, mini_batches, batch.micro_batch_size, rng)]
+    return plan
