@@ -26,7 +26,7 @@ from hydra.utils import get_class, instantiate
 from omegaconf import DictConfig
 
 from grpo.config import register_configs, validate
-from grpo.run import RunSummary, record_provenance
+from grpo.run import RunSummary, check_objective, objective_value, record_provenance
 
 register_configs()
 log = logging.getLogger("train")
@@ -39,7 +39,7 @@ def _sigterm_as_interrupt(signum, frame):  # noqa: ARG001
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="train")
 def main(cfg: DictConfig) -> float | None:
-    """Returns the mean reward of the last 10 steps (the objective sweeps optimise)."""
+    """Returns `train.objective` (default: the mean reward of the last 10 steps), which sweeps optimise."""
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     multirun = HydraConfig.get().mode == RunMode.MULTIRUN
     rank0 = int(os.environ.get("RANK", "0")) == 0  # torchrun: rank 0 owns the run dir and every output
@@ -50,7 +50,8 @@ def main(cfg: DictConfig) -> float | None:
     summary = RunSummary(run_dir) if rank0 else None
     try:
         rewards = train(cfg, run_dir)
-        return summary.finish(rewards) if summary is not None else None
+        final = summary.finish(rewards) if summary is not None else None
+        return objective_value(run_dir, cfg.train.objective, final) if summary is not None else None
     except BaseException as e:
         if summary is not None:
             summary.fail(e)
@@ -67,6 +68,7 @@ def train(cfg: DictConfig, run_dir: Path) -> list[float]:
 
     from grpo.models.loading import load_model, pick_device, pick_dtype, resolve_model_dir
     from grpo.pipeline.base import PipelineContext
+    from grpo.pipeline.evaluation import EvalContext, build_evaluator
     from grpo.sync.base import SyncContext
     from grpo.trainer.checkpoint import CheckpointManager
     from grpo.trainer.layers import apply_lora, freeze_to_layers, resolve_layer_indices
@@ -107,6 +109,8 @@ def train(cfg: DictConfig, run_dir: Path) -> list[float]:
     if dist_info is not None and rank0:
         pipeline = distributed.LeaderPipeline(pipeline)
     log.info("data pipeline %s", type(pipeline).__name__)
+    evaluator = build_evaluator(cfg.eval, cfg.data) if rank0 else None  # bad eval input fails before a model loads
+    check_objective(cfg.train.objective, evaluator is not None)
 
     model = trainer = metrics = None
     try:
@@ -150,10 +154,14 @@ def train(cfg: DictConfig, run_dir: Path) -> list[float]:
             checkpoint_every=cfg.train.checkpoint_every, seed=cfg.train.seed,
         ))
         metrics = MetricsLogger(run_dir, cfg.logging, cfg, cfg.train.steps, start_step) if rank0 else distributed.NullMetrics()
+        if evaluator is not None:
+            evaluator.setup(EvalContext(tokenizer=tokenizer, endpoint=sync.endpoint, run_dir=run_dir,
+                                        seed=cfg.train.seed, total_steps=cfg.train.steps, max_seq_len=cfg.model.max_seq_len))
         trainer = GRPOTrainer(
             train_cfg=cfg.train, model=model, tokenizer=tokenizer, optimizer=optimizer, scheduler=scheduler,
             loss_fn=loss_fn, pipeline=pipeline, sync=sync, checkpoints=checkpoints, metrics=metrics,
             max_seq_len=cfg.model.max_seq_len, device=device, start_step=start_step, dist=dist_info,
+            evaluator=evaluator,
         )
         rewards = trainer.fit()
         if cfg.logging.plot and rank0:
@@ -163,6 +171,8 @@ def train(cfg: DictConfig, run_dir: Path) -> list[float]:
         # Tear down in reverse order so a multirun's next job starts from a clean process table and memory.
         if metrics is not None:
             metrics.close()
+        if evaluator is not None:
+            evaluator.close()
         pipeline.close()
         sync.shutdown()
         del trainer, model

@@ -6,7 +6,7 @@ import logging
 import math
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from omegaconf import DictConfig
@@ -44,6 +44,15 @@ def process_stats() -> dict[str, float]:
     return {"memory/rss_gb": rss_pages * os.sysconf("SC_PAGE_SIZE") / 1024**3, "proc/open_fds": float(fds)}
 
 
+class StepEvaluator(Protocol):
+    """What the loop needs of an evaluator (grpo.pipeline.evaluation.Evaluator; typed here so the trainer does not
+    import the pipeline)."""
+
+    def due(self, step: int, total_steps: int) -> bool: ...
+
+    def evaluate(self, step: int) -> dict[str, float]: ...
+
+
 class NonFiniteError(RuntimeError):
     """Too many consecutive steps with a NaN/Inf loss or gradient."""
 
@@ -68,6 +77,7 @@ class GRPOTrainer:
         device: torch.device,
         start_step: int = 0,
         dist: Any = None,
+        evaluator: StepEvaluator | None = None,
     ) -> None:
         self.cfg = train_cfg
         self.model = model
@@ -92,18 +102,24 @@ class GRPOTrainer:
         # the unfused path, whose forward method it registers (grpo.trainer.distributed.shard_model).
         self.fused = bool(train_cfg.fused_loss) and self.dist is None and can_fuse(model, loss_fn)
         self.rewards: list[float] = []
+        # Held-out eval (rank 0 only; None when off). It runs after a step's sync, so it samples that step's weights.
+        self.evaluator = evaluator
         if device.type == "cuda":
             # Peaks are per run: a multirun's earlier jobs must not leak into this one's figures.
             torch.cuda.reset_peak_memory_stats(device)
 
     def fit(self) -> list[float]:
         """Train until `train.steps`; returns the mean reward of every step run (for sweeps)."""
+        if self.evaluator is not None and self.step == 0 and self.evaluator.due(0, self.cfg.steps):
+            self.metrics.log({"step": 0, **self.evaluator.evaluate(0)})  # before_train: the initial weights
         while self.step < self.cfg.steps:
             faults.server_faults(self.step + 1, getattr(self.sync, "server", None))
             self.sync.check_health()
             row = self.train_step()
             if (self.step % self.cfg.checkpoint_every == 0) or self.step == self.cfg.steps:
                 self.save_checkpoint()  # FSDP2: every rank joins the gathers, rank 0 writes
+            if self.evaluator is not None and self.evaluator.due(self.step, self.cfg.steps):
+                row.update(self.evaluator.evaluate(self.step))
             self.metrics.log(row)
         return self.rewards
 
