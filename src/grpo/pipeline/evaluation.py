@@ -256,6 +256,7 @@ def build_evaluator(eval_cfg: Any, data_cfg: Any) -> Optional[Evaluator]:
     off otherwise (data=atropos). `eval.task` / `eval.rewards` / `eval.max_new_tokens` null take the training data's.
     When training is local the eval prompts are checked to be disjoint from what training can sample.
     """
+    from hydra.errors import InstantiationException
     from hydra.utils import instantiate
 
     train_task = data_cfg.get("task") if hasattr(data_cfg, "get") else None
@@ -272,7 +273,13 @@ def build_evaluator(eval_cfg: Any, data_cfg: Any) -> Optional[Evaluator]:
     if not rewards:
         raise ValueError("eval needs rewards: set eval.rewards (the training data has none)")
     max_new = eval_cfg.get("max_new_tokens") or data_cfg.get("max_new_tokens") or 16
-    evaluator = instantiate(eval_cfg, task=task, rewards=rewards, max_new_tokens=max_new, _recursive_=False)
+    try:
+        evaluator = instantiate(eval_cfg, task=task, rewards=rewards, max_new_tokens=max_new, _recursive_=False)
+    except InstantiationException as e:
+        # Hydra wraps the constructor's error; the user needs the message that names the key to change.
+        if isinstance(e.__cause__, (ValueError, TypeError, OSError)):
+            raise e.__cause__ from None
+        raise
     if train_task is not None:
         evaluator.check_disjoint(_build(train_task))
     return evaluator
