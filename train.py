@@ -26,7 +26,7 @@ from hydra.utils import get_class, instantiate
 from omegaconf import DictConfig
 
 from grpo.config import register_configs, validate
-from grpo.run import RunSummary, record_provenance
+from grpo.run import RunSummary, check_objective, objective_value, record_provenance
 
 register_configs()
 log = logging.getLogger("train")
@@ -39,7 +39,7 @@ def _sigterm_as_interrupt(signum, frame):  # noqa: ARG001
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="train")
 def main(cfg: DictConfig) -> float | None:
-    """Returns the mean reward of the last 10 steps (the objective sweeps optimise)."""
+    """Returns `train.objective` (default: the mean reward of the last 10 rollout batches), which sweeps optimise."""
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     multirun = HydraConfig.get().mode == RunMode.MULTIRUN
     rank0 = int(os.environ.get("RANK", "0")) == 0  # torchrun: rank 0 owns the run dir and every output
@@ -50,7 +50,8 @@ def main(cfg: DictConfig) -> float | None:
     summary = RunSummary(run_dir) if rank0 else None
     try:
         rewards = train(cfg, run_dir)
-        return summary.finish(rewards) if summary is not None else None
+        final = summary.finish(rewards) if summary is not None else None
+        return objective_value(run_dir, cfg.train.objective, final) if summary is not None else None
     except BaseException as e:
         if summary is not None:
             summary.fail(e)
@@ -65,6 +66,7 @@ def train(cfg: DictConfig, run_dir: Path) -> list[float]:
     """Build every component from the config, train, and tear everything down (also between multirun jobs)."""
     from transformers import AutoTokenizer
 
+    from grpo.pipeline.evaluation import build_evaluator
     from grpo.trainer.metrics import plot_curves
 
     torch.manual_seed(cfg.train.seed)
@@ -79,10 +81,12 @@ def train(cfg: DictConfig, run_dir: Path) -> list[float]:
     log.info("loss %s", loss_fn)
     data = instantiate(cfg.data, _recursive_=False) if rank0 else None
     log.info("data pipeline %s", type(data).__name__ if data is not None else "rank 0's")
+    evaluator = build_evaluator(cfg.eval, cfg.data) if rank0 else None  # bad eval input fails before a model loads
+    check_objective(cfg.train.objective, evaluator is not None)
     trainer = metrics = None
     try:
-        trainer, metrics = build_trainer(cfg, run_dir, model_dir, tokenizer, sync, loss_fn, data, resume_ckpt,
-                                         device, dist_info)
+        trainer, metrics = build_trainer(cfg, run_dir, model_dir, tokenizer, sync, loss_fn, data, evaluator,
+                                         resume_ckpt, device, dist_info)
         rewards = trainer.fit()
         if cfg.logging.plot and rank0:
             plot_curves(run_dir / "metrics.jsonl", run_dir / "curves.png", title=str(run_dir.name))
@@ -91,6 +95,8 @@ def train(cfg: DictConfig, run_dir: Path) -> list[float]:
         # Tear down in reverse order so a multirun's next job starts from a clean process table and memory.
         if metrics is not None:
             metrics.close()
+        if evaluator is not None:
+            evaluator.close()
         if data is not None:
             data.close()
         sync.shutdown()
@@ -179,10 +185,12 @@ def build_model(cfg: DictConfig, sync, sync_ctx, resume_ckpt: Path | None, devic
     return model
 
 
-def build_trainer(cfg, run_dir, model_dir, tokenizer, sync, loss_fn, data, resume_ckpt, device, dist_info):
-    """Launch the server, build model, optimizer, data source and metrics, restore a checkpoint; the trainer."""
+def build_trainer(cfg, run_dir, model_dir, tokenizer, sync, loss_fn, data, evaluator, resume_ckpt, device, dist_info):
+    """Launch the server, build model, optimizer, data source, evaluator and metrics, restore a checkpoint; the
+    trainer."""
     from grpo.pipeline.base import BatchShape, PipelineContext
     from grpo.pipeline.distributed import FollowerPipeline, LeaderPipeline
+    from grpo.pipeline.evaluation import EvalContext
     from grpo.sync.base import SyncContext
     from grpo.trainer import distributed
     from grpo.trainer.checkpoint import CheckpointManager
@@ -219,11 +227,15 @@ def build_trainer(cfg, run_dir, model_dir, tokenizer, sync, loss_fn, data, resum
                 advantage_norm=cfg.train.advantage_norm,
             ),
         ))
+    if evaluator is not None:
+        # Same server as the rollouts (the endpoint follows restarts and syncs); its own seeds and sampling.
+        evaluator.setup(EvalContext(tokenizer=tokenizer, endpoint=sync.endpoint, run_dir=run_dir, seed=cfg.train.seed,
+                                    total_steps=cfg.train.steps, max_seq_len=cfg.model.max_seq_len))
     metrics = MetricsLogger(run_dir, cfg.logging, cfg, cfg.train.steps, start_step) if data is not None else NullMetrics()
     trainer = GRPOTrainer(
         train_cfg=cfg.train, model=model, tokenizer=tokenizer, optimizer=optimizer, scheduler=scheduler,
         loss_fn=loss_fn, pipeline=source, sync=sync, checkpoints=checkpoints, metrics=metrics, device=device,
-        start_step=start_step, start_batch=start_batch, dist=dist_info,
+        start_step=start_step, start_batch=start_batch, dist=dist_info, evaluator=evaluator,
         logprob_fn=distributed.sharded_token_logprobs(model) if dist_info is not None else None,
     )
     return trainer, metrics

@@ -176,7 +176,7 @@ _OWN_SCHEMA = {
     "mode/lora_restart": "LoraRestartSyncConfig", "mode/lora_only": "LoraHotSwapSyncConfig",
     "mode/shared_vllm": "SharedMemorySyncConfig", "mode/broadcast": "NCCLBroadcastSyncConfig",
     "data/atropos": "AtroposDataConfig", "loss/grpo": "LossConfig", "layers/all": "LayersConfig",
-    "lora/attention": "LoraConfig",
+    "lora/attention": "LoraConfig", "eval/default": "EvalConfig",
 }
 
 

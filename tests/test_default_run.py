@@ -20,7 +20,9 @@ def test_default_run_reward_rises(tmp_path):
     out, marker = run_train(f"server.port={free_port()}", f"hydra.run.dir={run_dir}", timeout=900)
     assert out.returncode == 0, out.stderr[-3000:]
     assert_clean(marker)
-    rewards = [r["reward/mean"] for r in metrics(run_dir)]
+    rows = metrics(run_dir)
+    rewards = [r["reward/mean"] for r in rows if r["step"] > 0]  # step 0 is the held-out eval before training
+    assert [r["step"] for r in rows if "eval/accuracy" in r] == [0, 10, 20, 30, 40, 50, 60]
     assert len(rewards) == 60
     first, last = sum(rewards[:10]) / 10, sum(rewards[-10:]) / 10
     assert last - first >= MARGIN, (first, last)

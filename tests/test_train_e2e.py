@@ -17,9 +17,11 @@ from conftest import REPO, free_port
 pytestmark = pytest.mark.vllm
 
 # Small and quick: 4 prompts x 4 completions per step.
+# eval=off: these runs test training, resume and teardown; held-out eval (its step-0 row) is tested in
+# tests/test_evaluation.py.
 QUICK = [
     "data.prompts_per_step=4", "data.group_size=4", "train.micro_batch_size=8", "train.grad_accum=2",
-    "logging.progress_bar=false",
+    "logging.progress_bar=false", "eval=off",
 ]
 REQUIRED_KEYS = {"step", "loss", "reward/mean", "grpo/mean_ratio", "grpo/clipped_fraction", "sync/seconds",
                  "time/step_seconds", "tokens/trained"}

@@ -12,7 +12,10 @@ from typing import Any
 
 from grpo.trainer.metrics import read_metrics
 
-COLUMNS = ("job", "overrides", "status", "steps", "final_reward", "best_reward", "final_loss", "steps_per_s")
+COLUMNS = ("job", "overrides", "status", "steps", "final_reward", "best_reward", "final_loss", "steps_per_s",
+           "eval_first", "eval_best", "eval_last")
+# The held-out metric of the eval columns (first evaluation, best, last).
+EVAL_KEY = "eval/accuracy"
 
 
 def _overrides(job_dir: Path) -> str:
@@ -32,6 +35,7 @@ def job_row(job_dir: Path) -> dict[str, Any]:
     losses = [r["loss"] for r in rows if r.get("loss") is not None]
     step_s = [r["time/step_seconds"] for r in rows if r.get("time/step_seconds")]
     tail = rewards[-10:]
+    evals = [r[EVAL_KEY] for r in rows if r.get(EVAL_KEY) is not None]
     return {
         "job": job_dir.name,
         "overrides": _overrides(job_dir),
@@ -41,6 +45,9 @@ def job_row(job_dir: Path) -> dict[str, Any]:
         "best_reward": max(rewards) if rewards else None,
         "final_loss": losses[-1] if losses else None,
         "steps_per_s": len(step_s) / sum(step_s) if step_s else None,
+        "eval_first": evals[0] if evals else None,
+        "eval_best": max(evals) if evals else None,
+        "eval_last": evals[-1] if evals else None,
         "_rewards": [(r["step"], r["reward/mean"]) for r in rows if r.get("reward/mean") is not None],
     }
 

@@ -63,3 +63,22 @@ class RunSummary:
         status = "interrupted" if isinstance(error, KeyboardInterrupt) else "failed"
         self._write({"status": status, "error": f"{type(error).__name__}: {error}",
                      "traceback": "".join(traceback.format_exception(error))[-4000:]})
+
+
+def check_objective(key: str | None, eval_enabled: bool) -> None:
+    """Start-up check of `train.objective`: an `eval/` key needs the evaluator on."""
+    if key is not None and key.startswith("eval/") and not eval_enabled:
+        raise ValueError(f"train.objective={key} is an eval metric but eval is off; set eval.enabled=true "
+                         "(and eval.task for data=atropos) or train.objective=null")
+
+
+def objective_value(run_dir: Path, key: str | None, final_reward: float | None) -> float | None:
+    """What train.py returns: the last-10 mean reward when `key` is None, else the last logged value of `key`."""
+    if key is None:
+        return final_reward
+    from grpo.trainer.metrics import read_metrics
+
+    values = [r[key] for r in read_metrics(run_dir / "metrics.jsonl") if r.get(key) is not None]
+    if not values:
+        raise ValueError(f"train.objective={key}: no row of {run_dir / 'metrics.jsonl'} has this key")
+    return float(values[-1])

@@ -271,6 +271,32 @@ class LocalDataConfig:
     top_p: float = 1.0
 
 
+# ---------------------------------------------------------------- evaluation (conf/eval/)
+@dataclass
+class EvalConfig:
+    """Held-out evaluation inside the run; see grpo.pipeline.evaluation.Evaluator."""
+
+    _target_: str = "grpo.pipeline.evaluation.Evaluator"
+    # null = on when there is a task (local data or eval.task), off for data=atropos.
+    enabled: Optional[bool] = None
+    # null = data.task; rewards null = data.rewards; max_new_tokens null = data.max_new_tokens.
+    task: Any = None
+    rewards: Any = None
+    correct_reward: Optional[str] = None
+    correct_threshold: float = 1.0
+    before_train: bool = True
+    every: int = 10
+    at_end: bool = True
+    k: int = 4
+    samples_per_prompt: int = 8
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_new_tokens: Optional[int] = None
+    seed: int = 1234
+    max_concurrency: int = 16
+    samples_logged: int = 4
+
+
 # ---------------------------------------------------------------- training loop
 @dataclass
 class TrainConfig:
@@ -303,6 +329,8 @@ class TrainConfig:
     max_nonfinite_steps: int = 3
     # cpu | cuda | auto.
     device: Device = Device.auto
+    # What train.py returns: null = last-10 mean training reward; a metrics key = its last logged value.
+    objective: Optional[str] = None
 
 
 @dataclass
@@ -328,6 +356,7 @@ class RootConfig:
     mode: Any = MISSING
     server: ServerConfig = MISSING
     data: Any = MISSING
+    eval: Any = MISSING
     train: TrainConfig = field(default_factory=TrainConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     # Free-form name shown in logs and run dirs.
@@ -353,3 +382,4 @@ def register_configs() -> None:
     cs.store(group="mode", name="broadcast_schema", node=NCCLBroadcastSyncConfig)
     cs.store(group="data", name="atropos_schema", node=AtroposDataConfig)
     cs.store(group="data", name="local_schema", node=LocalDataConfig)
+    cs.store(group="eval", name="eval_schema", node=EvalConfig)

@@ -55,6 +55,10 @@ class MathAnswerReward:
             return 0.0
         return 1.0 if math.isclose(got, gold, rel_tol=self.tolerance, abs_tol=self.tolerance) else 0.0
 
+    def parses(self, prompt: Prompt, completion: str) -> bool:  # noqa: ARG002
+        """Whether the completion states any number this reward could grade (the evaluator counts those that don't)."""
+        return last_number(completion) is not None
+
 
 class AnswerFormatReward:
     """1.0 when the completion states a final numeric answer as '#### <number>' or '\\boxed{<number>}', else 0.0.

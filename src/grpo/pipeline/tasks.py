@@ -6,6 +6,7 @@ draw from global random state, so the same seed and step always give the same pr
 
 from __future__ import annotations
 
+import hashlib
 import json
 import random
 import re
@@ -30,7 +31,11 @@ class Prompt:
 
 
 class Task:
-    """Base of the built-in tasks: `sample(rng, n)` returns `n` prompts drawn from `rng` only."""
+    """Base of the built-in tasks: `sample(rng, n)` returns `n` prompts drawn from `rng` only.
+
+    A task with a held-out split also implements `eval_prompts()` (a fixed list `sample` never draws) and
+    `can_sample(prompt)` (whether `sample` may ever draw that prompt), which the evaluator uses to prove the split.
+    """
 
     def bind_tokenizer(self, tokenizer: Any) -> None:
         """Give the task the trainer's tokenizer (used for chat templates). Optional for tasks that need none."""
@@ -38,22 +43,69 @@ class Task:
     def sample(self, rng: random.Random, n: int) -> list[Prompt]:
         raise NotImplementedError
 
+    def eval_prompts(self) -> list[Prompt]:
+        """The held-out prompts: fixed, deterministic, never drawn by `sample`."""
+        raise NotImplementedError(f"{type(self).__name__} has no held-out split (eval_prompts); set eval.enabled=false")
+
+    def can_sample(self, prompt: Prompt) -> bool:
+        """True when `sample` may draw `prompt` (used to check that an eval set is disjoint from training)."""
+        raise NotImplementedError(f"{type(self).__name__} does not say which prompts it samples (can_sample)")
+
 
 class DigitsTask(Task):
     """Toy task: a random string of lowercase letters as the prompt, no answer.
 
     Paired with `DigitFractionReward` it is the smoke test of learning: a random tiny model starts near zero digits
     and learns to emit them within minutes on CPU.
+
+    Held-out split: `eval_size` distinct strings drawn from a fixed seed of their own; `sample` redraws any string
+    of that set, so training never sees one (at 8 characters a redraw happens about once in 10^9 draws, so the
+    training stream is the same as without a split).
     """
 
-    def __init__(self, prompt_chars: int = 8) -> None:
+    def __init__(self, prompt_chars: int = 8, eval_size: int = 32) -> None:
         if prompt_chars < 1:
             raise ValueError(f"DigitsTask.prompt_chars must be >= 1, got {prompt_chars}")
+        space = len(string.ascii_lowercase) ** prompt_chars
+        if eval_size < 0 or eval_size > space // 2:
+            raise ValueError(
+                f"DigitsTask.eval_size must be between 0 and half of the {space} possible prompts of "
+                f"{prompt_chars} characters, got {eval_size}"
+            )
         self.prompt_chars = prompt_chars
+        self.eval_size = eval_size
+        self._held_out = self._draw_held_out()
+
+    def _draw(self, rng: random.Random) -> str:
+        return "".join(rng.choice(string.ascii_lowercase) for _ in range(self.prompt_chars))
+
+    def _draw_held_out(self) -> tuple[str, ...]:
+        # Its own seed: the split is the same in every run and never touches a training stream.
+        rng = random.Random(f"grpo-digits-eval:{self.prompt_chars}")
+        picked: dict[str, None] = {}
+        while len(picked) < self.eval_size:
+            picked.setdefault(self._draw(rng))
+        return tuple(picked)
 
     def sample(self, rng: random.Random, n: int) -> list[Prompt]:
-        letters = string.ascii_lowercase
-        return [Prompt("".join(rng.choice(letters) for _ in range(self.prompt_chars))) for _ in range(n)]
+        held_out = set(self._held_out)
+        out = []
+        for _ in range(n):
+            text = self._draw(rng)
+            while text in held_out:
+                text = self._draw(rng)
+            out.append(Prompt(text))
+        return out
+
+    def eval_prompts(self) -> list[Prompt]:
+        if not self._held_out:
+            raise ValueError("DigitsTask.eval_size=0: no held-out prompts; set data.task.eval_size > 0 or eval.enabled=false")
+        return [Prompt(text) for text in self._held_out]
+
+    def can_sample(self, prompt: Prompt) -> bool:
+        text = prompt.text
+        return (len(text) == self.prompt_chars and all(c in string.ascii_lowercase for c in text)
+                and text not in self._held_out)
 
 
 def gsm8k_final_answer(answer: str) -> str:
@@ -68,13 +120,58 @@ class GSM8KTask(Task):
     `path=None` uses the small offline set shipped with the package (written for this project, not GSM8K itself);
     point `path` at GSM8K's own `train.jsonl`/`test.jsonl` for the real data set. With `chat_template=True` the
     question is rendered through the tokenizer's chat template (plain text when the tokenizer has none).
+
+    Held-out split (`eval_prompts`): the rows of `eval_path` (e.g. GSM8K's test.jsonl; an overlap with the training
+    file is an error), or else `eval_size` rows of `path` chosen by a hash of their question and removed from the
+    rows `sample` draws. `eval_size=0` and no `eval_path`: no split, every row trains.
     """
 
-    def __init__(self, path: Optional[str] = None, chat_template: bool = True) -> None:
+    def __init__(
+        self,
+        path: Optional[str] = None,
+        chat_template: bool = True,
+        eval_path: Optional[str] = None,
+        eval_size: int = 0,
+    ) -> None:
         self.path = Path(path).expanduser() if path else MINI_GSM8K
         self.chat_template = chat_template
         self.tokenizer: Any = None
-        self.rows = self._load(self.path)
+        # (tokenizer, rendered training prompts) cached for can_sample; rebuilt when the tokenizer changes.
+        self._rendered_rows: Optional[tuple[Any, set[str]]] = None
+        if eval_size < 0:
+            raise ValueError(f"GSM8KTask.eval_size must be >= 0, got {eval_size}")
+        # `rows` are what `sample` draws from; `eval_rows` the held-out split it never draws.
+        self.rows, self.eval_rows = self._split(self._load(self.path), eval_path, eval_size)
+
+    def _split(
+        self, rows: list[tuple[str, str]], eval_path: Optional[str], eval_size: int
+    ) -> tuple[list[tuple[str, str]], list[tuple[str, str]]]:
+        """Held-out rows: the file `eval_path` (its first `eval_size` rows; 0 = all), else `eval_size` rows of
+        `path` picked by a hash of their question (the same rows in every run) and removed from training."""
+        if eval_path:
+            held = self._load(Path(eval_path).expanduser())
+            held = held[:eval_size] if eval_size else held
+            train_questions = {q for q, _ in rows}
+            overlap = sum(q in train_questions for q, _ in held)
+            if overlap:
+                raise ValueError(
+                    f"GSM8KTask: {overlap} of the {len(held)} eval questions in {eval_path} also appear in the "
+                    f"training file {self.path}; use a disjoint eval file (e.g. GSM8K's test.jsonl)"
+                )
+            return rows, held
+        if eval_size == 0:
+            return rows, []
+        if eval_size >= len(rows):
+            raise ValueError(
+                f"GSM8KTask.eval_size={eval_size} leaves no training rows of the {len(rows)} in {self.path}; "
+                "lower it or give eval_path"
+            )
+        order = sorted(range(len(rows)), key=lambda i: hashlib.sha256(rows[i][0].encode()).hexdigest())
+        held_idx = set(order[:eval_size])
+        held = [rows[i] for i in sorted(held_idx)]
+        held_questions = {q for q, _ in held}
+        # A question repeated in the file stays on the held-out side in every copy.
+        return [r for r in rows if r[0] not in held_questions], held
 
     @staticmethod
     def _load(path: Path) -> list[tuple[str, str]]:
@@ -111,3 +208,16 @@ class GSM8KTask(Task):
     def sample(self, rng: random.Random, n: int) -> list[Prompt]:
         picks = [self.rows[rng.randrange(len(self.rows))] for _ in range(n)]
         return [Prompt(self.render(q), a) for q, a in picks]
+
+    def eval_prompts(self) -> list[Prompt]:
+        if not self.eval_rows:
+            raise ValueError(
+                f"GSM8KTask has no held-out rows (eval_size=0, no eval_path): set data.task.eval_size (a split of "
+                f"{self.path}) or data.task.eval_path (a test file), or eval.enabled=false"
+            )
+        return [Prompt(self.render(q), a) for q, a in self.eval_rows]
+
+    def can_sample(self, prompt: Prompt) -> bool:
+        if self._rendered_rows is None or self._rendered_rows[0] is not self.tokenizer:
+            self._rendered_rows = (self.tokenizer, {self.render(q) for q, _ in self.rows})
+        return prompt.text in self._rendered_rows[1]

@@ -6,7 +6,7 @@ import logging
 import math
 import time
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Protocol
 
 import torch
 from omegaconf import DictConfig
@@ -44,6 +44,15 @@ def process_stats() -> dict[str, float]:
     return {"memory/rss_gb": rss_pages * os.sysconf("SC_PAGE_SIZE") / 1024**3, "proc/open_fds": float(fds)}
 
 
+class StepEvaluator(Protocol):
+    """What the loop needs of an evaluator (grpo.pipeline.evaluation.Evaluator; typed here so the trainer does not
+    import the pipeline)."""
+
+    def due(self, step: int, total_steps: int) -> bool: ...
+
+    def evaluate(self, step: int) -> dict[str, float]: ...
+
+
 class NonFiniteError(RuntimeError):
     """Too many consecutive steps with a NaN/Inf loss or gradient."""
 
@@ -69,6 +78,7 @@ class GRPOTrainer:
         start_batch: Optional[int] = None,
         dist: Optional[distributed.DistInfo] = None,
         logprob_fn: Optional[Callable[..., torch.Tensor]] = None,
+        evaluator: Optional[StepEvaluator] = None,
     ) -> None:
         self.cfg = train_cfg
         self.model = model
@@ -96,6 +106,9 @@ class GRPOTrainer:
         self.fused = bool(train_cfg.fused_loss) and self.dist is None and can_fuse(model, loss_fn)
         self.token_logprobs = logprob_fn or (lambda *batch, **kw: token_logprobs(model, *batch, **kw))
         self.rewards: list[float] = []
+        # Held-out eval (rank 0 only; None when off). It runs after a rollout batch's sync, so it samples the
+        # weights of the step it is labelled with.
+        self.evaluator = evaluator
         if device.type == "cuda":
             # Peaks are per run: a multirun's earlier jobs must not leak into this one's figures.
             torch.cuda.reset_peak_memory_stats(device)
@@ -107,10 +120,15 @@ class GRPOTrainer:
 
     def fit(self) -> list[float]:
         """Train until `train.steps` optimizer steps; returns the mean reward of every rollout batch (for sweeps)."""
+        if self.evaluator is not None and self.step == 0 and self.evaluator.due(0, self.cfg.steps):
+            self.metrics.log({"step": 0, **self.evaluator.evaluate(0)})  # before_train: the initial weights
         while self.step < self.cfg.steps:
             self.sync.prepare_step(self.step + 1)
             first = self.step
             rows = self.train_batch()
+            if self.evaluator is not None and any(self.evaluator.due(s, self.cfg.steps)
+                                                  for s in range(first + 1, self.step + 1)):
+                rows[-1].update(self.evaluator.evaluate(self.step))
             every = self.cfg.checkpoint_every
             if self.step // every > first // every or self.step == self.cfg.steps:
                 self.save_checkpoint()  # at rollout-batch boundaries; FSDP2: every rank joins, rank 0 writes

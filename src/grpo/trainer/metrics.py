@@ -53,7 +53,7 @@ class MetricsLogger:
         if self._wandb is not None:
             self._wandb.log(clean, step=clean["step"])
         if self._bar is not None:
-            self._bar.update(1)
+            self._bar.update(1 if clean["step"] > 0 else 0)  # the step-0 row (eval before training) is no step
             self._bar.set_postfix({k.split("/")[-1]: f"{clean[k]:.3g}" for k in BAR_KEYS if isinstance(clean.get(k), float)})
 
     def close(self) -> None:
@@ -73,20 +73,36 @@ def read_metrics(path: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
 
 
+# Eval metrics drawn in the eval panel of curves.png, when a run has them.
+EVAL_PLOT_KEYS = ("eval/accuracy", "eval/pass@k", "eval/mean@k")
+
+
 def plot_curves(metrics_path: Path, out_path: Path, title: str = "") -> Path:
-    """PNG of reward and loss against step."""
+    """PNG of reward and loss against step, plus a panel of the held-out eval metrics when the run has them."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     rows = read_metrics(metrics_path)
-    steps = [r["step"] for r in rows]
-    fig, axes = plt.subplots(1, 2, figsize=(10, 3.8))
+    train_rows = [r for r in rows if r["step"] > 0]  # step 0 is the eval before training
+    eval_rows = [r for r in rows if r.get("eval/accuracy") is not None]
+    fig, axes = plt.subplots(1, 3 if eval_rows else 2, figsize=(15 if eval_rows else 10, 3.8))
+    steps = [r["step"] for r in train_rows]
     for ax, key in zip(axes, ("reward/mean", "loss")):
-        ax.plot(steps, [r.get(key) if r.get(key) is not None else float("nan") for r in rows], lw=1.5)
+        ax.plot(steps, [r.get(key) if r.get(key) is not None else float("nan") for r in train_rows], lw=1.5)
         ax.set_xlabel("optimizer step")
         ax.set_ylabel(key)
+        ax.grid(alpha=0.3)
+    if eval_rows:
+        ax = axes[2]
+        for key in EVAL_PLOT_KEYS:
+            vals = [r.get(key) if r.get(key) is not None else float("nan") for r in eval_rows]
+            ax.plot([r["step"] for r in eval_rows], vals, marker="o", lw=1.5, label=key.split("/")[1])
+        ax.set_xlabel("optimizer step (weights synced after it)")
+        ax.set_ylabel("held-out eval")
+        ax.set_ylim(-0.05, 1.05)
+        ax.legend(fontsize=8)
         ax.grid(alpha=0.3)
     if title:
         fig.suptitle(title)

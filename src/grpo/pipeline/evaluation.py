@@ -1,0 +1,285 @@
+"""Held-out evaluation inside a run (conf/eval/): greedy accuracy, pass@k and mean@k on prompts training never draws.
+
+The evaluator samples the policy through the run's own vLLM server (the `endpoint()` the sync strategy hands out),
+with sampling settings and seeds of its own: greedy (temperature 0) for accuracy, and `samples_per_prompt` seeded
+samples at `temperature` for pass@k (the unbiased estimator of Chen et al. 2021) and mean@k. It never draws from a
+training random stream: its prompts are the task's fixed `eval_prompts()` and its vLLM seeds are `eval.seed`.
+
+Which weights: the trainer calls `evaluate(step)` after step `step` has finished, i.e. after that step's sync, so
+the server serves the weights of the last sync at or before `step` (version `step` when `mode.sync_every=1`).
+`eval/weight_version` records the version every completion was generated with.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Mapping, Optional
+
+from grpo.inference.client import Completion, Endpoint, InferenceClient
+from grpo.pipeline.local import build_rewards
+from grpo.pipeline.tasks import Prompt, Task
+
+log = logging.getLogger(__name__)
+
+# Above this share of the run's wall clock spent in eval, close() prints a hint.
+EVAL_TIME_HINT_FRACTION = 0.25
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Unbiased pass@k from `n` samples of which `c` are correct (Chen et al. 2021): 1 - C(n-c, k) / C(n, k)."""
+    if not 0 <= c <= n or not 1 <= k <= n:
+        raise ValueError(f"pass@k needs 0 <= c <= n and 1 <= k <= n, got n={n}, c={c}, k={k}")
+    if n - c < k:
+        return 1.0
+    # The product form avoids huge binomials: C(n-c, k) / C(n, k) = prod_{i=n-c+1..n} (1 - k / i).
+    return 1.0 - math.prod(1.0 - k / i for i in range(n - c + 1, n + 1))
+
+
+@dataclass
+class EvalContext:
+    """What the evaluator learns from the trainer at setup."""
+
+    tokenizer: Any
+    # Returns the server to sample the current policy from (read anew before every eval: restarts move it).
+    endpoint: Callable[[], Endpoint]
+    run_dir: Path
+    # The run's training seed (recorded only: eval sampling uses `eval.seed`, so eval noise is the same across runs).
+    seed: int
+    total_steps: int
+    max_seq_len: int
+
+
+@dataclass
+class _Scored:
+    """One eval completion with its rewards."""
+
+    completion: Completion
+    text: str
+    reward: float
+    correct: bool
+    parsed: bool
+
+
+class Evaluator:
+    """Evaluates the served policy on a task's held-out prompts at step 0, every `every` steps and at the end.
+
+    Metrics of one evaluation (`evaluate(step)`): `eval/accuracy` (share of greedy completions that are correct),
+    `eval/pass@k`, `eval/mean@k` (share of the sampled completions that are correct), `eval/reward_mean` (greedy),
+    `eval/response_tokens_mean` (greedy), `eval/unparsed_fraction`, `eval/weight_version`, `eval/prompts`, `eval/k`,
+    `eval/seconds`. A completion is correct when the reward `correct_reward` gives it >= `correct_threshold`.
+    """
+
+    def __init__(
+        self,
+        task: Any,
+        rewards: Mapping[str, Any],
+        every: int = 10,
+        before_train: bool = True,
+        at_end: bool = True,
+        k: int = 4,
+        samples_per_prompt: int = 8,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        max_new_tokens: int = 16,
+        correct_reward: Optional[str] = None,
+        correct_threshold: float = 1.0,
+        seed: int = 1234,
+        max_concurrency: int = 16,
+        samples_logged: int = 4,
+        enabled: Optional[bool] = True,  # noqa: ARG002 (read by build_evaluator; accepted so the node instantiates)
+    ) -> None:
+        if k < 1 or samples_per_prompt < k:
+            raise ValueError(f"eval.k must be >= 1 and <= eval.samples_per_prompt, got k={k}, "
+                             f"samples_per_prompt={samples_per_prompt}")
+        if temperature <= 0:
+            raise ValueError(f"eval.temperature must be > 0 (it is the pass@k sampling temperature), got {temperature}")
+        if every < 0 or max_new_tokens < 1 or max_concurrency < 1 or samples_logged < 0:
+            raise ValueError("eval.every, eval.samples_logged must be >= 0 and eval.max_new_tokens, "
+                             f"eval.max_concurrency >= 1, got {every}, {samples_logged}, {max_new_tokens}, {max_concurrency}")
+        self.task: Task = _build(task)
+        self.rewards = build_rewards(rewards)
+        self.correct_reward = correct_reward or next(iter(self.rewards))
+        if self.correct_reward not in self.rewards:
+            raise ValueError(f"eval.correct_reward={correct_reward!r} is not one of the rewards {sorted(self.rewards)}")
+        self.every, self.before_train, self.at_end = int(every), bool(before_train), bool(at_end)
+        self.k, self.n = int(k), int(samples_per_prompt)
+        self.temperature, self.top_p = float(temperature), float(top_p)
+        self.max_new_tokens, self.correct_threshold = int(max_new_tokens), float(correct_threshold)
+        self.seed, self.max_concurrency, self.samples_logged = int(seed), int(max_concurrency), int(samples_logged)
+        self.ctx: Optional[EvalContext] = None
+        self.prompts: list[Prompt] = []
+        self.prompt_ids: list[list[int]] = []
+        self.dropped_prompts = 0
+        self.total_seconds = 0.0
+        self.started = time.monotonic()
+        self._client: Optional[InferenceClient] = None
+
+    # ------------------------------------------------------------------ lifecycle
+    def setup(self, ctx: EvalContext) -> None:
+        """Render and tokenize the held-out prompts once; errors (empty split, every prompt too long) stop here."""
+        self.ctx = ctx
+        self.task.bind_tokenizer(ctx.tokenizer)
+        prompts = self.task.eval_prompts()
+        if not prompts:
+            raise ValueError(f"{type(self.task).__name__}.eval_prompts() is empty; give the task a held-out split")
+        ids = [ctx.tokenizer.encode(p.text, add_special_tokens=False) for p in prompts]
+        keep = [i for i, x in enumerate(ids) if 0 < len(x) < ctx.max_seq_len]
+        self.dropped_prompts = len(prompts) - len(keep)
+        if not keep:
+            raise ValueError(f"every eval prompt is empty or has >= model.max_seq_len={ctx.max_seq_len} tokens")
+        if self.dropped_prompts:
+            log.warning("eval: %d of %d held-out prompts dropped (empty or >= max_seq_len tokens)",
+                        self.dropped_prompts, len(prompts))
+        self.prompts, self.prompt_ids = [prompts[i] for i in keep], [ids[i] for i in keep]
+        self.started = time.monotonic()
+        log.info("eval: %d held-out prompts, greedy + %d samples each (pass@%d) at temperature %g",
+                 len(self.prompts), self.n, self.k, self.temperature)
+
+    def check_disjoint(self, training_task: Task) -> None:
+        """Raise when the training task could sample any eval prompt (the split would leak into training)."""
+        prompts = self.task.eval_prompts()
+        leaked = sum(training_task.can_sample(p) for p in prompts)
+        if leaked:
+            raise ValueError(
+                f"{leaked} of the {len(prompts)} eval prompts of {type(self.task).__name__} can be drawn by the training "
+                f"task {type(training_task).__name__}; leave eval.task null (the training task's own held-out split) or "
+                "give the training task the same held-out split"
+            )
+
+    def due(self, step: int, total_steps: int) -> bool:
+        """Step 0 when `before_train`, every `every` steps, and the last step when `at_end`."""
+        if step == 0:
+            return self.before_train
+        return (self.at_end and step == total_steps) or (self.every > 0 and step % self.every == 0)
+
+    def close(self) -> None:
+        """Print a hint when eval took more than a quarter of the wall clock since setup; release the client."""
+        wall = time.monotonic() - self.started
+        if self.total_seconds > EVAL_TIME_HINT_FRACTION * wall > 0:
+            log.warning("eval took %.0f%% of the run's %.0f s: use fewer eval prompts (task.eval_size) or a higher "
+                        "eval.every", 100 * self.total_seconds / wall, wall)
+        if self._client is not None:
+            self._client.close()
+            self._client = None
+
+    # ------------------------------------------------------------------ one evaluation
+    def evaluate(self, step: int) -> dict[str, float]:
+        """Generate on every held-out prompt (greedy and sampled), score, append samples; returns `eval/*` metrics."""
+        assert self.ctx is not None, "Evaluator.setup() was not called"
+        t0 = time.monotonic()
+        endpoint = self.ctx.endpoint()
+        client = self._client_for(endpoint.base_url)
+        longest = max(len(x) for x in self.prompt_ids)
+        max_tokens = max(1, min(self.max_new_tokens, self.ctx.max_seq_len - longest))
+        common = dict(max_tokens=max_tokens, top_p=self.top_p, model=endpoint.model)
+        # Greedy and sampled requests each send the whole eval set at once; the client bounds the concurrency.
+        greedy = client.generate(self.prompt_ids, n=1, temperature=0.0, **common)
+        sampled = client.generate(self.prompt_ids, n=self.n, temperature=self.temperature, seed=self.seed, **common)
+        greedy_scored = [self._score(p, outs[0]) for p, outs in zip(self.prompts, greedy)]
+        sampled_scored = [[self._score(p, c) for c in outs] for p, outs in zip(self.prompts, sampled)]
+        metrics = self._metrics(greedy_scored, sampled_scored)
+        self._write_samples(step, greedy_scored)
+        seconds = time.monotonic() - t0
+        self.total_seconds += seconds
+        metrics["eval/seconds"] = seconds
+        return metrics
+
+    def _client_for(self, url: str) -> InferenceClient:
+        # The sync strategy may restart the server on another URL; follow it.
+        if self._client is None or self._client.base_url != url.rstrip("/").removesuffix("/v1"):
+            if self._client is not None:
+                self._client.close()
+            self._client = InferenceClient(url, max_concurrency=self.max_concurrency)
+        return self._client
+
+    def _score(self, prompt: Prompt, completion: Completion) -> _Scored:
+        text = self.ctx.tokenizer.decode(completion.token_ids, skip_special_tokens=True)
+        total, parsed, correct = 0.0, True, False
+        for name, (fn, weight) in self.rewards.items():
+            r = float(fn(prompt, text))
+            total += weight * r
+            if name == self.correct_reward:
+                correct = r >= self.correct_threshold
+            if hasattr(fn, "parses"):
+                parsed = parsed and bool(fn.parses(prompt, text))
+        return _Scored(completion, text, total, correct, parsed)
+
+    def _metrics(self, greedy: list[_Scored], sampled: list[list[_Scored]]) -> dict[str, float]:
+        everything = greedy + [s for per_prompt in sampled for s in per_prompt]
+        unparsed = sum(not s.parsed for s in everything)
+        if unparsed == len(everything):
+            log.warning("eval: none of the %d eval completions states an answer the reward can parse; accuracy "
+                        "is 0 because nothing was graded (check the prompt format or the reward)", unparsed)
+        versions = {s.completion.weight_version for s in everything}
+        if len(versions) > 1:
+            log.warning("eval: completions came from several weight versions %s (a sync ran during eval)", sorted(versions))
+        return {
+            "eval/accuracy": sum(s.correct for s in greedy) / len(greedy),
+            "eval/pass@k": sum(pass_at_k(self.n, sum(s.correct for s in ps), self.k) for ps in sampled) / len(sampled),
+            "eval/mean@k": sum(s.correct for ps in sampled for s in ps) / (self.n * len(sampled)),
+            "eval/reward_mean": sum(s.reward for s in greedy) / len(greedy),
+            "eval/response_tokens_mean": sum(len(s.completion.token_ids) for s in greedy) / len(greedy),
+            "eval/unparsed_fraction": unparsed / len(everything),
+            "eval/weight_version": float(min(versions)),
+            "eval/prompts": float(len(greedy)),
+            "eval/k": float(self.k),
+        }
+
+    def _write_samples(self, step: int, greedy: list[_Scored]) -> None:
+        # The same first prompts every time, so a reader can follow one prompt's answer through training.
+        with open(self.ctx.run_dir / "eval_samples.jsonl", "a", encoding="utf-8") as f:
+            for prompt, s in zip(self.prompts[: self.samples_logged], greedy):
+                f.write(json.dumps({
+                    "step": step, "weight_version": s.completion.weight_version, "prompt": prompt.text,
+                    "answer": prompt.answer, "completion": s.text, "reward": s.reward, "correct": s.correct,
+                }) + "\n")
+
+
+def _build(node: Any) -> Any:
+    """Build an object from a `_target_` config node; pass already-built objects through."""
+    if isinstance(node, Mapping) or type(node).__name__ == "DictConfig":
+        from hydra.utils import instantiate
+
+        return instantiate(node, _convert_="all")
+    return node
+
+
+def build_evaluator(eval_cfg: Any, data_cfg: Any) -> Optional[Evaluator]:
+    """The run's evaluator from `cfg.eval`, or None when eval is off.
+
+    `eval.enabled: null` means on when there is a task to evaluate (the local data's own task, or `eval.task`) and
+    off otherwise (data=atropos). `eval.task` / `eval.rewards` / `eval.max_new_tokens` null take the training data's.
+    When training is local the eval prompts are checked to be disjoint from what training can sample.
+    """
+    from hydra.errors import InstantiationException
+    from hydra.utils import instantiate
+
+    train_task = data_cfg.get("task") if hasattr(data_cfg, "get") else None
+    task = eval_cfg.get("task") or train_task
+    enabled = eval_cfg.get("enabled")
+    if enabled is None:
+        enabled = task is not None
+    if not enabled:
+        return None
+    if task is None:
+        raise ValueError("eval.enabled=true but the training data (data=atropos) has no task to evaluate: name one, "
+                         "e.g. eval.task._target_=grpo.pipeline.tasks.GSM8KTask, or set eval.enabled=false")
+    rewards = eval_cfg.get("rewards") or data_cfg.get("rewards")
+    if not rewards:
+        raise ValueError("eval needs rewards: set eval.rewards (the training data has none)")
+    max_new = eval_cfg.get("max_new_tokens") or data_cfg.get("max_new_tokens") or 16
+    try:
+        evaluator = instantiate(eval_cfg, task=task, rewards=rewards, max_new_tokens=max_new, _recursive_=False)
+    except InstantiationException as e:
+        # Hydra wraps the constructor's error; the user needs the message that names the key to change.
+        if isinstance(e.__cause__, (ValueError, TypeError, OSError)):
+            raise e.__cause__ from None
+        raise
+    if train_task is not None:
+        evaluator.check_disjoint(_build(train_task))
+    return evaluator

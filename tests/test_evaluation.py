@@ -1,0 +1,271 @@
+"""Held-out evaluation (grpo.pipeline.evaluation): pass@k estimator, disjoint splits, the evaluator on the real
+vLLM engine, and eval inside a `train.py` run (rows at step 0, every N and the end; training unchanged by eval)."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import logging
+import random
+from pathlib import Path
+
+import pytest
+from omegaconf import OmegaConf
+
+from conftest import free_port
+from grpo.pipeline.evaluation import EvalContext, Evaluator, build_evaluator, pass_at_k
+from grpo.pipeline.rewards import DigitFractionReward, MathAnswerReward
+from grpo.pipeline.tasks import MINI_GSM8K, DigitsTask, GSM8KTask, Prompt
+
+DIGITS = {"_target_": "grpo.pipeline.tasks.DigitsTask", "prompt_chars": 8, "eval_size": 6}
+DIGIT_REWARDS = {"digits": {"_target_": "grpo.pipeline.rewards.DigitFractionReward", "weight": 1.0}}
+
+
+# ---------------------------------------------------------------- pass@k
+def brute_force_pass_at_k(correct: list[bool], k: int) -> float:
+    """Share of all k-subsets of the samples that hold at least one correct sample."""
+    subsets = list(itertools.combinations(correct, k))
+    return sum(any(s) for s in subsets) / len(subsets)
+
+
+@pytest.mark.parametrize("correct", [
+    [False] * 6,
+    [True] + [False] * 7,
+    [False, True, False, False, True, False, False, False, False, True],
+    [True, True, False, True, False, True, True, False],
+    [True] * 5,
+])
+def test_pass_at_k_matches_brute_force_over_all_subsets(correct):
+    n, c = len(correct), sum(correct)
+    for k in range(1, n + 1):
+        assert pass_at_k(n, c, k) == pytest.approx(brute_force_pass_at_k(correct, k), abs=1e-12), (n, c, k)
+    assert pass_at_k(n, c, 1) == pytest.approx(c / n)
+
+
+def test_pass_at_k_rejects_impossible_counts():
+    for n, c, k in [(4, 5, 1), (4, 1, 0), (4, 1, 5), (4, -1, 2)]:
+        with pytest.raises(ValueError, match="pass@k"):
+            pass_at_k(n, c, k)
+
+
+# ---------------------------------------------------------------- held-out splits
+def test_digits_held_out_split_is_fixed_and_never_sampled():
+    # 2 characters: 676 possible prompts, so training draws cover every one of them that is not held out.
+    task = DigitsTask(prompt_chars=2, eval_size=50)
+    held = [p.text for p in task.eval_prompts()]
+    assert len(set(held)) == 50 and held == [p.text for p in DigitsTask(prompt_chars=2, eval_size=50).eval_prompts()]
+    drawn = {p.text for p in task.sample(random.Random(0), 20_000)}
+    assert drawn.isdisjoint(held)
+    assert len(drawn) == 26**2 - 50  # every other prompt is drawn: the exclusion removed exactly the held-out ones
+    assert not any(task.can_sample(p) for p in task.eval_prompts())
+    assert all(task.can_sample(Prompt(t)) for t in drawn)
+    # The default shape: 8 characters, and the training stream is what it was before the split existed.
+    default = DigitsTask()
+    assert not any(default.can_sample(p) for p in default.eval_prompts())
+    rng_a, rng_b = random.Random(5), random.Random(5)
+    letters = "abcdefghijklmnopqrstuvwxyz"
+    assert [p.text for p in default.sample(rng_a, 50)] == [
+        "".join(rng_b.choice(letters) for _ in range(8)) for _ in range(50)
+    ]
+    with pytest.raises(ValueError, match="eval_size"):
+        DigitsTask(prompt_chars=1, eval_size=20)
+    with pytest.raises(ValueError, match="eval_size=0"):
+        DigitsTask(eval_size=0).eval_prompts()
+
+
+def test_gsm8k_held_out_split_of_rows_and_eval_file(tmp_path):
+    task = GSM8KTask(eval_size=12, chat_template=False)
+    all_rows = GSM8KTask(chat_template=False).rows
+    held = {p.text for p in task.eval_prompts()}
+    assert len(held) == 12 and len(task.rows) == len(all_rows) - 12
+    assert held == {p.text for p in GSM8KTask(eval_size=12, chat_template=False).eval_prompts()}  # deterministic
+    drawn = task.sample(random.Random(0), 2000)
+    assert {p.text for p in drawn}.isdisjoint(held)
+    assert len({p.text for p in drawn}) == len(task.rows)
+    assert not any(task.can_sample(p) for p in task.eval_prompts()) and all(task.can_sample(p) for p in drawn)
+
+    # A separate eval file: training keeps every row of its own file; an overlap is refused with a count.
+    rows = [json.loads(x) for x in MINI_GSM8K.read_text().splitlines() if x.strip()]
+    overlapping = tmp_path / "overlap.jsonl"
+    overlapping.write_text("".join(json.dumps(r) + "\n" for r in rows[:3]))
+    with pytest.raises(ValueError, match="3 of the 3 eval questions"):
+        GSM8KTask(eval_path=str(overlapping))
+    train_file, test_file = tmp_path / "train.jsonl", tmp_path / "test.jsonl"
+    train_file.write_text("".join(json.dumps(r) + "\n" for r in rows[5:]))
+    test_file.write_text("".join(json.dumps(r) + "\n" for r in rows[:5]))
+    split = GSM8KTask(path=str(train_file), eval_path=str(test_file), eval_size=4, chat_template=False)
+    assert len(split.rows) == len(rows) - 5 and [p.answer for p in split.eval_prompts()] == [
+        GSM8KTask(path=str(test_file)).rows[i][1] for i in range(4)
+    ]
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("\n")
+    with pytest.raises(ValueError, match="holds no rows"):
+        GSM8KTask(eval_path=str(empty))
+    with pytest.raises(FileNotFoundError, match="missing.jsonl"):
+        GSM8KTask(eval_path=str(tmp_path / "missing.jsonl"))
+    with pytest.raises(ValueError, match="no held-out rows"):
+        GSM8KTask().eval_prompts()
+
+
+# ---------------------------------------------------------------- configuration
+def test_build_evaluator_defaults_and_bad_input():
+    local = OmegaConf.create({"task": DIGITS, "rewards": DIGIT_REWARDS, "max_new_tokens": 8})
+    atropos = OmegaConf.create({"_target_": "grpo.pipeline.atropos.AtroposPipeline", "url": "http://x"})
+    node = {"_target_": "grpo.pipeline.evaluation.Evaluator", "enabled": None, "task": None, "rewards": None,
+            "max_new_tokens": None}
+    ev = build_evaluator(OmegaConf.create(node), local)
+    assert isinstance(ev, Evaluator) and ev.max_new_tokens == 8 and ev.correct_reward == "digits"
+    assert build_evaluator(OmegaConf.create({**node, "enabled": False}), local) is None
+    assert build_evaluator(OmegaConf.create(node), atropos) is None  # off for Atropos unless a task is named
+    with pytest.raises(ValueError, match="eval.task"):
+        build_evaluator(OmegaConf.create({**node, "enabled": True}), atropos)
+    named = build_evaluator(OmegaConf.create({**node, "task": DIGITS, "rewards": DIGIT_REWARDS}), atropos)
+    assert isinstance(named.task, DigitsTask)
+    with pytest.raises(ValueError, match="eval.k"):
+        build_evaluator(OmegaConf.create({**node, "k": 0}), local)
+    with pytest.raises(ValueError, match="eval.k"):
+        build_evaluator(OmegaConf.create({**node, "k": 9, "samples_per_prompt": 8}), local)
+    with pytest.raises(ValueError, match="correct_reward"):
+        build_evaluator(OmegaConf.create({**node, "correct_reward": "nope"}), local)
+    # An eval task whose prompts the training task can draw: GSM8K rows held out from an eval copy only.
+    gsm_train = OmegaConf.create({"task": {"_target_": "grpo.pipeline.tasks.GSM8KTask", "eval_size": 0},
+                                  "rewards": {"correct": {"_target_": "grpo.pipeline.rewards.MathAnswerReward"}}})
+    with pytest.raises(ValueError, match="12 of the 12 eval prompts"):
+        build_evaluator(OmegaConf.create({**node, "task": {"_target_": "grpo.pipeline.tasks.GSM8KTask",
+                                                            "eval_size": 12}}), gsm_train)
+
+
+def test_due_schedule():
+    ev = Evaluator(task=DigitsTask(eval_size=2), rewards={"d": DigitFractionReward()}, every=3)
+    assert [s for s in range(0, 11) if ev.due(s, 10)] == [0, 3, 6, 9, 10]
+    quiet = Evaluator(task=DigitsTask(eval_size=2), rewards={"d": DigitFractionReward()}, every=0,
+                      before_train=False, at_end=False)
+    assert [s for s in range(0, 11) if quiet.due(s, 10)] == []
+
+
+# ---------------------------------------------------------------- the evaluator on the real engine
+class NeverParses:
+    """A reward that never finds an answer (the evaluator must warn, not report a silent 0)."""
+
+    def __call__(self, prompt, completion):  # noqa: ARG002
+        return 0.0
+
+    def parses(self, prompt, completion):  # noqa: ARG002
+        return False
+
+
+@pytest.mark.vllm
+def test_evaluator_against_vllm(vllm_server, tiny_qwen2_dir, tmp_path, caplog):
+    from transformers import AutoTokenizer
+
+    from grpo.inference.client import Endpoint
+
+    tok = AutoTokenizer.from_pretrained(tiny_qwen2_dir)
+    endpoint = lambda: Endpoint(vllm_server.url, None, 0)  # noqa: E731
+    ctx = EvalContext(tokenizer=tok, endpoint=endpoint, run_dir=tmp_path, seed=0, total_steps=4, max_seq_len=512)
+    ev = Evaluator(task=DigitsTask(eval_size=6), rewards={"digits": DigitFractionReward()}, k=2,
+                   samples_per_prompt=3, max_new_tokens=8, correct_threshold=0.5, samples_logged=2)
+    ev.setup(ctx)
+    first, again = ev.evaluate(0), ev.evaluate(1)
+    ev.close()
+    for key in ("eval/accuracy", "eval/pass@k", "eval/mean@k", "eval/reward_mean", "eval/unparsed_fraction"):
+        assert 0.0 <= first[key] <= 1.0, key
+    assert first["eval/prompts"] == 6 and first["eval/k"] == 2 and 1 <= first["eval/response_tokens_mean"] <= 8
+    assert first["eval/weight_version"] == 0 and first["eval/seconds"] > 0
+    assert first["eval/pass@k"] >= first["eval/mean@k"]  # pass@2 of the same samples can only be higher
+    # Fixed prompts, greedy and seeded samples, same weights: the same figures twice.
+    assert {k: v for k, v in first.items() if k != "eval/seconds"} == {
+        k: v for k, v in again.items() if k != "eval/seconds"}
+    lines = [json.loads(x) for x in (tmp_path / "eval_samples.jsonl").read_text().splitlines()]
+    assert [x["step"] for x in lines] == [0, 0, 1, 1]
+    assert lines[0]["prompt"] == ev.prompts[0].text and lines[0]["reward"] == DigitFractionReward()(
+        ev.prompts[0], lines[0]["completion"])
+
+    # A reward that parses nothing: a warning with the count, and the fraction in the metrics.
+    blind = Evaluator(task=DigitsTask(eval_size=3), rewards={"math": NeverParses()}, k=1, samples_per_prompt=2,
+                      max_new_tokens=4)
+    blind.setup(ctx)
+    with caplog.at_level(logging.WARNING, logger="grpo.pipeline.evaluation"):
+        m = blind.evaluate(0)
+    blind.close()
+    assert m["eval/unparsed_fraction"] == 1.0
+    assert "none of the 9 eval completions" in caplog.text
+
+
+def test_math_reward_reports_what_it_parses():
+    r = MathAnswerReward()
+    assert r.parses(Prompt("q", "4"), "so #### 4") and not r.parses(Prompt("q", "4"), "no idea")
+
+
+# ---------------------------------------------------------------- inside train.py
+QUICK = ["data.prompts_per_step=4", "data.group_size=4", "train.micro_batch_size=8", "train.grad_accum=2",
+         "logging.progress_bar=false", "train.steps=3", "train.checkpoint_every=10", "data.max_new_tokens=8",
+         "data.task.eval_size=8", "eval.samples_per_prompt=4", "eval.k=2"]
+# Columns of the training part of a row (timing, memory and eval columns excluded).
+TRAIN_KEYS = ("reward/mean", "reward/weighted", "reward/digits", "loss", "grad_norm", "grpo/mean_ratio",
+              "grpo/logprob_diff", "tokens/trained", "completion/mean_tokens", "sync/version")
+
+
+def _train(run_dir: Path, *overrides: str) -> list[dict]:
+    from test_train_e2e import assert_clean, metrics, run_train
+
+    out, marker = run_train(*QUICK, f"server.port={free_port()}", f"hydra.run.dir={run_dir}", *overrides)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert_clean(marker)
+    return metrics(run_dir)
+
+
+@pytest.fixture(scope="module")
+def eval_run(tmp_path_factory) -> tuple[Path, list[dict]]:
+    run_dir = tmp_path_factory.mktemp("eval_on") / "run"
+    return run_dir, _train(run_dir, "eval.every=2", "train.objective=eval/accuracy")
+
+
+@pytest.mark.vllm
+def test_eval_rows_at_step0_every_n_and_end(eval_run):
+    run_dir, rows = eval_run
+    assert [r["step"] for r in rows] == [0, 1, 2, 3]
+    evaluated = [r["step"] for r in rows if "eval/accuracy" in r]
+    assert evaluated == [0, 2, 3]  # before training, every 2 steps, and at the end
+    assert "reward/mean" not in rows[0] and "loss" not in rows[0]  # the step-0 row is eval only
+    for r in rows:
+        if r["step"] in evaluated:
+            assert {"eval/pass@k", "eval/mean@k", "eval/reward_mean", "eval/response_tokens_mean", "eval/seconds"} <= set(r)
+            # mode=none syncs after every step: the eval after step N sampled weight version N.
+            assert r["eval/weight_version"] == r["step"]
+    samples = [json.loads(x) for x in (run_dir / "eval_samples.jsonl").read_text().splitlines()]
+    assert sorted({s["step"] for s in samples}) == [0, 2, 3]
+    assert (run_dir / "curves.png").stat().st_size > 0
+    assert json.loads((run_dir / "summary.json").read_text())["status"] == "completed"
+
+    from grpo.report import job_row
+
+    row = job_row(run_dir)
+    assert row["eval_first"] == rows[0]["eval/accuracy"] and row["eval_last"] == rows[-1]["eval/accuracy"]
+
+
+@pytest.mark.vllm
+def test_training_metrics_identical_with_eval_on_and_off(eval_run, tmp_path):
+    _, with_eval = eval_run
+    without = _train(tmp_path / "off", "eval=off")
+    assert [r["step"] for r in without] == [1, 2, 3]
+    assert not any(k.startswith("eval/") for r in without for k in r)
+    trained = [r for r in with_eval if r["step"] > 0]
+    for a, b in zip(trained, without):
+        for key in TRAIN_KEYS:
+            assert a[key] == pytest.approx(b[key], rel=1e-6, abs=1e-7), (a["step"], key)
+
+
+def test_objective_selects_last_eval_value(tmp_path):
+    from grpo.run import check_objective, objective_value
+
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in [
+        {"step": 0, "eval/accuracy": 0.1}, {"step": 1, "reward/mean": 0.5},
+        {"step": 2, "reward/mean": 0.7, "eval/accuracy": 0.4}, {"step": 3, "reward/mean": 0.9}]))
+    assert objective_value(tmp_path, None, 0.8) == 0.8  # default: the last-10 training reward given
+    assert objective_value(tmp_path, "eval/accuracy", 0.8) == 0.4
+    with pytest.raises(ValueError, match="eval/pass@k"):
+        objective_value(tmp_path, "eval/pass@k", 0.8)
+    with pytest.raises(ValueError, match="eval is off"):
+        check_objective("eval/accuracy", eval_enabled=False)
+    check_objective("eval/accuracy", eval_enabled=True)
