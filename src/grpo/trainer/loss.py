@@ -14,7 +14,7 @@ handled by truncated importance sampling instead of inside the PPO ratio (see ``
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 
@@ -146,51 +146,19 @@ class GRPOLoss:
         """
         mask = mask.to(logprobs.dtype)
         valid = mask > 0
-        lp_det = logprobs.detach()
-        # Rollout log-probs: missing (NaN), non-finite or outside the loss mask → on-policy. Also keeps the prompt's
-        # 1.0 placeholders and padding out of exp(), where an inf would turn 0 * inf into NaN gradients.
-        inf = inference_logprobs.to(logprobs.dtype)
-        rollout = torch.where(valid & torch.isfinite(inf), inf, lp_det)
         adv = advantages.to(logprobs.dtype)
         if adv.dim() == 1:
             adv = adv[:, None].expand_as(logprobs)
-
-        log_ratio = logprobs - rollout
-        ratio = torch.exp(log_ratio.clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO))
-        ratio_det = ratio.detach()
-        if old_logprobs is not None:
-            old = torch.where(valid, old_logprobs.to(logprobs.dtype), lp_det)
-            pg_ratio = torch.exp((logprobs - old).clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO))
-            off_policy = torch.exp((old - rollout).clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO))
-            tis_src = off_policy
-            tis_w = off_policy.clamp(max=self.tis_cap) if self.tis_cap is not None else None
-        elif self.tis_cap is not None:
-            old = lp_det
-            tis_src = ratio_det
-            tis_w = ratio_det.clamp(max=self.tis_cap)
-            pg_ratio = torch.exp(logprobs - lp_det)  # proximal ratio: 1 in value, grad of logp
-        else:
-            old = rollout
-            tis_w = None
-            pg_ratio = ratio
-
-        lo, hi = 1.0 - self.clip_eps, 1.0 + self.clip_eps_high
-        unclipped = pg_ratio * adv
-        clipped = pg_ratio.clamp(lo, hi) * adv
-        obj = torch.minimum(unclipped, clipped)
-        dual_active = torch.zeros_like(valid)
-        if self.dual_clip is not None:
-            floor = self.dual_clip * adv
-            dual_active = (adv < 0) & (obj < floor)
-            obj = torch.where(adv < 0, torch.maximum(obj, floor), obj)
-        if tis_w is not None:
-            obj = obj * tis_w
+        r = self._ratios(logprobs, inference_logprobs, valid, old_logprobs)
+        obj, dual_active = self._clipped_objective(r["pg_ratio"], adv)
+        if r["tis_w"] is not None:
+            obj = obj * r["tis_w"]
         per_token = -obj
 
-        kl_ref = rollout
+        kl_ref = r["rollout"]
         if ref_logprobs is not None:
             ref = ref_logprobs.to(logprobs.dtype)
-            kl_ref = torch.where(valid & torch.isfinite(ref), ref, rollout)
+            kl_ref = torch.where(valid & torch.isfinite(ref), ref, r["rollout"])
         kl = self.kl(logprobs, kl_ref)
         if self.kl_coef > 0:
             per_token = per_token + self.kl_coef * kl
@@ -199,33 +167,78 @@ class GRPOLoss:
         loss = self._aggregate(per_token, mask, total_tokens, total_sequences, max_tokens)
         if not with_metrics:
             return loss, {}
+        return loss, self._metrics(logprobs.detach(), r, adv, mask, valid, kl, dual_active)
 
-        with torch.no_grad():
-            n = mask.sum().clamp(min=1)
-            pr = pg_ratio.detach()
-            low = valid & (adv < 0) & (pr < lo)
-            high = valid & (adv > 0) & (pr > hi)
-            log_r_old = (lp_det - old) * mask
-            metrics = {
-                "grpo/mean_ratio": float((ratio_det * mask).sum() / n),
-                # Against pi_old (what the clip sees): how far this update has moved the policy.
-                "grpo/ratio_old_mean": float((pr * mask).sum() / n),
-                "grpo/ratio_old_max": float(torch.where(valid, pr, torch.zeros_like(pr)).max()) if bool(valid.any()) else 1.0,
-                "grpo/approx_kl_old": float((0.5 * log_r_old * log_r_old).sum() / n),
-                "grpo/clipped_fraction": float((low | high).sum() / n),
-                "grpo/clipped_low": float(low.sum() / n),
-                "grpo/clipped_high": float(high.sum() / n),
-                "grpo/kl": float((kl.detach() * mask).sum() / n),
-                "grpo/logprob_diff": float(((lp_det - rollout).abs() * mask).sum() / n),
-                "grpo/advantage_mean": float((adv * mask).sum() / n),
-                "grpo/tokens": float(mask.sum()),
-            }
-            if self.dual_clip is not None:
-                metrics["grpo/dual_clipped"] = float((dual_active & valid).sum() / n)
-            if tis_w is not None:
-                metrics["grpo/tis_weight"] = float((tis_w * mask).sum() / n)
-                metrics["grpo/tis_capped"] = float((valid & (tis_src > self.tis_cap)).sum() / n)
-        return loss, metrics
+    def _ratios(
+        self, logprobs: torch.Tensor, inference_logprobs: torch.Tensor, valid: torch.Tensor,
+        old_logprobs: Optional[torch.Tensor],
+    ) -> dict[str, Any]:
+        """The rollout log-probs as used, the ratio to them, pi_old, the ratio the clip sees and the TIS weights."""
+        lp_det = logprobs.detach()
+        # Rollout log-probs: missing (NaN), non-finite or outside the loss mask → on-policy. Also keeps the prompt's
+        # 1.0 placeholders and padding out of exp(), where an inf would turn 0 * inf into NaN gradients.
+        inf = inference_logprobs.to(logprobs.dtype)
+        rollout = torch.where(valid & torch.isfinite(inf), inf, lp_det)
+        ratio_det = torch.exp((logprobs - rollout).clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)).detach()
+        tis_src = tis_w = None
+        if old_logprobs is not None:
+            old = torch.where(valid, old_logprobs.to(logprobs.dtype), lp_det)
+            pg_ratio = torch.exp((logprobs - old).clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO))
+            tis_src = torch.exp((old - rollout).clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO))
+        elif self.tis_cap is not None:
+            old = lp_det
+            tis_src = ratio_det
+            pg_ratio = torch.exp(logprobs - lp_det)  # proximal ratio: 1 in value, grad of logp
+        else:
+            old = rollout
+            pg_ratio = torch.exp((logprobs - rollout).clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO))
+        if self.tis_cap is not None:
+            tis_w = tis_src.clamp(max=self.tis_cap)
+        return {"rollout": rollout, "ratio": ratio_det, "old": old, "pg_ratio": pg_ratio, "tis_src": tis_src,
+                "tis_w": tis_w}
+
+    def _clipped_objective(self, pg_ratio: torch.Tensor, adv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """PPO's pessimistic clipped objective per token (with the dual clip's floor for A < 0)."""
+        lo, hi = 1.0 - self.clip_eps, 1.0 + self.clip_eps_high
+        obj = torch.minimum(pg_ratio * adv, pg_ratio.clamp(lo, hi) * adv)
+        dual_active = torch.zeros_like(adv, dtype=torch.bool)
+        if self.dual_clip is not None:
+            floor = self.dual_clip * adv
+            dual_active = (adv < 0) & (obj < floor)
+            obj = torch.where(adv < 0, torch.maximum(obj, floor), obj)
+        return obj, dual_active
+
+    @torch.no_grad()
+    def _metrics(
+        self, lp_det: torch.Tensor, r: dict[str, Any], adv: torch.Tensor, mask: torch.Tensor, valid: torch.Tensor,
+        kl: torch.Tensor, dual_active: torch.Tensor,
+    ) -> dict[str, float]:
+        lo, hi = 1.0 - self.clip_eps, 1.0 + self.clip_eps_high
+        n = mask.sum().clamp(min=1)
+        pr = r["pg_ratio"].detach()
+        low = valid & (adv < 0) & (pr < lo)
+        high = valid & (adv > 0) & (pr > hi)
+        log_r_old = (lp_det - r["old"]) * mask
+        metrics = {
+            "grpo/mean_ratio": float((r["ratio"] * mask).sum() / n),
+            # Against pi_old (what the clip sees): how far this update has moved the policy.
+            "grpo/ratio_old_mean": float((pr * mask).sum() / n),
+            "grpo/ratio_old_max": float(torch.where(valid, pr, torch.zeros_like(pr)).max()) if bool(valid.any()) else 1.0,
+            "grpo/approx_kl_old": float((0.5 * log_r_old * log_r_old).sum() / n),
+            "grpo/clipped_fraction": float((low | high).sum() / n),
+            "grpo/clipped_low": float(low.sum() / n),
+            "grpo/clipped_high": float(high.sum() / n),
+            "grpo/kl": float((kl.detach() * mask).sum() / n),
+            "grpo/logprob_diff": float(((lp_det - r["rollout"]).abs() * mask).sum() / n),
+            "grpo/advantage_mean": float((adv * mask).sum() / n),
+            "grpo/tokens": float(mask.sum()),
+        }
+        if self.dual_clip is not None:
+            metrics["grpo/dual_clipped"] = float((dual_active & valid).sum() / n)
+        if r["tis_w"] is not None:
+            metrics["grpo/tis_weight"] = float((r["tis_w"] * mask).sum() / n)
+            metrics["grpo/tis_capped"] = float((valid & (r["tis_src"] > self.tis_cap)).sum() / n)
+        return metrics
 
     def _aggregate(
         self,
