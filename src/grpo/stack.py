@@ -22,7 +22,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 import requests
 
@@ -175,14 +175,17 @@ def parse_args(argv: Optional[list[str]]) -> tuple[argparse.Namespace, list[str]
     return p.parse_known_args(argv)
 
 
-def main(argv: Optional[list[str]] = None) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    args, overrides = parse_args(argv)
+def _check_overrides(overrides: list[str]) -> None:
     for o in overrides:
         if o.startswith("data=") and o != "data=atropos" or o.startswith("data.url="):
             raise SystemExit(f"grpo.stack sets data=atropos and data.url itself; remove {o!r}")
         if o.startswith("-"):
             raise SystemExit(f"unknown option {o!r} (train.py overrides look like key=value)")
+
+
+def _plan(args: argparse.Namespace, overrides: list[str]) -> dict[str, Any]:
+    """Where each process of the stack listens, the trainer's command-line overrides and its composed config."""
+    _check_overrides(overrides)
     train_py = _find_train_py()
     api_port = args.api_port or _free_port()
     api_url = f"http://{'127.0.0.1' if args.api_host in ('0.0.0.0', '') else args.api_host}:{api_port}"
@@ -199,57 +202,73 @@ def main(argv: Optional[list[str]] = None) -> int:
                          "(train.micro_batch_size x train.grad_accum): run-api packs whole groups")
     from grpo.models.loading import resolve_model_dir
 
-    model_dir = resolve_model_dir(cfg.model)
     log_dir = args.log_dir or Path("outputs") / "stack" / time.strftime("%Y-%m-%d_%H-%M-%S")
     log_dir.mkdir(parents=True, exist_ok=True)
-    max_new = args.max_new_tokens or (16 if args.task == "digits" else 256)
+    return {"train_py": train_py, "api_port": api_port, "api_url": api_url, "server_url": server_url, "cfg": cfg,
+            "overrides": overrides, "model_dir": resolve_model_dir(cfg.model), "log_dir": log_dir}
 
+
+def _env_command(args: argparse.Namespace, plan: dict[str, Any]) -> list[str]:
+    cfg, model_dir = plan["cfg"], plan["model_dir"]
+    return [
+        sys.executable, "-m", "grpo.pipeline.atropos_env", "serve",
+        f"--env.task={args.task}",
+        f"--env.rollout_server_url={plan['api_url']}",
+        f"--env.tokenizer_name={model_dir}",
+        f"--env.group_size={args.group_size}",
+        f"--env.max_token_length={cfg.model.max_seq_len}",
+        f"--env.max_new_tokens={args.max_new_tokens or (16 if args.task == 'digits' else 256)}",
+        f"--env.seed={cfg.train.seed}",
+        # The stack, not the environment, decides when the run is over: left to itself the environment stops
+        # once run-api's step plus its queue passes the run length, which can starve a trainer that drops
+        # bad groups. Its off-policy limit (max_batches_offpolicy) still bounds the work queued ahead.
+        "--env.total_steps=1000000000",
+        f"--openai.base_url={plan['server_url']}/v1",
+        f"--openai.tokenizer_name={model_dir}",
+        *args.env_arg,
+    ]
+
+
+def _start(args: argparse.Namespace, plan: dict[str, Any], children: dict[str, Child]) -> None:
+    """run-api, then the trainer (which starts the inference server), then the environment."""
+    children["run-api"] = Child(
+        "run-api",
+        [sys.executable, "-m", "atroposlib.cli.run_api", "--host", args.api_host, "--port", str(plan["api_port"])],
+        plan["log_dir"] / "run-api.log",
+    )
+    _wait_http(f"{plan['api_url']}/status", [children["run-api"]], args.startup_timeout, "run-api")
+    children["trainer"] = Child("trainer", [sys.executable, str(plan["train_py"]), *plan["overrides"]], None)
+    _wait_http(f"{plan['server_url']}/health", list(children.values()), args.startup_timeout, "the inference server")
+    children["env"] = Child("environment", _env_command(args, plan), plan["log_dir"] / "env.log")
+    log.info("stack up: run-api %s, inference server %s; logs in %s", plan["api_url"], plan["server_url"],
+             plan["log_dir"])
+
+
+def _supervise(children: dict[str, Child]) -> int:
+    """Wait for the trainer to finish; raise StackError when run-api or the environment dies first."""
+    while True:
+        if not children["trainer"].alive():
+            code = children["trainer"].proc.returncode
+            log.info("trainer finished with exit code %d", code)
+            return code
+        if not children["run-api"].alive():
+            raise StackError(f"{children['run-api'].describe()} exited while the trainer was running")
+        if not children["env"].alive() and children["env"].proc.returncode != 0:
+            raise StackError(f"{children['env'].describe()} failed while the trainer was running")
+        time.sleep(1.0)
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    """Start run-api, the trainer and an environment; stop all three when the trainer ends or on Ctrl-C."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    args, overrides = parse_args(argv)
+    plan = _plan(args, overrides)
     children: dict[str, Child] = {}
     old = {s: signal.signal(s, _interrupt) for s in (signal.SIGINT, signal.SIGTERM)}
     code = 1
     try:
-        children["run-api"] = Child(
-            "run-api",
-            [sys.executable, "-m", "atroposlib.cli.run_api", "--host", args.api_host, "--port", str(api_port)],
-            log_dir / "run-api.log",
-        )
-        _wait_http(f"{api_url}/status", [children["run-api"]], args.startup_timeout, "run-api")
-
-        children["trainer"] = Child("trainer", [sys.executable, str(train_py), *overrides], None)
-        _wait_http(f"{server_url}/health", list(children.values()), args.startup_timeout, "the inference server")
-
-        children["env"] = Child(
-            "environment",
-            [
-                sys.executable, "-m", "grpo.pipeline.atropos_env", "serve",
-                f"--env.task={args.task}",
-                f"--env.rollout_server_url={api_url}",
-                f"--env.tokenizer_name={model_dir}",
-                f"--env.group_size={args.group_size}",
-                f"--env.max_token_length={cfg.model.max_seq_len}",
-                f"--env.max_new_tokens={max_new}",
-                f"--env.seed={cfg.train.seed}",
-                # The stack, not the environment, decides when the run is over: left to itself the environment stops
-                # once run-api's step plus its queue passes the run length, which can starve a trainer that drops
-                # bad groups. Its off-policy limit (max_batches_offpolicy) still bounds the work queued ahead.
-                "--env.total_steps=1000000000",
-                f"--openai.base_url={server_url}/v1",
-                f"--openai.tokenizer_name={model_dir}",
-                *args.env_arg,
-            ],
-            log_dir / "env.log",
-        )
-        log.info("stack up: run-api %s, inference server %s; logs in %s", api_url, server_url, log_dir)
-        while True:
-            if not children["trainer"].alive():
-                code = children["trainer"].proc.returncode
-                log.info("trainer finished with exit code %d", code)
-                break
-            if not children["run-api"].alive():
-                raise StackError(f"{children['run-api'].describe()} exited while the trainer was running")
-            if not children["env"].alive() and children["env"].proc.returncode != 0:
-                raise StackError(f"{children['env'].describe()} failed while the trainer was running")
-            time.sleep(1.0)
+        _start(args, plan, children)
+        code = _supervise(children)
     except KeyboardInterrupt:
         log.warning("interrupted; stopping the stack")
         code = 130

@@ -229,21 +229,7 @@ class CheckpointManager:
         error: Optional[BaseException] = None
         if distributed.is_rank0():
             try:
-                if not (path / COMPLETE).exists():
-                    raise FileNotFoundError(f"{path} is not a complete checkpoint (no {COMPLETE} marker)")
-                model_state = read_safetensors(path, "model")
-                _check_covers(model, model_state, path)
-                if optimizer is not None:
-                    optimizer_state = _by_name(
-                        torch.load(path / "optimizer.pt", map_location="cpu", weights_only=False), model, optimizer
-                    )
-                rng_ranks = path / "rng_ranks.pt"
-                small = {
-                    "state": json.loads((path / "trainer_state.json").read_text()),
-                    "scheduler": torch.load(path / "scheduler.pt", weights_only=False)
-                    if scheduler is not None and (path / "scheduler.pt").exists() else None,
-                    "rng": torch.load(rng_ranks if rng_ranks.exists() else path / "rng.pt", weights_only=False),
-                }
+                model_state, optimizer_state, small = _read_checkpoint(path, model, optimizer, scheduler)
             except BaseException as e:  # noqa: BLE001 - re-raised below, after the other ranks have heard of it
                 error = e
         # The small files, or rank 0's error, before any rank enters the weight broadcasts.
@@ -264,6 +250,29 @@ class CheckpointManager:
             rng = rng[distributed.rank()] if len(rng) == distributed.world_size() else rng[0]
         _set_rng_state(rng)
         return small["state"]
+
+
+def _read_checkpoint(
+    path: Path, model: nn.Module, optimizer: Optional[torch.optim.Optimizer], scheduler: Any
+) -> tuple[dict, dict, dict]:
+    """Rank 0's read of a checkpoint for load_distributed: full model state, optimizer state keyed by name, and the
+    small parts (trainer state, scheduler, RNG) that every rank receives by broadcast."""
+    if not (path / COMPLETE).exists():
+        raise FileNotFoundError(f"{path} is not a complete checkpoint (no {COMPLETE} marker)")
+    model_state = read_safetensors(path, "model")
+    _check_covers(model, model_state, path)
+    optimizer_state: dict = {}
+    if optimizer is not None:
+        optimizer_state = _by_name(torch.load(path / "optimizer.pt", map_location="cpu", weights_only=False), model,
+                                   optimizer)
+    rng_ranks = path / "rng_ranks.pt"
+    small = {
+        "state": json.loads((path / "trainer_state.json").read_text()),
+        "scheduler": torch.load(path / "scheduler.pt", weights_only=False)
+        if scheduler is not None and (path / "scheduler.pt").exists() else None,
+        "rng": torch.load(rng_ranks if rng_ranks.exists() else path / "rng.pt", weights_only=False),
+    }
+    return model_state, optimizer_state, small
 
 
 def _keyed_by_name(optimizer_state: dict) -> bool:
