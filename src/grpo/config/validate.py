@@ -164,7 +164,8 @@ def validate(cfg: DictConfig, run_dir: Path | None = None) -> None:
     if cfg.server.busy_loop_s is not None and cfg.server.busy_loop_s < 0:
         raise ConfigError(f"server.busy_loop_s must be >= 0 seconds or null, got {cfg.server.busy_loop_s}")
 
-    if cfg.server.external_url is None and not _port_free(cfg.server.host, cfg.server.port):
+    port_fixed = cfg.server.port is not None  # null: the launcher picks a free port
+    if cfg.server.external_url is None and port_fixed and not _port_free(cfg.server.host, cfg.server.port):
         raise ConfigError(
             f"server.port={cfg.server.port} on {cfg.server.host} is already in use; pick a free port "
             "(server.port=...) or attach to that server with server.external_url=http://host:port"

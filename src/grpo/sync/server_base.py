@@ -53,12 +53,13 @@ class ServerSync(SyncStrategy):
             log_path=Path(ctx.run_dir) / "logs" / "vllm.log",
             lora_modules=lora_modules,
             enable_lora=self.enable_lora,
-            # A stable name across restarts and weight directories, so requests never need to change it.
-            served_model_name=str(ctx.model_dir),
+            # A stable name across restarts and weight directories, so requests never need to change it; then the
+            # aliases in server.served_model_aliases (e.g. model.name) that Atropos environments may ask for.
+            served_model_name=[str(ctx.model_dir), *(_get(ctx.server_cfg, "served_model_aliases", None) or [])],
             weight_version=self.version,
         )
         self.server.start()
-        self.client = InferenceClient(self.server.url)
+        self.client = InferenceClient(self.server.url, token=self.server.token)  # token: weight-changing calls
 
     @property
     def base_url(self) -> str:
