@@ -119,7 +119,14 @@ def check_layout(cfg: DictConfig, sync_cls: type, cuda: bool, world_size: int = 
 
 def validate(cfg: DictConfig, run_dir: Path | None = None) -> None:
     """Check everything that can be known before loading a model. Raises ConfigError naming the key."""
+    from grpo.config import checks
     from grpo.trainer.layers import resolve_layer_indices
+
+    # Config that would otherwise be silently ignored (grpo.config.checks).
+    checks.check_known_keys(cfg)
+    checks.check_group_choices(checks.hydra_info(cfg))
+    checks.check_model_source(cfg.model, checks.hydra_info(cfg))
+    checks.check_model_files(cfg.model)
 
     try:
         resolve_layer_indices(cfg.layers.indices, cfg.model.num_layers)
