@@ -197,23 +197,31 @@ def race(tmp_path_factory, tiny_qwen2_dir):
         for i in range(2)
     ]
     errors: dict[int, BaseException] = {}
+    started = [threading.Event(), threading.Event()]
+    release = threading.Event()
 
     def start(i: int) -> None:
         try:
             servers[i].start(timeout=300)
         except BaseException as e:  # noqa: BLE001 - recorded for the assertions
             errors[i] = e
+        started[i].set()
+        # The launching thread must outlive the server: its exit fires the server's PDEATHSIG (process.py).
+        release.wait()
 
     threads = [threading.Thread(target=start, args=(i,)) for i in range(2)]
     for t in threads:
         t.start()
-    for t in threads:
-        t.join()
+    for e in started:
+        e.wait()
     try:
         yield port, servers, errors
     finally:
         for s in servers:
             s.stop()
+        release.set()
+        for t in threads:
+            t.join()
 
 
 @pytest.mark.vllm

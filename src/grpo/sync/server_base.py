@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import shutil
 import time
 from pathlib import Path
@@ -43,7 +44,8 @@ class ServerSync(SyncStrategy):
         external = _get(ctx.server_cfg, "external_url")
         if external:
             self._external_url = external.rstrip("/").removesuffix("/v1")
-            self.client = InferenceClient(self._external_url)
+            # A server started with a run token (GRPO_SERVER_TOKEN in its environment) needs it for weight calls.
+            self.client = InferenceClient(self._external_url, token=os.environ.get("GRPO_SERVER_TOKEN"))
             if not self.client.health():
                 raise RuntimeError(f"server.external_url {external} does not answer /health")
             return
