@@ -135,6 +135,11 @@ class VLLMServer:
         return f"http://{host}:{self.port}"
 
     @property
+    def served_model_name(self) -> str | None:
+        """The name vLLM reports for the base model (the first of `served_model_names`)."""
+        return self.served_model_names[0] if self.served_model_names else None
+
+    @property
     def pid(self) -> int | None:
         return self.proc.pid if self.proc is not None else None
 
