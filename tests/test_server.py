@@ -114,7 +114,8 @@ def test_generate_errors(vllm_server):
     assert r.status_code == 400
     r = requests.post(url, json={"prompt": [1, 2], "max_tokens": 2, "no_such_param": 1})
     assert r.status_code == 400
-    r = requests.post(vllm_server.url + "/grpo/rpc", json={"method": "execute_model"})
+    r = requests.post(vllm_server.url + "/grpo/rpc", json={"method": "execute_model"},
+                      headers={"X-GRPO-Token": vllm_server.token})  # the run's token: past the identity check
     assert r.status_code == 403
     # vLLM's own endpoints are untouched.
     assert requests.get(vllm_server.url + "/v1/models").status_code == 200

@@ -191,6 +191,10 @@ def _plan(args: argparse.Namespace, overrides: list[str]) -> dict[str, Any]:
     api_url = f"http://{'127.0.0.1' if args.api_host in ('0.0.0.0', '') else args.api_host}:{api_port}"
     overrides = [*overrides, "data=atropos", f"data.url={api_url}"]
     cfg = compose_train_config(train_py, overrides)
+    if not cfg.server.external_url and cfg.server.port is None:
+        # The environment must know the server's port before the trainer starts it: fix a free one for both.
+        overrides.append(f"server.port={_free_port()}")
+        cfg = compose_train_config(train_py, overrides)
     if cfg.server.external_url:
         server_url = str(cfg.server.external_url).rstrip("/").removesuffix("/v1")
     else:

@@ -223,7 +223,8 @@ class ServerConfig:
     """The vLLM inference server the trainer launches (or attaches to)."""
 
     host: str = "127.0.0.1"
-    port: int = 9001
+    # null = a free port picked at start-up (the run logs the URL); a fixed port for environments that must know it.
+    port: Optional[int] = None
     # Attach to a server someone else started at this URL instead of launching one.
     external_url: Optional[str] = None
     # Share of device memory for weights + KV cache (on CPU: of host memory for the KV cache).
@@ -241,6 +242,8 @@ class ServerConfig:
     device: Optional[int] = None
     # Cap (seconds) on how long vLLM's worker busy-polls after each message before sleeping; null = vLLM's 1 s.
     busy_loop_s: Optional[float] = None
+    # Other names the served base model answers to besides its directory (e.g. model.name, for Atropos envs).
+    served_model_aliases: list[str] = field(default_factory=list)
 
 
 # ---------------------------------------------------------------- data pipelines
@@ -255,6 +258,8 @@ class AtroposDataConfig:
     poll_interval_s: float = 0.5
     max_wait_s: float = 600.0
     max_retries: int = 5
+    # Seconds one HTTP request to run-api may take before it counts as failed (and is retried).
+    request_timeout_s: float = 60.0
 
 
 @dataclass

@@ -59,6 +59,13 @@ def validate(cfg: DictConfig, run_dir: Path | None = None) -> None:
 
     Each component checks its own part where it lives (the sync strategy: `SyncStrategy.check_config`); what
     spans components or concerns the machine is checked here."""
+    from grpo.config import checks
+
+    # Config that would otherwise be silently ignored (grpo.config.checks).
+    checks.check_known_keys(cfg)
+    checks.check_group_choices(checks.hydra_info(cfg))
+    checks.check_model_source(cfg.model, checks.hydra_info(cfg))
+    checks.check_model_files(cfg.model)
     check_layers(cfg)
     check_optimizer(cfg)
     sync_cls = get_class(cfg.mode._target_)
@@ -109,7 +116,8 @@ def check_server(cfg: DictConfig) -> None:
     """The server's port is free (or an external server is named) and its knobs are in range."""
     if cfg.server.busy_loop_s is not None and cfg.server.busy_loop_s < 0:
         raise ConfigError(f"server.busy_loop_s must be >= 0 seconds or null, got {cfg.server.busy_loop_s}")
-    if cfg.server.external_url is None and not _port_free(cfg.server.host, cfg.server.port):
+    port_fixed = cfg.server.port is not None  # null: the launcher picks a free port
+    if cfg.server.external_url is None and port_fixed and not _port_free(cfg.server.host, cfg.server.port):
         raise ConfigError(
             f"server.port={cfg.server.port} on {cfg.server.host} is already in use; pick a free port "
             "(server.port=...) or attach to that server with server.external_url=http://host:port"

@@ -61,6 +61,8 @@ class InferenceClient:
 
     Connection errors and 503s are retried `retries` times with exponential backoff; after that an
     `InferenceServerError` says the server is down. 4xx answers are raised at once with the server's message.
+    `token`: the run token of a server `VLLMServer` started (`server.token`), sent on every request as
+    `X-GRPO-Token`; the weight-changing endpoints need it.
     """
 
     def __init__(
@@ -70,6 +72,7 @@ class InferenceClient:
         retries: int = 3,
         backoff_s: float = 0.5,
         max_concurrency: int = 64,
+        token: str | None = None,
     ) -> None:
         self.base_url = base_url.rstrip("/").removesuffix("/v1")
         self.timeout = timeout
@@ -81,6 +84,11 @@ class InferenceClient:
         adapter = requests.adapters.HTTPAdapter(pool_connections=1, pool_maxsize=max_concurrency)
         self._session.mount("http://", adapter)
         self._session.mount("https://", adapter)
+        if token is not None:
+            # The run token of a server our launcher started: its weight-changing endpoints refuse calls without it.
+            from grpo.inference.identity import TOKEN_HEADER
+
+            self._session.headers[TOKEN_HEADER] = token
 
     # ------------------------------------------------------------------ transport
     def _request(self, method: str, path: str, json: Any = None, timeout: float | None = None) -> requests.Response:

@@ -6,6 +6,7 @@ worker processes together, and nothing else: no process is ever looked up by nam
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import socket
@@ -17,8 +18,12 @@ from typing import Any, Mapping, Sequence
 
 import requests
 
-from grpo.inference import vllm_plugin
+from grpo.inference import identity, vllm_plugin
 from grpo.options import ConfigError, option
+
+log = logging.getLogger(__name__)
+# Seconds between "starting vLLM ..." progress lines while the server starts.
+PROGRESS_EVERY_S = 5.0
 
 
 class ServerStartError(RuntimeError):
@@ -47,6 +52,17 @@ def parallel_sizes(extra_args) -> dict[str, int]:
             except ValueError:
                 raise ConfigError(f"server.extra_args: {flag} needs an integer, got {val!r}") from None
     return sizes
+
+
+class NotOurServerError(ServerStartError):
+    """Something other than the server this launcher started answers on its host:port."""
+
+
+def pick_free_port(host: str) -> int:
+    """A TCP port free on `host` a moment ago (the server's own exclusive bind closes the remaining race)."""
+    with socket.socket() as s:
+        s.bind((host if host not in ("0.0.0.0", "") else "127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def port_in_use(host: str, port: int) -> bool:
@@ -82,6 +98,12 @@ class VLLMServer:
     device). `lora_modules` maps adapter names to adapter directories to preload; `enable_lora` turns LoRA on
     even with none preloaded (for hot-swapping). The server's output goes to `log_path` (appended across
     restarts, so a crash log survives the restart that follows it).
+
+    `server_cfg.port` null picks a free port at the first start (kept across restarts). The server is started with
+    a fresh run token (`.token`, `grpo.inference.identity`): start-up only accepts a /health answer that proves it,
+    so another program or another run's server answering on host:port is an error, never adopted. Clients that
+    change weights need the token: `.client()` or `InferenceClient(url, token=server.token)`.
+    `served_model_name` may be a list: the first name is the one vLLM reports, the others are aliases it accepts.
     """
 
     def __init__(
@@ -92,7 +114,7 @@ class VLLMServer:
         lora_modules: Mapping[str, str | Path] | None = None,
         extra_args: Sequence[str] = (),
         enable_lora: bool | None = None,
-        served_model_name: str | None = None,
+        served_model_name: str | Sequence[str] | None = None,
         env: Mapping[str, str] | None = None,
         weight_version: int = 0,
     ) -> None:
@@ -102,12 +124,18 @@ class VLLMServer:
         self.lora_modules = {k: str(v) for k, v in (lora_modules or {}).items()}
         self.enable_lora = bool(self.lora_modules) if enable_lora is None else enable_lora
         self.extra_args = list(extra_args)
-        self.served_model_name = served_model_name
+        names = [served_model_name] if isinstance(served_model_name, str) else list(served_model_name or [])
+        # Duplicates would make vLLM list one model twice.
+        self.served_model_names = list(dict.fromkeys(str(n) for n in names if n))
         self.env = dict(env or {})
         # Passed to the server at start so /generate reports it (versions survive restarts).
         self.weight_version = weight_version
         self.host: str = option(server_cfg, "host", "127.0.0.1")
-        self.port: int = int(option(server_cfg, "port", 9001))
+        port = option(server_cfg, "port", None)
+        # None until the first start picks a free one (server.port: null).
+        self.port: int | None = int(port) if port is not None else None
+        # Proves to the launcher that the server answering is this one; sent on every weight-changing call.
+        self.token = identity.new_token()
         self.proc: subprocess.Popen | None = None
         self._log_file = None
         self.restarts = 0
@@ -118,6 +146,11 @@ class VLLMServer:
         """http://host:port (no /v1)."""
         host = "127.0.0.1" if self.host in ("0.0.0.0", "") else self.host
         return f"http://{host}:{self.port}"
+
+    @property
+    def served_model_name(self) -> str | None:
+        """The name vLLM reports for the base model (the first of `served_model_names`)."""
+        return self.served_model_names[0] if self.served_model_names else None
 
     @property
     def pid(self) -> int | None:
@@ -142,8 +175,8 @@ class VLLMServer:
             # Atropos clients post many requests at once; uvicorn's access log costs time and log space.
             "--disable-uvicorn-access-log",
         ]  # fmt: skip
-        if self.served_model_name:
-            args += ["--served-model-name", self.served_model_name]
+        if self.served_model_names:
+            args += ["--served-model-name", *self.served_model_names]
         if option(c, "enforce_eager") is True:
             args.append("--enforce-eager")
         if self.enable_lora:
@@ -167,6 +200,7 @@ class VLLMServer:
         # vLLM spawns its workers; a forked child of a process that already ran torch can hang (REFERENCE.md).
         env.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
         env["GRPO_WEIGHT_VERSION"] = str(self.weight_version)
+        env[identity.TOKEN_ENV] = self.token
         # Read by grpo.inference.vllm_plugin in each vLLM process; unset keeps vLLM's own busy-loop.
         env.pop(vllm_plugin.ENV, None)
         busy_loop_s = option(self.cfg, "busy_loop_s")
@@ -188,10 +222,12 @@ class VLLMServer:
         for name, path in self.lora_modules.items():
             if not Path(path).exists():
                 raise ServerStartError(f"LoRA adapter {name!r}: {path} does not exist")
+        if self.port is None:
+            self.port = pick_free_port(self.host)
         if port_in_use(self.host, self.port):
             raise ServerStartError(
                 f"port {self.port} on {self.host} is already in use; stop what listens there or pick another "
-                f"server.port"
+                f"server.port (null picks a free one)"
             )
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self._log_file = open(self.log_path, "ab")
@@ -212,36 +248,78 @@ class VLLMServer:
         self.wait_healthy(timeout if timeout is not None else float(option(self.cfg, "startup_timeout_s", 300)))
 
     def wait_healthy(self, timeout: float) -> None:
-        """Poll /health until it answers 200; fail fast if the process exits."""
-        deadline = time.monotonic() + timeout
+        """Poll /health until this server answers it with the run token's proof; fail fast if the process exits or
+        something else answers on host:port. Logs progress every PROGRESS_EVERY_S seconds."""
+        t0 = time.monotonic()
+        deadline, next_report = t0 + timeout, t0 + PROGRESS_EVERY_S
+        log.info("starting vLLM on %s:%s (log: %s)", self.host, self.port, self.log_path)
         while time.monotonic() < deadline:
             if self.proc is not None and self.proc.poll() is not None:
                 code = self.proc.returncode
                 self._cleanup_group()
-                raise ServerStartError(
-                    f"inference server exited with code {code} during start-up; log {self.log_path}:\n"
-                    f"{self.log_tail(40)}"
-                )
-            if self.healthy(timeout=2.0):
+                raise self._start_failed(f"inference server exited with code {code} during start-up")
+            state, detail = self.probe(timeout=2.0)
+            if state == "ours":
+                log.info("vLLM ready at %s after %.0f s", self.url, time.monotonic() - t0)
                 return
+            if state == "foreign":
+                self.stop()
+                raise NotOurServerError(
+                    f"something else answers on {self.host}:{self.port} ({detail}); it is not the server this run "
+                    f"started, so the run will not use it. Stop it or pick another server.port (null picks a free "
+                    f"one). Our server's log: {self.log_path}"
+                )
+            if time.monotonic() >= next_report:
+                log.info("starting vLLM on %s:%s (log: %s): %.0f s", self.host, self.port, self.log_path,
+                         time.monotonic() - t0)
+                next_report += PROGRESS_EVERY_S
             time.sleep(0.25)
         self.stop()
-        raise ServerStartError(
-            f"inference server not healthy after {timeout:.0f}s; log {self.log_path}:\n{self.log_tail(40)}"
-        )
+        raise self._start_failed(f"inference server not healthy after {timeout:.0f}s")
+
+    def _start_failed(self, what: str) -> ServerStartError:
+        """The error for a failed start-up, with the log's last lines (also logged, for runs that only log)."""
+        tail = self.log_tail(40)
+        if "Address already in use" in tail:
+            what += (f": port {self.port} on {self.host} was taken by another process while this server started; "
+                     f"pick another server.port (null picks a free one)")
+        log.error("%s; last lines of %s:\n%s", what, self.log_path, tail)
+        return ServerStartError(f"{what}; log {self.log_path}:\n{tail}")
 
     def running(self) -> bool:
         """True while the server process is alive."""
         return self.proc is not None and self.proc.poll() is None
 
+    def probe(self, timeout: float = 5.0) -> tuple[str, str]:
+        """Who answers GET /health on host:port: ("ours", "") when it proves the run token, ("down", why) when
+        nothing answers yet, ("foreign", what answered) otherwise."""
+        if self.port is None:
+            return "down", "not started"
+        try:
+            r = requests.get(self.url + "/health", headers={identity.TOKEN_HEADER: self.token}, timeout=timeout)
+        except requests.RequestException as e:
+            return "down", type(e).__name__
+        if r.status_code == 200 and r.headers.get(identity.VERIFIED_HEADER) == "true":
+            return "ours", ""
+        if r.status_code == 403:
+            return "foreign", f"a grpo server of another run: {r.text[:200]}"
+        if r.status_code == 200:
+            return "foreign", f"/health answered 200 without proving this run's token (server: {r.headers.get('server')})"
+        if r.status_code in (500, 502, 503) and r.headers.get(identity.VERIFIED_HEADER) == "true":
+            return "down", f"HTTP {r.status_code}"  # ours, engine not ready
+        return "foreign", f"/health answered HTTP {r.status_code}"
+
     def healthy(self, timeout: float = 5.0) -> bool:
-        """True when the process is alive and GET /health answers 200."""
+        """True when the process is alive and GET /health answers 200 with the run token's proof."""
         if not self.running():
             return False
-        try:
-            return requests.get(self.url + "/health", timeout=timeout).status_code == 200
-        except requests.RequestException:
-            return False
+        return self.probe(timeout)[0] == "ours"
+
+    def client(self, **kwargs: Any):
+        """An InferenceClient of this server that carries the run token (needed for weight-changing calls)."""
+        from grpo.inference.client import InferenceClient
+
+        return InferenceClient(self.url, token=self.token, **kwargs)
 
     def check(self) -> None:
         """Raise ServerCrashedError with the log tail if the process has exited."""
@@ -286,7 +364,7 @@ class VLLMServer:
         if weight_version is not None:
             self.weight_version = weight_version
         self.restarts += 1
-        # The old socket can linger for a moment after the process dies.
+        # Same port as before (Atropos environments know it). The old socket can linger for a moment after the process dies.
         deadline = time.monotonic() + 10
         while port_in_use(self.host, self.port) and time.monotonic() < deadline:
             time.sleep(0.1)

@@ -18,7 +18,10 @@ every other request to vLLM untouched:
 
 The middleware reaches the engine through ``app.state.engine_client``, which vLLM's own routes use too. It is
 added after vLLM's own middleware, so it is the outermost layer: API-key checks (``--api-key``) do not cover
-these paths; bind to localhost (the default of our process manager) when that matters.
+these paths; bind to localhost (the default of our process manager) when that matters. What it does check
+(`grpo.inference.identity`): the run token of the launcher that started it, on ``/health`` when one is sent and on
+every weight-changing call; and `/generate` requests are checked before they reach the engine
+(`grpo.inference.request_checks`), so a bad request is a 4xx with the reason, never a 500.
 
 Defaults added unless given on the command line: ``--worker-extension-cls
 grpo.inference.worker_extension.WeightSyncExtension`` and ``--logprobs-mode processed_logprobs`` (log-probs of the
@@ -32,6 +35,9 @@ import os
 import sys
 import uuid
 from typing import Any, Awaitable, Callable
+
+from grpo.inference import identity
+from grpo.inference.request_checks import BadRequest, check_generate_request, model_limits
 
 MIDDLEWARE = "grpo.inference.server.GRPOMiddleware"
 WORKER_EXTENSION = "grpo.inference.worker_extension.WeightSyncExtension"
@@ -95,6 +101,7 @@ async def handle_generate(request) -> dict:
         prompt_ids = prompt
     else:
         raise ValueError("'prompt' must be a string, a list of token ids or {'prompt_token_ids': [...]}")
+    check_generate_request(prompt_ids, body.get("max_tokens"), await model_limits(engine))
     # Atropos always asks for logprobs; default them on so the response always has the full shape.
     if body.get("logprobs") is None:
         body["logprobs"] = 0
@@ -121,11 +128,33 @@ async def handle_generate(request) -> dict:
         "weight_version": version,
     }
     if params.prompt_logprobs is not None:
-        plp = final.prompt_logprobs or []
-        resp["prompt_logprobs"] = [
-            None if entry is None else _position_logprobs(entry, tid) for tid, entry in zip(prompt_ids, plp)
-        ]
+        resp["prompt_logprobs"] = prompt_topk(prompt_ids, final.prompt_logprobs or [], params.prompt_logprobs)
     return resp
+
+
+def prompt_topk(prompt_ids: list[int], entries: list[Any], k: int) -> list[dict[int, float]]:
+    """One {token_id: logprob} per prompt position, the shape atroposlib's `get_logprobs(top_k=k)` reads
+    (`prompt_topk_*[pos][k]`, one row per prompt token, as its own tests build it).
+
+    vLLM gives position 0 no distribution (nothing precedes it) and at every later position the top k plus the
+    actual token when it is not among them (k + 1 entries). Here position 0 carries the given token with log-prob
+    0.0 (it is given, not sampled), and every later position exactly max(k, 1) entries: the actual token first (the
+    key Atropos reads, as for generated tokens), then the most likely others by rank.
+    """
+    k = max(int(k), 1)
+    out: list[dict[int, float]] = []
+    for pos, tid in enumerate(prompt_ids):
+        entry = entries[pos] if pos < len(entries) else None
+        if entry is None:
+            out.append({tid: 0.0})
+            continue
+        row = {tid: float(entry[tid].logprob)}
+        for other, lp in sorted(entry.items(), key=lambda item: item[1].rank or 0):
+            if len(row) >= k:
+                break
+            row.setdefault(other, float(lp.logprob))
+        out.append(row)
+    return out
 
 
 async def handle_weight_version(request) -> dict:
@@ -207,31 +236,71 @@ _weight_transfer_routes()
 
 
 class GRPOMiddleware:
-    """Pure-ASGI middleware (vLLM `--middleware`) that serves `ROUTES` and passes everything else to vLLM."""
+    """Pure-ASGI middleware (vLLM `--middleware`) that serves `ROUTES`, checks the run's token on `/health` and on
+    the weight-changing calls (`grpo.inference.identity`), and passes everything else to vLLM."""
 
     def __init__(self, app) -> None:
         self.app = app
+        self.token = identity.server_token()
 
     async def __call__(self, scope, receive, send) -> None:
-        handler = ROUTES.get((scope.get("method", ""), scope.get("path", ""))) if scope["type"] == "http" else None
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        key = (scope.get("method", ""), scope.get("path", ""))
+        given = identity.header_value(scope.get("headers", []), identity.TOKEN_HEADER)
+        if key == ("GET", "/health") and given is not None:
+            await self._verified_health(scope, receive, send, given)
+            return
+        problem = identity.token_problem(self.token, given) if key in identity.PROTECTED else None
+        if problem is not None:
+            await _json(scope, receive, send, {"error": problem[1]}, problem[0])
+            return
+        handler = ROUTES.get(key)
         if handler is None:
             await self.app(scope, receive, send)
             return
         from starlette.requests import Request
-        from starlette.responses import JSONResponse
 
-        request = Request(scope, receive)
         try:
-            response = JSONResponse(await handler(request))
+            body, status = await handler(Request(scope, receive)), 200
+        except BadRequest as e:  # the request itself is wrong: the client must change it, not retry
+            body, status = {"error": str(e)}, e.status
         except (ValueError, TypeError, KeyError, json.JSONDecodeError) as e:
-            response = JSONResponse({"error": f"{type(e).__name__}: {e}"}, status_code=400)
+            body, status = {"error": f"{type(e).__name__}: {e}"}, 400
         except LookupError as e:
-            response = JSONResponse({"error": str(e)}, status_code=404)
+            body, status = {"error": str(e)}, 404
         except PermissionError as e:
-            response = JSONResponse({"error": str(e)}, status_code=403)
+            body, status = {"error": str(e)}, 403
         except Exception as e:  # the engine's own errors: report, keep serving
-            response = JSONResponse({"error": f"{type(e).__name__}: {e}"}, status_code=500)
-        await response(scope, receive, send)
+            # vLLM's own request validation (not a ValueError in vLLM 0.32) is the client's fault, not the server's.
+            status = 400 if type(e).__name__ == "VLLMValidationError" else 500
+            body = {"error": f"{type(e).__name__}: {e}"}
+        await _json(scope, receive, send, body, status)
+
+    async def _verified_health(self, scope, receive, send, given: str) -> None:
+        """GET /health with a token: 403 when it is another run's, else vLLM's answer plus the verified header."""
+        if self.token is None:
+            await _json(scope, receive, send, {"error": "this server was started without a run token"}, 403)
+            return
+        problem = identity.token_problem(self.token, given)
+        if problem is not None:
+            await _json(scope, receive, send, {"error": problem[1]}, 403)
+            return
+
+        async def send_verified(message) -> None:
+            if message["type"] == "http.response.start":
+                headers = list(message.get("headers", [])) + [(identity.VERIFIED_HEADER.lower().encode(), b"true")]
+                message = {**message, "headers": headers}
+            await send(message)
+
+        await self.app(scope, receive, send_verified)
+
+
+async def _json(scope, receive, send, body: dict, status: int) -> None:
+    from starlette.responses import JSONResponse
+
+    await JSONResponse(body, status_code=status)(scope, receive, send)
 
 
 def with_defaults(argv: list[str]) -> list[str]:
@@ -246,15 +315,27 @@ def with_defaults(argv: list[str]) -> list[str]:
     return argv
 
 
+def port_arg(argv: list[str]) -> int:
+    """The --port given to vLLM (its default 8000 when absent)."""
+    for i, a in enumerate(argv):
+        if a == "--port" and i + 1 < len(argv):
+            return int(argv[i + 1])
+        if a.startswith("--port="):
+            return int(a.split("=", 1)[1])
+    return 8000
+
+
 def main(argv: list[str] | None = None) -> None:
-    """Run vLLM's api_server with `with_defaults(argv)`.
+    """Run vLLM's api_server with `with_defaults(argv)`, on a port no other process can bind while it runs.
 
     Runs the module exactly as `python -m vllm.entrypoints.openai.api_server` does: that entry point exists in
     every vLLM release we support (0.26 on the GPU machine, 0.32 CPU here), unlike the newer launcher modules.
     """
     import runpy
 
-    sys.argv = ["vllm.entrypoints.openai.api_server", *with_defaults(sys.argv[1:] if argv is None else argv)]
+    args = with_defaults(sys.argv[1:] if argv is None else argv)
+    identity.exclusive_listen(port_arg(args))
+    sys.argv = ["vllm.entrypoints.openai.api_server", *args]
     runpy.run_module("vllm.entrypoints.openai.api_server", run_name="__main__", alter_sys=True)
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import shutil
 import time
 from pathlib import Path
@@ -39,7 +40,8 @@ class ServerSync(SyncStrategy):
         external = option(ctx.server_cfg, "external_url")
         if external:
             self._external_url = external.rstrip("/").removesuffix("/v1")
-            self.client = InferenceClient(self._external_url)
+            # A server started with a run token (GRPO_SERVER_TOKEN in its environment) needs it for weight calls.
+            self.client = InferenceClient(self._external_url, token=os.environ.get("GRPO_SERVER_TOKEN"))
             if not self.client.health():
                 raise RuntimeError(f"server.external_url {external} does not answer /health")
             return
@@ -49,12 +51,13 @@ class ServerSync(SyncStrategy):
             log_path=Path(ctx.run_dir) / "logs" / "vllm.log",
             lora_modules=lora_modules,
             enable_lora=self.enable_lora,
-            # A stable name across restarts and weight directories, so requests never need to change it.
-            served_model_name=str(ctx.model_dir),
+            # A stable name across restarts and weight directories, so requests never need to change it; then the
+            # aliases in server.served_model_aliases (e.g. model.name) that Atropos environments may ask for.
+            served_model_name=[str(ctx.model_dir), *(option(ctx.server_cfg, "served_model_aliases", None) or [])],
             weight_version=self.version,
         )
         self.server.start()
-        self.client = InferenceClient(self.server.url)
+        self.client = InferenceClient(self.server.url, token=self.server.token)  # token: weight-changing calls
 
     @property
     def base_url(self) -> str:

@@ -1,0 +1,121 @@
+"""Start-up checks of config that would otherwise be silently ignored (issue 21.6); each raises ConfigError.
+
+`validate()` calls each with one line. They need, besides the config, what Hydra knows about how it was composed
+(`hydra_info`: the chosen group options and the command-line overrides), read from the composed config's `hydra`
+node when present (compose API with return_hydra_config=True) or from the running Hydra app.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+from omegaconf import DictConfig, OmegaConf
+
+from grpo.config.validate import ConfigError
+
+# Files whose presence makes a directory a model: a config plus weights in any format transformers loads.
+MODEL_FILES = ("config.json",)
+WEIGHT_PATTERNS = ("*.safetensors", "*.bin", "*.pt", "*.pth", "*.gguf", "*.safetensors.index.json")
+
+
+@dataclasses.dataclass(frozen=True)
+class HydraInfo:
+    """The parts of Hydra's own record of a run that the checks read."""
+
+    # Group -> chosen option, e.g. {"optimizer": "adamw"}.
+    choices: Mapping[str, Any]
+    # The command-line overrides, e.g. ["model.name=/x", "+optimzer.lr=1"].
+    overrides: Sequence[str]
+
+
+def hydra_info(cfg: DictConfig) -> HydraInfo:
+    """Choices and overrides from `cfg.hydra` (compose API) or the running Hydra app; empty when neither exists."""
+    node = cfg.get("hydra") if OmegaConf.is_dict(cfg) else None
+    if node is None:
+        from hydra.core.hydra_config import HydraConfig
+
+        if not HydraConfig.initialized():
+            return HydraInfo(choices={}, overrides=())
+        node = HydraConfig.get()
+    return HydraInfo(choices=dict(node.runtime.choices), overrides=list(node.overrides.task))
+
+
+def check_known_keys(cfg: DictConfig) -> None:
+    """Every key of a typed node is a field of its schema. Hydra's `+key=value` adds keys even to typed nodes, so a
+    misspelt `+optimzer.lr=1` (the form Hydra's own error suggests) would otherwise be carried along unread."""
+    for path, node in _typed_nodes(cfg, ""):
+        fields = {f.name for f in dataclasses.fields(OmegaConf.get_type(node))}
+        for key in node.keys():
+            if key in fields or (path == "" and key == "hydra"):
+                continue
+            where = f"{path}.{key}" if path else str(key)
+            close = difflib.get_close_matches(str(key), sorted(fields), n=1)
+            hint = f"; did you mean {(path + '.' if path else '') + close[0]}?" if close else ""
+            raise ConfigError(f"unknown config key {where} (added with +{where}=...?): nothing reads it{hint}")
+
+
+def _typed_nodes(node: Any, path: str):
+    """(dotted path, node) of every dict node whose type is a schema dataclass, depth first."""
+    if not OmegaConf.is_dict(node):
+        return
+    node_type = OmegaConf.get_type(node)
+    if node_type is not None and dataclasses.is_dataclass(node_type):
+        yield path, node
+    for key in node.keys():
+        if path == "" and key == "hydra":
+            continue
+        # select() with these flags never raises on a missing (???) or unresolvable value: only dict nodes matter.
+        child = OmegaConf.select(node, str(key), throw_on_missing=False, throw_on_resolution_failure=False)
+        if OmegaConf.is_dict(child):
+            yield from _typed_nodes(child, f"{path}.{key}" if path else str(key))
+
+
+def check_group_choices(info: HydraInfo) -> None:
+    """No group option may be a schema entry (`optimizer=adamw_schema`): those are the typed bases the YAML options
+    build on, listed by `--help` beside them, and compose to a config nobody wrote."""
+    for group, option in info.choices.items():
+        if isinstance(option, str) and option.endswith("_schema") and not group.startswith("hydra"):
+            options = [o for o in _group_options(group) if not o.endswith("_schema")]
+            listed = f"; choose one of {', '.join(options)}" if options else ""
+            raise ConfigError(
+                f"{group}={option} is the schema behind the {group} options, not an option itself{listed}"
+            )
+
+
+def _group_options(group: str) -> list[str]:
+    from hydra.core.global_hydra import GlobalHydra
+
+    gh = GlobalHydra.instance()
+    return sorted(gh.config_loader().get_group_options(group)) if gh.is_initialized() else []
+
+
+def check_model_source(model_cfg: DictConfig, info: HydraInfo) -> None:
+    """A model.name given on the command line must win or fail: with an offline preset in effect the preset would be
+    built and the given name silently ignored."""
+    given = [o for o in info.overrides if o.lstrip("+~").split("=", 1)[0] == "model.name"]
+    if given and model_cfg.offline:
+        raise ConfigError(
+            f"model.name={model_cfg.name} was given, but model.offline={model_cfg.offline} builds the offline "
+            f"preset and would ignore it. To train your model set model.offline=null (and model.num_layers to its "
+            f"block count); to train the preset drop model.name"
+        )
+
+
+def check_model_files(model_cfg: DictConfig) -> None:
+    """A local model directory must hold a model (config.json and weights), not fail later in the tokenizer."""
+    if model_cfg.offline:
+        return
+    path = Path(str(model_cfg.name)).expanduser()
+    if not path.is_dir():
+        return
+    missing = [f for f in MODEL_FILES if not (path / f).is_file()]
+    has_weights = any(any(path.glob(p)) for p in WEIGHT_PATTERNS)
+    if missing or not has_weights:
+        found = sorted(p.name for p in path.iterdir())[:10]
+        raise ConfigError(
+            f"no model files in {path} (model.name): expected config.json and weights (*.safetensors or *.bin); "
+            f"found {found or 'nothing'}"
+        )

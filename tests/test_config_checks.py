@@ -1,0 +1,97 @@
+"""Config that used to be silently ignored now stops the run before any model loads (issue 21.6)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+from hydra.core.global_hydra import GlobalHydra
+from hydra.utils import instantiate
+
+from grpo.config import ConfigError, register_configs, validate
+
+REPO = Path(__file__).resolve().parents[1]
+register_configs()
+
+
+def _validate(overrides: list[str], run_dir: Path) -> None:
+    """Compose as train.py does (with Hydra's record of choices and overrides) and validate, inside Hydra's context."""
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
+        cfg = compose(config_name="train", overrides=overrides, return_hydra_config=True)
+        validate(cfg, run_dir)
+
+
+@pytest.mark.parametrize(
+    "override, needle",
+    [
+        ("+optimzer.lr=1", "unknown config key optimzer (added with +optimzer=...?): nothing reads it; did you mean optimizer?"),
+        ("+train.stepz=3", "unknown config key train.stepz"),
+        ("+optimizer.lrr=1", "unknown config key optimizer.lrr"),
+        ("+server.prot=9000", "did you mean server.port?"),
+    ],
+)
+def test_added_unknown_keys_fail(tmp_path, override, needle):
+    with pytest.raises(ConfigError) as e:
+        _validate([override], tmp_path)
+    assert needle in str(e.value)
+
+
+@pytest.mark.parametrize("override", ["optimizer=adamw_schema", "mode=none_schema", "data=local_schema"])
+def test_schema_entries_are_not_options(tmp_path, override):
+    group, option = override.split("=")
+    with pytest.raises(ConfigError, match=f"{override} is the schema behind the {group} options") as e:
+        _validate([override], tmp_path)
+    if group == "optimizer":
+        assert "choose one of adafactor, adamw, adamw_8bit" in str(e.value)
+
+
+def test_explicit_model_path_with_a_preset_fails(tmp_path):
+    with pytest.raises(ConfigError) as e:
+        _validate(["model=tiny_qwen2", "model.name=/no/such/path"], tmp_path)
+    assert "model.name=/no/such/path was given" in str(e.value) and "model.offline=null" in str(e.value)
+
+
+def test_explicit_model_path_wins_or_fails(tmp_path, tiny_qwen2_dir):
+    with pytest.raises(ConfigError, match="model.name=/no/such/path does not exist"):
+        _validate(["model.offline=null", "model.name=/no/such/path"], tmp_path)
+    _validate(["model.offline=null", f"model.name={tiny_qwen2_dir}"], tmp_path)  # a real model directory passes
+
+
+def test_empty_model_directory_fails_naming_it(tmp_path):
+    empty = tmp_path / "my_model"
+    empty.mkdir()
+    with pytest.raises(ConfigError, match=f"no model files in {empty}"):
+        _validate(["model.offline=null", f"model.name={empty}"], tmp_path / "run")
+    (empty / "config.json").write_text("{}")  # a config alone is not a model either
+    with pytest.raises(ConfigError, match=f"no model files in {empty}"):
+        _validate(["model.offline=null", f"model.name={empty}"], tmp_path / "run")
+
+
+@pytest.mark.parametrize("overrides", [[], ["model=qwen3b", "model.offline=qwen3b"], ["data=atropos", "mode=lora_only"]])
+def test_ordinary_configs_still_pass(tmp_path, overrides):
+    _validate(overrides, tmp_path)
+
+
+def test_request_timeout_is_settable_for_atropos(tmp_path):
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
+        cfg = compose(config_name="train", overrides=["data=atropos", "data.request_timeout_s=7.5"])
+        default = compose(config_name="train", overrides=["data=atropos"])
+    assert instantiate(cfg.data, _recursive_=False).request_timeout_s == 7.5
+    assert instantiate(default.data, _recursive_=False).request_timeout_s == 60.0
+
+
+@pytest.mark.parametrize(
+    "override, needle",
+    [("+optimzer.lr=1", "unknown config key optimzer"), ("model.name=/no/such/path", "model.name=/no/such/path was given")],
+)
+def test_cli_stops_before_any_model_loads(tmp_path, override, needle):
+    out = subprocess.run([sys.executable, str(REPO / "train.py"), override, f"hydra.run.dir={tmp_path}/run"],
+                         capture_output=True, text=True, cwd=REPO, timeout=300)
+    assert out.returncode != 0
+    assert needle in out.stderr
+    assert not (tmp_path / "run" / "metrics.jsonl").exists() and not (tmp_path / "run" / "logs").exists()
