@@ -12,7 +12,7 @@ from typing import Any
 
 from grpo.trainer.metrics import read_metrics
 
-COLUMNS = ("job", "overrides", "status", "steps", "final_reward", "best_reward", "final_loss", "steps_per_s")
+COLUMNS = ("job", "overrides", "status", "steps", "last10_reward_mean", "best_reward", "final_loss", "steps_per_s")
 
 
 def _overrides(job_dir: Path) -> str:
@@ -37,7 +37,7 @@ def job_row(job_dir: Path) -> dict[str, Any]:
         "overrides": _overrides(job_dir),
         "status": summary.get("status", "running" if rows else "not started"),
         "steps": rows[-1]["step"] if rows else 0,
-        "final_reward": sum(tail) / len(tail) if tail else None,
+        "last10_reward_mean": sum(tail) / len(tail) if tail else None,
         "best_reward": max(rewards) if rewards else None,
         "final_loss": losses[-1] if losses else None,
         "steps_per_s": len(step_s) / sum(step_s) if step_s else None,
