@@ -178,6 +178,13 @@ def validate(cfg: DictConfig, run_dir: Path | None = None) -> None:
         raise ConfigError(f"train.lr_schedule must be constant, linear or cosine, got {cfg.train.lr_schedule!r}")
     if cfg.train.resume is not None and not Path(cfg.train.resume).exists():
         raise ConfigError(f"train.resume={cfg.train.resume} does not exist")
+    if cfg.logging.get("tensorboard", False):  # the package is optional; say so before any model loads
+        from grpo.trainer.metrics import tensorboard_writer_class
+
+        try:
+            tensorboard_writer_class()
+        except ImportError as e:
+            raise ConfigError(str(e)) from e
     if run_dir is not None:
         check_run_dir(run_dir)
 
