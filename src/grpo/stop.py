@@ -30,6 +30,7 @@ class StopReport:
     rerun_command: str
     server: str
     curves: str
+    checkpoint_every: Optional[int] = None
 
     def format(self) -> str:
         """The block shown on the terminal."""
@@ -39,7 +40,8 @@ class StopReport:
             lines.append(f"  last complete checkpoint: {self.checkpoint}")
             lines.append(f"  resume with: {self.resume_command}")
         else:
-            lines.append("  no complete checkpoint yet: nothing to resume from; start again with:")
+            every = f" (one every train.checkpoint_every={self.checkpoint_every} steps)" if self.checkpoint_every else ""
+            lines.append(f"  no complete checkpoint yet{every}; start again with:")
             lines.append(f"    {self.rerun_command}")
         lines.append(f"  server: {self.server}")
         lines.append(f"  curves: {self.curves}")
@@ -159,6 +161,7 @@ def report_stop(
         rerun_command=command(argv, overrides),
         server=server_state(run_dir, cfg.server.get("external_url")),
         curves=write_curves(run_dir, bool(cfg.logging.plot)),
+        checkpoint_every=int(cfg.train.checkpoint_every),
     )
     out = stream or sys.stderr
     print("\n" + report.format(), file=out, flush=True)
