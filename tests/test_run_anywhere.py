@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -17,8 +18,12 @@ from conftest import REPO
 def installed(tmp_path_factory) -> Path:
     """The package built into a wheel and installed (no deps) into a fresh directory: no checkout on its path."""
     root = tmp_path_factory.mktemp("installed")
+    # Built from a copy (symlinks kept) so the build's build/ and *.egg-info never land in the checkout.
+    source = root / "source"
+    shutil.copytree(REPO, source, symlinks=True, ignore=shutil.ignore_patterns(
+        ".git", ".venv", "outputs", "multirun", "build", "*.egg-info", "__pycache__", ".pytest_cache", "bench", "tests"))
     subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w",
-                    str(root / "wheel"), str(REPO)], check=True, capture_output=True, timeout=300)
+                    str(root / "wheel"), str(source)], check=True, capture_output=True, timeout=300)
     wheel = next((root / "wheel").glob("grpo-*.whl"))
     subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "-q", "--target", str(root / "site"), str(wheel)],
                    check=True, capture_output=True, timeout=300)
