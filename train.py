@@ -55,6 +55,12 @@ def main(cfg: DictConfig) -> float | None:
     except BaseException as e:
         if summary is not None:
             summary.fail(e)
+        if isinstance(e, KeyboardInterrupt):  # Ctrl-C / SIGTERM: a short block (grpo.stop), not a traceback
+            from grpo.stop import exit_code, report_stop
+
+            if rank0:
+                report_stop(e, cfg, run_dir, HydraConfig.get().overrides.task)
+            raise SystemExit(exit_code(e)) from None
         # A failed multirun job is logged and the sweep goes on with the next one.
         if multirun and not isinstance(e, KeyboardInterrupt):
             log.exception("job failed; continuing the sweep")

@@ -127,7 +127,7 @@ def test_multirun_2x2_with_report_and_clean_teardown(tmp_path):
     assert all(r["steps"] == 2 for r in rows)
     overrides = {r["overrides"] for r in rows}
     assert len(overrides) == 4 and all("loss.clip_eps=" in o and "optimizer.lr=" in o for o in overrides)
-    assert "final_reward" in table and (sweep / "rewards.png").exists()
+    assert "last10_reward_mean" in table and (sweep / "rewards.png").exists()
     # The port of the last job's server is free again.
     import socket
 

@@ -12,8 +12,8 @@ from typing import Any
 
 from grpo.trainer.metrics import read_metrics
 
-COLUMNS = ("job", "overrides", "status", "steps", "final_reward", "best_reward", "final_loss", "steps_per_s",
-           "eval_first", "eval_best", "eval_last")
+COLUMNS = ("job", "overrides", "status", "steps", "last10_reward_mean", "best_reward", "final_loss", "steps_per_s",
+           "clip_fraction", "eval_first", "eval_best", "eval_last")
 # The held-out metric of the eval columns (first evaluation, best, last).
 EVAL_KEY = "eval/accuracy"
 
@@ -36,15 +36,18 @@ def job_row(job_dir: Path) -> dict[str, Any]:
     step_s = [r["time/step_seconds"] for r in rows if r.get("time/step_seconds")]
     tail = rewards[-10:]
     evals = [r[EVAL_KEY] for r in rows if r.get(EVAL_KEY) is not None]
+    clipped = [r["grpo/clipped_fraction"] for r in rows if r.get("grpo/clipped_fraction") is not None]
     return {
         "job": job_dir.name,
         "overrides": _overrides(job_dir),
         "status": summary.get("status", "running" if rows else "not started"),
         "steps": rows[-1]["step"] if rows else 0,
-        "final_reward": sum(tail) / len(tail) if tail else None,
+        "last10_reward_mean": sum(tail) / len(tail) if tail else None,
         "best_reward": max(rewards) if rewards else None,
         "final_loss": losses[-1] if losses else None,
         "steps_per_s": len(step_s) / sum(step_s) if step_s else None,
+        # Mean share of loss tokens whose ratio the clip bound, over every optimizer step.
+        "clip_fraction": sum(clipped) / len(clipped) if clipped else None,
         "eval_first": evals[0] if evals else None,
         "eval_best": max(evals) if evals else None,
         "eval_last": evals[-1] if evals else None,

@@ -10,8 +10,8 @@ import traceback
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
-# Window of the "final reward": the mean over the last N steps, the objective sweeps optimise.
-FINAL_WINDOW = 10
+# Steps averaged for `first10_reward_mean` and `last10_reward_mean` (the objective sweeps optimise).
+REWARD_WINDOW = 10
 
 
 def git_commit(cwd: Path | None = None) -> str | None:
@@ -51,12 +51,23 @@ class RunSummary:
         self.path.write_text(json.dumps(data, indent=2))
 
     def finish(self, rewards: list[float]) -> float | None:
-        """Record a completed run; returns the mean reward of the last FINAL_WINDOW steps."""
-        final = sum(rewards[-FINAL_WINDOW:]) / len(rewards[-FINAL_WINDOW:]) if rewards else None
-        first = sum(rewards[:FINAL_WINDOW]) / len(rewards[:FINAL_WINDOW]) if rewards else None
-        self._write({"status": "completed", "steps_run": len(rewards), "final_reward": final,
-                     "first_reward": first, "best_reward": max(rewards) if rewards else None})
-        return final
+        """Record a completed run; returns the mean reward of the last REWARD_WINDOW steps.
+
+        A run resumed in its own run dir counts every step of its metrics.jsonl, not only this session's `rewards`.
+        """
+        rewards = self._rewards_in_metrics() or rewards
+        last = sum(rewards[-REWARD_WINDOW:]) / len(rewards[-REWARD_WINDOW:]) if rewards else None
+        first = sum(rewards[:REWARD_WINDOW]) / len(rewards[:REWARD_WINDOW]) if rewards else None
+        self._write({"status": "completed", "steps_run": len(rewards), "last10_reward_mean": last,
+                     "first10_reward_mean": first, "best_reward": max(rewards) if rewards else None})
+        return last
+
+    def _rewards_in_metrics(self) -> list[float]:
+        path = self.path.with_name("metrics.jsonl")
+        if not path.exists():
+            return []
+        rows = (json.loads(line) for line in path.read_text().splitlines() if line.strip())
+        return [float(r["reward/mean"]) for r in rows if r.get("reward/mean") is not None]
 
     def fail(self, error: BaseException) -> None:
         """Record a failed or interrupted run."""

@@ -345,6 +345,8 @@ class LoggingConfig:
     wandb: bool = False
     wandb_project: str = "grpo"
     wandb_entity: Optional[str] = None
+    # TensorBoard event files in <run_dir>/tensorboard (needs the tensorboard package).
+    tensorboard: bool = False
     progress_bar: bool = True
     plot: bool = True
 

@@ -75,6 +75,7 @@ def validate(cfg: DictConfig, run_dir: Path | None = None) -> None:
     check_model(cfg)
     check_server(cfg)
     check_train(cfg)
+    check_logging(cfg)
     if run_dir is not None:
         check_run_dir(run_dir)
 
@@ -144,6 +145,17 @@ def check_train(cfg: DictConfig) -> None:
         )
     if cfg.train.resume is not None and not Path(cfg.train.resume).exists():
         raise ConfigError(f"train.resume={cfg.train.resume} does not exist")
+
+
+def check_logging(cfg: DictConfig) -> None:
+    """An optional logging sink's package is installed (say so before any model loads)."""
+    if cfg.logging.get("tensorboard", False):
+        from grpo.trainer.metrics import tensorboard_writer_class
+
+        try:
+            tensorboard_writer_class()
+        except ImportError as e:
+            raise ConfigError(str(e)) from e
 
 
 def _cuda_available() -> bool:

@@ -1,4 +1,4 @@
-"""Per-step metrics: metrics.jsonl (always), wandb (when enabled), a progress bar, and a curves plot."""
+"""Per-step metrics: metrics.jsonl (always), wandb and TensorBoard (when enabled), a progress bar, and a curves plot."""
 
 from __future__ import annotations
 
@@ -12,6 +12,20 @@ from omegaconf import DictConfig, OmegaConf
 
 # Shown on the progress bar, in this order, when present.
 BAR_KEYS = ("reward/mean", "loss", "grpo/clipped_fraction", "sync/seconds")
+# TensorBoard event files go here, inside the run dir (`tensorboard --logdir outputs` shows every run).
+TENSORBOARD_DIR = "tensorboard"
+
+
+def tensorboard_writer_class() -> type:
+    """torch.utils.tensorboard's SummaryWriter; an ImportError naming the package to install when it is missing."""
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError as e:
+        raise ImportError(
+            f"logging.tensorboard=true needs the `tensorboard` package ({e}): pip install tensorboard, "
+            "or set logging.tensorboard=false"
+        ) from e
+    return SummaryWriter
 
 
 class MetricsLogger:
@@ -37,6 +51,9 @@ class MetricsLogger:
                 mode=mode,
                 config=OmegaConf.to_container(full_cfg, resolve=True),
             )
+        self._tensorboard = None
+        if logging_cfg.get("tensorboard", False):
+            self._tensorboard = tensorboard_writer_class()(log_dir=str(run_dir / TENSORBOARD_DIR), purge_step=start_step + 1)
         self._bar = None
         if logging_cfg.progress_bar:
             from tqdm.auto import tqdm
@@ -52,6 +69,10 @@ class MetricsLogger:
         self._file.write(line + "\n")
         if self._wandb is not None:
             self._wandb.log(clean, step=clean["step"])
+        if self._tensorboard is not None:
+            for key, value in clean.items():
+                if key != "step" and isinstance(value, float) and math.isfinite(value):
+                    self._tensorboard.add_scalar(key, value, clean["step"])
         if self._bar is not None:
             self._bar.update(1 if clean["step"] > 0 else 0)  # the step-0 row (eval before training) is no step
             self._bar.set_postfix({k.split("/")[-1]: f"{clean[k]:.3g}" for k in BAR_KEYS if isinstance(clean.get(k), float)})
@@ -64,6 +85,9 @@ class MetricsLogger:
         if self._wandb is not None:
             self._wandb.finish()
             self._wandb = None
+        if self._tensorboard is not None:
+            self._tensorboard.close()
+            self._tensorboard = None
         if not self._file.closed:
             self._file.close()
 

@@ -1,0 +1,84 @@
+"""Issue 22.3: Ctrl-C or SIGTERM ends a run with one short block (step, checkpoint, resume command, server), no traceback."""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import uuid
+
+import pytest
+from omegaconf import OmegaConf
+
+from conftest import REPO, free_port
+from grpo.stop import command, config_flags, exit_code, program, signal_name
+from test_train_e2e import QUICK, assert_clean, metrics
+
+
+def test_signal_names_and_exit_codes_follow_the_shell_convention():
+    assert signal_name(KeyboardInterrupt()) == "SIGINT (Ctrl-C)"
+    assert signal_name(KeyboardInterrupt(f"signal {int(signal.SIGTERM)}")) == "SIGTERM"
+    assert exit_code(KeyboardInterrupt()) == 130
+    assert exit_code(KeyboardInterrupt(f"signal {int(signal.SIGTERM)}")) == 143
+
+
+def test_resume_command_keeps_program_config_flags_and_quotes_overrides(tmp_path):
+    run = tmp_path / "my run"
+    argv = ["grpo-train", "--config-dir", "/home/me/confs", "-cn=mine", "mode=lora_only", "train.resume=/old"]
+    overrides = ["mode=lora_only", "server.extra_args=[--x,2]", "train.resume=/old", "hydra.run.dir=/elsewhere"]
+    cmd = command(argv, overrides, run)
+    assert shlex.split(cmd) == [
+        "grpo-train", "--config-dir", "/home/me/confs", "-cn=mine", "mode=lora_only", "server.extra_args=[--x,2]",
+        f"train.resume={run}", f"hydra.run.dir={run}",
+    ]
+    assert program(["train.py"]) == "python train.py"
+    assert config_flags(["train.py", "a=1"]) == []
+
+
+@pytest.mark.vllm
+def test_sigterm_prints_the_stop_block_writes_curves_and_the_command_resumes(tmp_path):
+    run = tmp_path / "run"
+    marker = f"GRPO_TEST_{uuid.uuid4().hex}"
+    env = dict(os.environ, GRPO_TEST_MARKER=marker, PYTHONUNBUFFERED="1", GRPO_FAULT="sigterm@optimizer_step:3")
+    overrides = [*QUICK, "train.steps=5", "train.checkpoint_every=2", "server.enforce_eager=true",
+                 f"server.port={free_port()}", f"hydra.run.dir={run}"]
+    out = subprocess.run([sys.executable, "train.py", *overrides], cwd=REPO, env=env, capture_output=True, text=True,
+                         timeout=400)
+    text = out.stdout + out.stderr
+    assert out.returncode == 143, text[-3000:]
+    assert_clean(marker)
+    assert "Traceback" not in text, text[-3000:]
+    assert "grpo: stopped by SIGTERM; step 2 was the last one completed." in out.stderr, text[-3000:]
+    assert f"last complete checkpoint: {run / 'checkpoints' / 'step_000002'}" in out.stderr
+    assert f"the vLLM server this run started is stopped (log: {run / 'logs' / 'vllm.log'})" in out.stderr
+    assert f"curves: {run / 'curves.png'}" in out.stderr
+    assert (run / "curves.png").stat().st_size > 0 and not (run / "logs" / "vllm.pid").exists()
+    assert [r["step"] for r in metrics(run)] == [1, 2]
+    assert json.loads((run / "summary.json").read_text())["status"] == "interrupted"
+
+    # The printed command is train.py with the same overrides, resuming in place; it composes as such.
+    resume = next(line.split("resume with: ", 1)[1] for line in out.stderr.splitlines() if "resume with: " in line)
+    argv = shlex.split(resume)
+    assert argv[:2] == ["python", "train.py"]
+    assert argv[2:] == [*[o for o in overrides if not o.startswith("hydra.run.dir=")],
+                        f"train.resume={run}", f"hydra.run.dir={run}"]
+    job = subprocess.run([sys.executable, *argv[1:], "--cfg", "job"], cwd=REPO, capture_output=True, text=True,
+                         timeout=120)
+    assert job.returncode == 0, job.stderr[-2000:]
+    cfg = OmegaConf.create(job.stdout)
+    assert cfg.train.resume == str(run) and cfg.train.steps == 5 and cfg.data.group_size == 4
+
+
+def test_a_real_error_keeps_its_traceback(tmp_path):
+    # A resume dir without a checkpoint fails inside the run (past start-up validation): a real error, not a stop.
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    out = subprocess.run([sys.executable, "train.py", f"train.resume={empty}", f"hydra.run.dir={tmp_path / 'run'}"],
+                         cwd=REPO, capture_output=True, text=True, timeout=120)
+    text = out.stdout + out.stderr
+    assert out.returncode == 1, text[-2000:]
+    assert "Traceback" in text and f"train.resume={empty} has no complete checkpoint" in text
+    assert "grpo: stopped by" not in text

@@ -1,0 +1,162 @@
+"""Issue 22.1: every command in README.md's bash blocks works as written (in the activated .venv).
+
+`python train.py ...`, `torchrun ... train.py ...` and `grpo-train ...` run with `--cfg job` (the config composes;
+nothing trains, no vLLM); our other entry points run with `--help`. Install steps and external tools are checked for
+what can be checked here (the script and extras exist). A command of any other program fails the test, so a new
+README command gets a rule here.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+import yaml
+
+from conftest import REPO
+
+README = REPO / "README.md"
+# Programs outside this package that the README names; what is checked for each is in `external_ok`.
+EXTERNAL = {"bash", "source", "pip", "run-api", "tensorboard"}
+# The example run dir the README's resume / rerun commands name; the test gives it a real .hydra/config.yaml.
+EXAMPLE_RUN = "outputs/2026-11-21/12-00-00_tiny_qwen2_none"
+SEPARATORS = {"&&", "||", ";", "&", "|"}
+
+
+def bash_blocks(text: str) -> list[str]:
+    """The bodies of the ```bash blocks."""
+    return re.findall(r"^```bash\n(.*?)^```", text, flags=re.S | re.M)
+
+
+def commands(block: str) -> list[list[str]]:
+    """Each simple command of a block as argv (continuations joined, comments dropped, split at && ; & |)."""
+    out: list[list[str]] = []
+    for line in block.replace("\\\n", " ").splitlines():
+        lexer = shlex.shlex(line, posix=True, punctuation_chars=";&|")
+        lexer.whitespace_split = True
+        current: list[str] = []
+        for token in lexer:
+            if token in SEPARATORS:
+                out += [current] if current else []
+                current = []
+            else:
+                current.append(token)
+        out += [current] if current else []
+    return out
+
+
+def readme_commands() -> list[list[str]]:
+    seen, found = set(), []
+    for block in bash_blocks(README.read_text()):
+        for argv in commands(block):
+            if tuple(argv) not in seen:
+                seen.add(tuple(argv))
+                found.append(argv)
+    return found
+
+
+def console_scripts() -> dict[str, str]:
+    return tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["scripts"]
+
+
+def first_sweep_value(arg: str) -> str:
+    """`key=a,b,c` -> `key=a`: the first job of a sweep (lists in brackets are values, not sweeps)."""
+    key, eq, value = arg.partition("=")
+    if not eq or key.startswith("-") or value[:1] in "[{'\"":
+        return arg
+    return f"{key}={value.split(',')[0]}"
+
+
+def hydra_args(args: list[str]) -> list[str]:
+    """The args of a train.py command for a `--cfg job` check: a multirun becomes its first job."""
+    if "-m" in args or "--multirun" in args:
+        args = [first_sweep_value(a) for a in args if a not in ("-m", "--multirun")]
+    return args if ("--cfg" in args or "--help" in args) else [*args, "--cfg", "job"]
+
+
+def to_check(argv: list[str]) -> list[str] | None:
+    """The command line that checks README command `argv`; None for an external program."""
+    env = 0
+    while env < len(argv) and re.fullmatch(r"[A-Z_][A-Z0-9_]*=.*", argv[env]):
+        env += 1
+    prog, args = argv[env], argv[env + 1:]
+    scripts = console_scripts()
+    if prog == "python" and args[:1] == ["train.py"]:
+        return [sys.executable, "train.py", *hydra_args(args[1:])]
+    if prog == "torchrun":
+        script = next(i for i, a in enumerate(args) if a.endswith(".py"))
+        assert args[script] == "train.py", argv
+        return [sys.executable, "train.py", *hydra_args(args[script + 1:])]
+    if prog == "python" and args[:1] == ["-m"]:
+        return [sys.executable, "-m", args[1], "--help"]
+    if prog == "grpo-train":
+        return [sys.executable, "-c", "import sys; from grpo.cli import main; sys.argv[0] = 'grpo-train'; main()",
+                *hydra_args(args)]
+    if prog in scripts:
+        module, func = scripts[prog].split(":")
+        return [sys.executable, "-c", f"import sys; from {module} import {func}; sys.argv[0] = {prog!r}; sys.exit({func}())",
+                "--help"]
+    if prog in EXTERNAL:
+        return None
+    raise AssertionError(f"README command {shlex.join(argv)!r}: no rule in tests/test_readme.py for {prog!r}")
+
+
+def external_ok(argv: list[str]) -> None:
+    """What can be checked of an install step or external tool without running it."""
+    prog, args = argv[0], argv[1:]
+    if prog == "bash":
+        assert (REPO / args[0]).is_file(), argv
+    elif prog == "source":
+        assert args == [".venv/bin/activate"], argv  # what scripts/install.sh creates
+        assert "python3 -m venv .venv" in (REPO / "scripts" / "install.sh").read_text()
+    elif prog == "pip" and args[:1] == ["install"]:
+        extras = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+        for arg in args[1:]:
+            if arg.startswith(".["):  # pip install -e ".[gpu,atropos]": those extras exist
+                assert set(arg[2:].rstrip("]").split(",")) <= set(extras), argv
+
+
+CASES = readme_commands()
+
+
+def test_the_readme_has_the_commands_a_newcomer_needs():
+    progs = {(c[0], c[1] if len(c) > 1 else "") for c in CASES}
+    assert ("python", "train.py") in progs and ("grpo-train", "--cfg") in progs and ("source", ".venv/bin/activate") in progs
+    assert len(CASES) >= 20
+    # One form throughout: the activated venv's `python`, never `.venv/bin/python` or `python3`.
+    assert not any(c[0] in (".venv/bin/python", "python3") for c in CASES)
+
+
+@pytest.fixture(scope="module")
+def example_run(tmp_path_factory) -> Path:
+    """A run dir as the README's example names it, with the .hydra/config.yaml a run writes (the composed config)."""
+    run = tmp_path_factory.mktemp("readme") / "run"
+    job = subprocess.run([sys.executable, "train.py", "--cfg", "job"], cwd=REPO, capture_output=True, text=True,
+                         timeout=120, check=True)
+    (run / ".hydra").mkdir(parents=True)
+    (run / ".hydra" / "config.yaml").write_text(job.stdout)
+    return run
+
+
+@pytest.mark.parametrize("argv", CASES, ids=[shlex.join(c)[:90] for c in CASES])
+def test_readme_command_runs_as_written(argv, example_run):
+    check = to_check(argv)
+    if check is None:
+        external_ok(argv)
+        return
+    check = [a.replace(f"$PWD/{EXAMPLE_RUN}", str(example_run)).replace(EXAMPLE_RUN, str(example_run))
+             .replace("$PWD", str(REPO)) for a in check]
+    env_assignments = dict(a.split("=", 1) for a in argv if re.fullmatch(r"[A-Z_][A-Z0-9_]*=.*", a))
+    out = subprocess.run(check, cwd=REPO, capture_output=True, text=True, timeout=180, env={**os.environ, **env_assignments})
+    assert out.returncode == 0, f"{shlex.join(argv)}\n{out.stdout[-1500:]}\n{out.stderr[-2500:]}"
+    if "--cfg" in check and "--help" not in check:
+        cfg = yaml.safe_load(out.stdout)
+        assert {"model", "mode", "data", "train"} <= set(cfg), out.stdout[:500]
+    else:
+        assert "usage" in (out.stdout + out.stderr).lower() or "powered by hydra" in out.stdout.lower(), out.stdout[:500]

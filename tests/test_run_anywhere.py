@@ -1,0 +1,119 @@
+"""Issue 22.5: the trainer outside the checkout (`grpo-train` from an installed wheel) and TensorBoard logging."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+from omegaconf import OmegaConf
+
+from conftest import REPO
+
+
+@pytest.fixture(scope="module")
+def installed(tmp_path_factory) -> Path:
+    """The package built into a wheel and installed (no deps) into a fresh directory: no checkout on its path."""
+    root = tmp_path_factory.mktemp("installed")
+    # Built from a copy (symlinks kept) so the build's build/ and *.egg-info never land in the checkout.
+    source = root / "source"
+    shutil.copytree(REPO, source, symlinks=True, ignore=shutil.ignore_patterns(
+        ".git", ".venv", "outputs", "multirun", "build", "*.egg-info", "__pycache__", ".pytest_cache", "bench", "tests"))
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w",
+                    str(root / "wheel"), str(source)], check=True, capture_output=True, timeout=300)
+    wheel = next((root / "wheel").glob("grpo-*.whl"))
+    subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "-q", "--target", str(root / "site"), str(wheel)],
+                   check=True, capture_output=True, timeout=300)
+    return root / "site"
+
+
+def grpo_train(installed: Path, cwd: Path, *args: str) -> subprocess.CompletedProcess:
+    """The installed console script, run from `cwd` with only the installed package (and the venv's deps)."""
+    env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(installed), "HF_HUB_OFFLINE": "1"}
+    return subprocess.run([sys.executable, str(installed / "bin" / "grpo-train"), *args], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=180)
+
+
+def test_grpo_train_composes_the_shipped_configs_from_a_directory_outside_the_checkout(installed, tmp_path):
+    where = subprocess.run([sys.executable, "-c", "import grpo.train, grpo.conf; print(grpo.train.__file__)"],
+                           cwd=tmp_path, env={"PYTHONPATH": str(installed)}, capture_output=True, text=True)
+    assert where.stdout.strip().startswith(str(installed)), where  # the wheel's copy, not the checkout
+    out = grpo_train(installed, tmp_path, "--cfg", "job", "mode=lora_only", "experiment=cpu_tiny_none")
+    assert out.returncode == 0, out.stderr[-2000:]
+    cfg = OmegaConf.create(out.stdout)
+    assert cfg.data.task._target_ == "grpo.pipeline.tasks.DigitsTask" and cfg.train.steps == 20
+    assert cfg.mode._target_ == "grpo.sync.lora_hotswap.LoraHotSwapSync"  # the command line wins over the experiment
+    assert cfg.logging.tensorboard is False
+
+
+def test_grpo_train_config_dir_adds_the_users_own_experiment(installed, tmp_path):
+    (tmp_path / "my_conf" / "experiment").mkdir(parents=True)
+    (tmp_path / "my_conf" / "experiment" / "mine.yaml").write_text(textwrap.dedent("""\
+        # @package _global_
+        defaults:
+          - override /data: prompt_file
+        data:
+          task:
+            path: prompts.jsonl
+        train:
+          steps: 7
+        """))
+    out = grpo_train(installed, tmp_path, "--config-dir", "my_conf", "experiment=mine", "--cfg", "job")
+    assert out.returncode == 0, out.stderr[-2000:]
+    cfg = OmegaConf.create(out.stdout)
+    assert cfg.train.steps == 7 and cfg.data.task._target_ == "grpo.pipeline.prompt_file.PromptFileTask"
+    assert cfg.data.task.path == "prompts.jsonl"
+    help_out = grpo_train(installed, tmp_path, "--config-dir", "my_conf", "--help")
+    assert help_out.returncode == 0, help_out.stderr[-2000:]
+    groups = dict(line.split(": ", 1) for line in help_out.stdout.splitlines() if line.startswith(("experiment: ", "data: ")))
+    assert "mine" in groups["experiment"].split(", ") and "cpu_tiny_none" in groups["experiment"]
+    assert "prompt_file" in groups["data"].split(", ")
+
+
+def _logging_cfg(tensorboard: bool):
+    return OmegaConf.create({"wandb": False, "wandb_project": "grpo", "wandb_entity": None,
+                             "tensorboard": tensorboard, "progress_bar": False, "plot": False})
+
+
+def test_tensorboard_events_hold_each_step_metric(tmp_path):
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from grpo.trainer.metrics import MetricsLogger
+
+    logger = MetricsLogger(tmp_path, _logging_cfg(True), OmegaConf.create({}), total_steps=3, start_step=0)
+    for step in (1, 2, 3):
+        logger.log({"step": step, "loss": 0.5 / step, "reward/mean": 0.1 * step, "grpo/kl": float("nan")})
+    logger.close()
+    events = list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))
+    assert len(events) == 1
+    acc = EventAccumulator(str(tmp_path / "tensorboard"))
+    acc.Reload()
+    assert set(acc.Tags()["scalars"]) == {"loss", "reward/mean"}  # the NaN metric is left out, as in metrics.jsonl
+    assert [(e.step, round(e.value, 6)) for e in acc.Scalars("reward/mean")] == [(1, 0.1), (2, 0.2), (3, 0.3)]
+
+
+def test_missing_tensorboard_package_is_a_clear_error_at_start_up(tmp_path):
+    # A process where `tensorboard` cannot be imported (as when it is not installed).
+    code = textwrap.dedent("""\
+        import sys
+        sys.modules["tensorboard"] = None
+        try:
+            from grpo.trainer.metrics import tensorboard_writer_class
+            tensorboard_writer_class()
+        except ImportError as e:
+            print("ERROR:", e)
+        """)
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert "ERROR: logging.tensorboard=true needs the `tensorboard` package" in out.stdout, out.stderr[-2000:]
+    assert "pip install tensorboard, or set logging.tensorboard=false" in out.stdout
+    # Through train.py: validation stops the run before any model loads, naming the key and the package.
+    run = subprocess.run([sys.executable, "-c", "import sys, runpy; sys.modules['tensorboard'] = None; "
+                          f"sys.argv = ['train.py', 'logging.tensorboard=true', 'hydra.run.dir={tmp_path}']; "
+                          "runpy.run_path('train.py', run_name='__main__')"],
+                         cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 1
+    assert "ConfigError: logging.tensorboard=true needs the `tensorboard` package" in run.stdout + run.stderr
