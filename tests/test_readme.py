@@ -23,7 +23,7 @@ from conftest import REPO
 
 README = REPO / "README.md"
 # Programs outside this package that the README names; what is checked for each is in `external_ok`.
-EXTERNAL = {"bash", "source", "pip", "run-api", "tensorboard"}
+EXTERNAL = {"bash", "source", "pip", "run-api", "tensorboard", "lint-imports", "ruff"}
 # The example run dir the README's resume / rerun commands name; the test gives it a real .hydra/config.yaml.
 EXAMPLE_RUN = "outputs/2026-11-21/12-00-00_tiny_qwen2_none"
 SEPARATORS = {"&&", "||", ";", "&", "|"}
@@ -114,7 +114,8 @@ def external_ok(argv: list[str]) -> None:
         assert (REPO / args[0]).is_file(), argv
     elif prog == "source":
         assert args == [".venv/bin/activate"], argv  # what scripts/install.sh creates
-        assert "python3 -m venv .venv" in (REPO / "scripts" / "install.sh").read_text()
+        script = (REPO / "scripts" / "install.sh").read_text()
+        assert "python3 -m venv" in script and '"${VENV:-.venv}"' in script  # ./.venv unless VENV says otherwise
     elif prog == "pip" and args[:1] == ["install"]:
         extras = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]
         for arg in args[1:]:
