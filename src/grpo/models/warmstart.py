@@ -239,6 +239,7 @@ def build_warmstart_dir(name: str = "warm-arith", seed: int = 0, out_dir: str | 
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=final.parent))
     try:
+        os.chmod(tmp, 0o755)  # mkdtemp makes it private; the cache is shared like tiny.py's
         model.save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
         GenerationConfig.from_pretrained(base).save_pretrained(tmp)
