@@ -147,3 +147,81 @@ def test_data_config_builds_the_task_and_rewards():
 
     preset_task = instantiate(WARMSTART_PRESETS["warm-arith"]["task"])
     assert preset_task.eval_prompts() == pipe.task.eval_prompts()
+
+
+# ------------------------------------------------------------------ warm-start model
+@pytest.fixture(scope="module")
+def warm_arith_dir():
+    """The warm-start model (built once and cached by content hash: ~1-4 min on 2 CPU cores on a fresh cache)."""
+    from grpo.models.warmstart import build_warmstart_dir
+
+    return build_warmstart_dir("warm-arith", seed=0, progress=False)
+
+
+def test_warmstart_cache_key_follows_the_task_data(monkeypatch):
+    import copy
+
+    from grpo.models import warmstart
+
+    base = warmstart.warmstart_path("warm-arith")
+    assert base == warmstart.warmstart_path("warm-arith")  # stable
+    assert warmstart.warmstart_path("warm-arith", seed=1) != base
+    presets = copy.deepcopy(warmstart.WARMSTART_PRESETS)
+    presets["warm-arith"]["task"]["heldout_seed"] = 1  # another held-out set: other SFT data, another model
+    monkeypatch.setattr(warmstart, "WARMSTART_PRESETS", presets)
+    assert warmstart.warmstart_path("warm-arith") != base
+    with pytest.raises(ValueError, match="unknown warm-start preset"):
+        warmstart.warmstart_path("warm-nothing")
+
+
+def test_warmstart_loads_in_transformers_at_its_stated_accuracy(warm_arith_dir):
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from grpo.models.warmstart import generate_answers, read_metadata
+
+    for name in ("config.json", "model.safetensors", "tokenizer.json", "generation_config.json"):
+        assert (warm_arith_dir / name).exists(), name
+    meta = read_metadata(warm_arith_dir)
+    stated = meta["heldout_greedy_accuracy"]
+    assert 0.05 <= stated <= 0.40  # part of the skill: room for GRPO, not zero advantages
+    assert 0.0 < meta["sampled_groups_with_variance"]
+    tok = AutoTokenizer.from_pretrained(warm_arith_dir)
+    model = AutoModelForCausalLM.from_pretrained(warm_arith_dir, dtype=torch.float32).eval()
+    task, reward = ArithmeticTask(), ArithmeticCorrectReward()
+    held = task.eval_prompts()
+    answers = generate_answers(model, tok, [p.text for p in held], max_new_tokens=8)
+    accuracy = sum(reward(p, a) for p, a in zip(held, answers)) / len(held)
+    assert abs(accuracy - stated) <= 0.05, (accuracy, stated)
+
+
+@pytest.mark.vllm
+def test_warmstart_serves_in_vllm_at_its_stated_accuracy(warm_arith_dir, tmp_path):
+    from transformers import AutoTokenizer
+
+    from conftest import server_cfg
+    from grpo.inference.client import InferenceClient
+    from grpo.inference.process import VLLMServer
+    from grpo.models.warmstart import read_metadata
+
+    stated = read_metadata(warm_arith_dir)["heldout_greedy_accuracy"]
+    tok = AutoTokenizer.from_pretrained(warm_arith_dir)
+    task, reward = ArithmeticTask(), ArithmeticCorrectReward()
+    held = task.eval_prompts()
+    ids = [tok.encode(p.text, add_special_tokens=False) for p in held]
+    server = VLLMServer(warm_arith_dir, server_cfg(), tmp_path / "vllm.log", served_model_name="warm-arith")
+    server.start()
+    client = InferenceClient(server.url)
+    try:
+        greedy = client.generate(ids, n=1, max_tokens=8, temperature=0.0, model="warm-arith")
+        right = [reward(p, tok.decode(g[0].token_ids, skip_special_tokens=True)) for p, g in zip(held, greedy)]
+        accuracy = sum(right) / len(right)
+        assert abs(accuracy - stated) <= 0.05, (accuracy, stated)
+        # Sampled groups at the task's temperature disagree (GRPO gets non-zero advantages).
+        groups = client.generate(ids[:64], n=8, max_tokens=8, temperature=1.0, model="warm-arith", seed=0)
+        scores = [[reward(p, tok.decode(c.token_ids, skip_special_tokens=True)) for c in g]
+                  for p, g in zip(held[:64], groups)]
+        assert sum(max(s) != min(s) for s in scores) >= 8
+    finally:
+        client.close()
+        server.stop()

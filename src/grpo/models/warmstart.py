@@ -44,7 +44,8 @@ METADATA_FILE = "warmstart.json"
 
 WARMSTART_PRESETS: dict[str, dict[str, Any]] = {
     # Arithmetic (grpo.pipeline.arithmetic, the defaults of conf/data/arithmetic.yaml) on tiny-qwen2 (0.6 M params).
-    # 1200 steps of 64 items put held-out greedy accuracy near 10-15 %: inside the 5-40 % window with room both ways.
+    # 1200 steps of 64 items: held-out greedy accuracy 22.0 % (transformers and vLLM), sampled pass rate ~14 % at
+    # T=1: inside the 5-40 % window with room both ways.
     "warm-arith": {
         "base": "tiny-qwen2",
         "task": {
