@@ -174,6 +174,7 @@ def test_warmstart_cache_key_follows_the_task_data(monkeypatch):
         warmstart.warmstart_path("warm-nothing")
 
 
+@pytest.mark.slow  # builds the warm-start model on a fresh cache (2-4 min on 2 cores): outside CI's 30-minute budget
 def test_warmstart_loads_in_transformers_at_its_stated_accuracy(warm_arith_dir):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -196,6 +197,7 @@ def test_warmstart_loads_in_transformers_at_its_stated_accuracy(warm_arith_dir):
 
 
 @pytest.mark.vllm
+@pytest.mark.slow  # same model build as above
 def test_warmstart_serves_in_vllm_at_its_stated_accuracy(warm_arith_dir, tmp_path):
     from transformers import AutoTokenizer
 

@@ -85,10 +85,19 @@ def shared_server(tiny_qwen2_dir, tmp_path_factory):
     server = VLLMServer(tiny_qwen2_dir, server_cfg(enforce_eager=True, max_model_len=1024, gpu_memory_utilization=0.05), log,
                         served_model_name=str(tiny_qwen2_dir))
     server.start()
+    # Runs that attach to it prove they belong by its token (weight-changing calls), as a user attaching would.
+    from grpo.inference.identity import TOKEN_ENV
+
+    previous = os.environ.get(TOKEN_ENV)
+    os.environ[TOKEN_ENV] = server.token
     try:
         yield server.url
     finally:
         server.stop()
+        if previous is None:
+            os.environ.pop(TOKEN_ENV, None)
+        else:
+            os.environ[TOKEN_ENV] = previous
 
 
 # ---------------------------------------------------------------------------------------------------- server faults
