@@ -150,6 +150,11 @@ def test_recompute_gives_ratio_one_at_the_first_update_and_the_second_pass_moves
     # The batch's data metrics sit on its first update, the sync on its last.
     assert "reward/mean" in first and "reward/mean" not in second
     assert first["sync/seconds"] == 0.0 and second["sync/version"] == 1.0
+    # Per rollout batch, on its last row: the updates it got and how the clip and pi_old moved over them.
+    assert second["batch/updates"] == 2 and "batch/updates" not in first
+    assert second["batch/clipped_fraction_mean"] == pytest.approx((first["grpo/clipped_fraction"]
+                                                                   + second["grpo/clipped_fraction"]) / 2)
+    assert second["batch/approx_kl_old_max"] == max(first["grpo/approx_kl_old"], second["grpo/approx_kl_old"])
 
 
 def test_two_clip_eps_give_different_losses_once_the_policy_moved(tiny_qwen2_dir, tmp_path):

@@ -44,6 +44,19 @@ def process_stats() -> dict[str, float]:
     return {"memory/rss_gb": rss_pages * os.sysconf("SC_PAGE_SIZE") / 1024**3, "proc/open_fds": float(fds)}
 
 
+def batch_summary(rows: list[dict[str, Any]]) -> dict[str, float]:
+    """Per rollout batch, over its updates: how much the clip acted and how far the policy moved from pi_old."""
+    def values(key: str) -> list[float]:
+        return [float(r[key]) for r in rows if r.get(key) is not None]
+
+    out = {"batch/updates": float(len(rows))}
+    for key, agg in (("grpo/clipped_fraction", "mean"), ("grpo/approx_kl_old", "max"), ("grpo/ratio_old_max", "max")):
+        v = values(key)
+        if v:
+            out[f"batch/{key.split('/')[1]}_{agg}"] = sum(v) / len(v) if agg == "mean" else max(v)
+    return out
+
+
 class StepEvaluator(Protocol):
     """What the loop needs of an evaluator (grpo.pipeline.evaluation.Evaluator; typed here so the trainer does not
     import the pipeline)."""
@@ -171,6 +184,7 @@ class GRPOTrainer:
         # Step times add up to the batch's wall time: fetch (and pi_old) count on the first update, sync on the last.
         rows[0]["time/step_seconds"] += t_sync - t_start - sum(r["time/step_seconds"] for r in rows)
         rows[-1]["time/step_seconds"] += t_end - t_sync
+        rows[-1].update(batch_summary(rows))
         for row in rows:
             row.update(sync_metrics if row is rows[-1] else
                        {"sync/seconds": 0.0, "sync/version": float(self.sync.version)})
