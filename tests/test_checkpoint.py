@@ -218,3 +218,19 @@ def test_resume_equals_straight_run(tiny_qwen2_dir, tmp_path, lora):
     # The run really moved the weights.
     base = dict(fresh()[0].named_parameters())
     assert any(not torch.equal(base[n], a[n]) for n in a if a[n].requires_grad)
+
+
+def test_saving_weights_prints_no_progress_bar_and_restores_the_setting(tmp_path, tiny_qwen2_dir, capfd):
+    """One progress bar per run: a sync or checkpoint save must not print Hugging Face's "Writing model shards"."""
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    from grpo.weights.hf_dir import save_model_weights
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_qwen2_dir)
+    hf_logging.enable_progress_bar()
+    model.save_pretrained(tmp_path / "plain")  # transformers' own save prints its bar: the check below can fail
+    assert "Writing model shards" in capfd.readouterr().err
+    save_model_weights(model, None, tmp_path / "ours")
+    assert "Writing model shards" not in capfd.readouterr().err
+    assert hf_logging.is_progress_bar_enabled() and (tmp_path / "ours" / "model.safetensors").exists()

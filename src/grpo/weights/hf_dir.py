@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -76,13 +77,29 @@ def drop_tied_copies(model: nn.Module, state_dict: dict[str, torch.Tensor]) -> d
     return {k: v for k, v in state_dict.items() if k not in drop}
 
 
+@contextmanager
+def quiet_progress_bars():
+    """Hugging Face's own progress bars off for the block ("Writing model shards" on every save would print one bar
+    per sync and checkpoint under the run's single progress bar); restored afterwards."""
+    from transformers.utils import logging as hf_logging
+
+    enabled = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if enabled:
+            hf_logging.enable_progress_bar()
+
+
 def write_model(model: nn.Module, tokenizer: Any, out: Path, state_dict: dict | None = None) -> None:
     """``save_pretrained`` into ``out`` (not atomic; see save_model_weights)."""
     # save_pretrained writes the module's own (unfused) names; for a PeftModel it writes only the adapter.
     # `state_dict`: full tensors gathered from an FSDP2 model (its own are shards), written under the same names.
     if state_dict is not None:
         state_dict = drop_tied_copies(model, state_dict)
-    model.save_pretrained(out, safe_serialization=True, state_dict=state_dict)
+    with quiet_progress_bars():
+        model.save_pretrained(out, safe_serialization=True, state_dict=state_dict)
     if tokenizer is not None:
         tokenizer.save_pretrained(out)
 
