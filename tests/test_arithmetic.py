@@ -229,3 +229,24 @@ def test_warmstart_serves_in_vllm_at_its_stated_accuracy(warm_arith_dir, tmp_pat
     finally:
         client.close()
         server.stop()
+
+
+def test_training_can_sample_says_what_it_draws_so_eval_on_arithmetic_starts():
+    """The evaluation component checks its held-out set against what training can draw (`can_sample`)."""
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    from grpo.config import register_configs
+    from grpo.pipeline.evaluation import build_evaluator
+
+    task = ArithmeticTask()
+    assert not any(task.can_sample(p) for p in task.eval_prompts())
+    drawn = task.sample(random.Random(3), 200)
+    assert all(task.can_sample(p) for p in drawn)
+    assert not task.can_sample(Prompt("1+2+3+4="))  # four operands: not this task's shape
+    register_configs()
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=str(Path(__file__).resolve().parents[1] / "conf"), version_base="1.3"):
+        cfg = compose(config_name="train", overrides=["data=arithmetic", "model=warm_arith"])
+    evaluator = build_evaluator(cfg.eval, cfg.data)
+    assert evaluator is not None

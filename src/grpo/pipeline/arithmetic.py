@@ -112,6 +112,13 @@ class ArithmeticTask(Task):
         """True when the expression belongs to the held-out set."""
         return canonical_key(prompt_text) in self._heldout_keys
 
+    def can_sample(self, prompt: Prompt) -> bool:
+        """True when `sample` may draw `prompt`: an expression of this task's shape that is not held out (the
+        evaluation component checks its eval set against it)."""
+        digits = rf"\d{{1,{self.max_digits}}}"
+        shape = rf"{digits}(?:[+-]{digits}){{{self.min_operands - 1},{self.max_operands - 1}}}="
+        return re.fullmatch(shape, prompt.text) is not None and not self.is_heldout(prompt.text)
+
     def eval_prompts(self) -> list[Prompt]:
         """The fixed held-out set (same list on every call and every machine), never drawn by `sample`."""
         return list(self._heldout)
