@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any, Callable, Mapping, Optional
 
 from grpo.inference.client import Completion, Endpoint, InferenceClient
-from grpo.pipeline.local import build_rewards
+from grpo.pipeline.local import build_rewards, weighted_reward
 from grpo.pipeline.tasks import Prompt, Task
 
 log = logging.getLogger(__name__)
@@ -199,14 +199,9 @@ class Evaluator:
 
     def _score(self, prompt: Prompt, completion: Completion) -> _Scored:
         text = self.ctx.tokenizer.decode(completion.token_ids, skip_special_tokens=True)
-        total, parsed, correct = 0.0, True, False
-        for name, (fn, weight) in self.rewards.items():
-            r = float(fn(prompt, text))
-            total += weight * r
-            if name == self.correct_reward:
-                correct = r >= self.correct_threshold
-            if hasattr(fn, "parses"):
-                parsed = parsed and bool(fn.parses(prompt, text))
+        total, values = weighted_reward(self.rewards, prompt, text)
+        correct = self.correct_reward in values and values[self.correct_reward] >= self.correct_threshold
+        parsed = all(bool(fn.parses(prompt, text)) for fn, _ in self.rewards.values() if hasattr(fn, "parses"))
         return _Scored(completion, text, total, correct, parsed)
 
     def _metrics(self, greedy: list[_Scored], sampled: list[list[_Scored]]) -> dict[str, float]:

@@ -50,6 +50,12 @@ def build_rewards(rewards: Mapping[str, Any]) -> dict[str, tuple[Any, float]]:
     return out
 
 
+def weighted_reward(rewards: Mapping[str, tuple[Any, float]], prompt: Prompt, text: str) -> tuple[float, dict[str, float]]:
+    """The weighted sum of `rewards` (from build_rewards) for one completion's text, and each reward's own value."""
+    values = {name: float(fn(prompt, text)) for name, (fn, _) in rewards.items()}
+    return sum(weight * values[name] for name, (_, weight) in rewards.items()), values
+
+
 class LocalRolloutPipeline(DataPipeline):
     """Generates and scores its own groups each step: `prompts_per_step` prompts x `group_size` completions.
 
@@ -191,11 +197,9 @@ class _Scorer:
     def score(self, prompt: Prompt, completion: Any) -> float:
         # Score the text the tokens decode to, without special tokens (EOS is not an answer character).
         text = self.tokenizer.decode(completion.token_ids, skip_special_tokens=True)
-        total = 0.0
-        for name, (fn, weight) in self.rewards.items():
-            r = float(fn(prompt, text))
+        total, values = weighted_reward(self.rewards, prompt, text)
+        for name, r in values.items():
             self.per_reward[name].append(r)
-            total += weight * r
         self.totals.append(total)
         self.lengths.append(len(completion.token_ids))
         self.truncated += completion.finish_reason == "length"
