@@ -11,7 +11,7 @@ import random
 from pathlib import Path
 from typing import Any, Optional
 
-from grpo.pipeline.tasks import Prompt, Task
+from grpo.pipeline.tasks import Prompt, Task, read_jsonl
 
 FORMATS = ("auto", "jsonl", "parquet", "hf_disk")
 
@@ -29,21 +29,6 @@ def detect_format(path: Path) -> str:
         f"PromptFileTask: cannot tell the format of {path} from its name; set data.task.format to one of "
         f"{', '.join(FORMATS[1:])}"
     )
-
-
-def _read_jsonl(path: Path) -> list[dict[str, Any]]:
-    rows = []
-    for lineno, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"PromptFileTask: {path}:{lineno} is not a JSON object ({e})") from e
-        if not isinstance(row, dict):
-            raise ValueError(f"PromptFileTask: {path}:{lineno} is a JSON {type(row).__name__}, not an object")
-        rows.append(row)
-    return rows
 
 
 def _read_parquet(path: Path) -> list[dict[str, Any]]:
@@ -82,7 +67,7 @@ def read_rows(path: Path, fmt: str = "auto", split: Optional[str] = None) -> lis
     if split is not None and fmt != "hf_disk":
         raise ValueError(f"PromptFileTask: split={split!r} applies to a saved Hugging Face dataset, not a {fmt} file")
     if fmt == "jsonl":
-        return _read_jsonl(path)
+        return [row for _, row in read_jsonl(path, "PromptFileTask")]
     if fmt == "parquet":
         return _read_parquet(path)
     return _read_hf_disk(path, split)

@@ -22,6 +22,23 @@ GSM8K_INSTRUCTION = (
 )
 
 
+def read_jsonl(path: Path, who: str) -> list[tuple[int, dict[str, Any]]]:
+    """(line number, object) of every non-blank line of a JSONL file; ValueError naming `who`, the file and the line
+    when a line is not a JSON object."""
+    rows = []
+    for lineno, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{who}: {path}:{lineno} is not a JSON object ({e})") from e
+        if not isinstance(row, dict):
+            raise ValueError(f"{who}: {path}:{lineno} is a JSON {type(row).__name__}, not an object")
+        rows.append((lineno, row))
+    return rows
+
+
 @dataclass(frozen=True)
 class Prompt:
     """One prompt: the rendered text the model continues, and the reference answer (None when there is none)."""
@@ -178,13 +195,10 @@ class GSM8KTask(Task):
         if not path.is_file():
             raise FileNotFoundError(f"GSM8KTask: no JSONL file at {path} (expected rows of {{question, answer}})")
         rows = []
-        for lineno, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
-            if not line.strip():
-                continue
+        for lineno, row in read_jsonl(path, "GSM8KTask"):
             try:
-                row = json.loads(line)
                 question, answer = str(row["question"]), str(row["answer"])
-            except (json.JSONDecodeError, KeyError, TypeError) as e:
+            except KeyError as e:
                 raise ValueError(f"GSM8KTask: {path}:{lineno} is not a {{question, answer}} JSON row ({e})") from e
             final = gsm8k_final_answer(answer)
             if not re.fullmatch(r"-?\d+(\.\d+)?", final):
