@@ -63,8 +63,9 @@ def validate(cfg: DictConfig, run_dir: Path | None = None) -> None:
 
     # Config that would otherwise be silently ignored (grpo.config.checks).
     checks.check_known_keys(cfg)
-    checks.check_group_choices(checks.hydra_info(cfg))
-    checks.check_model_source(cfg.model, checks.hydra_info(cfg))
+    info = checks.hydra_info(cfg)
+    checks.check_group_choices(info)
+    checks.check_model_source(cfg.model, info)
     checks.check_model_files(cfg.model)
     check_layers(cfg)
     check_optimizer(cfg)
