@@ -17,7 +17,7 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 # Special tokens of the Qwen2 chat format; the tiny tokenizer reuses them so chat templates work unchanged.
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
@@ -152,14 +152,27 @@ def build_model_dir(
     device = "cuda" if preset not in TINY_PRESETS and torch.cuda.is_available() else "cpu"
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(config, dtype=torch_dtype)
-    final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=final.parent))
-    try:
+
+    def write(tmp: Path) -> None:
         model.save_pretrained(tmp, safe_serialization=True)
         tok.save_pretrained(tmp)
         GenerationConfig(
             eos_token_id=config.eos_token_id, pad_token_id=config.pad_token_id, do_sample=True
         ).save_pretrained(tmp)
+
+    return publish_model_dir(final, write)
+
+
+def publish_model_dir(final: Path, write: Callable[[Path], None], mode: int | None = None) -> Path:
+    """`write(tmp)` into a hidden temporary sibling of `final`, then rename it onto `final` (replacing an older
+    one), so a half-built model directory never appears under the final name. `mode`: permissions of the directory
+    (mkdtemp makes it private)."""
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=final.parent))
+    try:
+        if mode is not None:
+            os.chmod(tmp, mode)
+        write(tmp)
         if final.exists():
             shutil.rmtree(final)
         os.replace(tmp, final)

@@ -28,13 +28,11 @@ import logging
 import math
 import os
 import random
-import shutil
-import tempfile
 import time
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from grpo.models.tiny import build_model_dir, cache_root
+from grpo.models.tiny import build_model_dir, cache_root, publish_model_dir
 
 log = logging.getLogger(__name__)
 
@@ -237,26 +235,22 @@ def build_warmstart_dir(name: str = "warm-arith", seed: int = 0, out_dir: str | 
     model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
     sft_s = supervised_warmup(model, tokenizer, task, spec["sft"], seed, progress)
     metrics = measure(model, tokenizer, task, reward, spec["measure"], seed)
-    final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=final.parent))
-    try:
-        os.chmod(tmp, 0o755)  # mkdtemp makes it private; the cache is shared like tiny.py's
+    meta: dict[str, Any] = {}
+
+    def write(tmp: Path) -> None:
         model.save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
         GenerationConfig.from_pretrained(base).save_pretrained(tmp)
-        meta = {
+        meta.update({
             "preset": name, "seed": seed, "spec": spec, "version": WARMSTART_VERSION, **metrics,
             "sft_seconds": round(sft_s, 1), "build_seconds": round(time.monotonic() - t0, 1),
             "torch_threads": torch.get_num_threads(), "cpu_count": os.cpu_count(),
             "load_average_before": load_before, "load_average_after": _load_average(),
-        }
+        })
         (tmp / METADATA_FILE).write_text(json.dumps(meta, indent=2) + "\n")
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+
+    # 0o755: mkdtemp makes it private; the cache is shared.
+    publish_model_dir(final, write, mode=0o755)
     log.info("warm-start model %s built in %.1f s (held-out greedy accuracy %.3f)", name, meta["build_seconds"],
              metrics["heldout_greedy_accuracy"])
     return final
