@@ -237,7 +237,11 @@ def build_trainer(cfg, run_dir, model_dir, tokenizer, sync, loss_fn, data, evalu
         # Same server as the rollouts (the endpoint follows restarts and syncs); its own seeds and sampling.
         evaluator.setup(EvalContext(tokenizer=tokenizer, endpoint=sync.endpoint, run_dir=run_dir, seed=cfg.train.seed,
                                     total_steps=cfg.train.steps, max_seq_len=cfg.model.max_seq_len))
-    metrics = MetricsLogger(run_dir, cfg.logging, cfg, cfg.train.steps, start_step) if data is not None else NullMetrics()
+    # A resumed run's metrics.jsonl starts with the earlier rows up to the checkpoint (from the resumed run dir when
+    # this one is another), so metrics, curves.png and grpo.report show the whole run.
+    metrics = MetricsLogger(run_dir, cfg.logging, cfg, cfg.train.steps, start_step,
+                            resumed_from=Path(cfg.train.resume) if resume_ckpt is not None else None,
+                            ) if data is not None else NullMetrics()
     trainer = GRPOTrainer(
         train_cfg=cfg.train, model=model, tokenizer=tokenizer, optimizer=optimizer, scheduler=scheduler,
         loss_fn=loss_fn, pipeline=source, sync=sync, checkpoints=checkpoints, metrics=metrics, device=device,

@@ -8,6 +8,7 @@ metrics.jsonl):
                                                   while generation runs)
                                 optimizer_step    right before optimizer.step()
                                 checkpoint_write  model and optimizer files written, COMPLETE not yet
+                                checkpoint_published  the checkpoint renamed into place, older ones not pruned
     nan_loss@<s>,<s>,...      the loss of these steps becomes NaN before backward (so the gradients are NaN too)
     kill_server@<s>,<s>,...   SIGKILL the inference server's process group at the start of these steps (a crash)
     stop_server@<s>,<s>,...   SIGSTOP it there (a hang; the health check's timeout must notice)

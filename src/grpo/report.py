@@ -1,6 +1,7 @@
-"""Sweep report: one row per job of a multirun dir, and a PNG comparing reward curves.
+"""Sweep report: one row per job of a multirun dir, and a PNG comparing reward curves; given one run dir, its row.
 
     python -m grpo.report multirun/2026-11-21/12-00-00        (or: grpo-report <dir>)
+    python -m grpo.report outputs/2026-11-21/12-00-00_tiny_qwen2_none     # one run (a resumed one: the whole run)
 """
 
 from __future__ import annotations
@@ -56,8 +57,10 @@ def job_row(job_dir: Path) -> dict[str, Any]:
 
 
 def job_dirs(sweep_dir: Path) -> list[Path]:
-    """Job sub-directories of a sweep, in job order."""
+    """Job sub-directories of a sweep, in job order; a single run's dir is its own one job."""
     dirs = [d for d in sweep_dir.iterdir() if d.is_dir() and (d / ".hydra").exists()]
+    if not dirs and (sweep_dir / "metrics.jsonl").exists():
+        return [sweep_dir]
     return sorted(dirs, key=lambda d: (not d.name.isdigit(), int(d.name) if d.name.isdigit() else 0, d.name))
 
 
@@ -108,7 +111,7 @@ def report(sweep_dir: Path) -> tuple[str, list[dict[str, Any]]]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description="Summarise a multirun sweep dir.")
+    parser = argparse.ArgumentParser(description="Summarise a multirun sweep dir, or one run dir.")
     parser.add_argument("sweep_dir", type=Path)
     args = parser.parse_args(argv)
     table, _ = report(args.sweep_dir)

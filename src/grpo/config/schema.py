@@ -12,7 +12,7 @@ from enum import StrEnum
 from typing import Any, Optional
 
 from hydra.core.config_store import ConfigStore
-from omegaconf import MISSING
+from omegaconf import MISSING, OmegaConf
 
 
 # ---------------------------------------------------------------- choices (a wrong value fails at composition)
@@ -370,8 +370,15 @@ class RootConfig:
     name: str = "grpo"
 
 
+def first_set(*values: Any) -> Any:
+    """The first value that is not null (None when all are): `${grpo.first_set:${train.resume},<default dir>}`."""
+    return next((v for v in values if v is not None), None)
+
+
 def register_configs() -> None:
-    """Register every schema; each group YAML names its schema in its defaults list."""
+    """Register every schema (each group YAML names its schema in its defaults list) and our resolvers."""
+    # conf/train.yaml's hydra.run.dir: a resumed run continues in the run dir it resumes (train.resume).
+    OmegaConf.register_new_resolver("grpo.first_set", first_set, replace=True)
     cs = ConfigStore.instance()
     cs.store(name="root_schema", node=RootConfig)
     cs.store(group="model", name="model_schema", node=ModelConfig)

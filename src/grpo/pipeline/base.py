@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 from grpo.inference.client import Endpoint
-from grpo.pipeline.batch import prepare_batch
+from grpo.pipeline.batch import WarnOnce, prepare_batch
 from grpo.pipeline.group import Group
 from grpo.trainer.batch import BatchSource, PreparedBatch
 
@@ -64,10 +64,16 @@ class DataPipeline(BatchSource):
         shape = self.ctx.batch_shape if self.ctx is not None else None
         if shape is None:
             raise RuntimeError(f"{type(self).__name__}.setup() got no batch_shape; it can only yield groups")
+        if self.data_warnings is None:
+            self.data_warnings = WarnOnce()
         return prepare_batch(
             self.next_groups(step), advantage_norm=shape.advantage_norm, max_seq_len=shape.max_seq_len,
             micro_batch_size=shape.micro_batch_size, pad_token_id=shape.pad_token_id, vocab_size=shape.vocab_size,
+            warn=self.data_warnings,
         )
+
+    # Each kind of degenerate data is warned about once per pipeline (so once per job of a multirun).
+    data_warnings: Optional[WarnOnce] = None
 
     # Last step served and that call's metrics (merged into the step's metrics row by the trainer).
     step: int | None = None

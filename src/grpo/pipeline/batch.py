@@ -7,17 +7,40 @@ dropped, what is missing) is counted in ``PreparedBatch.metrics`` so nothing is 
 
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 
 from grpo.pipeline.group import Group, MalformedGroup, parse_group
 from grpo.trainer.batch import IGNORE_INDEX, PreparedBatch, TrainBatch
 
+log = logging.getLogger(__name__)
+
 ADVANTAGE_NORMS = ("group", "batch", "none")
 _STD_EPS = 1e-6
+# A log-probability is at most 0. A rollout log-prob above this at a completion token is impossible (the margin is
+# for float rounding): probabilities, or garbage such as 1e6, sent in the field's place.
+MAX_LOGPROB = 1e-3
+
+
+class WarnOnce:
+    """Logs the first case of each kind of degenerate data, naming the field; later ones are only counted in the
+    batch's metrics (a bad environment would otherwise log every step)."""
+
+    def __init__(self) -> None:
+        self.seen: set[str] = set()
+
+    def __call__(self, kind: str, message: str) -> None:
+        if kind not in self.seen:
+            self.seen.add(kind)
+            log.warning("%s [counted in %s; warned once]", message, kind)
+
+
+# Shared by every prepare_batch call that brings no WarnOnce of its own: once per process.
+_WARN_ONCE = WarnOnce()
 
 
 class BatchError(ValueError):
@@ -47,6 +70,54 @@ def _sequences(group: Group) -> list[_Seq]:
              group.ref_logprobs[i], group.temperatures[i], group.zero_advantage[i])
         for i in range(len(group))
     ]
+
+
+def _loss_tokens(s: _Seq) -> int:
+    """Tokens the loss sees: completion positions after the causal shift (the first token is never a label)."""
+    return sum(1 for m in s.masks[1:] if m != IGNORE_INDEX)
+
+
+def _impossible_logprob(s: _Seq) -> Optional[float]:
+    """The first rollout log-prob above MAX_LOGPROB at a completion token, or None (prompt positions carry 1.0 by
+    Atropos' convention and are never read)."""
+    if s.inference_logprobs is None:
+        return None
+    return next((lp for lp, m in zip(s.inference_logprobs[1:], s.masks[1:]) if m != IGNORE_INDEX and lp > MAX_LOGPROB),
+                None)
+
+
+def _screen(parsed: list[tuple[int, list[_Seq]]], warn: Callable[[str, str], None]
+            ) -> tuple[list[list[_Seq]], dict[str, int]]:
+    """Degenerate data the wire format allows (parse_group checks the structure), counted per kind and warned once
+    with the field named: groups with no loss token are dropped (nothing to train on); impossible rollout
+    log-probs are treated as missing (the sequence trains as on-policy, as with null ones); a group of one sequence
+    without server advantages is kept and counted (its advantage from `scores` is 0: no baseline)."""
+    counts = {"data/no_loss_token_groups": 0, "data/impossible_logprobs": 0, "data/singleton_groups": 0}
+    kept = []
+    for gi, seqs in parsed:
+        if not any(_loss_tokens(s) for s in seqs):
+            counts["data/no_loss_token_groups"] += 1
+            warn("data/no_loss_token_groups", f"group {gi}: field 'masks' marks every position as prompt "
+                 f"({IGNORE_INDEX}): no token to train on; the group is dropped")
+            continue
+        for i, s in enumerate(seqs):
+            bad = _impossible_logprob(s)
+            if bad is not None:
+                counts["data/impossible_logprobs"] += 1
+                warn("data/impossible_logprobs", f"group {gi} sequence {i}: field 'inference_logprobs' has {bad:g} "
+                     "at a completion token, but a log-probability is <= 0 (probabilities sent?); the row is treated "
+                     "as missing (on-policy)")
+                s.inference_logprobs = None
+        if len(seqs) == 1 and seqs[0].advantage is None:
+            counts["data/singleton_groups"] += 1
+            warn("data/singleton_groups", f"group {gi} has one sequence and no 'advantages': its advantage from "
+                 "'scores' is 0 (no baseline to compare with); use groups of 2 or more")
+        kept.append(seqs)
+    return kept, counts
+
+
+def _is_zero(advantage: Any) -> bool:
+    return all(a == 0.0 for a in advantage) if isinstance(advantage, list) else advantage == 0.0
 
 
 def _parsed(gi: int, group: Group | dict, vocab_size: Optional[int]) -> Group:
@@ -143,6 +214,7 @@ def prepare_batch(
     micro_batch_size: int,
     pad_token_id: int,
     vocab_size: Optional[int] = None,
+    warn: Optional[Callable[[str, str], None]] = None,
 ) -> PreparedBatch:
     """Turn one step's groups into causally shifted, padded micro-batches.
 
@@ -156,28 +228,35 @@ def prepare_batch(
       override zeroes its advantage.
     - Sequences longer than ``max_seq_len`` are dropped (``data/dropped_too_long``).
     - Null ``inference_logprobs`` (group or sequence) become NaN rows (``data/missing_logprobs`` counts them).
+    - Degenerate data (``_screen``; each kind counted, and warned once through ``warn``, default once per process):
+      groups without a loss token are dropped (``data/no_loss_token_groups``), sequences without one in other
+      groups too (``data/no_loss_token_sequences``, after their score joined the baseline); rollout log-probs above
+      0 at a completion token make that row missing (``data/impossible_logprobs``); groups of one sequence
+      (``data/singleton_groups``) and groups whose advantages are all 0 (``data/zero_advantage_groups``, e.g. all
+      scores equal) are kept, as GRPO trains on them (no policy gradient, but they count in the normalisers).
     """
     if advantage_norm not in ADVANTAGE_NORMS:
         raise ValueError(f"advantage_norm must be one of {ADVANTAGE_NORMS}, got {advantage_norm!r}")
     if micro_batch_size < 1:
         raise ValueError(f"micro_batch_size must be >= 1, got {micro_batch_size}")
-    parsed = [_sequences(_parsed(gi, g, vocab_size)) for gi, g in enumerate(groups)]
-    empty = sum(1 for seqs in parsed if not seqs)
-    parsed = [seqs for seqs in parsed if seqs]
-    all_scores = [s.score for seqs in parsed for s in seqs]
-    kept, too_long, emptied = _kept_sequences(parsed, advantage_norm, all_scores, max_seq_len)
+    parsed = [(gi, _sequences(_parsed(gi, g, vocab_size))) for gi, g in enumerate(groups)]
+    empty = sum(1 for _, seqs in parsed if not seqs)
+    screened, degenerate = _screen([(gi, seqs) for gi, seqs in parsed if seqs], warn or _WARN_ONCE)
+    all_scores = [s.score for seqs in screened for s in seqs]
+    kept, dropped = _kept_sequences(screened, advantage_norm, all_scores, max_seq_len)
+    emptied = dropped.pop("emptied")
     per_token_adv = any(isinstance(s.advantage, list) for s in kept)
     micro = [
         _collate(kept[i : i + micro_batch_size], pad_token_id, per_token_adv)
         for i in range(0, len(kept), micro_batch_size)
     ]
-    completion = [sum(1 for m in s.masks[1:] if m != IGNORE_INDEX) for s in kept]
+    completion = [_loss_tokens(s) for s in kept]
     metrics = {
         **_reward_metrics(all_scores),
         "data/sequences": float(len(kept)),
-        "data/groups": float(len(parsed)),
-        "data/dropped_groups": float(empty + emptied),
-        "data/dropped_too_long": float(too_long),
+        "data/groups": float(len(screened)),
+        "data/dropped_groups": float(empty + degenerate["data/no_loss_token_groups"] + emptied),
+        **{k: float(v) for k, v in {**degenerate, **dropped}.items()},
         "data/missing_logprobs": float(sum(1 for s in kept if s.inference_logprobs is None)),
         "tokens/trained": float(sum(completion)),
         "tokens/total": float(sum(len(s.tokens) for s in kept)),
@@ -193,11 +272,13 @@ def prepare_batch(
 
 def _kept_sequences(
     parsed: list[list[_Seq]], advantage_norm: str, all_scores: list[float], max_seq_len: int
-) -> tuple[list[_Seq], int, int]:
-    """Advantages per group, then the sequences that fit ``max_seq_len``: (kept, too long, groups emptied)."""
+) -> tuple[list[_Seq], dict[str, int]]:
+    """Advantages per group, then the sequences that fit ``max_seq_len`` and have a loss token: (kept, counts of
+    too long sequences, sequences without a loss token, zero-advantage groups, and groups emptied)."""
     batch_std = float(torch.tensor(all_scores, dtype=torch.float64).std(unbiased=False)) if all_scores else 0.0
     kept: list[_Seq] = []
-    too_long = emptied = 0
+    counts = {"data/dropped_too_long": 0, "data/no_loss_token_sequences": 0, "data/zero_advantage_groups": 0,
+              "emptied": 0}
     for seqs in parsed:
         _group_advantages(seqs, advantage_norm, batch_std)
         group_kept = 0
@@ -205,17 +286,21 @@ def _kept_sequences(
             if s.zero_adv:
                 s.advantage = [0.0] * len(s.tokens) if isinstance(s.advantage, list) else 0.0
             if len(s.tokens) > max_seq_len:
-                too_long += 1
+                counts["data/dropped_too_long"] += 1
+                continue
+            if not _loss_tokens(s):
+                counts["data/no_loss_token_sequences"] += 1
                 continue
             kept.append(s)
             group_kept += 1
-        emptied += group_kept == 0
-    return kept, too_long, emptied
+        counts["data/zero_advantage_groups"] += all(_is_zero(s.advantage) for s in seqs)
+        counts["emptied"] += group_kept == 0
+    return kept, counts
 
 
 def _reward_metrics(all_scores: list[float]) -> dict[str, float]:
-    if not all_scores:
-        return {"reward/mean": 0.0, "reward/std": 0.0, "reward/max": 0.0}
+    if not all_scores:  # no group to score: unknown (null in metrics.jsonl), not a reward of 0
+        return {"reward/mean": math.nan, "reward/std": math.nan, "reward/max": math.nan}
     scores = torch.tensor(all_scores, dtype=torch.float64)
     return {"reward/mean": float(scores.mean()), "reward/std": float(scores.std(unbiased=False)),
             "reward/max": float(scores.max())}

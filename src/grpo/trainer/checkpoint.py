@@ -40,7 +40,7 @@ from grpo.weights.hf_dir import (
     write_model,
 )
 
-__all__ = ["COMPLETE", "CheckpointManager", "load_model_weights", "save_model_weights"]
+__all__ = ["COMPLETE", "CheckpointManager", "CheckpointWriteError", "load_model_weights", "save_model_weights"]
 
 COMPLETE = "COMPLETE"
 _STEP_RE = re.compile(r"^step_(\d+)$")
@@ -59,6 +59,15 @@ def _set_rng_state(state: dict) -> None:
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
+
+
+class CheckpointWriteError(OSError):
+    """A checkpoint could not be written (full disk, unwritable or missing directory); the previous checkpoints
+    are untouched."""
+
+    def __init__(self, step: int, root: Path, error: OSError) -> None:
+        super().__init__(error.errno, f"could not write checkpoint step {step} under {root}: {error}")
+        self.step = step
 
 
 class CheckpointManager:
@@ -112,9 +121,12 @@ class CheckpointManager:
             state_json = json.dumps(trainer_state, indent=2, sort_keys=True)
         except TypeError as e:
             raise TypeError(f"checkpoint state must be JSON-serialisable: {e}") from e
-        self.root.mkdir(parents=True, exist_ok=True)
         final = self.root / f"step_{step:06d}"
-        tmp = Path(tempfile.mkdtemp(prefix=f".tmp_{final.name}_", dir=self.root))
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+            tmp = Path(tempfile.mkdtemp(prefix=f".tmp_{final.name}_", dir=self.root))
+        except OSError as e:
+            raise CheckpointWriteError(step, self.root, e) from e
         try:
             write_model(model, tokenizer, tmp, model_state)
             if optimizer_state is not None:
@@ -130,9 +142,13 @@ class CheckpointManager:
             (tmp / "trainer_state.json").write_text(state_json)
             (tmp / COMPLETE).write_text(f"{step}\n")
             publish_dir(tmp, final)
+        except OSError as e:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise CheckpointWriteError(step, self.root, e) from e
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
+        faults.point("checkpoint_published", step)  # test-only: the new checkpoint is in place, pruning not done
         self._prune()
         return final
 

@@ -142,11 +142,15 @@ class GRPOTrainer:
             if self.evaluator is not None and any(self.evaluator.due(s, self.cfg.steps)
                                                   for s in range(first + 1, self.step + 1)):
                 rows[-1].update(self.evaluator.evaluate(self.step))
-            every = self.cfg.checkpoint_every
-            if self.step // every > first // every or self.step == self.cfg.steps:
-                self.save_checkpoint()  # at rollout-batch boundaries; FSDP2: every rank joins, rank 0 writes
+            # The rows go to disk before the checkpoint that holds these steps' weights: a run stopped or failing
+            # inside the checkpoint write has them, and a resume from an older checkpoint trims them
+            # (MetricsLogger), so every step is in metrics.jsonl exactly once.
             for row in rows:
                 self.metrics.log(row)
+            every = self.cfg.checkpoint_every
+            if self.step // every > first // every or self.step == self.cfg.steps:
+                self.metrics.flush()
+                self.save_checkpoint()  # at rollout-batch boundaries; FSDP2: every rank joins, rank 0 writes
         return self.rewards
 
     def save_checkpoint(self) -> Path | None:
@@ -169,12 +173,12 @@ class GRPOTrainer:
             self.recompute_old_logprobs(batch)
             head["time/old_logprobs_seconds"] = time.perf_counter() - t_data
         rows = []
-        for epoch, mini in update_plan(batch, self.cfg.ppo_epochs, self.cfg.mini_batches, self.cfg.seed,
-                                       self.batch_number):
+        for epoch, mini in self.plan(batch):
             if self.step >= self.cfg.steps:
                 break
-            rows.append({"step": self.step + 1, **self.update(mini), "batch": float(self.batch_number + 1),
-                         "epoch": float(epoch)})
+            update = self.update(mini) if mini.num_loss_tokens > 0 else self.skip_update()
+            rows.append({"step": self.step + 1, **update, "batch": float(self.batch_number + 1), "epoch": float(epoch)})
+            self.step += 1
         self.batch_number += 1
         t_sync = time.perf_counter()
         sync_metrics = self.maybe_sync()
@@ -190,9 +194,25 @@ class GRPOTrainer:
                        {"sync/seconds": 0.0, "sync/version": float(self.sync.version)})
             row["memory/peak_gb"] = peak_memory_gb(self.device)
             row.update(process_stats())
-        if "reward/mean" in rows[0]:
+        if math.isfinite(rows[0].get("reward/mean", math.nan)):  # a batch with no group has no reward
             self.rewards.append(float(rows[0]["reward/mean"]))
         return rows
+
+    def plan(self, batch: PreparedBatch) -> list[tuple[int, PreparedBatch]]:
+        """(epoch, mini-batch) of each of the rollout batch's updates; a batch with nothing to train on (every group
+        dropped by the batcher) is not split: each of its updates is skipped."""
+        if batch.num_loss_tokens > 0:
+            return update_plan(batch, self.cfg.ppo_epochs, self.cfg.mini_batches, self.cfg.seed, self.batch_number)
+        return [(epoch, batch) for epoch in range(self.cfg.ppo_epochs) for _ in range(self.cfg.mini_batches)]
+
+    def skip_update(self) -> dict[str, Any]:
+        """The row of an optimizer step with no token to train on: no forward, no optimizer or schedule step; its
+        loss is unknown (null), not 0, and `train/skipped_empty` marks it (the batch's `data/` keys say why)."""
+        log.warning("step %d: the rollout batch has no token to train on (see its data/ metrics); step skipped",
+                    self.step + 1)
+        return {"loss": math.nan, "grad_norm": math.nan, "lr": self.scheduler.get_last_lr()[0],
+                "train/skipped_nonfinite": float(self.nonfinite_total), "train/skipped_empty": 1.0,
+                "time/step_seconds": 0.0, "tokens/trained": 0.0}
 
     def update(self, batch: PreparedBatch) -> dict[str, Any]:
         """One optimizer step on `batch` (a rollout batch or one of its mini-batches); its metrics."""
@@ -200,7 +220,6 @@ class GRPOTrainer:
         loss_total, loss_metrics = self.forward_backward(batch)
         t_fwd = time.perf_counter()
         grad_norm = self.optimizer_step(loss_total)
-        self.step += 1
         t_opt = time.perf_counter()
         return {
             **loss_metrics,
@@ -208,6 +227,7 @@ class GRPOTrainer:
             "grad_norm": grad_norm,
             "lr": self.scheduler.get_last_lr()[0],
             "train/skipped_nonfinite": float(self.nonfinite_total),
+            "train/skipped_empty": 0.0,
             "time/train_seconds": t_opt - t0,
             "time/forward_backward_seconds": t_fwd - t0,
             "time/step_seconds": t_opt - t0,

@@ -6,7 +6,7 @@ import json
 import math
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -28,16 +28,34 @@ def tensorboard_writer_class() -> type:
     return SummaryWriter
 
 
+def continue_history(path: Path, start_step: int, earlier: Optional[Path] = None) -> int:
+    """Start a run's metrics.jsonl (`path`) with its history up to `start_step`, so a resumed run is one series.
+
+    A fresh run (`start_step` 0) starts an empty file. A run resumed from the checkpoint of step `start_step` keeps
+    the rows up to that step, from `earlier` (the resumed run's metrics.jsonl, when it continues in another run dir)
+    or from `path` itself; rows past it are the steps the resumed run does again, dropped so that every step appears
+    once. Written to a temporary file and renamed, so a crash here leaves the old history whole. Returns the rows
+    kept."""
+    source = earlier if earlier is not None and earlier.exists() else path
+    kept: list[str] = []
+    if start_step > 0 and source.exists():
+        kept = [line for line in source.read_text().splitlines()
+                if line.strip() and json.loads(line)["step"] <= start_step]
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text("".join(line + "\n" for line in kept))
+    os.replace(tmp, path)
+    return len(kept)
+
+
 class MetricsLogger:
     """Writes one JSON line per optimizer step to <run_dir>/metrics.jsonl and mirrors it to wandb and a bar."""
 
-    def __init__(self, run_dir: Path, logging_cfg: DictConfig, full_cfg: DictConfig, total_steps: int, start_step: int):
+    def __init__(self, run_dir: Path, logging_cfg: DictConfig, full_cfg: DictConfig, total_steps: int, start_step: int,
+                 resumed_from: Optional[Path] = None):
         self.path = run_dir / "metrics.jsonl"
         self.run_dir = run_dir
-        # A resumed run in the same dir keeps its earlier lines but drops any past the checkpoint it resumes from.
-        if self.path.exists():
-            kept = [line for line in self.path.read_text().splitlines() if line and json.loads(line)["step"] <= start_step]
-            self.path.write_text("".join(line + "\n" for line in kept))
+        earlier = Path(resumed_from) / "metrics.jsonl" if resumed_from is not None else None
+        continue_history(self.path, start_step, earlier)
         self._file = open(self.path, "a", buffering=1)
         self._wandb = None
         if logging_cfg.wandb:
@@ -76,6 +94,13 @@ class MetricsLogger:
         if self._bar is not None:
             self._bar.update(1 if clean["step"] > 0 else 0)  # the step-0 row (eval before training) is no step
             self._bar.set_postfix({k.split("/")[-1]: f"{clean[k]:.3g}" for k in BAR_KEYS if isinstance(clean.get(k), float)})
+
+    def flush(self) -> None:
+        """Force the rows written so far onto disk (fsync), so they outlive a crash of the machine too; the trainer
+        calls it before each checkpoint."""
+        if not self._file.closed:
+            self._file.flush()
+            os.fsync(self._file.fileno())
 
     def close(self) -> None:
         """Flush and close every sink. Safe to call twice."""
@@ -141,6 +166,9 @@ class NullMetrics:
 
     def log(self, metrics: dict) -> None:
         """Drop the row."""
+
+    def flush(self) -> None:
+        """Nothing to flush."""
 
     def close(self) -> None:
         """Nothing to close."""
