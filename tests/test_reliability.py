@@ -152,7 +152,8 @@ def test_sigterm_in_each_phase_keeps_a_valid_checkpoint_and_resume_continues(tmp
     assert json.loads((run / "summary.json").read_text())["status"] == "interrupted"
     assert_valid_checkpoint(run, 1, tiny_qwen2_dir)
 
-    ext = [f"server.external_url={shared_server}", f"hydra.run.dir={run}", f"train.resume={run}", "train.steps=5", EVERY_STEP]
+    # No hydra.run.dir: a resumed run continues in the run dir it resumes (issue 21 item 3).
+    ext = [f"server.external_url={shared_server}", f"train.resume={run}", "train.steps=5", EVERY_STEP]
     # The optimizer step of step 3: step 2's checkpoint stays the last.
     code, out, marker = train(*ext, fault="sigterm@optimizer_step:3")
     assert code == 143 and "SIGTERM in optimizer_step of step 3" in out, out[-3000:]
@@ -166,6 +167,7 @@ def test_sigterm_in_each_phase_keeps_a_valid_checkpoint_and_resume_continues(tmp
     assert_clean(marker)
     assert_valid_checkpoint(run, 3, tiny_qwen2_dir)
     assert not (run / "checkpoints" / "step_000004").exists()
+    assert steps(run) == [1, 2, 3, 4]  # step 4 was trained: its row was written before the checkpoint
     # Resume to the end: every step present exactly once.
     code, out, marker = train(*ext)
     assert code == 0, out[-3000:]
