@@ -74,7 +74,7 @@ def test_bad_task_arguments_fail_clearly():
     with pytest.raises(ValueError, match="max_digits"):
         ArithmeticTask(max_digits=0)
     with pytest.raises(ValueError, match="distinct held-out"):
-        ArithmeticTask(min_operands=2, max_operands=2, max_digits=1, heldout_size=500)  # only 200 items exist
+        ArithmeticTask(min_operands=2, max_operands=2, min_digits=1, max_digits=1, heldout_size=500)  # only 200 items exist
 
 
 # ------------------------------------------------------------------ parser
