@@ -86,6 +86,11 @@ def train(cfg: DictConfig, run_dir: Path) -> list[float]:
     loss_fn = instantiate(cfg.loss)
     log.info("loss %s", loss_fn)
     data = instantiate(cfg.data, _recursive_=False) if rank0 else None
+    if data is not None and cfg.train.max_staleness > 0:
+        from grpo.pipeline.rollout_queue import AsyncRollouts
+
+        # Generation runs ahead in a producer thread (k = 0 never builds it: the synchronous loop, unchanged).
+        data = AsyncRollouts(data, cfg.train.max_staleness, str(cfg.train.stale_policy), cfg.train.rollout_queue)
     log.info("data pipeline %s", type(data).__name__ if data is not None else "rank 0's")
     evaluator = build_evaluator(cfg.eval, cfg.data) if rank0 else None  # bad eval input fails before a model loads
     check_objective(cfg.train.objective, evaluator is not None)
