@@ -10,8 +10,10 @@ from __future__ import annotations
 import logging
 import random
 import time
+from pathlib import Path
 from typing import Any, Mapping, Optional
 
+from grpo import faults
 from grpo.pipeline.base import DataPipeline, PipelineContext
 from grpo.pipeline.group import Group
 from grpo.pipeline.tasks import Prompt, Task
@@ -139,6 +141,7 @@ class LocalRolloutPipeline(DataPipeline):
         # Completions never push a sequence past max_seq_len (it would be dropped by the batcher).
         max_tokens = min(self.max_new_tokens, ctx.max_seq_len - max(len(x) for x in ids))
         endpoint = ctx.endpoint()
+        faults.kill_server_generating(step + 1, Path(ctx.run_dir) / "logs" / "vllm.pid")
         t0 = time.monotonic()
         outs = self._client(endpoint.base_url).generate(
             ids, n=self.group_size, max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p,
