@@ -56,11 +56,16 @@ def point(phase: str, step: int) -> None:
         os.kill(os.getpid(), signal.SIGTERM)
 
 
+_fired: set[tuple[str, int]] = set()
+
+
 def kill_server_generating(batch: int, pid_file) -> None:
     """Before rollout batch `batch`'s (1-based) requests: SIGKILL the server whose process group is in `pid_file`
-    when GRPO_FAULT says kill_server_generating@<batch> (a crash during generation)."""
-    if not active("kill_server_generating", batch):
+    when GRPO_FAULT says kill_server_generating@<batch> (a crash during generation); once per process, so the
+    retry of that batch's generation meets the restarted server."""
+    if not active("kill_server_generating", batch) or ("kill_server_generating", batch) in _fired:
         return
+    _fired.add(("kill_server_generating", batch))
     try:
         pid = int(open(pid_file).read())
     except (OSError, ValueError):
