@@ -103,6 +103,7 @@ def test_cli_stops_before_any_model_loads(tmp_path, override, needle):
         (["train.max_staleness=1", "data=atropos"], "data=grpo.pipeline.atropos.AtroposPipeline is not one"),
         (["train.max_staleness=1", "loss.old_logprobs=recompute"], "without loss.tis_cap would take pi_old"),
         (["train.max_staleness=-1"], "train.max_staleness must be >= 0"),
+        (["train.max_staleness=2", "mode=lora_only"], "use train.max_staleness=1 with lora_only"),
         (["train.max_staleness=1", "train.stale_policy=drop", "train.rollout_queue=0"], "train.rollout_queue must be >= 1"),
     ],
 )

@@ -167,6 +167,11 @@ def check_async(cfg: DictConfig) -> None:
             f"train.max_staleness={k} runs the local rollout pipeline in a producer thread; data={target} is not one "
             "(Atropos is asynchronous by itself). Use train.max_staleness=0 with it."
         )
+    if get_class(cfg.mode._target_).mode_name == "lora_only" and k > 1:
+        raise ConfigError(
+            f"train.max_staleness={k} with mode=lora_only: each sync unloads the adapter of two syncs before, which a "
+            "batch generated up to k syncs earlier may still be using; use train.max_staleness=1 with lora_only"
+        )
     loss = cfg.loss
     if loss.get("old_logprobs", "rollout") == "recompute" and loss.get("tis_cap") is None:
         raise ConfigError(
