@@ -188,3 +188,25 @@ def test_the_first_batch_is_the_synchronous_one():
     for a, b in zip(got.micro_batches, expected.micro_batches):
         assert all((getattr(a, f) is None and getattr(b, f) is None) or getattr(a, f).equal(getattr(b, f))
                    for f in ("input_ids", "labels", "loss_mask", "advantages"))
+
+
+def test_k0_builds_the_synchronous_pipeline_and_k1_wraps_it():
+    """k = 0 is today's loop by construction: train.py hands the trainer the pipeline itself, no producer."""
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    from conftest import REPO
+    from grpo.config import register_configs
+    from grpo.pipeline.local import LocalRolloutPipeline
+    from grpo.train import build_data
+
+    register_configs()
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
+        sync_cfg = compose(config_name="train")
+        async_cfg = compose(config_name="train", overrides=["train.max_staleness=1"])
+    assert sync_cfg.train.max_staleness == 0
+    assert type(build_data(sync_cfg)) is LocalRolloutPipeline
+    wrapped = build_data(async_cfg)
+    assert isinstance(wrapped, AsyncRollouts) and type(wrapped.inner) is LocalRolloutPipeline
+    assert wrapped.capacity == 1 and wrapped._thread is None  # noqa: SLF001 - nothing runs before the first batch
