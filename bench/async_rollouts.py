@@ -54,7 +54,7 @@ def figures(run_dir: Path, skip: int = 2) -> dict:
 
 
 def run(k: int, steps: int, root: Path) -> dict:
-    run_dir = root / f"k{k}"
+    run_dir = root / f"k{k}_{time.monotonic_ns()}"
     load_before = os.getloadavg()
     t0 = time.monotonic()
     proc = subprocess.run(
