@@ -85,7 +85,7 @@ def train(cfg: DictConfig, run_dir: Path) -> list[float]:
     sync = build_sync(cfg, rank0, resume_ckpt)
     loss_fn = instantiate(cfg.loss)
     log.info("loss %s", loss_fn)
-    data = instantiate(cfg.data, _recursive_=False) if rank0 else None
+    data = build_data(cfg) if rank0 else None
     log.info("data pipeline %s", type(data).__name__ if data is not None else "rank 0's")
     evaluator = build_evaluator(cfg.eval, cfg.data) if rank0 else None  # bad eval input fails before a model loads
     check_objective(cfg.train.objective, evaluator is not None)
@@ -114,6 +114,17 @@ def train(cfg: DictConfig, run_dir: Path) -> list[float]:
             from grpo.trainer import distributed
 
             distributed.destroy()
+
+
+def build_data(cfg: DictConfig):
+    """The run's data pipeline (rank 0); with `train.max_staleness >= 1` wrapped in the asynchronous producer
+    (grpo.pipeline.rollout_queue). k = 0 never builds the producer: the synchronous loop, unchanged."""
+    data = instantiate(cfg.data, _recursive_=False)
+    if cfg.train.max_staleness > 0:
+        from grpo.pipeline.rollout_queue import AsyncRollouts
+
+        data = AsyncRollouts(data, cfg.train.max_staleness, str(cfg.train.stale_policy), cfg.train.rollout_queue)
+    return data
 
 
 def start_processes(cfg: DictConfig):

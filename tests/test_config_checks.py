@@ -95,3 +95,24 @@ def test_cli_stops_before_any_model_loads(tmp_path, override, needle):
     assert out.returncode != 0
     assert needle in out.stderr
     assert not (tmp_path / "run" / "metrics.jsonl").exists() and not (tmp_path / "run" / "logs").exists()
+
+
+@pytest.mark.parametrize(
+    "overrides, needle",
+    [
+        (["train.max_staleness=1", "data=atropos"], "data=grpo.pipeline.atropos.AtroposPipeline is not one"),
+        (["train.max_staleness=1", "loss.old_logprobs=recompute"], "without loss.tis_cap would take pi_old"),
+        (["train.max_staleness=-1"], "train.max_staleness must be >= 0"),
+        (["train.max_staleness=2", "mode=lora_only"], "use train.max_staleness=1 with lora_only"),
+        (["train.max_staleness=1", "train.stale_policy=drop", "train.rollout_queue=0"], "train.rollout_queue must be >= 1"),
+    ],
+)
+def test_async_rollout_settings_are_checked(tmp_path, overrides, needle):
+    with pytest.raises(ConfigError) as e:
+        _validate(overrides, tmp_path)
+    assert needle in str(e.value)
+
+
+def test_async_rollouts_with_recompute_and_tis_cap_or_rollout_logprobs_pass(tmp_path):
+    _validate(["train.max_staleness=2", "loss.old_logprobs=recompute", "loss.tis_cap=2.0"], tmp_path)
+    _validate(["train.max_staleness=1", "train.stale_policy=drop"], tmp_path)

@@ -12,6 +12,9 @@ metrics.jsonl):
     nan_loss@<s>,<s>,...      the loss of these steps becomes NaN before backward (so the gradients are NaN too)
     kill_server@<s>,<s>,...   SIGKILL the inference server's process group at the start of these steps (a crash)
     stop_server@<s>,<s>,...   SIGSTOP it there (a hang; the health check's timeout must notice)
+    kill_server_generating@<b>,...  SIGKILL it (pid from <run_dir>/logs/vllm.pid) as the local pipeline sends the
+                              requests of rollout batch <b> (1-based); with train.max_staleness >= 1 that is the
+                              producer thread, while the trainer trains the batch before
 
 Example: GRPO_FAULT="nan_loss@3;sigterm@checkpoint_write:5".
 """
@@ -51,6 +54,24 @@ def point(phase: str, step: int) -> None:
         threading.Timer(GENERATE_DELAY_S, os.kill, (os.getpid(), signal.SIGTERM)).start()
     else:
         os.kill(os.getpid(), signal.SIGTERM)
+
+
+_fired: set[tuple[str, int]] = set()
+
+
+def kill_server_generating(batch: int, pid_file) -> None:
+    """Before rollout batch `batch`'s (1-based) requests: SIGKILL the server whose process group is in `pid_file`
+    when GRPO_FAULT says kill_server_generating@<batch> (a crash during generation); once per process, so the
+    retry of that batch's generation meets the restarted server."""
+    if not active("kill_server_generating", batch) or ("kill_server_generating", batch) in _fired:
+        return
+    _fired.add(("kill_server_generating", batch))
+    try:
+        pid = int(open(pid_file).read())
+    except (OSError, ValueError):
+        return
+    log.warning("GRPO_FAULT: kill_server_generating (pgid %d) at rollout batch %d", pid, batch)
+    os.killpg(pid, signal.SIGKILL)
 
 
 def server_faults(step: int, pid: int | None) -> None:

@@ -64,6 +64,14 @@ class OldLogprobs(StrEnum):
     recompute = "recompute"
 
 
+class StalePolicy(StrEnum):
+    """Asynchronous rollouts: the generator waits so no group exceeds train.max_staleness, or runs ahead and the
+    trainer drops groups that did."""
+
+    wait = "wait"
+    drop = "drop"
+
+
 class Device(StrEnum):
     """Training device; auto = cuda when available."""
 
@@ -336,6 +344,14 @@ class TrainConfig:
     device: Device = Device.auto
     # What train.py returns: null = last-10 mean training reward; a metrics key = its last logged value.
     objective: Optional[str] = None
+    # Asynchronous rollouts: 0 = synchronous loop; k >= 1 = generation runs ahead in a thread, groups at most k
+    # weight versions old (local data pipelines only; grpo.pipeline.rollout_queue).
+    max_staleness: int = 0
+    # wait | drop: the generator waits so no group gets older than max_staleness, or runs rollout_queue batches
+    # ahead and the trainer drops (counts) groups older than that.
+    stale_policy: StalePolicy = StalePolicy.wait
+    # stale_policy=drop: rollout batches generated ahead of the trainer at most; null = max_staleness + 1.
+    rollout_queue: Optional[int] = None
 
 
 @dataclass

@@ -76,6 +76,7 @@ def validate(cfg: DictConfig, run_dir: Path | None = None) -> None:
     check_model(cfg)
     check_server(cfg)
     check_train(cfg)
+    check_async(cfg)
     check_logging(cfg)
     if run_dir is not None:
         check_run_dir(run_dir)
@@ -146,6 +147,38 @@ def check_train(cfg: DictConfig) -> None:
         )
     if cfg.train.resume is not None and not Path(cfg.train.resume).exists():
         raise ConfigError(f"train.resume={cfg.train.resume} does not exist")
+
+
+def check_async(cfg: DictConfig) -> None:
+    """Asynchronous rollouts (`train.max_staleness >= 1`): a local data pipeline, a queue that holds a batch, and a
+    loss whose ratio sees the rollout log-probs (stale groups are off-policy)."""
+    from grpo.pipeline.local import LocalRolloutPipeline
+
+    k = cfg.train.max_staleness
+    if k < 0:
+        raise ConfigError(f"train.max_staleness must be >= 0 (0 = synchronous), got {k}")
+    if k == 0:
+        return
+    if cfg.train.rollout_queue is not None and cfg.train.rollout_queue < 1:
+        raise ConfigError(f"train.rollout_queue must be >= 1 or null, got {cfg.train.rollout_queue}")
+    target = cfg.data.get("_target_")
+    if target is None or not issubclass(get_class(target), LocalRolloutPipeline):
+        raise ConfigError(
+            f"train.max_staleness={k} runs the local rollout pipeline in a producer thread; data={target} is not one "
+            "(Atropos is asynchronous by itself). Use train.max_staleness=0 with it."
+        )
+    if get_class(cfg.mode._target_).mode_name == "lora_only" and k > 1:
+        raise ConfigError(
+            f"train.max_staleness={k} with mode=lora_only: each sync unloads the adapter of two syncs before, which a "
+            "batch generated up to k syncs earlier may still be using; use train.max_staleness=1 with lora_only"
+        )
+    loss = cfg.loss
+    if loss.get("old_logprobs", "rollout") == "recompute" and loss.get("tis_cap") is None:
+        raise ConfigError(
+            f"train.max_staleness={k} trains on groups sampled up to {k} syncs ago; loss.old_logprobs=recompute "
+            "without loss.tis_cap would take pi_old from the current weights and ignore that gap. Use "
+            "loss.old_logprobs=rollout (the default: the ratio is against vLLM's log-probs) or set loss.tis_cap."
+        )
 
 
 def check_logging(cfg: DictConfig) -> None:

@@ -18,6 +18,10 @@ class InferenceServerError(RuntimeError):
     """The server is unreachable after the retries, or answered with an error."""
 
 
+class ServerUnreachable(InferenceServerError):
+    """No answer after the retries (connection refused or reset, timeout, 503): the server was down or restarting."""
+
+
 @dataclass
 class Completion:
     """One sampled completion of one prompt."""
@@ -108,7 +112,7 @@ class InferenceClient:
                     return r
             if attempt < self.retries:
                 time.sleep(self.backoff_s * 2**attempt)
-        raise InferenceServerError(
+        raise ServerUnreachable(
             f"inference server at {self.base_url} is not answering ({method} {path}) after "
             f"{self.retries + 1} attempts: {last}"
         )

@@ -47,8 +47,12 @@ class Group:
     ref_logprobs: list[Optional[list[float]]]
     temperatures: list[float]
     zero_advantage: list[bool]
-    # Weight version the sequences were sampled under (None when the source does not say).
+    # Weight version the sequences were sampled under (None when the source does not say): for local rollouts the
+    # version served when the requests were sent, so at most the version of any of their tokens.
     weight_version: Optional[int] = None
+    # Local rollouts: the version served when the last completion came back (at least the version of any token);
+    # differs from weight_version when a sync landed during generation (train.max_staleness >= 1). None = unknown.
+    last_weight_version: Optional[int] = None
     # The Atropos environment the group came from (run-api's id; None for local rollouts).
     env_id: Optional[int] = None
 

@@ -10,8 +10,10 @@ from __future__ import annotations
 import logging
 import random
 import time
+from pathlib import Path
 from typing import Any, Mapping, Optional
 
+from grpo import faults
 from grpo.pipeline.base import DataPipeline, PipelineContext
 from grpo.pipeline.group import Group
 from grpo.pipeline.tasks import Prompt, Task
@@ -139,6 +141,7 @@ class LocalRolloutPipeline(DataPipeline):
         # Completions never push a sequence past max_seq_len (it would be dropped by the batcher).
         max_tokens = min(self.max_new_tokens, ctx.max_seq_len - max(len(x) for x in ids))
         endpoint = ctx.endpoint()
+        faults.kill_server_generating(step + 1, Path(ctx.run_dir) / "logs" / "vllm.pid")
         t0 = time.monotonic()
         outs = self._client(endpoint.base_url).generate(
             ids, n=self.group_size, max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p,
@@ -148,9 +151,12 @@ class LocalRolloutPipeline(DataPipeline):
             seed=(ctx.seed * 1_000_003 + step) % (2**31),
         )
         gen_s = time.monotonic() - t0
+        # With asynchronous rollouts a sync may land during generation: the version served now bounds the version
+        # of the last token from above, as `endpoint.version` (read before the requests) bounds the first's from below.
+        last_version = ctx.endpoint().version
         scorer = _Scorer(self.rewards, ctx.tokenizer)
         groups = [
-            self._group(prompt, prompt_ids, completions, scorer, endpoint.version)
+            self._group(prompt, prompt_ids, completions, scorer, endpoint.version, last_version)
             for prompt, prompt_ids, completions in zip(prompts, ids, outs)
         ]
         self.step = step
@@ -162,16 +168,19 @@ class LocalRolloutPipeline(DataPipeline):
         }
         return groups
 
-    def _group(self, prompt: Prompt, prompt_ids: list[int], completions: list, scorer: "_Scorer", version: int) -> Group:
+    def _group(self, prompt: Prompt, prompt_ids: list[int], completions: list, scorer: "_Scorer", version: int,
+               last_version: int) -> Group:
         if len(completions) != self.group_size:
             raise RuntimeError(f"inference server returned {len(completions)} completions, asked for {self.group_size}")
         for c in completions:
             if len(c.logprobs) != len(c.token_ids):
                 raise RuntimeError(f"inference server returned {len(c.logprobs)} log-probs for {len(c.token_ids)} tokens")
-        return Group.sampled(
+        group = Group.sampled(
             prompt_ids, [c.token_ids for c in completions], [c.logprobs for c in completions],
             [scorer.score(prompt, c) for c in completions], self.temperature, weight_version=version,
         )
+        group.last_weight_version = last_version
+        return group
 
     def close(self) -> None:
         if self.client is not None:

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Callable, Mapping
 
 from grpo import faults
-from grpo.inference.client import InferenceClient, InferenceServerError
+from grpo.inference.client import InferenceClient, InferenceServerError, ServerUnreachable
 from grpo.inference.process import VLLMServer
 from grpo.options import option
 from grpo.sync.base import SyncContext, SyncStrategy
@@ -100,8 +100,12 @@ class ServerSync(SyncStrategy):
         self.check_health()
 
     def recover(self, error: BaseException) -> bool:
-        # A server error while the server answers /health is not a crash: the caller re-raises it.
-        return isinstance(error, InferenceServerError) and self.check_health()
+        # A server error while the server answers /health is not a crash: the caller re-raises it. Except when the
+        # server did not answer at all and answers now: it was restarted meanwhile (asynchronous rollouts: the
+        # step's health check, or a restarting sync, ran while the producer's requests failed), so retry.
+        if not isinstance(error, InferenceServerError):
+            return False
+        return self.check_health() or isinstance(error, ServerUnreachable)
 
     def _restart_current(self) -> None:
         """Restart the server serving the current weights (subclasses whose weights live outside the server

@@ -1,0 +1,212 @@
+"""Issue 18: asynchronous rollouts (grpo.pipeline.rollout_queue.AsyncRollouts) against a scripted pipeline, no
+server: the staleness bound, drops and counts, errors and restarts, the stop, the resume position. The real server
+and train.py are in test_async_train.py."""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from grpo.inference.client import Endpoint, ServerUnreachable
+from grpo.pipeline.base import BatchShape, DataPipeline, PipelineContext
+from grpo.pipeline.group import Group
+from grpo.pipeline.rollout_queue import AsyncRollouts
+
+
+class Server:
+    """The weight version a trainer's syncs advance (what PipelineContext.endpoint reports)."""
+
+    def __init__(self) -> None:
+        self.version = 0
+
+    def endpoint(self) -> Endpoint:
+        return Endpoint("http://fake", None, self.version)
+
+
+class Scripted(DataPipeline):
+    """Two groups per batch, `gen_s` seconds of 'generation'; `fail` = indices whose first attempt raises."""
+
+    def __init__(self, gen_s: float = 0.0, fail: tuple[int, ...] = (), block: threading.Event | None = None):
+        self.gen_s = gen_s
+        self.fail = set(fail)
+        self.block = block
+        self.calls: list[int] = []
+
+    def setup(self, ctx: PipelineContext) -> None:
+        self.ctx = ctx
+
+    def next_groups(self, step: int) -> list[Group]:
+        self.calls.append(step)
+        first = self.ctx.endpoint().version
+        if self.block is not None:
+            self.block.wait()
+        time.sleep(self.gen_s)
+        if step in self.fail:
+            self.fail.discard(step)
+            raise ServerUnreachable(f"batch {step}: connection refused")
+        groups = []
+        for i in range(2):
+            g = Group.sampled([1, 2, step % 50 + 3], [[4, 5], [6, 7]], [[-0.5, -0.7], [-0.2, -0.9]], [float(i), 1.0 - i],
+                              1.0, weight_version=first)
+            g.last_weight_version = self.ctx.endpoint().version
+            groups.append(g)
+        self.last_metrics = {"generation/seconds": self.gen_s, "data/index": float(step)}
+        return groups
+
+
+def make(inner: Scripted, server: Server, k: int = 1, policy: str = "wait", queue=None) -> AsyncRollouts:
+    src = AsyncRollouts(inner, k, policy, queue)
+    src.setup(PipelineContext(
+        tokenizer=None, endpoint=server.endpoint, batch_size=4, max_seq_len=64, run_dir=Path("/tmp"), total_steps=10,
+        start_step=0, checkpoint_every=5, seed=0,
+        batch_shape=BatchShape(micro_batch_size=4, max_seq_len=64, pad_token_id=0),
+    ))
+    return src
+
+
+def train(src: AsyncRollouts, server: Server, batches: int, start: int = 0, train_s: float = 0.0) -> list[dict]:
+    """The trainer's side of the loop: take a batch, 'train', sync (the version advances once per batch)."""
+    rows = []
+    for b in range(start, start + batches):
+        src.next_batch(b)
+        rows.append(src.metrics())
+        time.sleep(train_s)
+        server.version += 1
+    return rows
+
+
+def counts_add_up(m: dict) -> bool:
+    return m["async/generated_groups"] == m["async/trained_groups"] + m["async/dropped_groups_total"] + m["async/queued_groups"]
+
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_wait_policy_bounds_lag_by_k_drops_nothing_and_counts_add_up(k):
+    server, inner = Server(), Scripted(gen_s=0.01)
+    src = make(inner, server, k=k)
+    try:
+        rows = train(src, server, 8, train_s=0.03)  # a fast generator: it runs ahead as far as it may
+    finally:
+        src.close()
+    assert [r["async/rollout_index"] for r in rows] == list(range(8))
+    assert all(r["async/staleness_max"] <= k for r in rows)
+    assert max(r["async/staleness_max"] for r in rows) == k  # it did run k batches ahead
+    assert sum(r["async/dropped_groups"] for r in rows) == 0
+    assert all(counts_add_up(r) for r in rows)
+    assert all(r["async/queue_depth"] <= k for r in rows)
+    assert {"async/trainer_wait_seconds", "async/generator_idle_seconds", "generation/seconds"} <= set(rows[0])
+    assert rows[-1]["async/generator_idle_seconds"] > 0  # it waited for the trainer
+
+
+def test_drop_policy_runs_ahead_and_drops_groups_older_than_k_then_takes_the_next_batch():
+    server, inner = Server(), Scripted(gen_s=0.0)
+    src = make(inner, server, k=1, policy="drop", queue=3)
+    try:
+        rows = train(src, server, 4, train_s=0.05)
+    finally:
+        src.close()
+    assert all(r["async/staleness_max"] <= 1 for r in rows)
+    dropped = sum(r["async/dropped_groups"] for r in rows)
+    assert dropped > 0 and dropped == rows[-1]["async/dropped_groups_total"]
+    indices = [r["async/rollout_index"] for r in rows]
+    assert indices == sorted(set(indices)) and indices[-1] > 3  # dropped batches are skipped, never trained
+    assert all(counts_add_up(r) for r in rows)
+
+
+def test_a_producer_error_reaches_the_trainer_in_order_and_the_retry_restarts_at_that_index():
+    server, inner = Server(), Scripted(fail=(2,))
+    src = make(inner, server, k=1)
+    try:
+        train(src, server, 2)
+        with pytest.raises(ServerUnreachable):
+            src.next_batch(2)
+        # The trainer's retry (after sync.recover) regenerates batch 2, then goes on.
+        rows = train(src, server, 2, start=2)
+    finally:
+        src.close()
+    assert [r["async/rollout_index"] for r in rows] == [2, 3]
+    assert inner.calls.count(2) == 2 and inner.calls.count(1) == 1
+    assert all(counts_add_up(r) for r in rows)
+
+
+def test_close_stops_a_waiting_producer_at_once_and_a_busy_one_without_hanging():
+    server, inner = Server(), Scripted()
+    src = make(inner, server, k=1)
+    train(src, server, 1)
+    time.sleep(0.1)  # the producer has batch 1 ready and waits for room
+    t0 = time.monotonic()
+    src.close()
+    assert time.monotonic() - t0 < 1.0
+    # A producer stuck in a request: close() returns within its bound; the daemon thread ends with the server.
+    block = threading.Event()
+    src = make(Scripted(block=block), Server(), k=1)
+    waiter = threading.Thread(target=lambda: pytest.raises(RuntimeError, src.next_batch, 0), daemon=True)
+    waiter.start()
+    time.sleep(0.1)
+    t0 = time.monotonic()
+    src.close()
+    assert time.monotonic() - t0 < 4.0
+    waiter.join(2)
+    assert not waiter.is_alive()  # the trainer's wait ends too (RuntimeError: stopped), never a hang
+    block.set()
+
+
+def test_resume_position_is_the_last_batch_taken_so_queued_batches_are_regenerated_never_trained_twice():
+    server, inner = Server(), Scripted()
+    src = make(inner, server, k=2)
+    train(src, server, 3)
+    time.sleep(0.1)
+    state = src.state_dict()
+    src.close()
+    assert state == {"step": 2}
+    assert max(inner.calls) == 4  # batches 3 and 4 were in the queue at the checkpoint: discarded
+    again_inner = Scripted()
+    again = make(again_inner, server, k=2)
+    again.load_state_dict(state)
+    try:
+        rows = train(again, server, 2, start=3)
+    finally:
+        again.close()
+    assert [r["async/rollout_index"] for r in rows] == [3, 4]
+    assert min(again_inner.calls) == 3
+
+
+def test_the_first_batch_is_the_synchronous_one():
+    """Batch 0 is generated under version 0 in both loops: same groups, same prepared batch."""
+    server = Server()
+    sync = Scripted()
+    sync.setup(make(Scripted(), server).ctx)
+    expected = sync.next_batch(0)
+    src = make(Scripted(), server, k=1)
+    try:
+        got = src.next_batch(0)
+    finally:
+        src.close()
+    assert got.metrics == expected.metrics
+    for a, b in zip(got.micro_batches, expected.micro_batches):
+        assert all((getattr(a, f) is None and getattr(b, f) is None) or getattr(a, f).equal(getattr(b, f))
+                   for f in ("input_ids", "labels", "loss_mask", "advantages"))
+
+
+def test_k0_builds_the_synchronous_pipeline_and_k1_wraps_it():
+    """k = 0 is today's loop by construction: train.py hands the trainer the pipeline itself, no producer."""
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    from conftest import REPO
+    from grpo.config import register_configs
+    from grpo.pipeline.local import LocalRolloutPipeline
+    from grpo.train import build_data
+
+    register_configs()
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
+        sync_cfg = compose(config_name="train")
+        async_cfg = compose(config_name="train", overrides=["train.max_staleness=1"])
+    assert sync_cfg.train.max_staleness == 0
+    assert type(build_data(sync_cfg)) is LocalRolloutPipeline
+    wrapped = build_data(async_cfg)
+    assert isinstance(wrapped, AsyncRollouts) and type(wrapped.inner) is LocalRolloutPipeline
+    assert wrapped.capacity == 1 and wrapped._thread is None  # noqa: SLF001 - nothing runs before the first batch
