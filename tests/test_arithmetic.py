@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import re
 from pathlib import Path
 
 import pytest
@@ -11,7 +12,9 @@ from grpo.pipeline.arithmetic import (
     ArithmeticCorrectReward,
     ArithmeticFormatReward,
     ArithmeticTask,
+    CarelessTeacher,
     canonical_key,
+    careless_answer,
     parse_answer,
 )
 from grpo.pipeline.tasks import Prompt
@@ -41,7 +44,8 @@ def test_generator_is_deterministic_and_answers_are_right():
     for p in a:
         assert p.text.endswith("=") and " " not in p.text
         assert int(p.answer) == _eval(p.text)
-        assert 2 <= p.text.count("+") + p.text.count("-") + 1 <= 3
+        assert p.text.count("+") + p.text.count("-") == 1  # the default shape: two operands
+        assert all(10 <= int(x) <= 99 for x in re.findall(r"\d+", p.text))  # of two digits each
 
 
 def test_heldout_is_fixed_distinct_and_large_enough():
@@ -51,9 +55,13 @@ def test_heldout_is_fixed_distinct_and_large_enough():
     assert held == ArithmeticTask().eval_prompts()  # same list from a fresh instance
     assert len({canonical_key(p.text) for p in held}) == 500
     assert all(int(p.answer) == _eval(p.text) for p in held)
-    # The held-out set mixes 2- and 3-operand items, so difficulty varies.
-    n_ops = {p.text.count("+") + p.text.count("-") + 1 for p in held}
-    assert n_ops == {2, 3}
+    # Difficulty varies: the held-out set mixes sums and differences, with and without a carry or borrow.
+    assert {"+", "-"} <= set("".join(p.text for p in held))
+    careless_right = sum(careless_answer(canonical_key(p.text)) == p.answer for p in held)
+    assert 0.2 * len(held) < careless_right < 0.6 * len(held)
+    # Two 3-operand items of 1-2 digits are another task shape, with its own held-out set.
+    wide = ArithmeticTask(max_operands=3, min_digits=1)
+    assert {p.text.count("+") + p.text.count("-") + 1 for p in wide.eval_prompts()} == {2, 3}
     assert ArithmeticTask(heldout_seed=1).eval_prompts() != held
 
 
@@ -250,3 +258,26 @@ def test_training_can_sample_says_what_it_draws_so_eval_on_arithmetic_starts():
         cfg = compose(config_name="train", overrides=["data=arithmetic", "model=warm_arith"])
     evaluator = build_evaluator(cfg.eval, cfg.data)
     assert evaluator is not None
+
+
+# ------------------------------------------------------------------ the careless teacher of the warm-up
+def test_careless_answer_drops_carries_and_borrows_only():
+    assert careless_answer("12+34") == "46"  # no carry: right
+    assert careless_answer("47+85") == "22"  # 7+5 and 4+8+(no carry) -> 2, 2 (right: 132)
+    assert careless_answer("52-27") == "35"  # |2-7|, |5-2| without the borrow (right: 25)
+    assert careless_answer("27-89") == "-62"  # 89-27 needs no borrow: right, with the sign
+    assert careless_answer("30-75") == "-45"  # 75-30: right
+
+
+def test_careless_teacher_mixes_right_and_careless_answers_at_its_share():
+    task = ArithmeticTask()
+    prompts = task.sample(random.Random(0), 2000)
+    teacher = CarelessTeacher(share=0.8)
+    rng = random.Random(1)
+    answers = [teacher(p, rng) for p in prompts]
+    hard = [(p, a) for p, a in zip(prompts, answers) if careless_answer(canonical_key(p.text)) != p.answer]
+    right_on_hard = sum(a == p.answer for p, a in hard) / len(hard)
+    assert 0.15 < right_on_hard < 0.25  # 1 - share of the items that need a carry or a borrow
+    assert all(a == p.answer for p, a in zip(prompts, answers) if careless_answer(canonical_key(p.text)) == p.answer)
+    with pytest.raises(ValueError, match="share"):
+        CarelessTeacher(share=1.5)
