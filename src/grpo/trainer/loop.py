@@ -133,8 +133,12 @@ class GRPOTrainer:
 
     def fit(self) -> list[float]:
         """Train until `train.steps` optimizer steps; returns the mean reward of every rollout batch (for sweeps)."""
+        # Wall-clock of every row since this session's loop began (a resumed run starts again at 0): what
+        # time-to-accuracy curves plot; the server's start-up before it is in summary.json's wall_seconds.
+        t_fit = time.perf_counter()
         if self.evaluator is not None and self.step == 0 and self.evaluator.due(0, self.cfg.steps):
-            self.metrics.log({"step": 0, **self.evaluator.evaluate(0)})  # before_train: the initial weights
+            row = {"step": 0, **self.evaluator.evaluate(0)}  # before_train: the initial weights
+            self.metrics.log({**row, "time/run_seconds": time.perf_counter() - t_fit})
         while self.step < self.cfg.steps:
             self.sync.prepare_step(self.step + 1)
             first = self.step
@@ -146,7 +150,7 @@ class GRPOTrainer:
             # inside the checkpoint write has them, and a resume from an older checkpoint trims them
             # (MetricsLogger), so every step is in metrics.jsonl exactly once.
             for row in rows:
-                self.metrics.log(row)
+                self.metrics.log({**row, "time/run_seconds": time.perf_counter() - t_fit})
             every = self.cfg.checkpoint_every
             if self.step // every > first // every or self.step == self.cfg.steps:
                 self.metrics.flush()
