@@ -106,7 +106,7 @@ def test_the_example_task_trains_two_steps_with_the_real_engine(tmp_path):
     env = dict(os.environ, GRPO_TEST_MARKER=marker, PYTHONUNBUFFERED="1")
     out = subprocess.run(
         [sys.executable, "train.py", "--config-dir", "examples/my_task/conf", "experiment=my_task", *QUICK,
-         "train.steps=2", "server.enforce_eager=true", f"server.port={free_port()}", f"hydra.run.dir={run}"],
+         "train.steps=2", f"server.port={free_port()}", f"hydra.run.dir={run}"],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=400)
     assert out.returncode == 0, (out.stdout + out.stderr)[-3000:]
     assert_clean(marker)
