@@ -16,6 +16,15 @@ os.environ.setdefault("WANDB_MODE", "disabled")
 REPO = Path(__file__).resolve().parents[1]
 
 
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config, items):
+    """A test that uses a shared vLLM server fixture needs vLLM: it is marked `vllm` even where the marker was left
+    out, so `-m "not vllm"` (before the marker selection, which runs after this hook) never starts a server."""
+    for item in items:
+        if {"vllm_server", "train_server"} & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.vllm)
+
+
 def free_port() -> int:
     """A TCP port that was free a moment ago on 127.0.0.1."""
     with socket.socket() as s:
@@ -66,6 +75,38 @@ def vllm_server(tiny_qwen2_dir, tmp_path_factory):
         yield server
     finally:
         server.stop()
+
+
+@pytest.fixture(scope="session")
+def train_server(tiny_qwen2_dir, tmp_path_factory):
+    """ONE eager vLLM server without LoRA for the session that `train.py` runs attach to (`attach`), where a test
+    checks what the run does rather than how it starts and stops its own server (tests/test_train_e2e.py does that).
+    Each start costs ~30-40 s of the suite; runs change its weights, so `attach` puts the original ones back."""
+    from grpo.inference.process import VLLMServer
+
+    log = tmp_path_factory.mktemp("train_server") / "vllm.log"
+    cfg = server_cfg(enforce_eager=True, max_model_len=1024, gpu_memory_utilization=0.05)
+    server = VLLMServer(tiny_qwen2_dir, cfg, log, served_model_name=str(tiny_qwen2_dir))
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+def attach(server, model_dir: Path) -> tuple[str, dict[str, str]]:
+    """The override and environment of a `train.py` run attached to `server` (server.external_url, its token in
+    GRPO_SERVER_TOKEN as a user attaching would set it), with the server back on `model_dir`'s weights at version 0
+    (prefix cache dropped), as a server of the run's own would start."""
+    from grpo.inference.identity import TOKEN_ENV
+
+    client = server.client()
+    try:
+        client.reload_weights(str(model_dir), version=0)
+        assert client.weight_version() == 0
+    finally:
+        client.close()
+    return f"server.external_url={server.url}", {TOKEN_ENV: server.token}
 
 
 def process_group_alive(pgid: int) -> bool:

@@ -24,7 +24,9 @@ def _start_stack(tmp_path, steps: int):
         sys.executable, "-m", "grpo.stack", f"--api-port={api_port}", "--group-size=8", "--grace=60",
         f"--log-dir={tmp_path / 'logs'}",
         f"train.steps={steps}", "train.micro_batch_size=16", "train.grad_accum=1", "train.checkpoint_every=2",
-        f"server.port={server_port}", "logging.progress_bar=false", f"hydra.run.dir={tmp_path / 'run'}",
+        # server.enforce_eager=true: vLLM starts without torch.compile (~25 s less here).
+        f"server.port={server_port}", "server.enforce_eager=true", "logging.progress_bar=false",
+        f"hydra.run.dir={tmp_path / 'run'}",
     ]
     out = open(tmp_path / "stack.log", "wb")
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)

@@ -40,11 +40,12 @@ def test_resume_command_keeps_program_config_flags_and_quotes_overrides(tmp_path
 
 @pytest.mark.vllm
 def test_sigterm_prints_the_stop_block_writes_curves_and_the_command_resumes(tmp_path):
+    """A SIGTERM in generation (a rollout request in flight) of a run with a server of its own: the run stops the
+    server and its children. (The other phases, on an attached server: tests/test_reliability.py.)"""
     run = tmp_path / "run"
     marker = f"GRPO_TEST_{uuid.uuid4().hex}"
-    env = dict(os.environ, GRPO_TEST_MARKER=marker, PYTHONUNBUFFERED="1", GRPO_FAULT="sigterm@optimizer_step:3")
-    overrides = [*QUICK, "train.steps=5", "train.checkpoint_every=2", "server.enforce_eager=true",
-                 f"server.port={free_port()}", f"hydra.run.dir={run}"]
+    env = dict(os.environ, GRPO_TEST_MARKER=marker, PYTHONUNBUFFERED="1", GRPO_FAULT="sigterm@generate:3")
+    overrides = [*QUICK, "train.steps=5", "train.checkpoint_every=2", f"server.port={free_port()}", f"hydra.run.dir={run}"]
     out = subprocess.run([sys.executable, "train.py", *overrides], cwd=REPO, env=env, capture_output=True, text=True,
                          timeout=400)
     text = out.stdout + out.stderr

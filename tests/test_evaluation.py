@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from conftest import free_port
+from conftest import attach
 from grpo.pipeline.evaluation import EvalContext, Evaluator, build_evaluator, pass_at_k
 from grpo.pipeline.rewards import DigitFractionReward, MathAnswerReward
 from grpo.pipeline.tasks import MINI_GSM8K, DigitsTask, GSM8KTask, Prompt
@@ -206,19 +206,22 @@ TRAIN_KEYS = ("reward/mean", "reward/weighted", "reward/digits", "loss", "grad_n
               "grpo/logprob_diff", "tokens/trained", "completion/mean_tokens", "sync/version")
 
 
-def _train(run_dir: Path, *overrides: str) -> list[dict]:
+def _train(server, model_dir: Path, run_dir: Path, *overrides: str) -> list[dict]:
+    """A train.py run attached to the session's shared server (conftest.train_server), back on the initial weights:
+    both runs of the on/off comparison start from the same served weights, as with servers of their own."""
     from test_train_e2e import assert_clean, metrics, run_train
 
-    out, marker = run_train(*QUICK, f"server.port={free_port()}", f"hydra.run.dir={run_dir}", *overrides)
+    external, env = attach(server, model_dir)
+    out, marker = run_train(*QUICK, external, f"hydra.run.dir={run_dir}", *overrides, env=env)
     assert out.returncode == 0, out.stderr[-3000:]
     assert_clean(marker)
     return metrics(run_dir)
 
 
 @pytest.fixture(scope="module")
-def eval_run(tmp_path_factory) -> tuple[Path, list[dict]]:
+def eval_run(tmp_path_factory, train_server, tiny_qwen2_dir) -> tuple[Path, list[dict]]:
     run_dir = tmp_path_factory.mktemp("eval_on") / "run"
-    return run_dir, _train(run_dir, "eval.every=2", "train.objective=eval/accuracy")
+    return run_dir, _train(train_server, tiny_qwen2_dir, run_dir, "eval.every=2", "train.objective=eval/accuracy")
 
 
 @pytest.mark.vllm
@@ -245,9 +248,9 @@ def test_eval_rows_at_step0_every_n_and_end(eval_run):
 
 
 @pytest.mark.vllm
-def test_training_metrics_identical_with_eval_on_and_off(eval_run, tmp_path):
+def test_training_metrics_identical_with_eval_on_and_off(eval_run, tmp_path, train_server, tiny_qwen2_dir):
     _, with_eval = eval_run
-    without = _train(tmp_path / "off", "eval=off")
+    without = _train(train_server, tiny_qwen2_dir, tmp_path / "off", "eval=off")
     assert [r["step"] for r in without] == [1, 2, 3]
     assert not any(k.startswith("eval/") for r in without for k in r)
     trained = [r for r in with_eval if r["step"] > 0]

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, free_port
+from conftest import REPO, attach
 from grpo.pipeline.prompt_file import PromptFileTask
 from grpo.pipeline.tasks import Prompt
 from test_train_e2e import QUICK, assert_clean, metrics
@@ -100,13 +100,16 @@ def test_the_example_experiment_composes_and_builds_its_rewards_from_the_users_m
 
 
 @pytest.mark.vllm
-def test_the_example_task_trains_two_steps_with_the_real_engine(tmp_path):
+def test_the_example_task_trains_two_steps_with_the_real_engine(tmp_path, train_server, tiny_qwen2_dir):
+    # On the session's shared vLLM server (conftest.train_server, back on the initial weights): what is tested is the
+    # user's task and rewards in a real run; a run's own server start and stop are tested in tests/test_train_e2e.py.
     run = tmp_path / "run"
+    external, server_env = attach(train_server, tiny_qwen2_dir)
     marker = f"GRPO_TEST_{uuid.uuid4().hex}"
-    env = dict(os.environ, GRPO_TEST_MARKER=marker, PYTHONUNBUFFERED="1")
+    env = dict(os.environ, **server_env, GRPO_TEST_MARKER=marker, PYTHONUNBUFFERED="1")
     out = subprocess.run(
         [sys.executable, "train.py", "--config-dir", "examples/my_task/conf", "experiment=my_task", *QUICK,
-         "train.steps=2", "server.enforce_eager=true", f"server.port={free_port()}", f"hydra.run.dir={run}"],
+         "train.steps=2", external, f"hydra.run.dir={run}"],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=400)
     assert out.returncode == 0, (out.stdout + out.stderr)[-3000:]
     assert_clean(marker)

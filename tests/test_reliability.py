@@ -2,7 +2,7 @@
 
 Faults are injected through GRPO_FAULT (grpo/faults.py) so they land in a named phase of a named step, or from
 outside (killing the server's process group by the pid in <run_dir>/logs/vllm.pid). Runs that need no server of
-their own attach to one module-wide server (server.external_url) to save vLLM start-ups (~35 s each here).
+their own attach to the session's shared server (server.external_url) to save vLLM start-ups (~35 s each here).
 """
 
 from __future__ import annotations
@@ -19,31 +19,30 @@ import uuid
 from pathlib import Path
 
 import pytest
+import requests
 import torch
 
-from conftest import REPO, free_port, server_cfg
+from conftest import REPO, attach, free_port
 from test_train_e2e import QUICK, assert_clean, metrics, processes_with_marker
 
-pytestmark = pytest.mark.vllm
-
-# Quick steps, no plot; eager vLLM starts without torch.compile (~35 s instead of
-# ~80 s on a new weights directory).
+# Quick steps (QUICK: eager vLLM starts without torch.compile, far quicker on a new weights directory), no plot.
 # A small KV cache (~1.2 GB) so several engines fit beside each other on this shared machine.
-BASE = [*QUICK, "logging.plot=false", "server.enforce_eager=true", "server.gpu_memory_utilization=0.05"]
+BASE = [*QUICK, "logging.plot=false", "server.gpu_memory_utilization=0.05"]
 EVERY_STEP = "train.checkpoint_every=1"
 
 
-def start_train(*overrides: str, fault: str = "") -> tuple[subprocess.Popen, str]:
+def start_train(*overrides: str, fault: str = "", env: dict[str, str] | None = None) -> tuple[subprocess.Popen, str]:
     marker = f"GRPO_TEST_{uuid.uuid4().hex}"
-    env = dict(os.environ, GRPO_TEST_MARKER=marker, PYTHONUNBUFFERED="1", GRPO_FAULT=fault)
+    env = dict(os.environ, **(env or {}), GRPO_TEST_MARKER=marker, PYTHONUNBUFFERED="1", GRPO_FAULT=fault)
     proc = subprocess.Popen([sys.executable, str(REPO / "train.py"), *BASE, *overrides], cwd=REPO, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     return proc, marker
 
 
-def train(*overrides: str, fault: str = "", timeout: float = 400) -> tuple[int, str, str]:
+def train(*overrides: str, fault: str = "", timeout: float = 400, env: dict[str, str] | None = None
+          ) -> tuple[int, str, str]:
     """Run train.py to its end; returns (exit code, output, marker)."""
-    proc, marker = start_train(*overrides, fault=fault)
+    proc, marker = start_train(*overrides, fault=fault, env=env)
     out, _ = proc.communicate(timeout=timeout)
     return proc.returncode, out, marker
 
@@ -76,31 +75,15 @@ def server_starts(run_dir: Path) -> list[str]:
     return re.findall(r"===== grpo: starting .* --model (\S+)", text)
 
 
-@pytest.fixture(scope="module")
-def shared_server(tiny_qwen2_dir, tmp_path_factory):
-    """One server the runs without a server of their own attach to (server.external_url)."""
-    from grpo.inference.process import VLLMServer
-
-    log = tmp_path_factory.mktemp("reliability_vllm") / "vllm.log"
-    server = VLLMServer(tiny_qwen2_dir, server_cfg(enforce_eager=True, max_model_len=1024, gpu_memory_utilization=0.05), log,
-                        served_model_name=str(tiny_qwen2_dir))
-    server.start()
-    # Runs that attach to it prove they belong by its token (weight-changing calls), as a user attaching would.
-    from grpo.inference.identity import TOKEN_ENV
-
-    previous = os.environ.get(TOKEN_ENV)
-    os.environ[TOKEN_ENV] = server.token
-    try:
-        yield server.url
-    finally:
-        server.stop()
-        if previous is None:
-            os.environ.pop(TOKEN_ENV, None)
-        else:
-            os.environ[TOKEN_ENV] = previous
+@pytest.fixture()
+def shared_server(train_server, tiny_qwen2_dir) -> tuple[str, dict[str, str]]:
+    """The session's server (conftest.train_server) that runs without a server of their own attach to, back on the
+    initial weights: (the server.external_url override, the environment with its token)."""
+    return attach(train_server, tiny_qwen2_dir)
 
 
 # ---------------------------------------------------------------------------------------------------- server faults
+@pytest.mark.vllm
 def test_server_hang_and_crash_restart_on_current_weights_then_clear_error_and_resume(tmp_path, tiny_qwen2_dir):
     run = tmp_path / "run"
     port = free_port()
@@ -139,29 +122,35 @@ def test_server_hang_and_crash_restart_on_current_weights_then_clear_error_and_r
 
 
 # ---------------------------------------------------------------------------------------------------- SIGTERM
+@pytest.mark.vllm
 def test_sigterm_in_each_phase_keeps_a_valid_checkpoint_and_resume_continues(tmp_path, tiny_qwen2_dir, shared_server):
+    # (A SIGTERM in generation of a run with a server of its own, which it stops: tests/test_clean_stop.py.)
     run = tmp_path / "run"
-    # Generation, with a server of its own: the process exits, the server and its children are gone.
-    code, out, marker = train("train.steps=5", EVERY_STEP, f"server.port={free_port()}", f"hydra.run.dir={run}",
-                              fault="sigterm@generate:2")
+    external, env = shared_server
+    url = external.split("=", 1)[1]
+    # Generation: the process exits; the server it attached to keeps running.
+    code, out, marker = train("train.steps=5", EVERY_STEP, external, f"hydra.run.dir={run}", fault="sigterm@generate:2",
+                              env=env)
     assert code == 143
     # The stop block (grpo.stop), no traceback: the signal landed in step 2's generation.
     assert "grpo: stopped by SIGTERM; step 1 was the last one completed." in out and "Traceback" not in out, out[-3000:]
+    assert f"server: attached to {url}, which this run did not start; it keeps running" in out, out[-3000:]
+    assert requests.get(url + "/health", timeout=10).status_code == 200
     assert_clean(marker)
     assert not (run / "logs" / "vllm.pid").exists()
     assert json.loads((run / "summary.json").read_text())["status"] == "interrupted"
     assert_valid_checkpoint(run, 1, tiny_qwen2_dir)
 
     # No hydra.run.dir: a resumed run continues in the run dir it resumes (issue 21 item 3).
-    ext = [f"server.external_url={shared_server}", f"train.resume={run}", "train.steps=5", EVERY_STEP]
+    ext = [external, f"train.resume={run}", "train.steps=5", EVERY_STEP]
     # The optimizer step of step 3: step 2's checkpoint stays the last.
-    code, out, marker = train(*ext, fault="sigterm@optimizer_step:3")
+    code, out, marker = train(*ext, fault="sigterm@optimizer_step:3", env=env)
     assert code == 143 and "SIGTERM in optimizer_step of step 3" in out, out[-3000:]
     assert "grpo: stopped by SIGTERM; step 2 was the last one completed." in out
     assert_clean(marker)
     assert_valid_checkpoint(run, 2, tiny_qwen2_dir)
     # Writing step 4's checkpoint: the half-written one is discarded, step 3's stays the last.
-    code, out, marker = train(*ext, fault="sigterm@checkpoint_write:4")
+    code, out, marker = train(*ext, fault="sigterm@checkpoint_write:4", env=env)
     assert code == 143 and "SIGTERM in checkpoint_write of step 4" in out, out[-3000:]
     assert f"last complete checkpoint: {run / 'checkpoints' / 'step_000003'}" in out
     assert_clean(marker)
@@ -169,7 +158,7 @@ def test_sigterm_in_each_phase_keeps_a_valid_checkpoint_and_resume_continues(tmp
     assert not (run / "checkpoints" / "step_000004").exists()
     assert steps(run) == [1, 2, 3, 4]  # step 4 was trained: its row was written before the checkpoint
     # Resume to the end: every step present exactly once.
-    code, out, marker = train(*ext)
+    code, out, marker = train(*ext, env=env)
     assert code == 0, out[-3000:]
     assert steps(run) == [1, 2, 3, 4, 5]
     assert_valid_checkpoint(run, 5, tiny_qwen2_dir)
@@ -177,10 +166,12 @@ def test_sigterm_in_each_phase_keeps_a_valid_checkpoint_and_resume_continues(tmp
 
 
 # ---------------------------------------------------------------------------------------------------- NaN / Inf
+@pytest.mark.vllm
 def test_nonfinite_steps_are_skipped_and_counted_then_the_run_stops(tmp_path, tiny_qwen2_dir, shared_server):
     run = tmp_path / "run"
-    code, out, marker = train("train.steps=6", EVERY_STEP, "train.max_nonfinite_steps=2", f"server.external_url={shared_server}",
-                              f"hydra.run.dir={run}", fault="nan_loss@2,4,5")
+    external, env = shared_server
+    code, out, marker = train("train.steps=6", EVERY_STEP, "train.max_nonfinite_steps=2", external, f"hydra.run.dir={run}",
+                              fault="nan_loss@2,4,5", env=env)
     assert code != 0
     assert "2 consecutive steps had a non-finite loss or gradient (train.max_nonfinite_steps=2)" in out, out[-3000:]
     rows = metrics(run)
@@ -317,6 +308,7 @@ def test_malformed_json_mid_run_empty_group_and_null_rows_from_a_bad_server(tmp_
 
 
 # ---------------------------------------------------------------------------------------------------- soak
+@pytest.mark.vllm
 @pytest.mark.slow
 def test_soak_200_steps_with_a_server_crash_every_50(tmp_path, tiny_qwen2_dir):
     """200 steps; the server is SIGKILLed at steps 50, 100 and 150 and restarted. No step lost, no growth in the

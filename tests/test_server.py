@@ -11,8 +11,6 @@ import torch
 
 from conftest import server_cfg
 
-pytestmark = pytest.mark.vllm
-
 
 @pytest.fixture(scope="module")
 def hf_model(tiny_qwen2_dir):
@@ -29,6 +27,7 @@ def hf_logprobs(model, tokens: list[int], start: int, temperature: float = 1.0) 
     return lp[start - 1 :].tolist()
 
 
+@pytest.mark.vllm
 def test_atropos_vllm_client_against_generate(vllm_server, tiny_qwen2_dir, hf_model):
     """atroposlib's VLLMServer (the client an env with server_type=vllm uses) reads our /generate."""
     from atroposlib.envs.server_handling.server_baseline import APIServerConfig
@@ -62,6 +61,7 @@ def test_atropos_vllm_client_against_generate(vllm_server, tiny_qwen2_dir, hf_mo
     assert max(abs(a - b) for a, b in zip(got, ref)) < 1e-4
 
 
+@pytest.mark.vllm
 def test_client_generate_and_prompt_logprobs(vllm_server, hf_model):
     from grpo.inference.client import InferenceClient
 
@@ -80,6 +80,7 @@ def test_client_generate_and_prompt_logprobs(vllm_server, hf_model):
     assert max(abs(a - b) for a, b in zip(got, hf_logprobs(hf_model, seq, 1))) < 1e-4
 
 
+@pytest.mark.vllm
 def test_seeded_generate_reproduces_and_gives_every_sample_its_own_stream(vllm_server):
     from grpo.inference.client import InferenceClient
 
@@ -95,6 +96,7 @@ def test_seeded_generate_reproduces_and_gives_every_sample_its_own_stream(vllm_s
     assert len(set(samples)) == len(samples)
 
 
+@pytest.mark.vllm
 def test_logprobs_follow_sampling_temperature(vllm_server, hf_model):
     """--logprobs-mode processed_logprobs: the log-probs are those of the distribution sampled from."""
     from grpo.inference.client import InferenceClient
@@ -106,6 +108,7 @@ def test_logprobs_follow_sampling_temperature(vllm_server, hf_model):
         assert max(abs(a - b) for a, b in zip(c.logprobs, ref)) < 1e-4
 
 
+@pytest.mark.vllm
 def test_generate_errors(vllm_server):
     url = vllm_server.url + "/generate"
     r = requests.post(url, json={"prompt": {"prompt_token_ids": [1, 2]}, "max_tokens": 2, "model": "nope"})
@@ -121,6 +124,7 @@ def test_generate_errors(vllm_server):
     assert requests.get(vllm_server.url + "/v1/models").status_code == 200
 
 
+@pytest.mark.vllm
 def test_start_errors_are_clear(tmp_path, tiny_qwen2_dir):
     from grpo.inference.process import ServerStartError, VLLMServer
 
@@ -139,6 +143,7 @@ def test_start_errors_are_clear(tmp_path, tiny_qwen2_dir):
     assert not bad.running()
 
 
+@pytest.mark.vllm
 def test_busy_loop_cap_reaches_the_vllm_worker(vllm_server):
     # server_cfg sets busy_loop_s=0.02 as conf/server/cpu.yaml does: the plugin must have run in the worker process,
     # where vLLM's shared-memory queue reader spins, not only in the API server.

@@ -192,7 +192,8 @@ def race(tmp_path_factory, tiny_qwen2_dir):
     tmp = tmp_path_factory.mktemp("race")
     port = free_port()
     servers = [
-        VLLMServer(tiny_qwen2_dir, server_cfg(port), tmp / f"vllm{i}.log",
+        # Eager: no torch.compile (~12 s less per start, two starts at once on the same cores).
+        VLLMServer(tiny_qwen2_dir, server_cfg(port, enforce_eager=True), tmp / f"vllm{i}.log",
                    served_model_name=[str(tiny_qwen2_dir), "tiny-qwen2"])
         for i in range(2)
     ]

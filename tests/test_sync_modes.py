@@ -8,8 +8,6 @@ import torch
 
 from conftest import process_group_alive, server_cfg
 
-pytestmark = pytest.mark.vllm
-
 SEQ = [5, 17, 99, 3, 42, 7, 8, 200, 11, 12, 64, 65, 66]
 
 
@@ -80,13 +78,14 @@ def shutdown_and_check(sync) -> None:
     assert not process_group_alive(pgid), "a process of the server's group survived shutdown"
 
 
+@pytest.mark.vllm
 def test_mode_none_reloads_in_place(tmp_path, tiny_qwen2_dir):
     from transformers import AutoModelForCausalLM
 
     from grpo.sync.checkpoint_restart import CheckpointRestartSync
 
     sync = CheckpointRestartSync()
-    sync.launch(make_ctx(tmp_path, tiny_qwen2_dir))
+    sync.launch(make_ctx(tmp_path, tiny_qwen2_dir, enforce_eager=True))  # no torch.compile: ~12 s less start-up
     try:
         pid = sync.server.pid
         model = AutoModelForCausalLM.from_pretrained(tiny_qwen2_dir, dtype=torch.float32)
@@ -98,6 +97,7 @@ def test_mode_none_reloads_in_place(tmp_path, tiny_qwen2_dir):
         shutdown_and_check(sync)
 
 
+@pytest.mark.vllm
 def test_mode_lora_restart(tmp_path, tiny_qwen2_dir):
     from grpo.sync.lora_restart import LoraRestartSync
 
@@ -114,6 +114,7 @@ def test_mode_lora_restart(tmp_path, tiny_qwen2_dir):
         shutdown_and_check(sync)
 
 
+@pytest.mark.vllm
 def test_mode_lora_only_hot_swaps(tmp_path, tiny_qwen2_dir):
     from grpo.sync.lora_hotswap import LoraHotSwapSync
 

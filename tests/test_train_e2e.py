@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -11,6 +12,7 @@ import uuid
 from pathlib import Path
 
 import pytest
+from omegaconf import OmegaConf
 
 from conftest import REPO, free_port
 
@@ -19,10 +21,13 @@ pytestmark = pytest.mark.vllm
 # Small and quick: 4 prompts x 4 completions per step.
 # eval=off: these runs test training, resume and teardown; held-out eval (its step-0 row) is tested in
 # tests/test_evaluation.py.
+# server.enforce_eager=true: vLLM starts without torch.compile, ~12 s less per start (~25 s on a new weights directory,
+# e.g. a resume's checkpoint); the compiled start is what tests/test_default_run.py runs (the default config).
 QUICK = [
     "data.prompts_per_step=4", "data.group_size=4", "train.micro_batch_size=8", "train.grad_accum=2",
-    "logging.progress_bar=false", "eval=off",
+    "logging.progress_bar=false", "eval=off", "server.enforce_eager=true",
 ]
+CPU_EXPERIMENTS = sorted(p.stem for p in (REPO / "experiments").glob("cpu_*.yaml"))
 REQUIRED_KEYS = {"step", "loss", "reward/mean", "grpo/mean_ratio", "grpo/clipped_fraction", "sync/seconds",
                  "time/step_seconds", "tokens/trained"}
 
@@ -41,10 +46,12 @@ def processes_with_marker(marker: str) -> list[int]:
     return found
 
 
-def run_train(*overrides: str, timeout: float = 420) -> tuple[subprocess.CompletedProcess, str]:
-    """Run train.py in a subprocess tagged with a marker; returns the result and the marker."""
+def run_train(*overrides: str, timeout: float = 420, env: dict[str, str] | None = None
+              ) -> tuple[subprocess.CompletedProcess, str]:
+    """Run train.py in a subprocess tagged with a marker (`env` added to its environment); returns the result and
+    the marker."""
     marker = f"GRPO_TEST_{uuid.uuid4().hex}"
-    env = dict(os.environ, GRPO_TEST_MARKER=marker, PYTHONUNBUFFERED="1")
+    env = dict(os.environ, **(env or {}), GRPO_TEST_MARKER=marker, PYTHONUNBUFFERED="1")
     out = subprocess.run([sys.executable, str(REPO / "train.py"), *overrides], capture_output=True, text=True,
                          cwd=REPO, timeout=timeout, env=env)
     return out, marker
@@ -62,7 +69,7 @@ def metrics(run_dir: Path) -> list[dict]:
     return [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
 
 
-def test_default_job_trains_checkpoints_and_resumes(tmp_path):
+def test_default_job_trains_checkpoints_resumes_and_its_saved_config_reproduces_it(tmp_path):
     run_dir = tmp_path / "run"
     port = free_port()
     out, marker = run_train(*QUICK, "train.steps=2", "train.checkpoint_every=1", f"server.port={port}",
@@ -78,55 +85,54 @@ def test_default_job_trains_checkpoints_and_resumes(tmp_path):
     assert (run_dir / ".hydra" / "config.yaml").exists() and (run_dir / "provenance.json").exists()
     complete = sorted(p.name for p in (run_dir / "checkpoints").iterdir() if (p / "COMPLETE").exists())
     assert complete == ["step_000001", "step_000002"]
+    # The run's saved config, kept before the resume below rewrites .hydra (rerun from it at the end).
+    saved = tmp_path / "saved_hydra"
+    shutil.copytree(run_dir / ".hydra", saved)
 
     # Resume in place: steps 3 and 4 follow, metrics keep steps 1-2.
     out, marker = run_train(*QUICK, "train.steps=4", "train.checkpoint_every=1", f"server.port={port}",
                             f"hydra.run.dir={run_dir}", f"train.resume={run_dir}")
     assert out.returncode == 0, out.stderr[-3000:]
     assert_clean(marker)
-    assert [r["step"] for r in metrics(run_dir)] == [1, 2, 3, 4]
+    resumed = metrics(run_dir)
+    assert [r["step"] for r in resumed] == [1, 2, 3, 4]
 
-
-@pytest.mark.parametrize("name", sorted(p.stem for p in (REPO / "experiments").glob("cpu_*.yaml")))
-def test_cpu_experiments_run_one_step(tmp_path, name):
-    out, marker = run_train(f"experiment={name}", *QUICK, "train.steps=1", f"server.port={free_port()}",
-                            f"hydra.run.dir={tmp_path}/run")
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert_clean(marker)
-    (row,) = metrics(tmp_path / "run")
-    assert REQUIRED_KEYS <= set(row)
-    assert row["sync/seconds"] > 0
-
-
-def test_saved_config_reproduces_first_step(tmp_path):
-    port = free_port()
-    first = tmp_path / "first"
-    out, _ = run_train(*QUICK, "train.steps=1", f"server.port={port}", f"hydra.run.dir={first}")
-    assert out.returncode == 0, out.stderr[-3000:]
+    # `--config-path <run>/.hydra --config-name config` reruns exactly that config: the same first step.
     again = tmp_path / "again"
-    out, _ = run_train("--config-path", str(first / ".hydra"), "--config-name", "config",
-                       f"hydra.run.dir={again}")
+    out, _ = run_train("--config-path", str(saved), "--config-name", "config", f"hydra.run.dir={again}")
     assert out.returncode == 0, out.stderr[-3000:]
-    a, b = metrics(first)[0], metrics(again)[0]
+    a, b = rows[0], metrics(again)[0]
     assert a["reward/mean"] == pytest.approx(b["reward/mean"], abs=1e-6)
     assert a["loss"] == pytest.approx(b["loss"], abs=1e-5)
 
 
-def test_multirun_2x2_with_report_and_clean_teardown(tmp_path):
+def test_multirun_of_the_cpu_experiments_with_report_and_clean_teardown(tmp_path):
+    """One sweep over the CPU experiments (one step each): every mode trains, syncs and reports; vLLM is torn down
+    between jobs (each job starts its own on the same port) and after the last."""
     port = free_port()
     sweep = tmp_path / "sweep"
-    out, marker = run_train("-m", *QUICK, "train.steps=2", f"server.port={port}", f"hydra.sweep.dir={sweep}",
-                            "loss.clip_eps=0.1,0.3", "optimizer.lr=1e-3,3e-3", timeout=900)
+    out, marker = run_train("-m", f"experiment={','.join(CPU_EXPERIMENTS)}", *QUICK, "train.steps=1",
+                            "loss.clip_eps=0.3", f"server.port={port}", f"hydra.sweep.dir={sweep}", timeout=900)
     assert out.returncode == 0, out.stderr[-3000:]
     assert_clean(marker)
     from grpo.report import report
 
     table, rows = report(sweep)
-    assert len(rows) == 4
+    assert len(rows) == len(CPU_EXPERIMENTS) == 3
     assert {r["status"] for r in rows} == {"completed"}
-    assert all(r["steps"] == 2 for r in rows)
-    overrides = {r["overrides"] for r in rows}
-    assert len(overrides) == 4 and all("loss.clip_eps=" in o and "optimizer.lr=" in o for o in overrides)
+    assert all(r["steps"] == 1 for r in rows)
+    jobs = {}
+    for r in rows:
+        (name,) = [n for n in CPU_EXPERIMENTS if f"experiment={n}" in r["overrides"]]
+        assert "loss.clip_eps=0.3" in r["overrides"]
+        jobs[name] = sweep / r["job"]
+    assert sorted(jobs) == CPU_EXPERIMENTS
+    for name, job in jobs.items():
+        (row,) = metrics(job)
+        assert REQUIRED_KEYS <= set(row), name
+        assert row["sync/seconds"] > 0, name
+        # The experiment picked its mode (cpu_tiny_<mode>).
+        assert OmegaConf.load(job / ".hydra" / "hydra.yaml").hydra.runtime.choices["mode"] == name.removeprefix("cpu_tiny_")
     assert "last10_reward_mean" in table and (sweep / "rewards.png").exists()
     # The port of the last job's server is free again.
     import socket
