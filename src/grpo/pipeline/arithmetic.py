@@ -3,8 +3,8 @@
 Why this task: a tiny byte-level model learns part of it in a few minutes of supervised warm-up and GRPO can then
 improve it within minutes on CPU, while the work per item varies (no carry, a carry into the hundreds, a borrow, a
 sign change), so accuracy has room to rise. Every answer is one integer, so correctness is an exact comparison and
-cannot be argued with. The shipped configuration (conf/data/arithmetic.yaml) is two 2-digit operands: about two
-thirds of those items need a carry or a borrow, the step a careless solver gets wrong (`careless_answer`).
+cannot be argued with. The shipped configuration (conf/data/arithmetic.yaml) is two 2-digit operands: 58 % of
+those items need a carry or a borrow, the step a careless solver gets wrong (`careless_answer`).
 
 Prompt: the expression followed by '=', e.g. ``"47+85="``; the model continues with the answer.
 
