@@ -250,8 +250,8 @@ def build_warmstart_dir(name: str = "warm-arith", seed: int = 0, out_dir: str | 
     model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
     # One thread: the model is so small that a second one only adds synchronisation, and on a loaded 2-core machine
     # two threads ran 4x slower (2.7 vs 11 steps/s). The weights do not depend on it (same sha256 either way).
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
+    threads, sft_threads = torch.get_num_threads(), 1
+    torch.set_num_threads(sft_threads)
     try:
         sft_s = supervised_warmup(model, tokenizer, task, spec["sft"], seed, progress, teacher)
     finally:
@@ -266,7 +266,7 @@ def build_warmstart_dir(name: str = "warm-arith", seed: int = 0, out_dir: str | 
         meta.update({
             "preset": name, "seed": seed, "spec": spec, "version": WARMSTART_VERSION, **metrics,
             "sft_seconds": round(sft_s, 1), "build_seconds": round(time.monotonic() - t0, 1),
-            "torch_threads": 1, "cpu_count": os.cpu_count(),
+            "torch_threads": sft_threads, "cpu_count": os.cpu_count(),
             "load_average_before": load_before, "load_average_after": _load_average(),
         })
         (tmp / METADATA_FILE).write_text(json.dumps(meta, indent=2) + "\n")

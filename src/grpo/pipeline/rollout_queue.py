@@ -119,13 +119,13 @@ class AsyncRollouts(DataPipeline):
         if self._taken is None:
             self._taken = step - 1
         t0 = time.monotonic()
-        dropped = lags = None
+        dropped = 0
         while True:
             batch = self._take()
             current = self.ctx.endpoint().version
             fresh = [g for g in batch.groups if self._lag(g, current) <= self.max_staleness]
             stale = len(batch.groups) - len(fresh)
-            dropped = (dropped or 0) + stale
+            dropped += stale
             self.totals["dropped"] += stale
             if stale:
                 log.warning("rollout batch %d: %d of %d groups older than train.max_staleness=%d versions dropped",

@@ -137,8 +137,7 @@ class GRPOTrainer:
         # time-to-accuracy curves plot; the server's start-up before it is in summary.json's wall_seconds.
         t_fit = time.perf_counter()
         if self.evaluator is not None and self.step == 0 and self.evaluator.due(0, self.cfg.steps):
-            row = {"step": 0, **self.evaluator.evaluate(0)}  # before_train: the initial weights
-            self.metrics.log({**row, "time/run_seconds": time.perf_counter() - t_fit})
+            self.log_row({"step": 0, **self.evaluator.evaluate(0)}, t_fit)  # before_train: the initial weights
         while self.step < self.cfg.steps:
             self.sync.prepare_step(self.step + 1)
             first = self.step
@@ -150,12 +149,16 @@ class GRPOTrainer:
             # inside the checkpoint write has them, and a resume from an older checkpoint trims them
             # (MetricsLogger), so every step is in metrics.jsonl exactly once.
             for row in rows:
-                self.metrics.log({**row, "time/run_seconds": time.perf_counter() - t_fit})
+                self.log_row(row, t_fit)
             every = self.cfg.checkpoint_every
             if self.step // every > first // every or self.step == self.cfg.steps:
                 self.metrics.flush()
                 self.save_checkpoint()  # at rollout-batch boundaries; FSDP2: every rank joins, rank 0 writes
         return self.rewards
+
+    def log_row(self, row: dict[str, Any], t_fit: float) -> None:
+        """Log one metrics row with `time/run_seconds`, the wall-clock since the loop began at `t_fit`."""
+        self.metrics.log({**row, "time/run_seconds": time.perf_counter() - t_fit})
 
     def save_checkpoint(self) -> Path | None:
         """Atomic checkpoint of model (or adapter), optimizer, scheduler, RNG, data position and counters. Under
