@@ -1,0 +1,270 @@
+"""TRL's ``GRPOTrainer`` on the arithmetic skill task, mirroring ``experiment=arith_grpo``: held-out accuracy vs time.
+
+    python bench/trl_arith.py --seed S [--steps 400] [--eval-every 50] [--out bench/results/trl_arith_sS.json]
+    python bench/trl_arith.py --seed 0 --steps 6 --eval-every 3 --out /tmp/trl_arith_smoke.json   # smoke test
+
+Ours is ``python train.py experiment=arith_grpo train.seed=S``; ``bench/arith_curves.py`` plots both (README "Skill
+task"). Every setting is read from the same composed Hydra config as ours (``experiment=arith_grpo``, plus any
+``--override key=value``), so a change to the experiment moves both sides:
+
+- model: the cached warm-start directory of ``model=warm_arith`` (``grpo.models.warmstart.warmstart_path``; never
+  rebuilt here), float32, full fine-tuning, on CPU;
+- prompts: exactly ours, step by step: optimizer step b (0-based) trains on
+  ``ArithmeticTask.sample(random.Random(f"grpo-local:{seed}:{b}"), prompts_per_step)`` (what
+  ``LocalRolloutPipeline.prompts_for_step`` draws), as a dataset read in order (``shuffle_dataset=False``); training
+  never draws a held-out item by construction of the task;
+- rewards: our two reward classes (``data.rewards``) wrapped as TRL reward functions, with our weights
+  (``reward_weights``, summed then normalised as ours);
+- batch: ``num_generations`` = group size (8), ``per_device_train_batch_size`` = micro-batch (64),
+  ``gradient_accumulation_steps`` = grad_accum (2), so ``steps_per_generation`` = 2 and ``generation_batch_size`` =
+  128 = 16 prompts x 8: one generation and one optimizer step per 16 groups, as ours;
+- generation: ``max_completion_length`` = ``data.max_new_tokens``, temperature, top_p 1, top_k 0, no chat template
+  (raw ``"12+34="`` prompts); with transformers' ``generate`` (``use_vllm=False``, the default here; ``--vllm`` tries
+  TRL's colocated vLLM, which does not run with the CPU engine installed here: README "Skill task");
+- optimizer: ours, handed to TRL (``optimizers=``): ``torch.optim.AdamW`` (lr, betas, eps, weight decay of
+  ``optimizer``) and our own ``LambdaLR`` (``grpo.trainer.optim.build_scheduler``: warm-up (k+1)/(w+1), then
+  constant), grad-norm clip ``train.max_grad_norm``;
+- loss: ``beta=0`` (no KL, no reference model), ``epsilon`` = ``loss.clip_eps``, ``loss_type="dapo"`` (sum over the
+  step's tokens / the step's token count = our ``token_mean``), ``scale_rewards="group"`` (our
+  ``advantage_norm=group``), one update per batch (``num_iterations=1``).
+
+`DIFFERENCES` lists what TRL does not let us match; the JSON carries it.
+
+Held-out evaluation (a ``TrainerCallback``): at step 0 (before the first generation) and every ``--eval-every``
+optimizer steps and after the last, greedy decoding with transformers (``grpo.models.warmstart.generate_answers``)
+on the task's 500 ``eval_prompts()``, correct = our correctness reward (``data.rewards``' first) >= 1, the same
+token cap as our evaluator (``min(max_new_tokens, max_seq_len - longest prompt)``). Eval time is excluded from the
+time axis on both sides: each row has ``time/train_seconds`` (since ``on_train_begin``, eval excluded: the x axis),
+``time/run_seconds`` (eval included, the definition of ours in metrics.jsonl) and ``eval/seconds``.
+``bench/arith_curves.py`` subtracts our cumulative ``eval/seconds`` from our ``time/run_seconds`` the same way.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import RESULTS, ROOT, loadavg, machine, max_rss_bytes  # noqa: E402
+
+# What TRL 1.16 does not let us match (or what we chose not to), for the JSON and bench/README.md.
+DIFFERENCES = [
+    "advantage std: TRL divides by the group's sample std (Bessel, n-1 = 7) + 1e-4; ours by the population std "
+    "(n = 8) + 1e-6 -> TRL's advantages are sqrt(7/8) = 0.935x ours (same sign and ranking; Adam mostly "
+    "normalises the scale away, the grad-norm clip does not)",
+    "pi_old of the PPO ratio: ours = the rollout log-probs from vLLM (loss.old_logprobs=rollout), so the ratio "
+    "starts at exp(trainer - sampler log-prob) and the clip can act on engine mismatch; TRL (transformers "
+    "generation, num_iterations=1) = the trainer's own log-probs detached, ratio exactly 1, the clip never acts",
+    "generation engine: ours vLLM CPU engine in a server process (weights synced every step, sync time in our "
+    "loop time); TRL transformers generate() in the training process (no sync); sampling streams differ, so "
+    "the sampled completions differ even at identical weights",
+    "sampling seeds: ours vLLM's per-request sampling; TRL torch's RNG seeded by --seed (GRPOConfig.seed)",
+    "held-out eval: ours greedy through vLLM (plus pass@4 samples, also excluded from time); TRL side greedy with "
+    "transformers generate() on the same 500 items and the same correctness reward (tie-breaking of equal logits "
+    "may differ between engines); eval time excluded from the time axis on both sides",
+    "time origin: ours time/run_seconds starts when the training loop starts (vLLM server already up, its "
+    "start-up in summary.json's wall_seconds); TRL's at on_train_begin (model loaded, trainer built)",
+    "per-step logging: TRL computes and logs its own metrics each step (logging_steps=1), ours writes "
+    "metrics.jsonl rows and checkpoints every 100 steps (checkpoint time is inside our loop time; TRL saves nothing)",
+    "threads: both use torch's default (all cores) unless --threads is given; ours also runs the vLLM CPU engine "
+    "as a second process on the same cores",
+]
+
+
+def compose_ours(overrides: list[str]):
+    """The composed config of ``experiment=arith_grpo`` (as ``train.py`` sees it) with ``overrides``."""
+    from hydra import compose, initialize_config_dir
+
+    from grpo.config import register_configs
+
+    register_configs()
+    with initialize_config_dir(version_base="1.3", config_dir=str(ROOT / "conf")):
+        return compose(config_name="train", overrides=["experiment=arith_grpo", *overrides])
+
+
+def model_directory(cfg) -> Path:
+    """The cached warm-start directory of ``model.offline`` (never built here: build it with
+    ``python -m grpo.models.warmstart warm-arith``)."""
+    from grpo.models.warmstart import warmstart_path
+
+    path = warmstart_path(cfg.model.offline, int(cfg.model.seed))
+    if not (path / "config.json").exists():
+        raise SystemExit(f"{path} is not built: run `python -m grpo.models.warmstart {cfg.model.offline}` first")
+    return path
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--seed", type=int, default=0, help="= ours train.seed: same prompts per step; TRL's torch seed")
+    ap.add_argument("--steps", type=int, default=None, help="optimizer steps (default: ours, train.steps = 400)")
+    ap.add_argument("--eval-every", type=int, default=None, help="default: ours, eval.every = 50")
+    ap.add_argument("--out", default=None, help="default bench/results/trl_arith_s<seed>.json")
+    ap.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's own)")
+    ap.add_argument("--vllm", action="store_true", help="TRL's colocated vLLM (use_vllm=True, vllm_mode=colocate)")
+    ap.add_argument("--override", action="append", default=[], help="extra Hydra override of our config (repeat)")
+    args = ap.parse_args(argv)
+    sys.path.insert(0, str(ROOT / "src"))
+    import torch
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    from grpo.models.warmstart import generate_answers, score
+    from grpo.pipeline.local import build_rewards
+    from grpo.pipeline.tasks import Prompt
+    from grpo.trainer.optim import build_scheduler
+
+    cfg = compose_ours([f"train.seed={args.seed}", *args.override])
+    steps = int(args.steps or cfg.train.steps)
+    eval_every = int(args.eval_every or cfg.eval.every)
+    out = Path(args.out or RESULTS / f"trl_arith_s{args.seed}.json")
+    from hydra.utils import instantiate
+
+    task = instantiate(cfg.data.task)
+    rewards = build_rewards(cfg.data.rewards)
+    correct_name = cfg.eval.correct_reward or next(iter(rewards))
+    correct_fn = rewards[correct_name][0]
+    mdir = model_directory(cfg)
+    tok = AutoTokenizer.from_pretrained(mdir)
+    model = AutoModelForCausalLM.from_pretrained(mdir, dtype=torch.float32)
+
+    # Our prompt stream, step by step (LocalRolloutPipeline.prompts_for_step), read in order by TRL.
+    per_step = int(cfg.data.prompts_per_step)
+    prompts = [p for b in range(steps) for p in task.sample(random.Random(f"grpo-local:{args.seed}:{b}"), per_step)]
+    dataset = Dataset.from_dict({"prompt": [p.text for p in prompts], "answer": [p.answer for p in prompts]})
+
+    def as_trl(name, fn):
+        def reward(prompts, completions, answer, **kw):
+            return [float(fn(Prompt(p, a), c)) for p, c, a in zip(prompts, completions, answer)]
+
+        reward.__name__ = name
+        return reward
+
+    reward_funcs = [as_trl(name, fn) for name, (fn, _) in rewards.items()]
+    reward_weights = [float(w) for _, w in rewards.values()]
+
+    heldout = task.eval_prompts()
+    longest = max(len(tok.encode(p.text, add_special_tokens=False)) for p in heldout)
+    eval_tokens = max(1, min(int(cfg.eval.max_new_tokens or cfg.data.max_new_tokens), int(cfg.model.max_seq_len) - longest))
+
+    def evaluate(m) -> dict:
+        t0 = time.perf_counter()
+        was_training = m.training
+        m.eval()
+        completions = generate_answers(m, tok, [p.text for p in heldout], eval_tokens)
+        m.train(was_training)
+        right = [s >= float(cfg.eval.correct_threshold) for s in score(correct_fn, heldout, completions)]
+        return {"eval/accuracy": sum(right) / len(right), "eval/prompts": len(right),
+                "eval/seconds": time.perf_counter() - t0, "eval/samples": completions[:4]}
+
+    class HeldOut(TrainerCallback):
+        """Held-out greedy accuracy at step 0, every `eval_every` steps and at the end; eval time kept off the clock."""
+
+        def __init__(self):
+            self.rows, self.step_seconds, self.t0, self.eval_total, self.last = [], [], None, 0.0, None
+
+        def _eval(self, step, m):
+            train_s = time.perf_counter() - self.t0 - self.eval_total
+            row = {"step": step, **evaluate(m), "loadavg": loadavg()}
+            self.eval_total += row["eval/seconds"]
+            row["time/train_seconds"] = train_s
+            row["time/run_seconds"] = time.perf_counter() - self.t0
+            self.rows.append(row)
+            print(json.dumps({k: v for k, v in row.items() if k != "eval/samples"}), flush=True)
+
+        def on_train_begin(self, a, state, control, model=None, **kw):
+            self.t0 = time.perf_counter()
+            self._eval(0, model)
+            self.last = time.perf_counter()
+
+        def on_step_end(self, a, state, control, model=None, **kw):
+            now = time.perf_counter()
+            self.step_seconds.append(now - self.last)
+            if state.global_step % eval_every == 0 or state.global_step == state.max_steps:
+                self._eval(state.global_step, model)
+            self.last = time.perf_counter()
+
+    heldout_cb = HeldOut()
+    opt = cfg.optimizer
+    optimizer = torch.optim.AdamW(model.parameters(), lr=float(opt.lr), betas=tuple(float(b) for b in opt.betas),
+                                  eps=float(opt.eps), weight_decay=float(opt.weight_decay))
+    scheduler = build_scheduler(optimizer, cfg.train.lr_schedule, int(cfg.train.warmup_steps), steps)
+    if str(opt._target_) != "torch.optim.AdamW":
+        raise SystemExit(f"optimizer {opt._target_}: this benchmark mirrors torch.optim.AdamW only")
+    loss = cfg.loss
+    if loss.aggregation != "token_mean" or loss.kl_coef or loss.dual_clip or loss.tis_cap or cfg.train.ppo_epochs != 1 \
+            or cfg.train.mini_batches != 1 or cfg.train.advantage_norm != "group":
+        raise SystemExit("this benchmark maps loss=grpo (token_mean, no KL/dual clip/TIS), one update per batch and "
+                         "advantage_norm=group only")
+    vllm = {}
+    if args.vllm:
+        vllm = {"use_vllm": True, "vllm_mode": "colocate", "vllm_gpu_memory_utilization": float(cfg.server.gpu_memory_utilization),
+                "vllm_max_model_length": int(cfg.model.max_seq_len), "vllm_importance_sampling_correction": False}
+    trl_cfg = dict(
+        output_dir=tempfile.mkdtemp(prefix="bench_trl_arith_"),
+        per_device_train_batch_size=int(cfg.train.micro_batch_size),
+        gradient_accumulation_steps=int(cfg.train.grad_accum),
+        num_generations=int(cfg.data.group_size), max_completion_length=int(cfg.data.max_new_tokens),
+        temperature=float(cfg.data.temperature), top_p=float(cfg.data.top_p), top_k=0,
+        # For the record: the optimizer and schedule handed over below are what runs.
+        learning_rate=float(opt.lr), adam_beta1=float(opt.betas[0]), adam_beta2=float(opt.betas[1]),
+        adam_epsilon=float(opt.eps), weight_decay=float(opt.weight_decay), warmup_steps=int(cfg.train.warmup_steps),
+        lr_scheduler_type=str(cfg.train.lr_schedule),
+        max_grad_norm=float(cfg.train.max_grad_norm), loss_type="dapo", beta=0.0, epsilon=float(loss.clip_eps),
+        epsilon_high=float(loss.clip_eps_high if loss.clip_eps_high is not None else loss.clip_eps),
+        num_iterations=1, scale_rewards="group", reward_weights=reward_weights, mask_truncated_completions=False,
+        max_steps=steps, use_cpu=True, bf16=False, fp16=False, report_to=[], logging_steps=1, save_strategy="no",
+        seed=args.seed, disable_dropout=True, shuffle_dataset=False, remove_unused_columns=False, **vllm,
+    )
+    config = GRPOConfig(**trl_cfg)
+    assert config.steps_per_generation == int(cfg.train.grad_accum), config.steps_per_generation
+    assert config.generation_batch_size == per_step * int(cfg.data.group_size), config.generation_batch_size
+    trainer = GRPOTrainer(model=model, reward_funcs=reward_funcs, args=config, processing_class=tok,
+                          train_dataset=dataset, callbacks=[heldout_cb], optimizers=(optimizer, scheduler))
+    load_start = loadavg()
+    t0 = time.perf_counter()
+    trainer.train()
+    wall = time.perf_counter() - t0
+    logs = [{k: h.get(k) for k in ("step", "reward", "reward_std", "loss", "grad_norm", "learning_rate",
+                                   "completions/mean_length", "clip_ratio/region_mean", "step_time")}
+            for h in trainer.state.log_history if "reward" in h]
+    train_s = heldout_cb.rows[-1]["time/train_seconds"]
+    res = {
+        "bench": "trl_arith", "command": "python bench/trl_arith.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "machine": machine(), "trl": __import__("trl").__version__, "seed": args.seed, "steps": steps,
+        "eval_every": eval_every, "model_dir": str(mdir), "generation": "vllm colocate" if args.vllm else "transformers generate()",
+        "ours_command": f"python train.py experiment=arith_grpo train.seed={args.seed}"
+                        + "".join(f" {o}" for o in args.override),
+        "rows": heldout_cb.rows, "step_seconds": heldout_cb.step_seconds,
+        "train_seconds_per_step": train_s / max(steps, 1), "train_seconds": train_s,
+        "eval_seconds_total": heldout_cb.eval_total, "wall_seconds_train_call": wall,
+        "loadavg_start": load_start, "loadavg_end": loadavg(), "max_rss_gb": max_rss_bytes() / 1024**3,
+        "trl_config": {k: v for k, v in trl_cfg.items() if k != "output_dir"},
+        "optimizer": {"class": "torch.optim.AdamW", **{k: (list(v) if k == "betas" else v) for k, v in opt.items()
+                                                        if k != "_target_"}},
+        "schedule": {"kind": str(cfg.train.lr_schedule), "warmup_steps": int(cfg.train.warmup_steps),
+                     "rule": "grpo.trainer.optim.lr_lambda: (k+1)/(w+1) during warm-up, then constant"},
+        "eval": {"items": len(heldout), "decoding": "greedy, transformers generate()", "max_new_tokens": eval_tokens,
+                 "correct_reward": correct_name},
+        "differences": DIFFERENCES, "logs": logs,
+        "env": {k: os.environ[k] for k in ("OMP_NUM_THREADS",) if k in os.environ},
+    }  # fmt: skip
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(res, indent=1) + "\n")
+    print(json.dumps({k: res[k] for k in ("steps", "train_seconds", "train_seconds_per_step", "eval_seconds_total",
+                                          "loadavg_start", "loadavg_end")}))
+    print("accuracy:", [(r["step"], r["eval/accuracy"], round(r["time/train_seconds"], 1)) for r in res["rows"]])
+    return res
+
+
+if __name__ == "__main__":
+    main()
