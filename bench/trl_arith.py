@@ -108,6 +108,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's own)")
     ap.add_argument("--vllm", action="store_true", help="TRL's colocated vLLM (use_vllm=True, vllm_mode=colocate)")
     ap.add_argument("--override", action="append", default=[], help="extra Hydra override of our config (repeat)")
+    ap.add_argument("--check-eval", nargs="+", metavar="MODEL_DIR", default=None,
+                    help="only evaluate these model dirs (e.g. our checkpoints) with this side's evaluator and exit")
     args = ap.parse_args(argv)
     sys.path.insert(0, str(ROOT / "src"))
     import torch
@@ -136,22 +138,6 @@ def main(argv=None) -> dict:
     mdir = model_directory(cfg)
     tok = AutoTokenizer.from_pretrained(mdir)
     model = AutoModelForCausalLM.from_pretrained(mdir, dtype=torch.float32)
-
-    # Our prompt stream, step by step (LocalRolloutPipeline.prompts_for_step), read in order by TRL.
-    per_step = int(cfg.data.prompts_per_step)
-    prompts = [p for b in range(steps) for p in task.sample(random.Random(f"grpo-local:{args.seed}:{b}"), per_step)]
-    dataset = Dataset.from_dict({"prompt": [p.text for p in prompts], "answer": [p.answer for p in prompts]})
-
-    def as_trl(name, fn):
-        def reward(prompts, completions, answer, **kw):
-            return [float(fn(Prompt(p, a), c)) for p, c, a in zip(prompts, completions, answer)]
-
-        reward.__name__ = name
-        return reward
-
-    reward_funcs = [as_trl(name, fn) for name, (fn, _) in rewards.items()]
-    reward_weights = [float(w) for _, w in rewards.values()]
-
     heldout = task.eval_prompts()
     longest = max(len(tok.encode(p.text, add_special_tokens=False)) for p in heldout)
     eval_tokens = max(1, min(int(cfg.eval.max_new_tokens or cfg.data.max_new_tokens), int(cfg.model.max_seq_len) - longest))
@@ -165,6 +151,31 @@ def main(argv=None) -> dict:
         right = [s >= float(cfg.eval.correct_threshold) for s in score(correct_fn, heldout, completions)]
         return {"eval/accuracy": sum(right) / len(right), "eval/prompts": len(right),
                 "eval/seconds": time.perf_counter() - t0, "eval/samples": completions[:4]}
+
+    if args.check_eval:
+        checks = {d: evaluate(AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32)) for d in [str(mdir), *args.check_eval]}
+        for d, r in checks.items():
+            print(f"{r['eval/accuracy']:.3f}  ({r['eval/seconds']:.2f} s)  {d}")
+        return checks
+
+    # Our prompt stream, step by step (LocalRolloutPipeline.prompts_for_step), read in order by TRL.
+    per_step = int(cfg.data.prompts_per_step)
+    prompts = [p for b in range(steps) for p in task.sample(random.Random(f"grpo-local:{args.seed}:{b}"), per_step)]
+    dataset = Dataset.from_dict({"prompt": [p.text for p in prompts], "answer": [p.answer for p in prompts]})
+
+    seen_batches: list[list[str]] = []  # the distinct prompts of each generation batch, to check the order
+
+    def as_trl(name, fn):
+        def reward(prompts, completions, answer, **kw):
+            if name == next(iter(rewards)):
+                seen_batches.append(sorted(set(prompts)))
+            return [float(fn(Prompt(p, a), c)) for p, c, a in zip(prompts, completions, answer)]
+
+        reward.__name__ = name
+        return reward
+
+    reward_funcs = [as_trl(name, fn) for name, (fn, _) in rewards.items()]
+    reward_weights = [float(w) for _, w in rewards.values()]
 
     class HeldOut(TrainerCallback):
         """Held-out greedy accuracy at step 0, every `eval_every` steps and at the end; eval time kept off the clock."""
@@ -238,13 +249,18 @@ def main(argv=None) -> dict:
                                    "completions/mean_length", "clip_ratio/region_mean", "step_time")}
             for h in trainer.state.log_history if "reward" in h]
     train_s = heldout_cb.rows[-1]["time/train_seconds"]
+    # Each generation batch must hold exactly our step's prompts (same step, same 16 prompts, 8 completions each).
+    ours_steps = [sorted({p.text for p in prompts[b * per_step:(b + 1) * per_step]}) for b in range(steps)]
+    prompts_match = seen_batches == ours_steps
+    if not prompts_match:
+        print(f"WARNING: TRL's generation batches do not hold our per-step prompts ({len(seen_batches)} batches)")
     res = {
         "bench": "trl_arith", "command": "python bench/trl_arith.py " + " ".join(argv if argv is not None else sys.argv[1:]),
         "machine": machine(), "trl": __import__("trl").__version__, "seed": args.seed, "steps": steps,
         "eval_every": eval_every, "model_dir": str(mdir), "generation": "vllm colocate" if args.vllm else "transformers generate()",
         "ours_command": f"python train.py experiment=arith_grpo train.seed={args.seed}"
                         + "".join(f" {o}" for o in args.override),
-        "rows": heldout_cb.rows, "step_seconds": heldout_cb.step_seconds,
+        "prompts_match_ours_per_step": prompts_match, "rows": heldout_cb.rows, "step_seconds": heldout_cb.step_seconds,
         "train_seconds_per_step": train_s / max(steps, 1), "train_seconds": train_s,
         "eval_seconds_total": heldout_cb.eval_total, "wall_seconds_train_call": wall,
         "loadavg_start": load_start, "loadavg_end": loadavg(), "max_rss_gb": max_rss_bytes() / 1024**3,
