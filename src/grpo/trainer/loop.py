@@ -177,6 +177,14 @@ class GRPOTrainer:
                 self.save_checkpoint()  # at rollout-batch boundaries; FSDP2: every rank joins, rank 0 writes
         return self.rewards
 
+    def close(self) -> None:
+        """Drop the model, its gradients and the optimizer state (the job's device memory), so nothing that still
+        refers to the trainer (a traceback, a sweeper) keeps them alive between multirun jobs. The trainer is unusable after."""
+        self.optimizer.zero_grad(set_to_none=True)
+        self.optimizer.state.clear()  # torch's Optimizer.state: the per-parameter moments
+        self.model = self.optimizer = self.scheduler = self.token_logprobs = None
+        self.params = []
+
     def log_row(self, row: dict[str, Any], t_fit: float) -> None:
         """Log one metrics row with `time/run_seconds`, the wall-clock since the loop began at `t_fit`."""
         self.metrics.log({**row, "time/run_seconds": time.perf_counter() - t_fit})
