@@ -48,6 +48,9 @@ def main(cfg: DictConfig) -> float | None:
     if rank0:
         record_provenance(run_dir)
     summary = RunSummary(run_dir) if rank0 else None
+    # One process training on a GPU: its device memory at the start, checked against the end (device_memory.json).
+    single_gpu = rank0 and int(os.environ.get("WORLD_SIZE", "1")) == 1 and cfg.train.device != "cpu"
+    memory_before = device_memory() if single_gpu else None
     try:
         rewards = train(cfg, run_dir)
         final = summary.finish(rewards) if summary is not None else None
@@ -66,6 +69,46 @@ def main(cfg: DictConfig) -> float | None:
             log.exception("job failed; continuing the sweep")
             return float("nan")  # sweepers (Optuna) record a NaN objective as a failed trial
         raise
+    finally:
+        # Here the job's exception (whose frames hold the model, its gradients and activations) is gone: release
+        # what it kept, so a multirun's next job starts from the device memory this one started from.
+        release_device_memory()
+        if rank0 and memory_before is not None:
+            record_device_memory(run_dir, memory_before)
+
+
+def device_memory() -> dict[str, float] | None:
+    """GiB in use on this process's GPU, device-wide (every process: the server included) and by this process's
+    allocator; None without CUDA."""
+    if not torch.cuda.is_available():
+        return None
+    free, total = torch.cuda.mem_get_info()
+    return {"device_used_gb": (total - free) / 1024**3, "allocated_gb": torch.cuda.memory_allocated() / 1024**3,
+            "reserved_gb": torch.cuda.memory_reserved() / 1024**3}
+
+
+def release_device_memory() -> None:
+    """Collect reference cycles and hand the allocator's free blocks back to the device."""
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+
+
+def record_device_memory(run_dir: Path, before: dict[str, float], settle_s: float = 10.0) -> None:
+    """`<run_dir>/device_memory.json`: device memory at the job's start and after its teardown (the GPU suite checks
+    the two agree within 1 GiB). The driver frees a stopped server's memory shortly after its processes exit, so
+    the reading after waits up to `settle_s` for the device to come back within 1 GiB of the start."""
+    import time
+
+    deadline = time.monotonic() + settle_s
+    after = device_memory()
+    while after["device_used_gb"] > before["device_used_gb"] + 1.0 and time.monotonic() < deadline:
+        time.sleep(0.5)
+        after = device_memory()
+    (run_dir / "device_memory.json").write_text(json.dumps({"before": before, "after_teardown": after}, indent=2))
+    log.info("device memory: %.2f GiB in use before the job, %.2f GiB after its teardown",
+             before["device_used_gb"], after["device_used_gb"])
 
 
 def train(cfg: DictConfig, run_dir: Path) -> list[float]:
@@ -98,18 +141,20 @@ def train(cfg: DictConfig, run_dir: Path) -> list[float]:
             plot_curves(run_dir / "metrics.jsonl", run_dir / "curves.png", title=str(run_dir.name))
         return rewards
     finally:
-        # Tear down in reverse order so a multirun's next job starts from a clean process table and memory.
+        # Tear down in reverse order so a multirun's next job starts from a clean process table and memory. The
+        # trainer lets go of its model, gradients and optimizer state first, even when a traceback still holds it,
+        # and before the server stops: under shared_vllm the parameters are views of the server's memory.
         if metrics is not None:
             metrics.close()
         if evaluator is not None:
             evaluator.close()
         if data is not None:
             data.close()
-        sync.shutdown()
+        if trainer is not None:
+            trainer.close()
         del trainer
-        gc.collect()
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
+        release_device_memory()
+        sync.shutdown()
         if dist_info is not None:
             from grpo.trainer import distributed
 

@@ -6,6 +6,8 @@
 #   bash bench/gpu/run_suite.sh logprobs   # fused / chunked log-prob + loss vs naive full logits (bf16 and fp32)
 #   bash bench/gpu/run_suite.sh throughput # decode tok/s, our server vs plain vLLM, qwen3b-sized, CUDA graphs on
 #   bash bench/gpu/run_suite.sh optim_bench [preset]  # per-optimizer step at a real size, peaks per phase
+#   bash bench/gpu/run_suite.sh memory     # multirun shared_vllm,lora_only: device memory back within 1 GiB per job
+#   bash bench/gpu/run_suite.sh packing    # padded vs padding-free vs token budget: perf/mfu, batch/pad_fraction
 # Results land in $OUT (or bench/results/gpu when OUT is unset).
 set -uo pipefail
 export VLLM_WORKER_MULTIPROC_METHOD=spawn VLLM_USE_FLASHINFER_SAMPLER=0 HF_HUB_OFFLINE=1 VLLM_NO_USAGE_STATS=1
@@ -22,7 +24,7 @@ import json, sys, pathlib
 for d in sorted(pathlib.Path(sys.argv[1]).glob("*/metrics.jsonl")):
     rows = [json.loads(l) for l in d.read_text().splitlines() if l.strip()][1:] or []
     ov = (d.parent / ".hydra/overrides.yaml").read_text().replace("\n", " ") if (d.parent / ".hydra/overrides.yaml").exists() else ""
-    keys = ["sync/seconds", "time/step_seconds", "time/train_seconds", "generation/seconds", "throughput/trained_tokens_per_s", "memory/peak_gb", "grpo/logprob_diff", "tokens/trained"]
+    keys = ["sync/seconds", "time/step_seconds", "time/train_seconds", "generation/seconds", "throughput/trained_tokens_per_s", "memory/peak_gb", "grpo/logprob_diff", "tokens/trained", "perf/tflops", "perf/mfu", "batch/pad_fraction"]
     s = {k: sum(r[k] for r in rows if r.get(k) is not None) / max(1, sum(1 for r in rows if r.get(k) is not None)) for k in keys}
     print(json.dumps({"job": str(d.parent.name), "overrides": ov, "steps": len(rows) + 1, **s}))
 PY
@@ -51,6 +53,28 @@ case "${1:-shared}" in
   throughput)
     python3 bench/server_throughput.py --model qwen3b --dtype bfloat16 --kv-share 0.4 --rounds 4 --prompts 32 \
       --n 8 --max-tokens 256 --prompt-tokens 128 --out "$out/server_throughput_qwen3b.json" 2>&1 | tail -25
+    ;;
+  memory)
+    # Each job writes device_memory.json (device-wide GiB in use at its start and after its teardown).
+    python3 train.py -m "${common[@]}" "${big[@]}" train.steps=2 mode=shared_vllm,lora_only \
+      hydra.sweep.dir="$out/memory" 2>&1 | grep -vE "INFO|DEBUG" | tail -20
+    python3 - "$out/memory" <<'PY'
+import json, pathlib, sys
+bad = 0
+for p in sorted(pathlib.Path(sys.argv[1]).glob("*/device_memory.json")):
+    m = json.loads(p.read_text())
+    grown = m["after_teardown"]["device_used_gb"] - m["before"]["device_used_gb"]
+    bad += grown >= 1.0
+    print(json.dumps({"job": p.parent.name, "grown_gb": round(grown, 3), **m}))
+sys.exit(1 if bad else 0)
+PY
+    ;;
+  packing)
+    python3 train.py -m "${common[@]}" "${big[@]}" train.steps=4 mode=shared_vllm \
+      train.padding_free=false,true hydra.sweep.dir="$out/packing" 2>&1 | grep -vE "INFO|DEBUG" | tail -40
+    python3 train.py -m "${common[@]}" "${big[@]}" train.steps=4 mode=shared_vllm train.padding_free=true \
+      train.max_tokens_per_micro_batch=8192 hydra.sweep.dir="$out/packing_budget" 2>&1 | grep -vE "INFO|DEBUG" | tail -40
+    { summarise "$out/packing"; summarise "$out/packing_budget"; } | tee "$out/packing.jsonl"
     ;;
   optim_bench)
     python3 bench/gpu/optim_bench.py --preset "${2:-qwen3b}" --steps 4 --out "$out/optim_${2:-qwen3b}.json" 2>&1 | tail -8

@@ -334,6 +334,12 @@ class TrainConfig:
     logprob_chunk: int = 512
     # Loss gradient per log-prob chunk in the forward pass (plain lm_head, token-separable loss); else unfused.
     fused_loss: bool = True
+    # Run each micro-batch's forward packed into one row without padding (position ids restart per sequence, attention
+    # kept per sequence by transformers' packed-sequence masks); same log-probs and loss as the padded path.
+    padding_free: bool = False
+    # Micro-batches by a token budget (rows x longest row, or the sum of lengths with padding_free) instead of
+    # micro_batch_size rows; null = row count. Normalisers are the update's, so loss and gradients are unchanged.
+    max_tokens_per_micro_batch: Optional[int] = None
     checkpoint_every: int = 20
     keep_checkpoints: int = 2
     # Run dir of an earlier run to continue from (its latest checkpoint); null starts fresh.

@@ -128,7 +128,7 @@ def check_server(cfg: DictConfig) -> None:
 
 
 def check_train(cfg: DictConfig) -> None:
-    """Loop sizes are positive and `train.resume` exists (choices are typed by the schema)."""
+    """Loop sizes and the token budget are positive and `train.resume` exists (choices are typed by the schema)."""
     if cfg.train.micro_batch_size < 1 or cfg.train.grad_accum < 1 or cfg.train.steps < 1:
         raise ConfigError("train.micro_batch_size, train.grad_accum and train.steps must all be >= 1")
     if cfg.train.ppo_epochs < 1 or cfg.train.mini_batches < 1:
@@ -145,6 +145,9 @@ def check_train(cfg: DictConfig) -> None:
             f"train.mini_batches={cfg.train.mini_batches} exceeds the {cfg.train.micro_batch_size * cfg.train.grad_accum} "
             "sequences of a rollout batch (train.micro_batch_size x train.grad_accum)"
         )
+    budget = cfg.train.max_tokens_per_micro_batch
+    if budget is not None and budget < 1:
+        raise ConfigError(f"train.max_tokens_per_micro_batch must be >= 1 (null = micro_batch_size rows), got {budget}")
     if cfg.train.resume is not None and not Path(cfg.train.resume).exists():
         raise ConfigError(f"train.resume={cfg.train.resume} does not exist")
 

@@ -55,13 +55,37 @@ def backbone_and_head(model: nn.Module) -> tuple[nn.Module, nn.Module]:
     return decoder, head
 
 
+def packed_inputs(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A micro-batch as one row without padding: ``(input_ids [1, N], position_ids [1, N])``, N = real tokens.
+
+    Each row's real tokens (``attention_mask == 1``, row-major) follow the previous row's, and the position ids
+    restart at 0 with every sequence. transformers reads the restarts as sequence boundaries when no attention
+    mask is given (``masking_utils.find_packed_sequence_indices``): SDPA and eager get a block-diagonal causal mask,
+    flash-attention its varlen kernel, FlexAttention a document mask; so attention stays within each sequence.
+    """
+    real = attention_mask.bool()
+    position_ids = (attention_mask.long().cumsum(1) - 1)[real]
+    return input_ids[real][None], position_ids[None]
+
+
 def _final_hidden(
-    model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor
+    model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, packed: bool = False
 ) -> tuple[torch.Tensor, nn.Module]:
-    """The decoder's last hidden states ``[B, T, H]`` (no logits) and the head that maps them to the vocabulary."""
+    """The decoder's last hidden states ``[B, T, H]`` (no logits) and the head that maps them to the vocabulary.
+
+    ``packed``: the decoder runs on the micro-batch packed into one row (``packed_inputs``), so no FLOP goes to
+    padding; the hidden states are scattered back to ``[B, T, H]`` (zeros at padding, which carries no label), so
+    the log-probs and the loss downstream see the padded layout.
+    """
     decoder, head = backbone_and_head(model)
-    mask = causal_attention_mask(attention_mask)
-    return decoder(input_ids=input_ids, attention_mask=mask, use_cache=False).last_hidden_state, head
+    if not packed:
+        mask = causal_attention_mask(attention_mask)
+        return decoder(input_ids=input_ids, attention_mask=mask, use_cache=False).last_hidden_state, head
+    ids, position_ids = packed_inputs(input_ids, attention_mask)
+    hidden = decoder(input_ids=ids, position_ids=position_ids, attention_mask=None, use_cache=False).last_hidden_state
+    real = attention_mask.bool()
+    full = hidden.new_zeros(*real.shape, hidden.shape[-1])
+    return full.index_put((real,), hidden[0]), head
 
 
 def _selected_inv_temp(temperatures: Optional[torch.Tensor], sel: torch.Tensor) -> torch.Tensor:
@@ -216,10 +240,11 @@ def fused_token_loss(
     temperatures: Optional[torch.Tensor],
     loss_of: Callable[[torch.Tensor], tuple[torch.Tensor, dict]],
     chunk_size: int = 512,
+    packed: bool = False,
 ) -> tuple[torch.Tensor, dict, torch.Tensor]:
     """``loss_of(token_logprobs(...))`` through ``fused_hidden_loss``: the same loss, metrics and gradients, with
     three matmuls per chunk of the output projection instead of four. Needs ``can_fuse(model, loss)``."""
-    hidden, head = _final_hidden(model, input_ids, attention_mask)
+    hidden, head = _final_hidden(model, input_ids, attention_mask, packed)
     return fused_hidden_loss(hidden, head, labels, temperatures, loss_of, chunk_size)
 
 
@@ -276,13 +301,15 @@ def token_logprobs(
     labels: torch.Tensor,
     temperatures: Optional[torch.Tensor] = None,
     chunk_size: int = 1024,
+    packed: bool = False,
 ) -> torch.Tensor:
     """``[B, T]`` float32 log-probs of ``labels`` under ``model`` at per-sequence ``temperatures`` (0 where IGNORE_INDEX).
 
     Logits are divided by the sequence's sampling temperature before the softmax, so the log-probs are those of the
-    distribution the rollout was sampled from. Works for transformers CausalLMs and PEFT-wrapped ones.
+    distribution the rollout was sampled from. Works for transformers CausalLMs and PEFT-wrapped ones. ``packed``
+    runs the decoder padding-free (``packed_inputs``); the result is the same ``[B, T]`` tensor.
     """
-    hidden, head = _final_hidden(model, input_ids, attention_mask)
+    hidden, head = _final_hidden(model, input_ids, attention_mask, packed)
     return hidden_logprobs(hidden, head, labels, temperatures, chunk_size)
 
 

@@ -16,6 +16,7 @@ from grpo.sync.base import SyncStrategy
 from grpo.trainer import distributed
 from grpo.trainer.batch import BatchSource, PreparedBatch, TrainBatch
 from grpo.trainer.checkpoint import CheckpointManager
+from grpo.trainer.flops import ModelFlops, pad_fraction, peak_tflops, perf_metrics
 from grpo.trainer.logprobs import can_fuse, fused_token_loss, token_logprobs
 from grpo.trainer.metrics import MetricsLogger, NullMetrics
 from grpo.trainer.minibatch import update_plan
@@ -42,6 +43,22 @@ def process_stats() -> dict[str, float]:
     except OSError:
         return {}
     return {"memory/rss_gb": rss_pages * os.sysconf("SC_PAGE_SIZE") / 1024**3, "proc/open_fds": float(fds)}
+
+
+def model_flops(model: torch.nn.Module) -> Optional[ModelFlops]:
+    """The FLOP counter of `model`'s config; None for a model whose config lacks the shapes (no perf/ metrics)."""
+    try:
+        return ModelFlops.from_config(model.config)
+    except (AttributeError, TypeError, ValueError):
+        return None
+
+
+def device_peak(model: torch.nn.Module, device: torch.device) -> Optional[float]:
+    """Dense peak TFLOPS of `device` for the dtype `model` trains in; None on CPU or an unlisted GPU."""
+    if device.type != "cuda":
+        return None
+    dtype = next(model.parameters()).dtype
+    return peak_tflops(torch.cuda.get_device_name(device), dtype in (torch.bfloat16, torch.float16))
 
 
 def batch_summary(rows: list[dict[str, Any]]) -> dict[str, float]:
@@ -118,6 +135,10 @@ class GRPOTrainer:
         # the unfused path through its registered forward method (`logprob_fn`, distributed.sharded_token_logprobs).
         self.fused = bool(train_cfg.fused_loss) and self.dist is None and can_fuse(model, loss_fn)
         self.token_logprobs = logprob_fn or (lambda *batch, **kw: token_logprobs(model, *batch, **kw))
+        # Padding-free forwards (each micro-batch packed into one row) and the token budget of a micro-batch.
+        self.packed = bool(train_cfg.padding_free)
+        self.max_tokens = train_cfg.max_tokens_per_micro_batch
+        self.flops, self.peak = model_flops(model), device_peak(model, device)
         self.rewards: list[float] = []
         # Held-out eval (rank 0 only; None when off). It runs after a rollout batch's sync, so it samples the
         # weights of the step it is labelled with.
@@ -155,6 +176,14 @@ class GRPOTrainer:
                 self.metrics.flush()
                 self.save_checkpoint()  # at rollout-batch boundaries; FSDP2: every rank joins, rank 0 writes
         return self.rewards
+
+    def close(self) -> None:
+        """Drop the model, its gradients and the optimizer state (the job's device memory), so nothing that still
+        refers to the trainer (a traceback, a sweeper) keeps them alive between multirun jobs. The trainer is unusable after."""
+        self.optimizer.zero_grad(set_to_none=True)
+        self.optimizer.state.clear()  # torch's Optimizer.state: the per-parameter moments
+        self.model = self.optimizer = self.scheduler = self.token_logprobs = None
+        self.params = []
 
     def log_row(self, row: dict[str, Any], t_fit: float) -> None:
         """Log one metrics row with `time/run_seconds`, the wall-clock since the loop began at `t_fit`."""
@@ -209,7 +238,8 @@ class GRPOTrainer:
         """(epoch, mini-batch) of each of the rollout batch's updates; a batch with nothing to train on (every group
         dropped by the batcher) is not split: each of its updates is skipped."""
         if batch.num_loss_tokens > 0:
-            return update_plan(batch, self.cfg.ppo_epochs, self.cfg.mini_batches, self.cfg.seed, self.batch_number)
+            return update_plan(batch, self.cfg.ppo_epochs, self.cfg.mini_batches, self.cfg.seed, self.batch_number,
+                               self.max_tokens, self.packed)
         return [(epoch, batch) for epoch in range(self.cfg.ppo_epochs) for _ in range(self.cfg.mini_batches)]
 
     def skip_update(self) -> dict[str, Any]:
@@ -240,7 +270,19 @@ class GRPOTrainer:
             "time/step_seconds": t_opt - t0,
             "tokens/trained": float(batch.num_loss_tokens),
             "throughput/trained_tokens_per_s": batch.num_loss_tokens / max(t_opt - t0, 1e-9),
+            **self.perf(batch, t_opt - t0),
         }
+
+    def perf(self, batch: PreparedBatch, seconds: float) -> dict[str, float]:
+        """`batch/pad_fraction` of the update's forward passes, and `perf/tflops` / `perf/mfu` of its model FLOPs
+        (`grpo.trainer.flops`) over `seconds`, per device (the ranks share the FLOPs)."""
+        lengths = [mb.attention_mask.sum(dim=1).tolist() for mb in batch.micro_batches]
+        out = {"batch/pad_fraction": pad_fraction(lengths, self.packed), "batch/micro_batches": float(len(lengths))}
+        if self.flops is None:
+            return out
+        recompute = bool(getattr(self.model, "is_gradient_checkpointing", False))
+        flops = self.flops.train_flops([n for lens in lengths for n in lens], batch.num_loss_tokens, recompute)
+        return {**out, **perf_metrics(flops / (self.dist.world_size if self.dist else 1), seconds, self.peak)}
 
     @torch.no_grad()
     def recompute_old_logprobs(self, batch: PreparedBatch) -> None:
@@ -250,7 +292,7 @@ class GRPOTrainer:
         for mb in batch.micro_batches:
             dev = mb.to(self.device)
             lp = self.token_logprobs(dev.input_ids, dev.attention_mask, dev.labels, dev.temperatures,
-                                     chunk_size=self.cfg.logprob_chunk)
+                                     chunk_size=self.cfg.logprob_chunk, packed=self.packed)
             mb.old_logprobs = lp.detach().to(mb.labels.device)
 
     def fetch_batch(self) -> PreparedBatch:
@@ -313,11 +355,12 @@ class GRPOTrainer:
         if self.fused:
             loss, m, _ = fused_token_loss(
                 self.model, mb.input_ids, mb.attention_mask, mb.labels, mb.temperatures, loss_of,
-                chunk_size=self.cfg.logprob_chunk,
+                chunk_size=self.cfg.logprob_chunk, packed=self.packed,
             )
             return loss, m
         logprobs = self.token_logprobs(
-            mb.input_ids, mb.attention_mask, mb.labels, mb.temperatures, chunk_size=self.cfg.logprob_chunk
+            mb.input_ids, mb.attention_mask, mb.labels, mb.temperatures, chunk_size=self.cfg.logprob_chunk,
+            packed=self.packed,
         )
         return loss_of(logprobs)
 

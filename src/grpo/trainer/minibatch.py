@@ -4,6 +4,11 @@ ppo_mini_batch_size).
 
 With one epoch and one mini-batch the rollout batch is used as it is, untouched, so the default run is exactly the
 one-update-per-batch loop.
+
+`train.max_tokens_per_micro_batch` re-splits each update's sequences by a token budget instead of a row count
+(`token_budget_split`). Every loss normaliser (total tokens, total sequences, the Dr. GRPO divisor) is the whole
+update's, carried on its `PreparedBatch`, so any partition of its rows into micro-batches sums to the same loss and
+gradient: the split changes only the cost of the forward passes, never the result.
 """
 
 from __future__ import annotations
@@ -51,12 +56,62 @@ def gather_rows(micro_batches: list[TrainBatch], picks: list[tuple[int, int]]) -
     return TrainBatch(**fields)
 
 
+def _length(micro_batches: list[TrainBatch], pick: tuple[int, int]) -> int:
+    m, r = pick
+    return int(micro_batches[m].attention_mask[r].sum())
+
+
+def token_budget_groups(lengths: list[int], max_tokens: int, padding_free: bool = False) -> list[list[int]]:
+    """Indices of `lengths` grouped into micro-batches of at most `max_tokens` forward tokens each.
+
+    Longest first (so rows of similar length share a micro-batch and pad little), each micro-batch filled while its
+    cost fits: `rows x longest row` when padded, the sum of the lengths when packed (`padding_free`). A row longer
+    than the budget gets a micro-batch of its own. Deterministic: ties keep their order.
+    """
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    groups: list[list[int]] = []
+    cost = 0
+    for i in order:
+        add = lengths[i] if padding_free else lengths[groups[-1][0]] if groups else lengths[i]
+        if groups and cost + add <= max_tokens:
+            groups[-1].append(i)
+            cost += add
+        else:
+            groups.append([i])
+            cost = lengths[i]
+    return groups
+
+
+def _micro_split(
+    micro_batches: list[TrainBatch], picks: list[tuple[int, int]], micro_batch_size: int,
+    max_tokens: Optional[int], padding_free: bool,
+) -> list[TrainBatch]:
+    """`picks` as micro-batches: `micro_batch_size` rows each, or by the token budget when `max_tokens` is set."""
+    if max_tokens is None:
+        return [gather_rows(micro_batches, picks[i : i + micro_batch_size])
+                for i in range(0, len(picks), micro_batch_size)]
+    lengths = [_length(micro_batches, p) for p in picks]
+    return [gather_rows(micro_batches, [picks[i] for i in group])
+            for group in token_budget_groups(lengths, max_tokens, padding_free)]
+
+
+def token_budget_split(batch: PreparedBatch, max_tokens: int, padding_free: bool = False) -> PreparedBatch:
+    """The same update with its rows re-split into micro-batches of at most `max_tokens` forward tokens
+    (`token_budget_groups`); normalisers and metrics are the batch's, so loss and gradients are unchanged."""
+    picks = [(m, r) for m, mb in enumerate(batch.micro_batches) for r in range(mb.num_sequences)]
+    micro = _micro_split(batch.micro_batches, picks, 0, max_tokens, padding_free)
+    return PreparedBatch(micro_batches=micro, metrics=batch.metrics, num_loss_tokens=batch.num_loss_tokens,
+                         num_sequences=batch.num_sequences, max_completion_tokens=batch.max_completion_tokens)
+
+
 def split_mini_batches(
-    batch: PreparedBatch, mini_batches: int, micro_batch_size: int, rng: random.Random
+    batch: PreparedBatch, mini_batches: int, micro_batch_size: int, rng: random.Random,
+    max_tokens: Optional[int] = None, padding_free: bool = False,
 ) -> list[PreparedBatch]:
     """The rollout batch's sequences shuffled by `rng` and split into `mini_batches` mini-batches (sizes differ by
     at most one), each in micro-batches of at most `micro_batch_size` rows, normalised by its own token and sequence
-    counts. The Dr. GRPO divisor stays the rollout batch's longest completion."""
+    counts (or by the token budget `max_tokens`, see `token_budget_groups`). The Dr. GRPO divisor stays the
+    rollout batch's longest completion."""
     picks = [(m, r) for m, mb in enumerate(batch.micro_batches) for r in range(mb.num_sequences)]
     if mini_batches > len(picks):
         raise ValueError(f"train.mini_batches={mini_batches} exceeds the {len(picks)} sequences of the rollout batch")
@@ -64,8 +119,7 @@ def split_mini_batches(
     out = []
     for k in range(mini_batches):
         mine = picks[k * len(picks) // mini_batches : (k + 1) * len(picks) // mini_batches]
-        micro = [gather_rows(batch.micro_batches, mine[i : i + micro_batch_size])
-                 for i in range(0, len(mine), micro_batch_size)]
+        micro = _micro_split(batch.micro_batches, mine, micro_batch_size, max_tokens, padding_free)
         out.append(PreparedBatch(
             micro_batches=micro, metrics={}, num_loss_tokens=sum(mb.num_loss_tokens for mb in micro),
             num_sequences=len(mine), max_completion_tokens=batch.max_completion_tokens,
@@ -74,14 +128,17 @@ def split_mini_batches(
 
 
 def update_plan(
-    batch: PreparedBatch, ppo_epochs: int, mini_batches: int, seed: int, batch_number: int
+    batch: PreparedBatch, ppo_epochs: int, mini_batches: int, seed: int, batch_number: int,
+    max_tokens: Optional[int] = None, padding_free: bool = False,
 ) -> list[tuple[int, PreparedBatch]]:
     """(epoch, mini-batch) of every optimizer step of one rollout batch, in order. Shuffles use their own
-    generator seeded by (run seed, batch number, epoch), so no other random stream moves and resume replays them."""
+    generator seeded by (run seed, batch number, epoch), so no other random stream moves and resume replays them.
+    `max_tokens` sets the micro-batches by a token budget (`token_budget_groups`); None keeps the row count."""
     if ppo_epochs == 1 and mini_batches == 1:
-        return [(0, batch)]
+        return [(0, batch if max_tokens is None else token_budget_split(batch, max_tokens, padding_free))]
     plan = []
     for epoch in range(ppo_epochs):
         rng = random.Random(f"grpo-minibatch:{seed}:{batch_number}:{epoch}")
-        plan += [(epoch, mb) for mb in split_mini_batches(batch, mini_batches, batch.micro_batch_size, rng)]
+        minis = split_mini_batches(batch, mini_batches, batch.micro_batch_size, rng, max_tokens, padding_free)
+        plan += [(epoch, mb) for mb in minis]
     return plan

@@ -1,0 +1,179 @@
+"""Padding-free micro-batches and token-budget micro-batches: packed forwards give the padded path's log-probs, loss
+and gradients; a token-budget split gives the fixed split's loss and gradients for every loss aggregation."""
+
+from __future__ import annotations
+
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from grpo.config.schema import TrainConfig
+from grpo.pipeline.batch import prepare_batch
+from grpo.pipeline.group import Group
+from grpo.trainer.batch import IGNORE_INDEX, BatchSource
+from grpo.trainer.logprobs import fused_token_loss, packed_inputs, token_logprobs
+from grpo.trainer.loop import GRPOTrainer
+from grpo.trainer.loss import GRPOLoss
+from grpo.trainer.metrics import NullMetrics
+from grpo.trainer.minibatch import token_budget_groups, token_budget_split, update_plan
+
+
+def _model(model_dir):
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+
+
+def _ragged(vocab, lengths=(7, 19, 1, 12), seed=0):
+    """Right-padded rows of `lengths` real tokens, prompt (first 3 labels) ignored, padding ignored."""
+    g = torch.Generator().manual_seed(seed)
+    B, T = len(lengths), max(lengths)
+    ids = torch.randint(3, vocab, (B, T), generator=g)
+    labels = torch.randint(3, vocab, (B, T), generator=g)
+    attn = torch.zeros(B, T, dtype=torch.long)
+    for b, n in enumerate(lengths):
+        attn[b, :n] = 1
+        ids[b, n:] = 0
+        labels[b, n:] = IGNORE_INDEX
+    labels[:, :3] = IGNORE_INDEX
+    labels[2, 0] = 5  # the one-token row still carries a label
+    return ids, attn, labels, torch.tensor([1.0, 0.7, 1.0, 1.3])
+
+
+def _grads(model):
+    out = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    return out
+
+
+def test_packed_inputs_concatenate_rows_and_restart_positions():
+    ids = torch.tensor([[5, 6, 7], [8, 0, 0], [9, 10, 0]])
+    attn = torch.tensor([[1, 1, 1], [1, 0, 0], [1, 1, 0]])
+    packed, pos = packed_inputs(ids, attn)
+    assert packed.tolist() == [[5, 6, 7, 8, 9, 10]]
+    assert pos.tolist() == [[0, 1, 2, 0, 0, 1]]
+
+
+@pytest.mark.parametrize("preset", ["tiny_qwen2_dir", "tiny_llama_dir"])
+def test_packed_logprobs_and_gradients_equal_the_padded_path(preset, request):
+    model = _model(request.getfixturevalue(preset))
+    ids, attn, labels, temps = _ragged(model.config.vocab_size)
+    out = {}
+    for packed in (False, True):
+        lp = token_logprobs(model, ids, attn, labels, temps, chunk_size=8, packed=packed)
+        (lp * torch.linspace(-1, 1, lp.numel()).view_as(lp)).sum().backward()
+        out[packed] = (lp.detach(), _grads(model))
+    torch.testing.assert_close(out[True][0], out[False][0], rtol=0, atol=1e-5)
+    assert (out[True][0][labels == IGNORE_INDEX] == 0).all()
+    for name, g in out[False][1].items():
+        torch.testing.assert_close(out[True][1][name], g, rtol=1e-4, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("aggregation", ["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"])
+def test_packed_fused_loss_equals_the_padded_path(tiny_qwen2_dir, aggregation):
+    model = _model(tiny_qwen2_dir)
+    ids, attn, labels, temps = _ragged(model.config.vocab_size, seed=1)
+    mask = (labels != IGNORE_INDEX).float()
+    rollout = torch.full(mask.shape, -5.0)
+    loss_fn = GRPOLoss(aggregation=aggregation, kl_coef=0.05)
+    adv = torch.tensor([1.0, -0.5, 0.3, -1.2])
+
+    def loss_of(lp, with_metrics=True):
+        return loss_fn(lp, rollout, adv, mask, with_metrics=with_metrics)
+
+    out = {}
+    for packed in (False, True):
+        loss, metrics, _ = fused_token_loss(model, ids, attn, labels, temps, loss_of, chunk_size=8, packed=packed)
+        loss.backward()
+        out[packed] = (float(loss.detach()), metrics, _grads(model))
+    assert out[True][0] == pytest.approx(out[False][0], rel=1e-5, abs=1e-7)
+    assert out[True][1]["grpo/kl"] == pytest.approx(out[False][1]["grpo/kl"], rel=1e-4, abs=1e-7)
+    for name, g in out[False][2].items():
+        torch.testing.assert_close(out[True][2][name], g, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_token_budget_groups_respect_the_budget_and_keep_every_row():
+    lengths = [5, 40, 12, 12, 3, 80, 7, 30]
+    for packed in (False, True):
+        groups = token_budget_groups(lengths, 60, padding_free=packed)
+        assert sorted(i for g in groups for i in g) == list(range(len(lengths)))
+        for g in groups:
+            cost = sum(lengths[i] for i in g) if packed else len(g) * max(lengths[i] for i in g)
+            assert cost <= 60 or len(g) == 1  # only a row over the budget stands alone above it
+        assert [5] in groups  # the 80-token row
+    assert token_budget_groups([10, 10, 10], 30) == [[0, 1, 2]]
+
+
+def test_token_budget_cost_is_rows_times_longest_padded_and_the_sum_packed():
+    assert token_budget_groups([4, 10, 4, 4], 24) == [[1, 0], [2, 3]]  # 2 x 10, then 2 x 4
+    assert token_budget_groups([4, 10, 4, 4], 24, padding_free=True) == [[1, 0, 2, 3]]  # 22 tokens
+
+
+# --------------------------------------------------------------------- the trainer: fixed split vs token budget
+def _groups(seed: int, n_groups: int = 3, group_size: int = 4) -> list[Group]:
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for k in range(n_groups):
+        prompt = torch.randint(3, 250, (4 + k,), generator=g).tolist()
+        comps = [torch.randint(3, 250, (2 + 5 * j + k,), generator=g).tolist() for j in range(group_size)]
+        lps = [[-2.0 - 0.1 * i for i in range(len(c))] for c in comps]
+        out.append(Group.sampled(prompt, comps, lps, [float(j % 2) + 0.3 * k for j in range(group_size)], 1.0))
+    return out
+
+
+class _Unused(BatchSource):
+    def next_batch(self, step):
+        raise AssertionError("not used")
+
+
+def _trainer(model, loss_fn, **train) -> GRPOTrainer:
+    cfg = OmegaConf.structured(TrainConfig(steps=1, micro_batch_size=3, grad_accum=4, **train))
+    sync = SimpleNamespace(version=0, prepare_step=lambda step: None)
+    return GRPOTrainer(train_cfg=cfg, model=model, tokenizer=None, optimizer=torch.optim.SGD(model.parameters(), 0.0),
+                       scheduler=None, loss_fn=loss_fn, pipeline=_Unused(), sync=sync, checkpoints=None,
+                       metrics=NullMetrics(), device=torch.device("cpu"))
+
+
+@pytest.mark.parametrize("aggregation", ["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"])
+@pytest.mark.parametrize("padding_free", [False, True])
+def test_token_budget_split_gives_the_fixed_split_loss_and_gradients(tiny_qwen2_dir, aggregation, padding_free):
+    model = _model(tiny_qwen2_dir)
+    loss_fn = GRPOLoss(aggregation=aggregation, kl_coef=0.02)
+    batch = prepare_batch(_groups(0), max_seq_len=64, micro_batch_size=3, pad_token_id=0)
+    fixed = _trainer(model, loss_fn)
+    loss_fixed, metrics_fixed = fixed.forward_backward(batch)
+    grads_fixed = _grads(model)
+    budget = _trainer(model, loss_fn, max_tokens_per_micro_batch=40, padding_free=padding_free)
+    (_, split), = budget.plan(batch)
+    assert len(split.micro_batches) != len(batch.micro_batches)  # the budget did re-split the rows
+    assert split.num_loss_tokens == batch.num_loss_tokens and split.num_sequences == batch.num_sequences
+    loss_split, metrics_split = budget.forward_backward(split)
+    assert loss_split == pytest.approx(loss_fixed, rel=1e-5, abs=1e-7)
+    assert metrics_split["grpo/kl"] == pytest.approx(metrics_fixed["grpo/kl"], rel=1e-4, abs=1e-7)
+    for name, g in grads_fixed.items():
+        torch.testing.assert_close(model.get_parameter(name).grad, g, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_token_budget_applies_to_mini_batches_too():
+    batch = prepare_batch(_groups(1), max_seq_len=64, micro_batch_size=3, pad_token_id=0)
+    plan = update_plan(batch, ppo_epochs=1, mini_batches=2, seed=0, batch_number=0, max_tokens=30)
+    assert sum(m.num_sequences for _, m in plan) == batch.num_sequences
+    for _, mini in plan:
+        for mb in mini.micro_batches:
+            assert mb.num_sequences == 1 or mb.input_ids.numel() <= 30
+    single = token_budget_split(batch, 10**6)
+    assert len(single.micro_batches) == 1 and single.metrics is batch.metrics
+
+
+def test_update_reports_pad_fraction_and_tflops(tiny_qwen2_dir):
+    model = _model(tiny_qwen2_dir)
+    batch = prepare_batch(_groups(2), max_seq_len=64, micro_batch_size=3, pad_token_id=0)
+    fixed = _trainer(model, GRPOLoss())
+    m = fixed.perf(batch, seconds=0.5)
+    assert 0 < m["batch/pad_fraction"] < 1 and m["perf/tflops"] > 0 and math.isnan(m["perf/mfu"])  # CPU: no peak
+    packed = _trainer(model, GRPOLoss(), padding_free=True)
+    assert packed.perf(batch, seconds=0.5)["batch/pad_fraction"] == 0.0
