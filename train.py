@@ -162,10 +162,11 @@ def train(cfg: DictConfig, run_dir: Path) -> list[float]:
 
 
 def build_data(cfg: DictConfig):
-    """The run's data pipeline (rank 0); with `train.max_staleness >= 1` wrapped in the asynchronous producer
-    (grpo.pipeline.rollout_queue). k = 0 never builds the producer: the synchronous loop, unchanged."""
+    """The run's data pipeline (rank 0); with `train.max_staleness >= 1` a local one is wrapped in the asynchronous
+    producer (grpo.pipeline.rollout_queue). k = 0 never builds the producer: the synchronous loop, unchanged. A
+    source that generates on its own (Atropos) is not wrapped: it gets k through PipelineContext.max_staleness."""
     data = instantiate(cfg.data, _recursive_=False)
-    if cfg.train.max_staleness > 0:
+    if cfg.train.max_staleness > 0 and not data.asynchronous_source:
         from grpo.pipeline.rollout_queue import AsyncRollouts
 
         data = AsyncRollouts(data, cfg.train.max_staleness, str(cfg.train.stale_policy), cfg.train.rollout_queue)
@@ -282,7 +283,8 @@ def build_trainer(cfg, run_dir, model_dir, tokenizer, sync, loss_fn, data, evalu
         data.setup(PipelineContext(
             tokenizer=tokenizer, endpoint=sync.endpoint, batch_size=cfg.train.micro_batch_size * cfg.train.grad_accum,
             max_seq_len=cfg.model.max_seq_len, run_dir=run_dir, total_steps=cfg.train.steps, start_step=start_step,
-            checkpoint_every=cfg.train.checkpoint_every, seed=cfg.train.seed,
+            checkpoint_every=cfg.train.checkpoint_every, seed=cfg.train.seed, max_staleness=cfg.train.max_staleness,
+            generation_gate=sync.gate,
             batch_shape=BatchShape(
                 micro_batch_size=cfg.train.micro_batch_size, max_seq_len=cfg.model.max_seq_len,
                 pad_token_id=tokenizer.pad_token_id, vocab_size=model.get_input_embeddings().num_embeddings,

@@ -210,3 +210,55 @@ def test_k0_builds_the_synchronous_pipeline_and_k1_wraps_it():
     wrapped = build_data(async_cfg)
     assert isinstance(wrapped, AsyncRollouts) and type(wrapped.inner) is LocalRolloutPipeline
     assert wrapped.capacity == 1 and wrapped._thread is None  # noqa: SLF001 - nothing runs before the first batch
+
+
+def test_generation_gate_drains_in_flight_requests_and_holds_new_ones():
+    """A restarting sync (SyncStrategy.stalling(drain=True)) waits for the generation in flight, keeps new generation
+    out until it is done, and times both: the drain apart from the stall."""
+    from grpo.sync.base import SyncStrategy
+
+    class Restarting(SyncStrategy):
+        def launch(self, ctx):
+            pass
+
+        def sync(self, model, step):
+            return {}
+
+        base_url = "http://fake"
+
+        def shutdown(self):
+            pass
+
+    sync = Restarting()
+    events: list[str] = []
+    in_flight, release = threading.Event(), threading.Event()
+
+    def generate(name: str, hold: bool) -> None:
+        with sync.gate.generating():
+            events.append(f"{name} sent")
+            if hold:
+                in_flight.set()
+                release.wait(5)
+            events.append(f"{name} done")
+
+    first = threading.Thread(target=generate, args=("first", True))
+    first.start()
+    assert in_flight.wait(5)
+    threading.Timer(0.3, release.set).start()  # the request in flight ends 0.3 s after the sync wants the server
+    second = None
+    with sync.stalling(drain=True):
+        events.append("restart")
+        second = threading.Thread(target=generate, args=("second", False))
+        second.start()
+        time.sleep(0.2)  # the new request waits at the gate meanwhile
+        events.append("restarted")
+    first.join(5)
+    second.join(5)
+    assert events == ["first sent", "first done", "restart", "restarted", "second sent", "second done"]
+    stall = sync.take_generation_stall()
+    assert stall["sync/drain_seconds"] >= 0.25 and stall["sync/gen_stall_seconds"] >= 0.2
+    assert sync.gate.waited_s >= 0.15
+    assert sync.take_generation_stall() == {"sync/gen_stall_seconds": 0.0, "sync/drain_seconds": 0.0}
+    with sync.stalling():  # an in-place change: timed, nothing drained
+        time.sleep(0.05)
+    assert sync.take_generation_stall()["sync/drain_seconds"] == 0.0

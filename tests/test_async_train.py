@@ -62,3 +62,27 @@ def test_crash_mid_async_generation_recovers_sigterm_stops_and_resume_trains_eac
     check_rows(rows[2:])
     assert rows[2]["async/staleness_max"] == 0 and rows[3]["async/staleness_max"] == 1
     assert json.loads((run / "summary.json").read_text())["status"] == "completed"
+
+
+@pytest.mark.parametrize("mode, steps", [("none", 4), ("lora_only", 4), ("lora_restart", 3)])
+def test_each_cpu_mode_under_async_rollouts_records_the_generation_stall(tmp_path, mode, steps):
+    """A sync lands while the producer generates (k=1): in place (none: reload; lora_only: adapter hot-swap) or by a
+    restart that first drains the requests in flight (lora_restart). The run completes, every row says how long the
+    weight update held generation off, and the group counts add up."""
+    run = tmp_path / "run"
+    code, out, marker = train(f"mode={mode}", "train.max_staleness=1", f"train.steps={steps}",
+                              f"train.checkpoint_every={steps}", f"server.port={free_port()}", f"hydra.run.dir={run}",
+                              timeout=550)
+    assert code == 0, out[-4000:]
+    assert "Traceback" not in out and "rollout producer: batch" not in out, out[-4000:]  # no request failed
+    assert_clean(marker)
+    rows = metrics(run)
+    assert [r["step"] for r in rows] == list(range(1, steps + 1))
+    check_rows(rows)
+    for r in rows:
+        # Every batch syncs (mode.sync_every=1), and every weight update holds generation off for some time.
+        assert r["sync/gen_stall_seconds"] > 0 and r["sync/drain_seconds"] >= 0, r
+        assert r["async/mid_sync_groups"] <= r["async/trained_groups"]
+    if mode == "lora_restart":
+        # A restart takes a vLLM start-up: far longer than an in-place change.
+        assert min(r["sync/gen_stall_seconds"] for r in rows) > 1.0, rows

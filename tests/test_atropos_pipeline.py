@@ -70,10 +70,11 @@ class _Tok:
         return 300
 
 
-def _ctx(tmp_path, max_seq_len=64, start_step=0) -> PipelineContext:
+def _ctx(tmp_path, max_seq_len=64, start_step=0, version=lambda: 0, max_staleness=0) -> PipelineContext:
     return PipelineContext(
-        tokenizer=_Tok(), endpoint=lambda: Endpoint("http://unused", None, 0), batch_size=BATCH, max_seq_len=max_seq_len,
-        run_dir=tmp_path, total_steps=10, start_step=start_step, checkpoint_every=5, seed=0,
+        tokenizer=_Tok(), endpoint=lambda: Endpoint("http://unused", None, version()), batch_size=BATCH,
+        max_seq_len=max_seq_len, run_dir=tmp_path, total_steps=10, start_step=start_step, checkpoint_every=5, seed=0,
+        max_staleness=max_staleness,
     )
 
 
@@ -182,7 +183,65 @@ def test_bad_groups_are_dropped_and_counted(run_api, tmp_path):
     assert m["data/dropped_too_long"] == 1
     assert m["data/dropped_malformed"] == 4
     assert m["data/polls"] == 3
-    assert pipe.totals == {"data/dropped_malformed": 4, "data/dropped_too_long": 1}
+    assert pipe.totals == {"data/dropped_malformed": 4, "data/dropped_too_long": 1, "async/dropped_groups": 0}
+    assert m["async/unversioned_groups"] == 1 and "async/staleness_mean" not in m  # no group says its version
+
+
+def _versioned(seed: int, version: int | None, last: int | None = None) -> dict:
+    """A group whose environment reported the weight version it sampled under (in generation_params, the one place
+    run-api keeps it), as grpo.pipeline.atropos_env sends it."""
+    group = _group(seed)
+    if version is not None:
+        group["generation_params"] = {"temperature": 0.9, "weight_version": version,
+                                      "last_weight_version": version if last is None else last}
+    return group
+
+
+def test_lag_is_reported_and_groups_older_than_max_staleness_dropped(run_api, tmp_path):
+    trainer_version = 5
+    pipe = AtroposPipeline(url=run_api, poll_interval_s=0.05, max_wait_s=5, max_retries=2)
+    pipe.setup(_ctx(tmp_path, version=lambda: trainer_version, max_staleness=2))
+    assert requests.get(run_api + "/batch", timeout=5).json() == {"batch": None}  # trainer started
+    env_id = _register_env(run_api)
+
+    # Lags 0 and 1 (a sync landed while the second was generated: its last token is at version 5).
+    for g in (_versioned(1, 5), _versioned(2, 4, last=5)):
+        _push(run_api, g, env_id)
+    groups = pipe.next_groups(0)
+    assert [g.weight_version for g in groups] == [5, 4] and groups[1].last_weight_version == 5
+    m = pipe.metrics()
+    assert (m["async/staleness_mean"], m["async/staleness_max"]) == (0.5, 1.0)
+    assert m["async/mid_sync_groups"] == 1 and m["async/dropped_groups"] == 0 and m["async/unversioned_groups"] == 0
+
+    # Lag 4 > 2 is dropped; a group without a version has no known lag and is kept (counted).
+    for g in (_versioned(3, 1), _versioned(4, None)):
+        _push(run_api, g, env_id)
+    groups = pipe.next_groups(1)
+    assert [g.scores for g in groups] == [_group(4)["scores"]]
+    m = pipe.metrics()
+    assert m["async/dropped_groups"] == 1 and m["async/unversioned_groups"] == 1 and "async/staleness_max" not in m
+
+    # A batch with only stale groups is skipped (the pipeline asks again at once); the trainer moved to version 7.
+    trainer_version = 7
+    for g in (_versioned(5, 7), _versioned(6, 6), _versioned(7, 3), _versioned(8, 4)):
+        _push(run_api, g, env_id)
+    groups = pipe.next_groups(2)
+    assert [g.weight_version for g in groups] == [7, 6]
+    m = pipe.metrics()
+    assert m["async/dropped_groups"] == 2 and m["data/polls"] == 2 and m["async/dropped_groups_total"] == 3
+    assert (m["async/staleness_mean"], m["async/staleness_max"]) == (0.5, 1.0)
+    assert pipe.totals["async/dropped_groups"] == 3
+
+
+def test_no_staleness_limit_at_zero_keeps_old_groups(run_api, tmp_path):
+    pipe = AtroposPipeline(url=run_api, poll_interval_s=0.05, max_wait_s=5, max_retries=2)
+    pipe.setup(_ctx(tmp_path, version=lambda: 50, max_staleness=0))
+    assert requests.get(run_api + "/batch", timeout=5).json() == {"batch": None}
+    env_id = _register_env(run_api)
+    for g in (_versioned(1, 0), _versioned(2, 49)):
+        _push(run_api, g, env_id)
+    assert len(pipe.next_groups(0)) == 2
+    assert pipe.metrics()["async/staleness_max"] == 50 and pipe.metrics()["async/dropped_groups"] == 0
 
 
 def test_group_validation_on_shapes_the_server_accepts(tmp_path):
@@ -197,6 +256,9 @@ def test_group_validation_on_shapes_the_server_accepts(tmp_path):
         {**_group(0), "masks": [[-100] * 9, [-100] * 9, [-100] * 9, [7] * 9]},  # mask id differs from the token
         {**_group(0), "advantages": [[0.0], [0.0], [0.0], [0.0]]},
         {**_group(0), "overrides": [{"temperature": 0}] * 4},
+        {**_group(0), "generation_params": {"temperature": 0.9, "weight_version": -1}},
+        {**_group(0), "generation_params": {"weight_version": 3, "last_weight_version": 2}},
+        {**_group(0), "weight_version": "3"},
     ]
     for g in bad:
         with pytest.raises(MalformedGroup):

@@ -100,7 +100,9 @@ def test_cli_stops_before_any_model_loads(tmp_path, override, needle):
 @pytest.mark.parametrize(
     "overrides, needle",
     [
-        (["train.max_staleness=1", "data=atropos"], "data=grpo.pipeline.atropos.AtroposPipeline is not one"),
+        (["train.max_staleness=1", "data=atropos"], "set train.stale_policy=drop"),
+        (["train.max_staleness=1", "data=atropos", "train.stale_policy=drop", "train.rollout_queue=2"],
+         "has no effect with data=grpo.pipeline.atropos.AtroposPipeline"),
         (["train.max_staleness=1", "loss.old_logprobs=recompute"], "without loss.tis_cap would take pi_old"),
         (["train.max_staleness=-1"], "train.max_staleness must be >= 0"),
         (["train.max_staleness=2", "mode=lora_only"], "use train.max_staleness=1 with lora_only"),
@@ -116,3 +118,5 @@ def test_async_rollout_settings_are_checked(tmp_path, overrides, needle):
 def test_async_rollouts_with_recompute_and_tis_cap_or_rollout_logprobs_pass(tmp_path):
     _validate(["train.max_staleness=2", "loss.old_logprobs=recompute", "loss.tis_cap=2.0"], tmp_path)
     _validate(["train.max_staleness=1", "train.stale_policy=drop"], tmp_path)
+    # Atropos generates on its own: k drops its older groups.
+    _validate(["train.max_staleness=2", "data=atropos", "train.stale_policy=drop"], tmp_path)

@@ -189,3 +189,33 @@ def test_server_environment_carries_the_busy_loop_cap(tmp_path, monkeypatch):
     monkeypatch.setenv("VLLM_PLUGINS", "lora_filesystem_resolver")  # an allow-list keeps our plugin in
     env = VLLMServer(tmp_path, server_cfg(busy_loop_s=0.02), tmp_path / "c.log").environment()
     assert env["VLLM_PLUGINS"] == "lora_filesystem_resolver,grpo_busy_loop"
+
+
+@pytest.mark.vllm
+def test_a_reload_mid_request_shows_in_the_finish_version(vllm_server, tiny_qwen2_dir):
+    """/generate reports the weight version at admission and at finish: an in-place reload that lands while a request
+    runs makes them differ, and the request is not lost (preempted by the prefix-cache reset, it goes on)."""
+    import threading
+    import time
+
+    client = vllm_server.client()
+    before = client.weight_version()
+    out: dict = {}
+
+    def generate() -> None:
+        out["res"] = client.generate([[10, 20, 30]], n=2, max_tokens=480, temperature=1.0, ignore_eos=True)
+
+    thread = threading.Thread(target=generate)
+    thread.start()
+    time.sleep(0.5)  # the request is running (480 tokens take seconds on the CPU engine)
+    try:
+        assert thread.is_alive(), "the request finished before the reload; make it longer"
+        client.reload_weights(str(tiny_qwen2_dir), version=before + 1)  # the same weights: the session's stay
+        thread.join(120)
+    finally:
+        client.set_weight_version(before)
+    completions = out["res"][0]
+    assert [len(c.token_ids) for c in completions] == [480, 480]
+    assert {(c.weight_version, c.last_weight_version) for c in completions} == {(before, before + 1)}
+    again = client.generate([[10, 20, 30]], n=1, max_tokens=4)[0][0]
+    assert again.weight_version == again.last_weight_version == before

@@ -351,7 +351,8 @@ class TrainConfig:
     # What train.py returns: null = last-10 mean training reward; a metrics key = its last logged value.
     objective: Optional[str] = None
     # Asynchronous rollouts: 0 = synchronous loop; k >= 1 = generation runs ahead in a thread, groups at most k
-    # weight versions old (local data pipelines only; grpo.pipeline.rollout_queue).
+    # weight versions old (local data pipelines; grpo.pipeline.rollout_queue). data=atropos: 0 = no limit, k >= 1 =
+    # older groups dropped (grpo.pipeline.atropos).
     max_staleness: int = 0
     # wait | drop: the generator waits so no group gets older than max_staleness, or runs rollout_queue batches
     # ahead and the trainer drops (counts) groups older than that.

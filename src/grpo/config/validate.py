@@ -153,10 +153,9 @@ def check_train(cfg: DictConfig) -> None:
 
 
 def check_async(cfg: DictConfig) -> None:
-    """Asynchronous rollouts (`train.max_staleness >= 1`): a local data pipeline, a queue that holds a batch, and a
-    loss whose ratio sees the rollout log-probs (stale groups are off-policy)."""
-    from grpo.pipeline.local import LocalRolloutPipeline
-
+    """Asynchronous rollouts (`train.max_staleness >= 1`): a local data pipeline (run in a producer thread) or a
+    source that generates on its own (Atropos: k drops older groups), a queue that holds a batch, and a loss whose
+    ratio sees the rollout log-probs (stale groups are off-policy)."""
     k = cfg.train.max_staleness
     if k < 0:
         raise ConfigError(f"train.max_staleness must be >= 0 (0 = synchronous), got {k}")
@@ -164,12 +163,7 @@ def check_async(cfg: DictConfig) -> None:
         return
     if cfg.train.rollout_queue is not None and cfg.train.rollout_queue < 1:
         raise ConfigError(f"train.rollout_queue must be >= 1 or null, got {cfg.train.rollout_queue}")
-    target = cfg.data.get("_target_")
-    if target is None or not issubclass(get_class(target), LocalRolloutPipeline):
-        raise ConfigError(
-            f"train.max_staleness={k} runs the local rollout pipeline in a producer thread; data={target} is not one "
-            "(Atropos is asynchronous by itself). Use train.max_staleness=0 with it."
-        )
+    check_async_source(cfg)
     if get_class(cfg.mode._target_).mode_name == "lora_only" and k > 1:
         raise ConfigError(
             f"train.max_staleness={k} with mode=lora_only: each sync unloads the adapter of two syncs before, which a "
@@ -181,6 +175,34 @@ def check_async(cfg: DictConfig) -> None:
             f"train.max_staleness={k} trains on groups sampled up to {k} syncs ago; loss.old_logprobs=recompute "
             "without loss.tis_cap would take pi_old from the current weights and ignore that gap. Use "
             "loss.old_logprobs=rollout (the default: the ratio is against vLLM's log-probs) or set loss.tis_cap."
+        )
+
+
+def check_async_source(cfg: DictConfig) -> None:
+    """k >= 1 needs a local pipeline (wrapped in the producer) or an asynchronous source (Atropos), which can only
+    drop: the trainer cannot make its environments wait, and it has no queue of its own."""
+    from grpo.pipeline.local import LocalRolloutPipeline
+
+    k = cfg.train.max_staleness
+    target = cfg.data.get("_target_")
+    cls = get_class(target) if target is not None else None
+    if cls is not None and getattr(cls, "asynchronous_source", False):
+        if cfg.train.stale_policy != "drop":
+            raise ConfigError(
+                f"train.max_staleness={k} with data={target}: the environments generate on their own and the trainer "
+                "cannot make them wait, so groups older than k versions can only be dropped; set "
+                "train.stale_policy=drop (atroposlib's max_batches_offpolicy throttles environments on their side)"
+            )
+        if cfg.train.rollout_queue is not None:
+            raise ConfigError(
+                f"train.rollout_queue={cfg.train.rollout_queue} has no effect with data={target} (run-api holds the "
+                "queue); leave it null"
+            )
+        return
+    if cls is None or not issubclass(cls, LocalRolloutPipeline):
+        raise ConfigError(
+            f"train.max_staleness={k} runs the local rollout pipeline in a producer thread; data={target} is neither "
+            "one nor an asynchronous source like data=atropos. Use train.max_staleness=0 with it."
         )
 
 

@@ -32,8 +32,11 @@ class Completion:
     # "stop" | "length" | "abort" (vLLM's finish reasons).
     finish_reason: str | None
     text: str = ""
-    # Weight version that produced this completion (-1 when the server does not report one).
+    # Weight version served when the request was admitted (-1 when the server does not report one): at most the
+    # version of any of its tokens.
     weight_version: int = -1
+    # Weight version served when it finished (-1 when not reported): at least the version of any of its tokens.
+    last_weight_version: int = -1
 
 
 @dataclass(frozen=True)
@@ -49,13 +52,15 @@ class Endpoint:
 def parse_generate_response(body: dict[str, Any]) -> list[Completion]:
     """Turn a /generate answer (the shape Atropos' VLLMServer reads) into Completions."""
     version = int(body.get("weight_version", -1))
+    last_version = int(body.get("last_weight_version", -1))
     texts = body.get("text") or [""] * len(body["logprobs"])
     out = []
     for per_pos, reason, text in zip(body["logprobs"], body["finish_reasons"], texts):
         # Each position is a one-element list [{token_id: logprob}]; JSON turned the id into a string.
         ids = [int(next(iter(p[0]))) for p in per_pos]
         lps = [float(next(iter(p[0].values()))) for p in per_pos]
-        out.append(Completion(token_ids=ids, logprobs=lps, finish_reason=reason, text=text, weight_version=version))
+        out.append(Completion(token_ids=ids, logprobs=lps, finish_reason=reason, text=text, weight_version=version,
+                              last_weight_version=last_version))
     return out
 
 

@@ -7,7 +7,10 @@ This is not a fork: `main()` runs vLLM's api_server entry point unchanged and ad
 every other request to vLLM untouched:
 
 - ``POST /generate``: Atropos-compatible generation (the request/response shape
-  `atroposlib/envs/server_handling/vllm_server.py` sends and reads), plus ``weight_version``.
+  `atroposlib/envs/server_handling/vllm_server.py` sends and reads), plus ``weight_version`` (the version served
+  when the request was admitted: at most that of any of its tokens) and ``last_weight_version`` (when it finished:
+  at least that of any token; an in-place reload counts from the moment it starts). They differ when a sync landed
+  while the request ran.
 - ``GET|POST /grpo/weight_version``: the weight version served (rollouts carry it).
 - ``POST /grpo/reload_weights``: reload full HF weights from a directory in place (vLLM's worker
   `reload_weights`, wrapped by our worker extension, through `collective_rpc`), reset the prefix cache, bump the version.
@@ -54,6 +57,11 @@ def _version(state) -> int:
     if not hasattr(state, "grpo_weight_version"):
         state.grpo_weight_version = int(os.environ.get(VERSION_ENV, "0"))
     return state.grpo_weight_version
+
+
+def _upper_version(state) -> int:
+    """The newest version whose weights may already be in use: a reload in progress counts as its new version."""
+    return max(_version(state), getattr(state, "grpo_weight_version_pending", 0))
 
 
 async def _lora_request(state, name: str | None):
@@ -126,6 +134,7 @@ async def handle_generate(request) -> dict:
         ],
         "finish_reasons": [o.finish_reason for o in outputs],
         "weight_version": version,
+        "last_weight_version": _upper_version(state),
     }
     if params.prompt_logprobs is not None:
         resp["prompt_logprobs"] = prompt_topk(prompt_ids, final.prompt_logprobs or [], params.prompt_logprobs)
@@ -165,7 +174,7 @@ async def handle_weight_version(request) -> dict:
         if body.get("reset_prefix_cache"):
             # Weights changed under vLLM (shared memory): KV blocks cached before must not be reused.
             await state.engine_client.reset_prefix_cache(reset_running_requests=True)
-        state.grpo_weight_version = int(body["weight_version"])
+        state.grpo_weight_version = state.grpo_weight_version_pending = int(body["weight_version"])
     return {"weight_version": _version(state)}
 
 
@@ -180,11 +189,14 @@ async def handle_reload_weights(request) -> dict:
     if not os.path.isdir(path):
         raise ValueError(f"weights directory {path!r} does not exist")
     t0 = time.perf_counter()
+    new_version = int(body.get("weight_version", _version(state) + 1))
+    # From here on a request that finishes may hold tokens of the new weights (its last_weight_version says so).
+    state.grpo_weight_version_pending = new_version
     # Our extension's wrapper of vLLM's worker reload_weights (it also refreshes a tied lm_head).
     await engine.collective_rpc("grpo_reload_weights", kwargs={"path": path})
     # KV blocks cached from the old weights would otherwise be reused for prompts seen before.
     await engine.reset_prefix_cache(reset_running_requests=True)
-    state.grpo_weight_version = int(body.get("weight_version", _version(state) + 1))
+    state.grpo_weight_version = new_version
     return {"weight_version": state.grpo_weight_version, "seconds": time.perf_counter() - t0}
 
 

@@ -4,6 +4,16 @@ Talks plain HTTP with `requests` so the trainer never imports atroposlib. The se
 `atroposlib/api/server.py`): the trainer POSTs /register first, then polls GET /batch, which answers
 `{"batch": [group, ...]}` once `batch_size` sequences are queued and `{"batch": null}` until then. Every /batch that
 hands out a batch advances the server's step (`GET /status` → `current_step`).
+
+Staleness. Atropos is asynchronous by nature: environments generate while the trainer trains, so a group may come
+from weights several syncs old. A group that carries its weight version (`weight_version`, in `generation_params`
+where it survives run-api; grpo.pipeline.atropos_env sends it, read from the inference server) has a lag: the
+trainer's version when the batch arrives minus that version. Each batch reports `async/staleness_mean` /
+`async/staleness_max` over its versioned groups and counts the unversioned ones (`async/unversioned_groups`: their
+lag is unknown, so they are kept). With `train.max_staleness = k >= 1` a group with lag > k is dropped and counted
+(`async/dropped_groups`, run total `async/dropped_groups_total`); k = 0 sets no limit. The trainer cannot make
+environments wait (atroposlib's own `max_batches_offpolicy` throttles them), so only `train.stale_policy=drop`
+applies.
 """
 
 from __future__ import annotations
@@ -42,11 +52,15 @@ def validate_group(raw: Any, vocab_size: Optional[int] = None) -> Group:
 class AtroposPipeline(DataPipeline):
     """Registers with run-api and turns its /batch answers into the groups of each optimizer step.
 
+    Groups older than `ctx.max_staleness` weight versions are dropped (see the module docstring).
+
     Polling back-off: `poll_interval_s`, doubling on each empty answer up to 8x, reset when data arrives; an
     `AtroposTimeoutError` after `max_wait_s` without a batch. Each request gets `max_retries` retries with back-off on
     connection errors, 5xx answers and malformed JSON, then an `AtroposError` naming the URL. Structurally bad groups
     and groups with a sequence over `ctx.max_seq_len` are dropped and counted in `last_metrics`.
     """
+
+    asynchronous_source = True
 
     def __init__(
         self,
@@ -73,7 +87,8 @@ class AtroposPipeline(DataPipeline):
         self._retries = 0
         self.last_metrics: dict[str, float] = {}
         # Run totals of dropped groups, for the end-of-run summary.
-        self.totals: dict[str, int] = {"data/dropped_malformed": 0, "data/dropped_too_long": 0}
+        self.totals: dict[str, int] = {"data/dropped_malformed": 0, "data/dropped_too_long": 0,
+                                       "async/dropped_groups": 0}
 
     # ------------------------------------------------------------------ HTTP
     def _request(self, method: str, path: str, payload: Optional[dict] = None) -> Any:
@@ -149,8 +164,10 @@ class AtroposPipeline(DataPipeline):
         self._register()
         log.info("registered with run-api at %s (uuid %s, batch %d sequences)", self.url, self.uuid, ctx.batch_size)
 
-    def _filter(self, batch: list, counts: dict[str, int]) -> list[Group]:
+    def _filter(self, batch: list, counts: dict[str, int], current: int) -> list[Group]:
+        """The groups of one /batch answer that can be trained on now (`current`: the trainer's weight version)."""
         assert self.ctx is not None
+        limit, stale = self.ctx.max_staleness, 0
         kept = []
         for i, raw in enumerate(batch):
             try:
@@ -165,14 +182,32 @@ class AtroposPipeline(DataPipeline):
                 log.warning("dropping group %d: a sequence of %d tokens > max_seq_len %d", i, longest,
                             self.ctx.max_seq_len)
                 continue
+            if limit and group.weight_version is not None and current - group.weight_version > limit:
+                stale += 1
+                continue
             kept.append(group)
+        if stale:
+            counts["async/dropped_groups"] += stale
+            log.warning("dropping %d of %d groups older than train.max_staleness=%d versions (trainer at version %d)",
+                        stale, len(batch), limit, current)
         return kept
+
+    @staticmethod
+    def _lag_metrics(groups: list[Group], current: int) -> dict[str, float]:
+        """Lag (trainer's version - the group's) of the versioned groups; unversioned ones are only counted."""
+        lags = [current - g.weight_version for g in groups if g.weight_version is not None]
+        mid_sync = sum(g.last_weight_version is not None and g.weight_version is not None
+                       and g.last_weight_version != g.weight_version for g in groups)
+        out = {"async/unversioned_groups": float(len(groups) - len(lags)), "async/mid_sync_groups": float(mid_sync)}
+        if lags:
+            out.update({"async/staleness_mean": sum(lags) / len(lags), "async/staleness_max": float(max(lags))})
+        return out
 
     def next_groups(self, step: int) -> list[Group]:
         """Poll /batch until a batch with at least one valid group arrives, or raise after max_wait_s."""
         start = time.monotonic()
         self._retries = 0
-        counts = {"data/dropped_malformed": 0, "data/dropped_too_long": 0}
+        counts = {"data/dropped_malformed": 0, "data/dropped_too_long": 0, "async/dropped_groups": 0}
         interval, polls, reregistered = self.poll_interval_s, 0, False
         while True:
             answer = self._request("GET", "/batch")
@@ -191,7 +226,8 @@ class AtroposPipeline(DataPipeline):
             if batch is not None and not isinstance(batch, list):
                 raise AtroposError(f"run-api {self.url}/batch: 'batch' is a {type(batch).__name__}, not a list")
             if batch:
-                groups = self._filter(batch, counts)
+                current = self.ctx.endpoint().version
+                groups = self._filter(batch, counts, current)
                 if groups:
                     break
             waited = time.monotonic() - start
@@ -199,10 +235,10 @@ class AtroposPipeline(DataPipeline):
                 dropped = sum(counts.values())
                 raise AtroposTimeoutError(
                     f"no usable batch from run-api at {self.url} after {waited:.0f}s (max_wait_s={self.max_wait_s:g}, "
-                    f"{dropped} bad groups dropped); is an environment running and pushing /scored_data?"
+                    f"{dropped} bad or stale groups dropped); is an environment running and pushing /scored_data?"
                 )
             if batch:
-                # Every group of this batch was bad; the server has moved on a step. Ask again at once.
+                # Every group of this batch was bad or stale; the server has moved on a step. Ask again at once.
                 interval = self.poll_interval_s
                 continue
             time.sleep(min(interval, max(self.max_wait_s - waited, 0.0)))
@@ -212,6 +248,8 @@ class AtroposPipeline(DataPipeline):
         self.step = step
         self.last_metrics = {
             **{k: float(v) for k, v in counts.items()},
+            **self._lag_metrics(groups, current),
+            "async/dropped_groups_total": float(self.totals["async/dropped_groups"]),
             "data/groups": float(len(groups)),
             "data/wait_seconds": time.monotonic() - start,
             "data/polls": float(polls),

@@ -12,14 +12,21 @@ Run it the way Atropos environments run:
 `tokenizer_name` may name an offline preset of `grpo.models.tiny` (tiny-qwen2, tiny-llama): it resolves to the
 built model directory, so no model hub is needed. Start it after the trainer (run-api only accepts environments
 once the trainer polls /batch); `python -m grpo.stack` does all of this in one command.
+
+Each group carries the weight versions the inference server reported (`GET /grpo/weight_version`) before its
+requests went out and after they came back, as `generation_params.weight_version` / `last_weight_version` (the one
+place run-api keeps them), so the trainer knows the group's lag (grpo.pipeline.atropos). A server without that
+endpoint (not ours) gives groups without a version: logged once, and the trainer counts them as unversioned.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import random
 from typing import Any, Optional
 
+import requests
 from atroposlib.envs.base import APIServerConfig, BaseEnv, BaseEnvConfig, ScoredDataGroup
 from pydantic import Field
 
@@ -71,6 +78,12 @@ class GRPOTaskEnv(BaseEnv):
         self.task.bind_tokenizer(self.tokenizer)
         self.rng = random.Random(f"grpo-env:{config.seed}")
         self.recent_scores: list[float] = []
+        # The first inference server's version endpoint (its OpenAI base_url without /v1).
+        configs = [sc for sc in (server_configs if isinstance(server_configs, list) else [server_configs])
+                   if isinstance(sc, APIServerConfig)]
+        base = configs[0].base_url.rstrip("/").removesuffix("/v1") if configs and configs[0].base_url else None
+        self.version_url = f"{base}/grpo/weight_version" if base else None
+        self._version_warned = False
 
     @staticmethod
     def _build_task(config: GRPOTaskEnvConfig) -> tuple[Task, list[tuple[Any, float]]]:
@@ -111,6 +124,21 @@ class GRPOTaskEnv(BaseEnv):
     async def get_next_item(self) -> Prompt:
         return self.task.sample(self.rng, 1)[0]
 
+    async def served_version(self) -> Optional[int]:
+        """The weight version the inference server serves now; None when it does not say (warned once)."""
+        if self.version_url is None:
+            return None
+        try:
+            answer = await asyncio.to_thread(requests.get, self.version_url, timeout=10)
+            answer.raise_for_status()
+            return int(answer.json()["weight_version"])
+        except (requests.RequestException, ValueError, KeyError, TypeError) as e:
+            if not self._version_warned:
+                self._version_warned = True
+                log.warning("no weight version from %s (%s): groups go without one, so the trainer cannot tell "
+                            "their lag", self.version_url, e)
+            return None
+
     async def collect_trajectories(self, item: Prompt) -> tuple[Optional[ScoredDataGroup], list]:
         prompt_ids = self.tokenizer.encode(item.text, add_special_tokens=False)
         max_tokens = self.config.max_new_tokens
@@ -121,10 +149,13 @@ class GRPOTaskEnv(BaseEnv):
             log.warning("prompt of %d tokens leaves no room under max_token_len %d; skipped",
                         len(prompt_ids), self.max_token_len)
             return None, []
+        # Before the requests: at most the version of any token; after: at least.
+        first_version = await self.served_version()
         _, out_tokens, out_logprobs, _ = await self.server.tokens_and_logprobs_completion(
             input_ids=prompt_ids, n=self.config.group_size, max_tokens=max_tokens,
             temperature=self.config.temperature, top_p=self.config.top_p,
         )
+        last_version = await self.served_version()
         group: dict[str, Any] = {"tokens": [], "masks": [], "scores": [], "inference_logprobs": []}
         for ids, lps in zip(out_tokens, out_logprobs):
             text = self.tokenizer.decode(ids, skip_special_tokens=True)
@@ -134,6 +165,8 @@ class GRPOTaskEnv(BaseEnv):
             group["inference_logprobs"].append([1.0] * len(prompt_ids) + [float(x) for x in lps])
             group["scores"].append(score)
         group["generation_params"] = {"temperature": self.config.temperature}
+        if first_version is not None and last_version is not None:
+            group["generation_params"].update(weight_version=first_version, last_weight_version=last_version)
         self.recent_scores.extend(group["scores"])
         return group, []
 

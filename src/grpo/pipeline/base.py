@@ -5,11 +5,12 @@ from __future__ import annotations
 from abc import abstractmethod
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable, ClassVar, Optional
 
 from grpo.inference.client import Endpoint
 from grpo.pipeline.batch import WarnOnce, prepare_batch
 from grpo.pipeline.group import Group
+from grpo.sync.base import GenerationGate
 from grpo.trainer.batch import BatchSource, PreparedBatch
 
 
@@ -44,12 +45,22 @@ class PipelineContext:
     seed: int
     # How groups become micro-batches; None = the pipeline only yields groups (next_batch is unavailable).
     batch_shape: Optional[BatchShape] = None
+    # train.max_staleness, for a source that generates on its own (`asynchronous_source`, e.g. Atropos): groups
+    # more than this many weight versions older than the trainer's are dropped; 0 = no limit. Local pipelines
+    # ignore it (their producer, AsyncRollouts, enforces the bound).
+    max_staleness: int = 0
+    # The sync strategy's gate (grpo.sync.base.GenerationGate): generation runs inside `generating()`, so a sync that
+    # restarts the server first lets it finish and holds new requests back; None = no sync to coordinate with.
+    generation_gate: Optional[GenerationGate] = None
 
 
 class DataPipeline(BatchSource):
     """Produces the groups of each optimizer step (see grpo.pipeline.group) and batches them for the trainer."""
 
     ctx: Optional[PipelineContext] = None
+    # True when the groups are generated outside the trainer's loop, ahead of it (Atropos environments): such a
+    # source applies `ctx.max_staleness` itself and is never wrapped in AsyncRollouts.
+    asynchronous_source: ClassVar[bool] = False
 
     @abstractmethod
     def setup(self, ctx: PipelineContext) -> None:

@@ -11,6 +11,11 @@ Wire shape (atroposlib 0.4.0; docs/architecture.md):
      "generation_params": {"temperature": float} | null,
      "overrides": [{"temperature": .., "set_advantage_to_zero": bool}] | null,   # per sequence
      "group_overrides": {"temperature": ..} | null, "weight_version": int | null, ...}
+
+Weight versions: `weight_version` (the version served when the group's requests were sent) and
+`last_weight_version` (when its last completion came back), at the top level or inside `generation_params`. run-api
+(atroposlib 0.4.0) keeps only the fields of its `ScoredData` model, so an Atropos environment sends them in
+`generation_params` (grpo.pipeline.atropos_env does); `to_wire` puts them at the top level.
 """
 
 from __future__ import annotations
@@ -50,8 +55,8 @@ class Group:
     # Weight version the sequences were sampled under (None when the source does not say): for local rollouts the
     # version served when the requests were sent, so at most the version of any of their tokens.
     weight_version: Optional[int] = None
-    # Local rollouts: the version served when the last completion came back (at least the version of any token);
-    # differs from weight_version when a sync landed during generation (train.max_staleness >= 1). None = unknown.
+    # The version served when the last completion came back (at least the version of any token); differs from
+    # weight_version when a sync landed during generation (train.max_staleness >= 1, Atropos). None = unknown.
     last_weight_version: Optional[int] = None
     # The Atropos environment the group came from (run-api's id; None for local rollouts).
     env_id: Optional[int] = None
@@ -88,7 +93,7 @@ class Group:
             "overrides": [{"temperature": t, "set_advantage_to_zero": z}
                           for t, z in zip(self.temperatures, self.zero_advantage)],
             "generation_params": None, "group_overrides": None, "weight_version": self.weight_version,
-            "env_id": self.env_id,
+            "last_weight_version": self.last_weight_version, "env_id": self.env_id,
         }
 
 
@@ -217,11 +222,30 @@ def parse_group(raw: Any, vocab_size: Optional[int] = None) -> Group:
     if not all(_is_num(s) for s in scores):
         raise MalformedGroup("scores", "has a null, non-numeric or non-finite value")
     temps, zeros = _temperatures_and_zeros(raw, len(tokens))
-    version = raw.get("weight_version")
+    version, last_version = _versions(raw)
     return Group(
         tokens=tokens, masks=masks, scores=[float(s) for s in scores], advantages=_advantages(raw, lengths),
         inference_logprobs=_per_token_rows(raw, "inference_logprobs", lengths),
         ref_logprobs=_per_token_rows(raw, "ref_logprobs", lengths),
-        temperatures=temps, zero_advantage=zeros, weight_version=int(version) if _is_int(version) else None,
-        env_id=raw.get("env_id") if _is_int(raw.get("env_id")) else None,
+        temperatures=temps, zero_advantage=zeros, weight_version=version,
+        last_weight_version=last_version, env_id=raw.get("env_id") if _is_int(raw.get("env_id")) else None,
     )
+
+
+def _versions(raw: dict) -> tuple[Optional[int], Optional[int]]:
+    """(weight_version, last_weight_version) from the top level, else from `generation_params` (where they survive
+    run-api); None where absent. A value that is not an integer >= 0 is malformed (lag would be meaningless)."""
+    params = raw.get("generation_params") if isinstance(raw.get("generation_params"), dict) else {}
+    out: list[Optional[int]] = []
+    for key in ("weight_version", "last_weight_version"):
+        value = raw.get(key)
+        where = key
+        if value is None:
+            value, where = params.get(key), f"generation_params.{key}"
+        if value is not None and not (_is_int(value) and value >= 0):
+            raise MalformedGroup(where, f"expected an integer >= 0 or null, got {value!r}")
+        out.append(value)
+    first, last = out
+    if first is not None and last is not None and last < first:
+        raise MalformedGroup("last_weight_version", f"{last} is older than weight_version {first}")
+    return first, last

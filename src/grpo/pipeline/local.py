@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import random
 import time
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any, Mapping, Optional
 
@@ -62,7 +63,8 @@ class LocalRolloutPipeline(DataPipeline):
     """Generates and scores its own groups each step: `prompts_per_step` prompts x `group_size` completions.
 
     The prompt stream is a pure function of (seed, step), so a resumed run sees exactly the prompts it would have
-    seen. Each group carries `weight_version` (the served weight version when it was generated).
+    seen. Each group carries the server's weight versions: `weight_version` when its requests were admitted (at most
+    that of any token) and `last_weight_version` when they finished (at least that of any token).
     """
 
     def __init__(
@@ -140,25 +142,23 @@ class LocalRolloutPipeline(DataPipeline):
         prompts, ids, dropped_long = self._tokenized_prompts(step)
         # Completions never push a sequence past max_seq_len (it would be dropped by the batcher).
         max_tokens = min(self.max_new_tokens, ctx.max_seq_len - max(len(x) for x in ids))
-        endpoint = ctx.endpoint()
         faults.kill_server_generating(step + 1, Path(ctx.run_dir) / "logs" / "vllm.pid")
         t0 = time.monotonic()
-        outs = self._client(endpoint.base_url).generate(
-            ids, n=self.group_size, max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p,
-            model=endpoint.model,
-            # Seeded sampling: a run re-run from its saved config draws the same rollouts (same weights, same
-            # server settings), so its first step reproduces. The client gives each prompt its own seeds from this base.
-            seed=(ctx.seed * 1_000_003 + step) % (2**31),
-        )
+        # Through the sync's gate: a restarting sync waits for these requests, and holds new ones until it is done.
+        with ctx.generation_gate.generating() if ctx.generation_gate is not None else nullcontext():
+            endpoint = ctx.endpoint()  # inside the gate: a restart it waited for may have moved the server
+            outs = self._client(endpoint.base_url).generate(
+                ids, n=self.group_size, max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p,
+                model=endpoint.model,
+                # Seeded sampling: a run re-run from its saved config draws the same rollouts (same weights, same
+                # server settings), so its first step reproduces. The client gives each prompt its own seeds from
+                # this base.
+                seed=(ctx.seed * 1_000_003 + step) % (2**31),
+            )
         gen_s = time.monotonic() - t0
-        # With asynchronous rollouts a sync may land during generation: the version served now bounds the version
-        # of the last token from above, as `endpoint.version` (read before the requests) bounds the first's from below.
-        last_version = ctx.endpoint().version
         scorer = _Scorer(self.rewards, ctx.tokenizer)
-        groups = [
-            self._group(prompt, prompt_ids, completions, scorer, endpoint.version, last_version)
-            for prompt, prompt_ids, completions in zip(prompts, ids, outs)
-        ]
+        groups = [self._group(prompt, prompt_ids, completions, scorer)
+                  for prompt, prompt_ids, completions in zip(prompts, ids, outs)]
         self.step = step
         self.last_metrics = {
             **scorer.metrics(),
@@ -168,18 +168,26 @@ class LocalRolloutPipeline(DataPipeline):
         }
         return groups
 
-    def _group(self, prompt: Prompt, prompt_ids: list[int], completions: list, scorer: "_Scorer", version: int,
-               last_version: int) -> Group:
+    def _group(self, prompt: Prompt, prompt_ids: list[int], completions: list, scorer: "_Scorer") -> Group:
         if len(completions) != self.group_size:
             raise RuntimeError(f"inference server returned {len(completions)} completions, asked for {self.group_size}")
         for c in completions:
             if len(c.logprobs) != len(c.token_ids):
                 raise RuntimeError(f"inference server returned {len(c.logprobs)} log-probs for {len(c.token_ids)} tokens")
+            if c.weight_version < 0 or c.last_weight_version < c.weight_version:
+                raise RuntimeError(
+                    f"inference server at {self._client_url} reported weight versions {c.weight_version} .. "
+                    f"{c.last_weight_version} for a completion; rollouts need grpo.inference.server's /generate, which "
+                    "reports the version at admission and at finish"
+                )
         group = Group.sampled(
             prompt_ids, [c.token_ids for c in completions], [c.logprobs for c in completions],
-            [scorer.score(prompt, c) for c in completions], self.temperature, weight_version=version,
+            [scorer.score(prompt, c) for c in completions], self.temperature,
+            # The server's versions when the requests were admitted and when they finished: a sync that landed
+            # during generation (asynchronous rollouts) makes them differ.
+            weight_version=min(c.weight_version for c in completions),
         )
-        group.last_weight_version = last_version
+        group.last_weight_version = max(c.last_weight_version for c in completions)
         return group
 
     def close(self) -> None:

@@ -21,6 +21,11 @@ taken (`j - taken - 1 < capacity`).
   and idles less; a group whose lag exceeds k when taken is dropped (`async/dropped_groups`) and the trainer takes
   the next batch, so a step still trains fresh groups.
 
+Syncs with generation in flight: the inner pipeline generates through the sync strategy's `GenerationGate`
+(`PipelineContext.generation_gate`), so a sync that restarts the server drains the producer's requests first and
+holds new ones until the server is back; what each mode does and the stall it causes (`sync/gen_stall_seconds`) is
+in README "Asynchronous rollouts".
+
 Counts: `async/generated_groups = async/trained_groups + async/dropped_groups_total + async/queued_groups` at every
 step (totals of this process; the queue is not checkpointed).
 

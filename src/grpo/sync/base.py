@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import threading
+import time
 from abc import ABC, abstractmethod
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar, Literal, Optional
+from typing import Any, ClassVar, Iterator, Literal, Optional
 
 import torch.nn as nn
 
@@ -33,6 +36,56 @@ class SyncContext:
     extra: dict = field(default_factory=dict)
 
 
+class GenerationGate:
+    """Lets a sync that takes the server away (a restart) wait for the generation in flight and keep new generation
+    out meanwhile, so no request is sent to a server that is going down.
+
+    The rollout side wraps each generation call in `generating()`; the sync side runs the restart inside `held()`.
+    `held` first closes the gate (new `generating` calls wait), then waits until the calls in flight have ended:
+    they always end, with an answer or the client's error after its retries, and the sync holds nothing they need,
+    so neither side can wait on the other forever. Both may be entered from any thread; not re-entrant.
+    """
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._active = 0
+        self._closed = False
+        # Seconds generation calls spent waiting at the closed gate (the generator's own view of the stall).
+        self.waited_s = 0.0
+
+    @contextmanager
+    def generating(self) -> Iterator[None]:
+        """Around one generation call: waits while a sync holds the gate."""
+        with self._cond:
+            t0 = time.monotonic()
+            while self._closed:
+                self._cond.wait()
+            self.waited_s += time.monotonic() - t0
+            self._active += 1
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._active -= 1
+                self._cond.notify_all()
+
+    @contextmanager
+    def held(self) -> Iterator[float]:
+        """Close the gate, wait for the calls in flight (drain); yields the seconds that took; reopens on exit."""
+        with self._cond:
+            self._closed = True
+            t0 = time.monotonic()
+            while self._active:
+                self._cond.wait()
+            drained = time.monotonic() - t0
+        try:
+            yield drained
+        finally:
+            with self._cond:
+                self._closed = False
+                self._cond.notify_all()
+
+
 class SyncStrategy(ABC):
     """How trained weights reach the vLLM server. One instance per run; owns the server process it launches."""
 
@@ -53,6 +106,44 @@ class SyncStrategy(ABC):
         self.sync_every = sync_every
         # Weight version served right now; rollouts carry it so a batch traces back to its weights.
         self.version = 0
+        # Rollouts generate through it (PipelineContext.generation_gate); restarting syncs drain and hold it.
+        self.gate = GenerationGate()
+        self._stall_s = 0.0
+        self._drain_s = 0.0
+
+    # ------------------------------------------------------------------ generation stall
+    @contextmanager
+    def stalling(self, drain: bool = False) -> Iterator[None]:
+        """Time a section during which the server cannot generate because of a weight update (engine paused, a
+        reload holding the engine, no server during a restart). `drain=True` (restarts): first wait for the
+        generation in flight and keep new generation out (`gate.held`); the drain itself is not a stall (the
+        requests in flight still run) and is timed apart."""
+        if not drain:
+            t0 = time.perf_counter()
+            try:
+                yield
+            finally:
+                self.record_stall(time.perf_counter() - t0)
+            return
+        with self.gate.held() as drained:
+            self._drain_s += drained
+            t0 = time.perf_counter()
+            try:
+                yield
+            finally:
+                self.record_stall(time.perf_counter() - t0)
+
+    def record_stall(self, seconds: float) -> None:
+        """Add `seconds` during which the server could not generate because of a weight update (a pause window a
+        strategy times itself, e.g. shared_vllm's optimizer step)."""
+        self._stall_s += seconds
+
+    def take_generation_stall(self) -> dict[str, float]:
+        """Since the last call: `sync/gen_stall_seconds` (the server could not generate because of weight updates)
+        and `sync/drain_seconds` (a restarting sync waited for generation in flight); resets both."""
+        out = {"sync/gen_stall_seconds": self._stall_s, "sync/drain_seconds": self._drain_s}
+        self._stall_s = self._drain_s = 0.0
+        return out
 
     # ------------------------------------------------------------------ start-up checks
     @classmethod

@@ -59,7 +59,10 @@ class CheckpointRestartSync(ServerSync):
         method = self.reload
         if method == "inplace":
             try:
-                self.client.reload_weights(str(out), version=version)
+                # The engine runs the reload between its steps: generation stalls that long; requests in flight are
+                # preempted by the prefix-cache reset and go on with the new weights (none is lost).
+                with self.stalling():
+                    self.client.reload_weights(str(out), version=version)
             except InferenceServerError:
                 if self.server is None:
                     raise  # nothing we can restart
@@ -67,7 +70,9 @@ class CheckpointRestartSync(ServerSync):
         if method == "restart":
             if self.server is None:
                 raise RuntimeError("mode=none with reload=restart needs a server this trainer launched")
-            self.server.restart(model=out, weight_version=version)
+            # The restart drains first: rollouts in flight finish on the old server, new ones wait for the new one.
+            with self.stalling(drain=True):
+                self.server.restart(model=out, weight_version=version)
         self.served_dir = out
         self._prune("served_weights", keep={out})
         return {"sync/inplace": float(method == "inplace")}

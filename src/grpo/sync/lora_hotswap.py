@@ -55,10 +55,12 @@ class LoraHotSwapSync(ServerSync):
 
     def _swap_in(self, out: Path, version: int) -> None:
         name = self._name(version)
-        self.client.load_lora(name, str(out))
-        # Unload the adapter from two syncs ago; the one just replaced may still have requests in flight.
-        if self._previous is not None:
-            self.client.unload_lora(self._previous)
+        # vLLM adds and removes adapters between engine steps: generation stalls that long, nothing is paused.
+        with self.stalling():
+            self.client.load_lora(name, str(out))
+            # Unload the adapter from two syncs ago; the one just replaced may still have requests in flight.
+            if self._previous is not None:
+                self.client.unload_lora(self._previous)
         self._previous, self._current = self._current, name
         self.client.set_weight_version(version)
         keep = {out} | ({self._current_dir} if self._current_dir else set())

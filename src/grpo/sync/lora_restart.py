@@ -48,6 +48,8 @@ class LoraRestartSync(ServerSync):
         return self._save_and_load("adapters", lambda d: save_adapter(model, d), self._serve_adapter)
 
     def _serve_adapter(self, out: Path, version: int) -> None:
-        self.server.restart(lora_modules={self.adapter_name: out}, weight_version=version)
+        # The restart drains first: the rollouts in flight finish on the old server, new ones wait for the new one.
+        with self.stalling(drain=True):
+            self.server.restart(lora_modules={self.adapter_name: out}, weight_version=version)
         self._adapter_dir = out
         self._prune("adapters", keep={out})

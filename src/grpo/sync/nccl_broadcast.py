@@ -203,14 +203,16 @@ class NCCLBroadcastSync(ServerSync):
         version = self.version + 1
         body = {"buckets": [b.update_info() for b in buckets], "bucket_bytes": self.bucket_bytes,
                 "num_buffers": self.num_buffers, "weight_version": version}
-        self.client.pause()
-        t_paused = time.perf_counter()
-        try:
-            call = _Call(self.client.weight_transfer_update, body, self.timeout_s)
-            self._broadcast(buckets, named)
-            answer = call.get(self.timeout_s)
-        finally:
-            self.client.resume()
+        # Generation stalls for the transfer only: paused ("keep": requests in flight freeze, then go on).
+        with self.stalling():
+            self.client.pause()
+            t_paused = time.perf_counter()
+            try:
+                call = _Call(self.client.weight_transfer_update, body, self.timeout_s)
+                self._broadcast(buckets, named)
+                answer = call.get(self.timeout_s)
+            finally:
+                self.client.resume()
         self.version = version
         t1 = time.perf_counter()
         return {

@@ -44,6 +44,12 @@ class ServerSync(SyncStrategy):
             self.client = InferenceClient(self._external_url, token=os.environ.get("GRPO_SERVER_TOKEN"))
             if not self.client.health():
                 raise RuntimeError(f"server.external_url {external} does not answer /health")
+            served = self.client.weight_version()
+            if served != self.version:
+                # Rollouts carry the server's versions and the trainer compares them with its own (staleness):
+                # one scale. A server attached from an earlier run may count from elsewhere.
+                log.info("attached server reports weight version %d; setting it to the run's %d", served, self.version)
+                self.client.set_weight_version(self.version)
             return
         self.server = VLLMServer(
             model,

@@ -103,17 +103,24 @@ class SharedMemorySync(ServerSync):
         return model
 
     def before_optimizer_step(self) -> None:
-        # "keep": in-flight requests freeze (not aborted) and continue after resume.
+        # "keep": in-flight requests freeze (not aborted) and continue after resume. Generation stalls for the
+        # optimizer step only (timed into sync/gen_stall_seconds).
+        self._paused_at = time.perf_counter()
         self.client.pause()
 
     def after_optimizer_step(self) -> None:
-        torch.cuda.synchronize()  # the writes must land before vLLM reads again
-        self.client.resume()
+        try:
+            torch.cuda.synchronize()  # the writes must land before vLLM reads again
+            self.client.resume()
+        finally:
+            self.record_stall(time.perf_counter() - self._paused_at)
 
     def sync(self, model: nn.Module, step: int) -> dict[str, float]:
         t0 = time.perf_counter()
         torch.cuda.synchronize()
         self.version += 1
-        # KV blocks cached from older weights must not be reused; the version tells rollouts what they ran on.
-        self.client.set_weight_version(self.version, reset_prefix_cache=True)
+        # KV blocks cached from older weights must not be reused (running requests are preempted and recomputed on
+        # the new weights, not lost); the version tells rollouts what they ran on.
+        with self.stalling():
+            self.client.set_weight_version(self.version, reset_prefix_cache=True)
         return {"sync/seconds": time.perf_counter() - t0, "sync/version": float(self.version)}

@@ -227,7 +227,8 @@ class GRPOTrainer:
         rows[-1].update(batch_summary(rows))
         for row in rows:
             row.update(sync_metrics if row is rows[-1] else
-                       {"sync/seconds": 0.0, "sync/version": float(self.sync.version)})
+                       {"sync/seconds": 0.0, "sync/version": float(self.sync.version),
+                        "sync/gen_stall_seconds": 0.0, "sync/drain_seconds": 0.0})
             row["memory/peak_gb"] = peak_memory_gb(self.device)
             row.update(process_stats())
         if math.isfinite(rows[0].get("reward/mean", math.nan)):  # a batch with no group has no reward
@@ -394,7 +395,10 @@ class GRPOTrainer:
 
     def maybe_sync(self) -> dict[str, float]:
         """Push the weights to the server every `mode.sync_every` rollout batches (after the batch's last update)
-        and after the last step."""
+        and after the last step. With the batch's generation stall (`sync/gen_stall_seconds`: the server could not
+        generate because of weight updates, shared_vllm's optimizer-step pauses included; `sync/drain_seconds`)."""
         if self.batch_number % self.sync.sync_every == 0 or self.step == self.cfg.steps:
-            return self.sync.sync(self.model, self.step)
-        return {"sync/seconds": 0.0, "sync/version": float(self.sync.version)}
+            out = self.sync.sync(self.model, self.step)
+        else:
+            out = {"sync/seconds": 0.0, "sync/version": float(self.sync.version)}
+        return {**out, **self.sync.take_generation_stall()}
