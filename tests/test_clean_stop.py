@@ -77,7 +77,7 @@ def test_a_real_error_keeps_its_traceback(tmp_path):
     # A resume dir without a checkpoint fails inside the run (past start-up validation): a real error, not a stop.
     empty = tmp_path / "empty"
     empty.mkdir()
-    out = subprocess.run([sys.executable, "train.py", f"train.resume={empty}", f"hydra.run.dir={tmp_path / 'run'}"],
+    out = subprocess.run([sys.executable, "train.py", "~experiment", f"train.resume={empty}", f"hydra.run.dir={tmp_path / 'run'}"],
                          cwd=REPO, capture_output=True, text=True, timeout=120)
     text = out.stdout + out.stderr
     assert out.returncode == 1, text[-2000:]

@@ -27,6 +27,10 @@ register_configs()
 
 def _compose(overrides: list[str]):
     GlobalHydra.instance().clear()
+    # The bare config (~experiment) unless the test picks an experiment: the default job's arith_quick is tested
+    # on its own (tests/test_config.py::test_the_default_job_is_the_arithmetic_experiment).
+    if not any(o.startswith("experiment=") for o in overrides):
+        overrides = ["~experiment", *overrides]
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
         return compose(config_name="train", overrides=overrides)
 
@@ -70,6 +74,20 @@ def test_every_experiment_composes(name):
         get_class(target)
     # Experiments are meant to differ from the defaults in at least one place.
     assert cfg != _compose([])
+
+
+def test_the_default_job_is_the_arithmetic_experiment(tmp_path):
+    """`python train.py` with no overrides runs experiment arith_quick: the warm-started model on the skill task,
+    judged by held-out accuracy (README, "What the default job shows"); ~experiment gives the bare digits config."""
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        cfg = compose(config_name="train")
+    assert (cfg.name, cfg.model.offline, cfg.data.task._target_) == (
+        "arith_quick", "warm-arith", "grpo.pipeline.arithmetic.ArithmeticTask")
+    assert (cfg.train.steps, cfg.eval.every, cfg.train.objective) == (60, 10, "eval/accuracy")
+    validate(cfg, tmp_path / "run")
+    bare = _compose([])
+    assert (bare.model.name, bare.data.task._target_) == ("tiny-qwen2", "grpo.pipeline.tasks.DigitsTask")
 
 
 def test_user_facing_keys_exist():

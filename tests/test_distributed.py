@@ -181,6 +181,10 @@ def test_broadcast_names_are_hf_unfused_and_map_onto_vllm(tiny_qwen2_dir):
 # ---------------------------------------------------------------- start-up errors of the layouts
 def _compose(overrides):
     GlobalHydra.instance().clear()
+    # The bare config (~experiment) unless the test picks an experiment: the default job's arith_quick is tested
+    # on its own (tests/test_config.py::test_the_default_job_is_the_arithmetic_experiment).
+    if not any(o.startswith("experiment=") for o in overrides):
+        overrides = ["~experiment", *overrides]
     with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
         return compose(config_name="train", overrides=overrides)
 

@@ -198,7 +198,7 @@ def test_math_reward_reports_what_it_parses():
 
 
 # ---------------------------------------------------------------- inside train.py
-QUICK = ["data.prompts_per_step=4", "data.group_size=4", "train.micro_batch_size=8", "train.grad_accum=2",
+QUICK = ["~experiment", "data.prompts_per_step=4", "data.group_size=4", "train.micro_batch_size=8", "train.grad_accum=2",
          "logging.progress_bar=false", "train.steps=3", "train.checkpoint_every=10", "data.max_new_tokens=8",
          "data.task.eval_size=8", "eval.samples_per_prompt=4", "eval.k=2"]
 # Columns of the training part of a row (timing, memory and eval columns excluded).

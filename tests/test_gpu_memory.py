@@ -27,7 +27,7 @@ def test_multirun_jobs_return_device_memory_to_their_start(tmp_path):
     env = {**os.environ, "VLLM_WORKER_MULTIPROC_METHOD": "spawn", "VLLM_USE_FLASHINFER_SAMPLER": "0",
            "HF_HUB_OFFLINE": "1", "WANDB_MODE": "disabled", "PYTHONPATH": str(REPO / "src")}
     sweep = tmp_path / "sweep"
-    args = ["server=gpu", "server.gpu_memory_utilization=0.3", "train.device=cuda", "train.steps=2",
+    args = ["~experiment", "server=gpu", "server.gpu_memory_utilization=0.3", "train.device=cuda", "train.steps=2",
             "train.micro_batch_size=8", "train.grad_accum=2", "eval=off", "logging.progress_bar=false",
             "logging.plot=false", "mode=shared_vllm,lora_only", f"hydra.sweep.dir={sweep}"]
     proc = subprocess.run([sys.executable, "train.py", "-m", *args], cwd=REPO, env=env, capture_output=True,

@@ -15,7 +15,7 @@ import pytest
 from conftest import REPO, attach
 from grpo.pipeline.prompt_file import PromptFileTask
 from grpo.pipeline.tasks import Prompt
-from test_train_e2e import QUICK, assert_clean, metrics
+from test_train_e2e import QUICK_SETTINGS, assert_clean, metrics
 
 ROWS = [{"q": f"question {i}", "a": str(i), "extra": i} for i in range(5)]
 
@@ -108,7 +108,7 @@ def test_the_example_task_trains_two_steps_with_the_real_engine(tmp_path, train_
     marker = f"GRPO_TEST_{uuid.uuid4().hex}"
     env = dict(os.environ, **server_env, GRPO_TEST_MARKER=marker, PYTHONUNBUFFERED="1")
     out = subprocess.run(
-        [sys.executable, "train.py", "--config-dir", "examples/my_task/conf", "experiment=my_task", *QUICK,
+        [sys.executable, "train.py", "--config-dir", "examples/my_task/conf", "experiment=my_task", *QUICK_SETTINGS,
          "train.steps=2", external, f"hydra.run.dir={run}"],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=400)
     assert out.returncode == 0, (out.stdout + out.stderr)[-3000:]

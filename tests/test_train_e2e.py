@@ -23,10 +23,13 @@ pytestmark = pytest.mark.vllm
 # tests/test_evaluation.py.
 # server.enforce_eager=true: vLLM starts without torch.compile, ~12 s less per start (~25 s on a new weights directory,
 # e.g. a resume's checkpoint); the compiled start is what tests/test_default_run.py runs (the default config).
-QUICK = [
+# ~experiment: the bare config (random tiny Qwen2, digits task), not the default job's experiment (arith_quick,
+# which builds the warm-start model); tests that pick their own experiment take QUICK_SETTINGS.
+QUICK_SETTINGS = [
     "data.prompts_per_step=4", "data.group_size=4", "train.micro_batch_size=8", "train.grad_accum=2",
     "logging.progress_bar=false", "eval=off", "server.enforce_eager=true",
 ]
+QUICK = ["~experiment", *QUICK_SETTINGS]
 CPU_EXPERIMENTS = sorted(p.stem for p in (REPO / "experiments").glob("cpu_*.yaml"))
 REQUIRED_KEYS = {"step", "loss", "reward/mean", "grpo/mean_ratio", "grpo/clipped_fraction", "sync/seconds",
                  "time/step_seconds", "tokens/trained"}
@@ -111,7 +114,7 @@ def test_multirun_of_the_cpu_experiments_with_report_and_clean_teardown(tmp_path
     between jobs (each job starts its own on the same port) and after the last."""
     port = free_port()
     sweep = tmp_path / "sweep"
-    out, marker = run_train("-m", f"experiment={','.join(CPU_EXPERIMENTS)}", *QUICK, "train.steps=1",
+    out, marker = run_train("-m", f"experiment={','.join(CPU_EXPERIMENTS)}", *QUICK_SETTINGS, "train.steps=1",
                             "loss.clip_eps=0.3", f"server.port={port}", f"hydra.sweep.dir={sweep}", timeout=900)
     assert out.returncode == 0, out.stderr[-3000:]
     assert_clean(marker)
