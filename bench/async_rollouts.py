@@ -58,7 +58,7 @@ def run(k: int, steps: int, root: Path) -> dict:
     load_before = os.getloadavg()
     t0 = time.monotonic()
     proc = subprocess.run(
-        [sys.executable, str(REPO / "train.py"), f"train.steps={steps}", "eval=off", "logging.plot=false",
+        [sys.executable, str(REPO / "train.py"), "~experiment", f"train.steps={steps}", "eval=off", "logging.plot=false",
          "logging.progress_bar=false", "train.checkpoint_every=1000", f"train.max_staleness={k}",
          f"hydra.run.dir={run_dir}"], cwd=REPO, capture_output=True, text=True)
     wall = time.monotonic() - t0

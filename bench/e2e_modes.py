@@ -30,7 +30,7 @@ KEYS = {"generate": "generation/seconds", "train": "time/train_seconds", "fwd_bw
 
 def run_mode(mode: str, steps: int, base: Path, extra: list[str], reuse: bool = False) -> dict:
     run_dir = base / mode
-    cmd = [sys.executable, "train.py", f"mode={mode}", f"train.steps={steps}", f"server.port={free_port()}",
+    cmd = [sys.executable, "train.py", "~experiment", f"mode={mode}", f"train.steps={steps}", f"server.port={free_port()}",
            "logging.progress_bar=false", "logging.plot=false", f"train.checkpoint_every={steps}",
            f"hydra.run.dir={run_dir}", *extra]  # fmt: skip
     wall = float("nan")

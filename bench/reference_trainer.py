@@ -173,7 +173,7 @@ def bench_ours(mdir: Path, steps: int, groups: list[dict], work: Path, overrides
     api, url = start_run_api(work / "ours_run_api.log")
     run_dir = work / "ours_run"
     try:
-        cmd = [sys.executable, "train.py", "data=atropos", f"data.url={url}", "mode=lora_only", f"train.steps={steps}",
+        cmd = [sys.executable, "train.py", "~experiment", "data=atropos", f"data.url={url}", "mode=lora_only", f"train.steps={steps}",
                "train.micro_batch_size=32", "train.grad_accum=2", "optimizer.lr=1e-5", "lora=attention", "lora.r=16",
                "lora.alpha=32", "lora.dropout=0.0", "loss.clip_eps=0.2", f"server.port={free_port()}",
                "logging.progress_bar=false", "logging.plot=false", f"train.checkpoint_every={steps}",

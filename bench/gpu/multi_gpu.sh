@@ -32,7 +32,7 @@ fi
 if [[ $what == all || $what == train ]]; then
   stamp "train.py mode=broadcast tiny (a)"
   # Eager vLLM: start-up in well under a minute instead of ~95 s of graph capture (the sync path is the same).
-  timeout 160 python3 train.py mode=broadcast server=gpu server.device=1 server.enforce_eager=true \
+  timeout 160 python3 train.py '~experiment' mode=broadcast server=gpu server.device=1 server.enforce_eager=true \
     server.gpu_memory_utilization=0.3 server.max_model_len=512 server.dtype=float32 train.device=cuda model.dtype=float32 \
     train.steps=8 train.micro_batch_size=32 train.grad_accum=2 train.checkpoint_every=1000 mode.bucket_mb=1 \
     logging.progress_bar=false logging.plot=false hydra.run.dir="$work/train_tiny" 2>&1 | grep -vE "INFO|DEBUG" | tail -25
@@ -58,7 +58,7 @@ if [[ $what == none ]]; then
   # 2 steps with a checkpoint each, then a resume to step 3 in the same run dir (what tests/test_distributed.py
   # checks on CPU/gloo), here with NCCL.
   run_none() {
-    timeout 230 torchrun --nproc-per-node 2 --master-port 29631 train.py mode=none server=gpu server.enforce_eager=true \
+    timeout 230 torchrun --nproc-per-node 2 --master-port 29631 train.py '~experiment' mode=none server=gpu server.enforce_eager=true \
       server.gpu_memory_utilization=0.3 server.max_model_len=512 server.dtype=float32 train.device=cuda model.dtype=float32 \
       train.micro_batch_size=32 train.grad_accum=2 train.checkpoint_every=1 logging.progress_bar=false logging.plot=false \
       hydra.run.dir="$work/fsdp_none" "$@" 2>&1 | grep -vE "INFO|DEBUG|Loading weights|Writing model" | tail -12

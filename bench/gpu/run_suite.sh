@@ -15,7 +15,7 @@ export PYTHONPATH=$PWD/src${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 GRPO_CA
 out=${OUT:-bench/results/gpu}
 mkdir -p "$out"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$out/gpu.txt"
-common=(server=gpu data=local_digits logging.progress_bar=false logging.plot=false train.checkpoint_every=1000)
+common=('~experiment' server=gpu data=local_digits logging.progress_bar=false logging.plot=false train.checkpoint_every=1000)
 big=(model=qwen3b model.offline=qwen3b model.gradient_checkpointing=true server.max_model_len=1024
      data.max_new_tokens=128 data.prompts_per_step=8 data.group_size=8 train.micro_batch_size=16 train.grad_accum=4)
 summarise() {  # one JSON line per job: mode/optimizer, mean of steps 2.. for the timing keys
