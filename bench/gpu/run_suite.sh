@@ -8,6 +8,9 @@
 #   bash bench/gpu/run_suite.sh optim_bench [preset]  # per-optimizer step at a real size, peaks per phase
 #   bash bench/gpu/run_suite.sh memory     # multirun shared_vllm,lora_only: device memory back within 1 GiB per job
 #   bash bench/gpu/run_suite.sh packing    # padded vs padding-free vs token budget: perf/mfu, batch/pad_fraction
+#   bash bench/gpu/run_suite.sh async      # shared_vllm on one GPU, train.max_staleness 0 vs 1 (steps/s, stalls)
+# EXTRA="server.enforce_eager=true ..." adds overrides to every train.py run (eager: no CUDA-graph capture, ~60 s
+# less per vLLM start, slower decode).
 # Results land in $OUT (or bench/results/gpu when OUT is unset).
 set -uo pipefail
 export VLLM_WORKER_MULTIPROC_METHOD=spawn VLLM_USE_FLASHINFER_SAMPLER=0 HF_HUB_OFFLINE=1 VLLM_NO_USAGE_STATS=1
@@ -18,13 +21,15 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$out
 common=('~experiment' server=gpu data=local_digits logging.progress_bar=false logging.plot=false train.checkpoint_every=1000)
 big=(model=qwen3b model.offline=qwen3b model.gradient_checkpointing=true server.max_model_len=1024
      data.max_new_tokens=128 data.prompts_per_step=8 data.group_size=8 train.micro_batch_size=16 train.grad_accum=4)
+# shellcheck disable=SC2206  # EXTRA is a space-separated list of overrides on purpose
+common+=(${EXTRA:-})
 summarise() {  # one JSON line per job: mode/optimizer, mean of steps 2.. for the timing keys
   python3 - "$1" <<'PY'
 import json, sys, pathlib
 for d in sorted(pathlib.Path(sys.argv[1]).glob("*/metrics.jsonl")):
     rows = [json.loads(l) for l in d.read_text().splitlines() if l.strip()][1:] or []
     ov = (d.parent / ".hydra/overrides.yaml").read_text().replace("\n", " ") if (d.parent / ".hydra/overrides.yaml").exists() else ""
-    keys = ["sync/seconds", "time/step_seconds", "time/train_seconds", "generation/seconds", "throughput/trained_tokens_per_s", "memory/peak_gb", "grpo/logprob_diff", "tokens/trained", "perf/tflops", "perf/mfu", "batch/pad_fraction"]
+    keys = ["sync/seconds", "time/step_seconds", "time/train_seconds", "generation/seconds", "throughput/trained_tokens_per_s", "memory/peak_gb", "grpo/logprob_diff", "tokens/trained", "perf/tflops", "perf/mfu", "batch/pad_fraction", "sync/gen_stall_seconds", "async/staleness_mean", "async/queue_depth", "async/trainer_wait_seconds", "async/generator_idle_seconds"]
     s = {k: sum(r[k] for r in rows if r.get(k) is not None) / max(1, sum(1 for r in rows if r.get(k) is not None)) for k in keys}
     print(json.dumps({"job": str(d.parent.name), "overrides": ov, "steps": len(rows) + 1, **s}))
 PY
@@ -75,6 +80,11 @@ PY
     python3 train.py -m "${common[@]}" "${big[@]}" train.steps=4 mode=shared_vllm train.padding_free=true \
       train.max_tokens_per_micro_batch=8192 hydra.sweep.dir="$out/packing_budget" 2>&1 | grep -vE "INFO|DEBUG" | tail -40
     { summarise "$out/packing"; summarise "$out/packing_budget"; } | tee "$out/packing.jsonl"
+    ;;
+  async)
+    python3 train.py -m "${common[@]}" "${big[@]}" train.steps=10 mode=shared_vllm train.max_staleness=0,1 \
+      hydra.sweep.dir="$out/async" 2>&1 | grep -vE "INFO|DEBUG" | tail -40
+    summarise "$out/async" | tee "$out/async.jsonl"
     ;;
   optim_bench)
     python3 bench/gpu/optim_bench.py --preset "${2:-qwen3b}" --steps 4 --out "$out/optim_${2:-qwen3b}.json" 2>&1 | tail -8
