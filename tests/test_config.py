@@ -84,10 +84,24 @@ def test_the_default_job_is_the_arithmetic_experiment(tmp_path):
         cfg = compose(config_name="train")
     assert (cfg.name, cfg.model.offline, cfg.data.task._target_) == (
         "arith_quick", "warm-arith", "grpo.pipeline.arithmetic.ArithmeticTask")
-    assert (cfg.train.steps, cfg.eval.every, cfg.train.objective) == (60, 10, "eval/accuracy")
+    assert (cfg.train.steps, cfg.eval.every, cfg.optimizer.lr) == (60, 10, 1e-4)
     validate(cfg, tmp_path / "run")
     bare = _compose([])
     assert (bare.model.name, bare.data.task._target_) == ("tiny-qwen2", "grpo.pipeline.tasks.DigitsTask")
+
+
+GROUP_OPTIONS = [(group, p.stem) for group in ("mode", "model", "optimizer", "loss", "data", "eval", "layers", "lora",
+                                                 "server") for p in sorted((CONF / group).glob("*.yaml"))]
+
+
+@pytest.mark.parametrize("group,option", GROUP_OPTIONS, ids=[f"{g}={o}" for g, o in GROUP_OPTIONS])
+def test_every_group_option_composes_on_top_of_the_default_job(group, option):
+    """`python train.py <group>=<option>` keeps the default job's experiment (arith_quick): none of its keys may be
+    missing from another option (e.g. optimizer.betas under adafactor)."""
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        cfg = compose(config_name="train", overrides=[f"{group}={option}"])
+    assert cfg.name == "arith_quick"
 
 
 def test_user_facing_keys_exist():

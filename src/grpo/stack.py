@@ -190,6 +190,10 @@ def _plan(args: argparse.Namespace, overrides: list[str]) -> dict[str, Any]:
     api_port = args.api_port or _free_port()
     api_url = f"http://{'127.0.0.1' if args.api_host in ('0.0.0.0', '') else args.api_host}:{api_port}"
     overrides = [*overrides, "data=atropos", f"data.url={api_url}"]
+    if not any(o.startswith(("experiment=", "~experiment", "+experiment=")) for o in overrides):
+        # The default job's experiment (arith_quick) is a local arithmetic run; the stack's environment brings its
+        # own task, so the trainer starts from the bare config (tiny Qwen2) unless an experiment is named.
+        overrides.insert(0, "~experiment")
     cfg = compose_train_config(train_py, overrides)
     if not cfg.server.external_url and cfg.server.port is None:
         # The environment must know the server's port before the trainer starts it: fix a free one for both.
