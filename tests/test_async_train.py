@@ -64,7 +64,10 @@ def test_crash_mid_async_generation_recovers_sigterm_stops_and_resume_trains_eac
     assert json.loads((run / "summary.json").read_text())["status"] == "completed"
 
 
-@pytest.mark.parametrize("mode, steps", [("none", 4), ("lora_only", 4), ("lora_restart", 3)])
+# lora_restart restarts vLLM at every sync (~2 min for 3 steps): slow, out of the default run; its drain is also
+# exercised by the crash test below, and lora_restart itself by tests/test_sync_modes.py.
+@pytest.mark.parametrize("mode, steps", [("none", 4), ("lora_only", 4),
+                                         pytest.param("lora_restart", 3, marks=pytest.mark.slow)])
 def test_each_cpu_mode_under_async_rollouts_records_the_generation_stall(tmp_path, mode, steps):
     """A sync lands while the producer generates (k=1): in place (none: reload; lora_only: adapter hot-swap) or by a
     restart that first drains the requests in flight (lora_restart). The run completes, every row says how long the
