@@ -1,6 +1,7 @@
 """Train a language model with GRPO against a vLLM server.
 
-    python train.py                                   # tiny model, local digits task, CPU vLLM
+    python train.py                                   # the default job: warm-started tiny model, arithmetic, CPU vLLM
+    python train.py '~experiment'                     # the bare config: random tiny model, digits task
     python train.py mode=lora_only model=qwen3b server=gpu
     python train.py experiment=qwen3b_lora_restart
     python train.py -m loss.clip_eps=0.1,0.2 optimizer.lr=1e-4,1e-3
@@ -10,7 +11,6 @@ Each component is built here from its config node and handed to the trainer; see
 
 from __future__ import annotations
 
-import gc
 import json
 import logging
 import os
@@ -26,7 +26,15 @@ from hydra.utils import get_class, instantiate
 from omegaconf import DictConfig
 
 from grpo.config import register_configs, validate
-from grpo.run import RunSummary, check_objective, objective_value, record_provenance
+from grpo.run import (
+    RunSummary,
+    check_objective,
+    device_memory,
+    objective_value,
+    record_device_memory,
+    record_provenance,
+    release_device_memory,
+)
 
 register_configs()
 log = logging.getLogger("train")
@@ -75,40 +83,6 @@ def main(cfg: DictConfig) -> float | None:
         release_device_memory()
         if rank0 and memory_before is not None:
             record_device_memory(run_dir, memory_before)
-
-
-def device_memory() -> dict[str, float] | None:
-    """GiB in use on this process's GPU, device-wide (every process: the server included) and by this process's
-    allocator; None without CUDA."""
-    if not torch.cuda.is_available():
-        return None
-    free, total = torch.cuda.mem_get_info()
-    return {"device_used_gb": (total - free) / 1024**3, "allocated_gb": torch.cuda.memory_allocated() / 1024**3,
-            "reserved_gb": torch.cuda.memory_reserved() / 1024**3}
-
-
-def release_device_memory() -> None:
-    """Collect reference cycles and hand the allocator's free blocks back to the device."""
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-        torch.cuda.empty_cache()
-
-
-def record_device_memory(run_dir: Path, before: dict[str, float], settle_s: float = 10.0) -> None:
-    """`<run_dir>/device_memory.json`: device memory at the job's start and after its teardown (the GPU suite checks
-    the two agree within 1 GiB). The driver frees a stopped server's memory shortly after its processes exit, so
-    the reading after waits up to `settle_s` for the device to come back within 1 GiB of the start."""
-    import time
-
-    deadline = time.monotonic() + settle_s
-    after = device_memory()
-    while after["device_used_gb"] > before["device_used_gb"] + 1.0 and time.monotonic() < deadline:
-        time.sleep(0.5)
-        after = device_memory()
-    (run_dir / "device_memory.json").write_text(json.dumps({"before": before, "after_teardown": after}, indent=2))
-    log.info("device memory: %.2f GiB in use before the job, %.2f GiB after its teardown",
-             before["device_used_gb"], after["device_used_gb"])
 
 
 def train(cfg: DictConfig, run_dir: Path) -> list[float]:

@@ -22,31 +22,25 @@ import subprocess
 import sys
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from arith_curves import read_run, time_to  # noqa: E402
+
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "bench" / "results"
 
 
 def curve(run_dir: Path) -> dict:
-    """Eval points (step, train seconds, accuracy) and the run's k and seed, from its metrics and resolved config."""
+    """Eval points (`arith_curves.read_run`: step, training seconds, accuracy), the run's k and seed from its resolved
+    config, its staleness and drop counts, and its per-step profile."""
     from omegaconf import OmegaConf
 
     cfg = OmegaConf.load(run_dir / ".hydra" / "config.yaml")
     rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
-    points, eval_s = [], 0.0
-    for r in rows:
-        if "eval/accuracy" in r:
-            eval_s += r.get("eval/seconds", 0.0)
-            points.append({"step": r["step"], "train_seconds": r["time/run_seconds"] - eval_s,
-                           "accuracy": r["eval/accuracy"], "weight_version": r.get("eval/weight_version")})
     steps = [r for r in rows if "loss" in r and r.get("step", 0) > 0]
     return {"run_dir": str(run_dir), "k": int(cfg.train.max_staleness), "seed": int(cfg.train.seed),
-            "points": points, "steps": len(steps),
+            "points": read_run(run_dir)["points"], "steps": len(steps),
             "staleness_mean": statistics.fmean(r.get("async/staleness_mean", 0.0) or 0.0 for r in steps),
-            "dropped_groups": sum(r.get("async/dropped_groups", 0) or 0 for r in steps), "profile": profile(run_dir)}
-
-
-def first_time_at(points: list[dict], target: float) -> float | None:
-    return next((p["train_seconds"] for p in points if p["accuracy"] >= target), None)
+            "dropped_groups": sum(r.get("async/dropped_groups", 0) or 0 for r in steps), "profile": profile(rows)}
 
 
 PROFILE_KEYS = ("time/step_seconds", "time/data_seconds", "generation/seconds", "time/train_seconds", "sync/seconds",
@@ -54,9 +48,8 @@ PROFILE_KEYS = ("time/step_seconds", "time/data_seconds", "generation/seconds", 
                 "async/queue_depth")
 
 
-def profile(run_dir: Path, skip: int = 2) -> dict:
-    """Mean per-step seconds (and queue depth) of the steady steps: where a step's time goes."""
-    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
+def profile(rows: list[dict], skip: int = 2) -> dict:
+    """Mean per-step seconds (and queue depth) of a run's steady steps (metrics rows): where a step's time goes."""
     rows = [r for r in rows if "loss" in r and r.get("step", 0) > skip]
     out = {}
     for key in PROFILE_KEYS:
@@ -77,7 +70,7 @@ def summarise(curves: list[dict], target_share: float = 0.9) -> dict:
     target = start + target_share * (final0 - start)
     out = {"k0_final_accuracy_mean": round(final0, 4), "target_accuracy": round(target, 4), "per_k": {}}
     for k, cs in sorted(by_k.items()):
-        times = [first_time_at(c["points"], target) for c in cs]
+        times = [time_to(c, target, "train")[0] for c in cs]
         reached = [t for t in times if t is not None]
         out["per_k"][k] = {
             "seeds": [c["seed"] for c in cs],

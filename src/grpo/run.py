@@ -1,14 +1,21 @@
-"""What a run leaves behind besides metrics: provenance (version, commit) and summary.json."""
+"""What a run leaves behind besides metrics: provenance (version, commit), summary.json and, for GPU jobs,
+device_memory.json (with the release of device memory between multirun jobs)."""
 
 from __future__ import annotations
 
+import gc
 import json
+import logging
 import subprocess
 import sys
 import time
 import traceback
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
 
 # Steps averaged for `first10_reward_mean` and `last10_reward_mean` (the objective sweeps optimise).
 REWARD_WINDOW = 10
@@ -93,3 +100,35 @@ def objective_value(run_dir: Path, key: str | None, final_reward: float | None) 
     if not values:
         raise ValueError(f"train.objective={key}: no row of {run_dir / 'metrics.jsonl'} has this key")
     return float(values[-1])
+
+
+def device_memory() -> dict[str, float] | None:
+    """GiB in use on this process's GPU, device-wide (every process: the server included) and by this process's
+    allocator; None without CUDA."""
+    if not torch.cuda.is_available():
+        return None
+    free, total = torch.cuda.mem_get_info()
+    return {"device_used_gb": (total - free) / 1024**3, "allocated_gb": torch.cuda.memory_allocated() / 1024**3,
+            "reserved_gb": torch.cuda.memory_reserved() / 1024**3}
+
+
+def release_device_memory() -> None:
+    """Collect reference cycles and hand the allocator's free blocks back to the device."""
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+
+
+def record_device_memory(run_dir: Path, before: dict[str, float], settle_s: float = 10.0) -> None:
+    """`<run_dir>/device_memory.json`: device memory at the job's start and after its teardown (the GPU suite checks
+    the two agree within 1 GiB). The driver frees a stopped server's memory shortly after its processes exit, so
+    the reading after waits up to `settle_s` for the device to come back within 1 GiB of the start."""
+    deadline = time.monotonic() + settle_s
+    after = device_memory()
+    while after["device_used_gb"] > before["device_used_gb"] + 1.0 and time.monotonic() < deadline:
+        time.sleep(0.5)
+        after = device_memory()
+    (run_dir / "device_memory.json").write_text(json.dumps({"before": before, "after_teardown": after}, indent=2))
+    log.info("device memory: %.2f GiB in use before the job, %.2f GiB after its teardown",
+             before["device_used_gb"], after["device_used_gb"])
