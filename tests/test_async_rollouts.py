@@ -116,10 +116,16 @@ def test_drop_policy_runs_ahead_and_drops_groups_older_than_k_then_takes_the_nex
 
 
 def test_a_producer_error_reaches_the_trainer_in_order_and_the_retry_restarts_at_that_index():
-    server, inner = Server(), Scripted(fail=(2,))
+    server, inner = Server(), Scripted(gen_s=0.05, fail=(2,))
     src = make(inner, server, k=1)
     try:
         train(src, server, 2)
+        # Let the producer fail on batch 2 and end before the trainer asks: a take must not start a second producer
+        # while the error is still queued (that generated batch 2 twice: CI's flake of 2026-11-24).
+        deadline = time.monotonic() + 5
+        while inner.calls.count(2) < 1 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(0.2)
         with pytest.raises(ServerUnreachable):
             src.next_batch(2)
         # The trainer's retry (after sync.recover) regenerates batch 2, then goes on.

@@ -206,6 +206,10 @@ class AsyncRollouts(DataPipeline):
         if self._stop.is_set():
             raise RuntimeError("the rollout producer was stopped")
         with self._cond:
+            if any(b.error is not None for b in self._ready):
+                # The producer ended on an error the trainer has not taken yet: starting another now would generate
+                # that index twice (once here, once on the retry after the error is raised).
+                return
             if self._next_gen is None or self._next_gen <= self._taken:
                 self._next_gen = self._taken + 1
         self._thread = threading.Thread(target=self._produce, name="grpo-rollout-producer", daemon=True)
