@@ -54,7 +54,7 @@ def server_cfg(port: int | None = None, **overrides):
 
     base = dict(
         host="127.0.0.1", port=port or free_port(), gpu_memory_utilization=0.2, max_model_len=512,
-        dtype="float32", max_lora_rank=16, startup_timeout_s=240, busy_loop_s=0.02,
+        dtype="float32", max_lora_rank=16, startup_timeout_s=240, busy_loop_s=0.02, worker_in_engine_process=True,
     )  # fmt: skip
     base.update(overrides)
     return ServerConfig(**base)
@@ -62,14 +62,18 @@ def server_cfg(port: int | None = None, **overrides):
 
 @pytest.fixture(scope="session")
 def vllm_server(tiny_qwen2_dir, tmp_path_factory):
-    """ONE real vLLM CPU server (our grpo.inference.server) on tiny-qwen2 for the whole session, LoRA enabled.
+    """ONE real vLLM CPU server (our grpo.inference.server) on tiny-qwen2 for the whole session, LoRA enabled, its
+    model worker in a process of its own.
 
     Tests that change its weights must put the original ones back (or use their own server).
     """
     from grpo.inference.process import VLLMServer
 
     log = tmp_path_factory.mktemp("vllm_session") / "vllm.log"
-    server = VLLMServer(tiny_qwen2_dir, server_cfg(), log, enable_lora=True, served_model_name=str(tiny_qwen2_dir))
+    # vLLM's own layout (a worker process beside the engine core, as on a GPU box) for this server; the others run
+    # the worker inside the engine core, as conf/server/cpu.yaml does.
+    cfg = server_cfg(worker_in_engine_process=False)
+    server = VLLMServer(tiny_qwen2_dir, cfg, log, enable_lora=True, served_model_name=str(tiny_qwen2_dir))
     server.start()
     try:
         yield server

@@ -120,3 +120,24 @@ def test_async_rollouts_with_recompute_and_tis_cap_or_rollout_logprobs_pass(tmp_
     _validate(["train.max_staleness=1", "train.stale_policy=drop"], tmp_path)
     # Atropos generates on its own: k drops its older groups.
     _validate(["train.max_staleness=2", "data=atropos", "train.stale_policy=drop"], tmp_path)
+
+
+def test_worker_in_engine_process_needs_one_worker(tmp_path):
+    # conf/server/cpu.yaml turns it on; a tensor-parallel server needs vLLM's worker processes.
+    with pytest.raises(ConfigError, match="set server.worker_in_engine_process=false"):
+        _validate(["server.extra_args=[--tensor-parallel-size,2]"], tmp_path)
+    _validate(["server.extra_args=[--tensor-parallel-size,2]", "server.worker_in_engine_process=false"], tmp_path)
+    _validate(["server=gpu", "server.extra_args=['-tp=2']"], tmp_path)  # off on a GPU box
+
+
+def test_worker_in_engine_process_reaches_the_vllm_command_and_environment(tmp_path, monkeypatch):
+    from conftest import server_cfg
+    from grpo.inference.process import VLLMServer
+
+    monkeypatch.delenv("VLLM_ENABLE_V1_MULTIPROCESSING", raising=False)
+    one = VLLMServer(tmp_path, server_cfg(worker_in_engine_process=True), tmp_path / "a.log")
+    assert one.command()[-2:] == ["--distributed-executor-backend", "uni"]
+    assert one.environment()["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
+    two = VLLMServer(tmp_path, server_cfg(worker_in_engine_process=False), tmp_path / "b.log")
+    assert "--distributed-executor-backend" not in two.command()
+    assert "VLLM_ENABLE_V1_MULTIPROCESSING" not in two.environment()

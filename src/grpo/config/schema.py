@@ -252,6 +252,9 @@ class ServerConfig:
     busy_loop_s: Optional[float] = None
     # Other names the served base model answers to besides its directory (e.g. model.name, for Atropos envs).
     served_model_aliases: list[str] = field(default_factory=list)
+    # Run vLLM's model worker inside its engine-core process: one process fewer to start and no inter-process hop
+    # per engine step. Needs a single worker (no tensor/pipeline/data parallel in extra_args).
+    worker_in_engine_process: bool = False
 
 
 # ---------------------------------------------------------------- data pipelines

@@ -11,6 +11,7 @@ from pathlib import Path
 from hydra.utils import get_class
 from omegaconf import DictConfig
 
+from grpo.inference.process import parallel_sizes
 from grpo.options import ConfigError
 
 __all__ = ["ConfigError", "check_run_dir", "validate"]
@@ -119,6 +120,11 @@ def check_server(cfg: DictConfig) -> None:
     """The server's port is free (or an external server is named) and its knobs are in range."""
     if cfg.server.busy_loop_s is not None and cfg.server.busy_loop_s < 0:
         raise ConfigError(f"server.busy_loop_s must be >= 0 seconds or null, got {cfg.server.busy_loop_s}")
+    if cfg.server.worker_in_engine_process and max(parallel_sizes(cfg.server.extra_args).values()) > 1:
+        raise ConfigError(
+            "server.worker_in_engine_process=true runs one vLLM worker, but server.extra_args="
+            f"{list(cfg.server.extra_args)} asks for several: set server.worker_in_engine_process=false"
+        )
     port_fixed = cfg.server.port is not None  # null: the launcher picks a free port
     if cfg.server.external_url is None and port_fixed and not _port_free(cfg.server.host, cfg.server.port):
         raise ConfigError(

@@ -95,7 +95,7 @@ class VLLMServer:
 
     `server_cfg` is a `grpo.config.schema.ServerConfig` node (or any object/mapping with its fields: host, port,
     gpu_memory_utilization, max_model_len, dtype, enforce_eager, max_lora_rank, startup_timeout_s, extra_args,
-    device). `lora_modules` maps adapter names to adapter directories to preload; `enable_lora` turns LoRA on
+    device, busy_loop_s, worker_in_engine_process). `lora_modules` maps adapter names to adapter directories to preload; `enable_lora` turns LoRA on
     even with none preloaded (for hot-swapping). The server's output goes to `log_path` (appended across
     restarts, so a crash log survives the restart that follows it).
 
@@ -183,9 +183,16 @@ class VLLMServer:
             args += ["--enable-lora", "--max-lora-rank", str(option(c, "max_lora_rank", 64))]
             if self.lora_modules:
                 args += ["--lora-modules", *[f"{k}={v}" for k, v in self.lora_modules.items()]]
+        if self.worker_in_engine_process:
+            args += ["--distributed-executor-backend", "uni"]
         args += [str(a) for a in option(c, "extra_args", None) or []]
         args += self.extra_args
         return args
+
+    @property
+    def worker_in_engine_process(self) -> bool:
+        """server.worker_in_engine_process: vLLM's one model worker runs inside its engine-core process."""
+        return bool(option(self.cfg, "worker_in_engine_process", False))
 
     def environment(self) -> dict[str, str]:
         # Under torchrun the trainer's rank variables would otherwise leak into vLLM, which is not a member of the
@@ -199,6 +206,10 @@ class VLLMServer:
             env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"
         # vLLM spawns its workers; a forked child of a process that already ran torch can hang (REFERENCE.md).
         env.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
+        if self.worker_in_engine_process:
+            # vLLM's CPU platform replaces the `uni` executor with a worker process unless this is 0. The API
+            # server still runs its engine core in a process of its own (AsyncLLM always does).
+            env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         env["GRPO_WEIGHT_VERSION"] = str(self.weight_version)
         env[identity.TOKEN_ENV] = self.token
         # Read by grpo.inference.vllm_plugin in each vLLM process; unset keeps vLLM's own busy-loop.
