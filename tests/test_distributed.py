@@ -514,30 +514,30 @@ def test_fsdp2_two_plus_two_steps_with_resume_equal_four_straight(tmp_path, tiny
 
 # ---------------------------------------------------------------- torchrun train.py, mode=none (real vLLM on CPU)
 @pytest.mark.vllm
-def test_torchrun_two_ranks_mode_none_trains_checkpoints_and_resumes(tmp_path):
+def test_torchrun_two_ranks_mode_none_trains_checkpoints_and_resumes(tmp_path, train_server, tiny_qwen2_dir):
     """`torchrun --nproc-per-node 2 train.py mode=none`: every rank joins each gather of the full weights, rank 0
     saves them for vLLM (reloaded in place), writes the checkpoints and resumes from them."""
     import subprocess
     import sys
     import uuid
 
-    from conftest import free_port
+    from conftest import attach, free_port
     from test_train_e2e import QUICK, assert_clean, metrics
 
     run_dir = tmp_path / "run"
     port = free_port()
 
-    def torchrun(*overrides):
+    def torchrun(*overrides, env=None):
         marker = f"GRPO_TEST_{uuid.uuid4().hex}"
-        env = dict(os.environ, GRPO_TEST_MARKER=marker, PYTHONUNBUFFERED="1")
+        env = dict(os.environ, **(env or {}), GRPO_TEST_MARKER=marker, PYTHONUNBUFFERED="1")
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
                str(free_port()), str(REPO / "train.py"), "mode=none", *QUICK, "train.checkpoint_every=1",
-               f"server.port={port}", f"hydra.run.dir={run_dir}", *overrides]
+               f"hydra.run.dir={run_dir}", *overrides]
         out = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=540, env=env)
         assert out.returncode == 0, (out.stdout[-2000:], out.stderr[-3000:])
         assert_clean(marker)
 
-    torchrun("train.steps=2")
+    torchrun("train.steps=2", f"server.port={port}")  # rank 0 starts and stops its own vLLM
     rows = metrics(run_dir)
     assert [r["step"] for r in rows] == [1, 2]
     assert all(r["sync/inplace"] == 1.0 for r in rows) and [r["sync/version"] for r in rows] == [1.0, 2.0]
@@ -545,7 +545,9 @@ def test_torchrun_two_ranks_mode_none_trains_checkpoints_and_resumes(tmp_path):
     assert complete == ["step_000001", "step_000002"]
     assert (run_dir / "served_weights" / "v2" / "model.safetensors").exists()
 
-    torchrun("train.steps=3", f"train.resume={run_dir}")
+    # The resume attaches to the session's server (one vLLM start-up less).
+    external, env = attach(train_server, tiny_qwen2_dir)
+    torchrun("train.steps=3", f"train.resume={run_dir}", external, env=env)
     rows = metrics(run_dir)
     assert [r["step"] for r in rows] == [1, 2, 3]
     assert rows[-1]["sync/version"] == 3.0  # the weight version goes on from the checkpoint's

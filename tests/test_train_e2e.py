@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from conftest import REPO, free_port
+from conftest import REPO, attach, free_port
 
 pytestmark = pytest.mark.vllm
 
@@ -72,7 +72,8 @@ def metrics(run_dir: Path) -> list[dict]:
     return [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
 
 
-def test_default_job_trains_checkpoints_resumes_and_its_saved_config_reproduces_it(tmp_path):
+def test_default_job_trains_checkpoints_resumes_and_its_saved_config_reproduces_it(tmp_path, train_server,
+                                                                                    tiny_qwen2_dir):
     run_dir = tmp_path / "run"
     port = free_port()
     out, marker = run_train(*QUICK, "train.steps=2", "train.checkpoint_every=1", f"server.port={port}",
@@ -92,9 +93,11 @@ def test_default_job_trains_checkpoints_resumes_and_its_saved_config_reproduces_
     saved = tmp_path / "saved_hydra"
     shutil.copytree(run_dir / ".hydra", saved)
 
-    # Resume in place: steps 3 and 4 follow, metrics keep steps 1-2.
-    out, marker = run_train(*QUICK, "train.steps=4", "train.checkpoint_every=1", f"server.port={port}",
-                            f"hydra.run.dir={run_dir}", f"train.resume={run_dir}")
+    # Resume in place: steps 3 and 4 follow, metrics keep steps 1-2. This run and the rerun below attach to the
+    # session's server (a vLLM start-up each saved; the first run above started and stopped its own).
+    external, env = attach(train_server, tiny_qwen2_dir)
+    out, marker = run_train(*QUICK, "train.steps=4", "train.checkpoint_every=1", external,
+                            f"hydra.run.dir={run_dir}", f"train.resume={run_dir}", env=env)
     assert out.returncode == 0, out.stderr[-3000:]
     assert_clean(marker)
     resumed = metrics(run_dir)
@@ -102,7 +105,9 @@ def test_default_job_trains_checkpoints_resumes_and_its_saved_config_reproduces_
 
     # `--config-path <run>/.hydra --config-name config` reruns exactly that config: the same first step.
     again = tmp_path / "again"
-    out, _ = run_train("--config-path", str(saved), "--config-name", "config", f"hydra.run.dir={again}")
+    external, env = attach(train_server, tiny_qwen2_dir)
+    out, _ = run_train("--config-path", str(saved), "--config-name", "config", external, f"hydra.run.dir={again}",
+                       env=env)
     assert out.returncode == 0, out.stderr[-3000:]
     a, b = rows[0], metrics(again)[0]
     assert a["reward/mean"] == pytest.approx(b["reward/mean"], abs=1e-6)
