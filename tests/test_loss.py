@@ -264,3 +264,11 @@ def test_constructor_matches_config_keys():
         GRPOLoss(**cfg)
     fields = set(LossConfig.__dataclass_fields__) - {"_target_"}
     GRPOLoss(**{k: getattr(LossConfig(), k) for k in fields})
+
+
+def test_the_loss_reads_as_its_settings_in_the_start_up_log():
+    from grpo.trainer.loss import GRPOLoss
+
+    text = repr(GRPOLoss(clip_eps=0.3, kl_coef=0.1, aggregation="seq_mean_token_mean"))
+    assert text.startswith("GRPOLoss(clip_eps=0.3, clip_eps_high=0.3,") and "object at" not in text
+    assert "kl_coef=0.1" in text and "aggregation='seq_mean_token_mean'" in text

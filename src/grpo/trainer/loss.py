@@ -103,6 +103,12 @@ class GRPOLoss:
         self.max_tokens_norm = max_tokens_norm
         self.old_logprobs = old_logprobs
 
+    def __repr__(self) -> str:
+        # What train.py logs at start-up: the settings, not an object address.
+        fields = ("clip_eps", "clip_eps_high", "dual_clip", "tis_cap", "kl_coef", "kl_estimator", "aggregation",
+                  "max_tokens_norm", "old_logprobs")
+        return f"{type(self).__name__}({', '.join(f'{f}={getattr(self, f)!r}' for f in fields)})"
+
     def kl(self, logprobs: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
         """Per-token KL estimate of the policy from ``ref`` (same shape as ``logprobs``)."""
         x = (ref - logprobs).clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)
