@@ -135,6 +135,15 @@ def test_build_evaluator_defaults_and_bad_input():
                                                             "eval_size": 12}}), gsm_train)
 
 
+def test_eval_time_hint_only_for_a_long_run_that_mostly_evaluates():
+    from grpo.pipeline.evaluation import eval_time_hint
+
+    assert eval_time_hint(25.0, 40.0) is None  # the default job: 61 % of a 40 s run, no advice
+    assert eval_time_hint(100.0, 600.0) is None  # 17 % of a long run
+    hint = eval_time_hint(300.0, 600.0)
+    assert hint.startswith("eval took 50% of the run's 600 s") and "eval.every" in hint and "heldout_size" in hint
+
+
 def test_due_schedule():
     ev = Evaluator(task=DigitsTask(eval_size=2), rewards={"d": DigitFractionReward()}, every=3)
     assert [s for s in range(0, 11) if ev.due(s, 10)] == [0, 3, 6, 9, 10]

@@ -26,8 +26,20 @@ from grpo.pipeline.tasks import Prompt, Task
 
 log = logging.getLogger(__name__)
 
-# Above this share of the run's wall clock spent in eval, close() prints a hint.
+# Above this share of the run's wall clock spent in eval, close() prints a hint ...
 EVAL_TIME_HINT_FRACTION = 0.25
+# ... in runs of at least this many seconds: a short run (the default job, 40 s of training loop with seven evals
+# for its curve) spends little absolute time in eval and needs no advice.
+EVAL_TIME_HINT_MIN_RUN_S = 300.0
+
+
+def eval_time_hint(eval_seconds: float, wall_seconds: float) -> Optional[str]:
+    """The hint close() logs when eval took too large a share of a long run's wall clock; None otherwise."""
+    if wall_seconds < EVAL_TIME_HINT_MIN_RUN_S or eval_seconds <= EVAL_TIME_HINT_FRACTION * wall_seconds:
+        return None
+    return (f"eval took {100 * eval_seconds / wall_seconds:.0f}% of the run's {wall_seconds:.0f} s: evaluate less "
+            "often (eval.every), with fewer samples per prompt (eval.samples_per_prompt) or on a smaller held-out set "
+            "(the task's eval_size or heldout_size)")
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -158,11 +170,10 @@ class Evaluator:
         return (self.at_end and step == total_steps) or (self.every > 0 and step % self.every == 0)
 
     def close(self) -> None:
-        """Print a hint when eval took more than a quarter of the wall clock since setup; release the client."""
-        wall = time.monotonic() - self.started
-        if self.total_seconds > EVAL_TIME_HINT_FRACTION * wall > 0:
-            log.warning("eval took %.0f%% of the run's %.0f s: use fewer eval prompts (task.eval_size) or a higher "
-                        "eval.every", 100 * self.total_seconds / wall, wall)
+        """Print a hint when eval took a large share of a long run's wall clock (eval_time_hint); release the client."""
+        hint = eval_time_hint(self.total_seconds, time.monotonic() - self.started)
+        if hint:
+            log.warning(hint)
         if self._client is not None:
             self._client.close()
             self._client = None
