@@ -267,8 +267,9 @@ def test_constructor_matches_config_keys():
 
 
 def test_the_loss_reads_as_its_settings_in_the_start_up_log():
+    from grpo.config.schema import Aggregation
     from grpo.trainer.loss import GRPOLoss
 
-    text = repr(GRPOLoss(clip_eps=0.3, kl_coef=0.1, aggregation="seq_mean_token_mean"))
+    text = repr(GRPOLoss(clip_eps=0.3, kl_coef=0.1, aggregation=Aggregation("seq_mean_token_mean")))
     assert text.startswith("GRPOLoss(clip_eps=0.3, clip_eps_high=0.3,") and "object at" not in text
     assert "kl_coef=0.1" in text and "aggregation='seq_mean_token_mean'" in text

@@ -107,7 +107,9 @@ class GRPOLoss:
         # What train.py logs at start-up: the settings, not an object address.
         fields = ("clip_eps", "clip_eps_high", "dual_clip", "tis_cap", "kl_coef", "kl_estimator", "aggregation",
                   "max_tokens_norm", "old_logprobs")
-        return f"{type(self).__name__}({', '.join(f'{f}={getattr(self, f)!r}' for f in fields)})"
+        # Enum members from the typed config read as their plain values.
+        values = {f: getattr(getattr(self, f), "value", getattr(self, f)) for f in fields}
+        return f"{type(self).__name__}({', '.join(f'{f}={v!r}' for f, v in values.items())})"
 
     def kl(self, logprobs: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
         """Per-token KL estimate of the policy from ``ref`` (same shape as ``logprobs``)."""
