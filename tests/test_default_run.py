@@ -1,6 +1,6 @@
 """The README's first command: the default job (experiment arith_quick) raises held-out accuracy on the arithmetic
 skill task. On a fresh machine it first builds the warm-start model (~2 min on 2 idle cores, then cached); the run
-itself takes ~3 min."""
+itself takes under 2 min."""
 
 from __future__ import annotations
 
