@@ -131,13 +131,22 @@ def test_worker_in_engine_process_needs_one_worker(tmp_path):
 
 
 def test_worker_in_engine_process_reaches_the_vllm_command_and_environment(tmp_path, monkeypatch):
+    import os
+
     from conftest import server_cfg
     from grpo.inference.process import VLLMServer
 
     monkeypatch.delenv("VLLM_ENABLE_V1_MULTIPROCESSING", raising=False)
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     one = VLLMServer(tmp_path, server_cfg(worker_in_engine_process=True), tmp_path / "a.log")
     assert one.command()[-2:] == ["--distributed-executor-backend", "uni"]
     assert one.environment()["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
+    # All cores but one, as vLLM's worker process binds (unbound pools beside the trainer's spin on the same cores).
+    assert one.environment()["OMP_NUM_THREADS"] == str(max(1, len(os.sched_getaffinity(0)) - 1))
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")  # the caller's choice stands
+    assert one.environment()["OMP_NUM_THREADS"] == "3"
+    monkeypatch.delenv("OMP_NUM_THREADS")
     two = VLLMServer(tmp_path, server_cfg(worker_in_engine_process=False), tmp_path / "b.log")
     assert "--distributed-executor-backend" not in two.command()
-    assert "VLLM_ENABLE_V1_MULTIPROCESSING" not in two.environment()
+    env = two.environment()
+    assert "VLLM_ENABLE_V1_MULTIPROCESSING" not in env and "OMP_NUM_THREADS" not in env
