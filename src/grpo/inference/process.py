@@ -95,9 +95,9 @@ class VLLMServer:
 
     `server_cfg` is a `grpo.config.schema.ServerConfig` node (or any object/mapping with its fields: host, port,
     gpu_memory_utilization, max_model_len, dtype, enforce_eager, max_lora_rank, startup_timeout_s, extra_args,
-    device, busy_loop_s, worker_in_engine_process). `lora_modules` maps adapter names to adapter directories to preload; `enable_lora` turns LoRA on
-    even with none preloaded (for hot-swapping). The server's output goes to `log_path` (appended across
-    restarts, so a crash log survives the restart that follows it).
+    device, busy_loop_s, worker_in_engine_process). `lora_modules` maps adapter names to adapter directories to
+    preload; `enable_lora` turns LoRA on even with none preloaded (for hot-swapping). The server's output goes to
+    `log_path` (appended across restarts, so a crash log survives the restart that follows it).
 
     `server_cfg.port` null picks a free port at the first start (kept across restarts). The server is started with
     a fresh run token (`.token`, `grpo.inference.identity`): start-up only accepts a /health answer that proves it,

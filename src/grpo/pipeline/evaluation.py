@@ -28,8 +28,8 @@ log = logging.getLogger(__name__)
 
 # Above this share of the run's wall clock spent in eval, close() prints a hint ...
 EVAL_TIME_HINT_FRACTION = 0.25
-# ... in runs of at least this many seconds: a short run (the default job, 40 s of training loop with seven evals
-# for its curve) spends little absolute time in eval and needs no advice.
+# ... in runs of at least this many seconds: a short run (the default job, well under a minute of training loop with
+# seven evals for its curve) spends little absolute time in eval and needs no advice.
 EVAL_TIME_HINT_MIN_RUN_S = 300.0
 
 

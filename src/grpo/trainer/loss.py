@@ -107,8 +107,9 @@ class GRPOLoss:
         # What train.py logs at start-up: the settings, not an object address.
         fields = ("clip_eps", "clip_eps_high", "dual_clip", "tis_cap", "kl_coef", "kl_estimator", "aggregation",
                   "max_tokens_norm", "old_logprobs")
+        values = {f: getattr(self, f) for f in fields}
         # Enum members from the typed config read as their plain values.
-        values = {f: getattr(getattr(self, f), "value", getattr(self, f)) for f in fields}
+        values = {f: getattr(v, "value", v) for f, v in values.items()}
         return f"{type(self).__name__}({', '.join(f'{f}={v!r}' for f, v in values.items())})"
 
     def kl(self, logprobs: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
