@@ -201,7 +201,7 @@ def build_sync(cfg: DictConfig, rank0: bool, resume_ckpt: Path | None):
 def build_model(cfg: DictConfig, sync, sync_ctx, resume_ckpt: Path | None, device, dist_info) -> torch.nn.Module:
     """The trainable model: the strategy's own (shared_vllm) or loaded, with LoRA or frozen layers, sharded under
     torchrun."""
-    from grpo.models.loading import load_model, pick_dtype
+    from grpo.models.loading import load_model, pick_dtype, set_attention
     from grpo.trainer import distributed
     from grpo.trainer.layers import apply_lora, freeze_to_layers, resolve_layer_indices
 
@@ -209,6 +209,7 @@ def build_model(cfg: DictConfig, sync, sync_ctx, resume_ckpt: Path | None, devic
     if model is None:
         base = sync_ctx.model_dir if (resume_ckpt is None or sync.uses_lora) else resume_ckpt
         model = load_model(str(base), pick_dtype(cfg.model.dtype, device), device, cfg.model.gradient_checkpointing)
+    set_attention(model, cfg.model.get("attn_implementation"))
     indices = resolve_layer_indices(cfg.layers.indices, cfg.model.num_layers)
     if sync.uses_lora:
         model = apply_lora(model, cfg.lora, indices, cfg.model.num_layers)

@@ -150,3 +150,16 @@ def test_worker_in_engine_process_reaches_the_vllm_command_and_environment(tmp_p
     assert "--distributed-executor-backend" not in two.command()
     env = two.environment()
     assert "VLLM_ENABLE_V1_MULTIPROCESSING" not in env and "OMP_NUM_THREADS" not in env
+
+
+@pytest.mark.parametrize(
+    "overrides, needle",
+    [
+        (["model.attn_implementation=flash"], "model.attn_implementation=flash is not one of sdpa, eager, flex_attention"),
+        (["model.attn_implementation=flex_attention", "train.device=cpu"], "needs a CUDA trainer"),
+    ],
+)
+def test_attention_kernel_is_checked(tmp_path, overrides, needle):
+    with pytest.raises(ConfigError, match=needle):
+        _validate(overrides + [f"hydra.run.dir={tmp_path}/run"], tmp_path / "run")
+    _validate(["model.attn_implementation=eager", f"hydra.run.dir={tmp_path}/run2"], tmp_path / "run2")

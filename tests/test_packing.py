@@ -177,3 +177,37 @@ def test_update_reports_pad_fraction_and_tflops(tiny_qwen2_dir):
     assert 0 < m["batch/pad_fraction"] < 1 and m["perf/tflops"] > 0 and math.isnan(m["perf/mfu"])  # CPU: no peak
     packed = _trainer(model, GRPOLoss(), padding_free=True)
     assert packed.perf(batch, seconds=0.5)["batch/pad_fraction"] == 0.0
+
+
+# --------------------------------------------------------------------- the attention kernel of packed rows
+@pytest.mark.parametrize("attn", ["eager", "flex_attention"])
+def test_packed_rows_keep_attention_per_sequence_under_other_kernels(tiny_qwen2_dir, attn):
+    """model.attn_implementation: eager (explicit block-diagonal mask) and FlexAttention (document mask; forward
+    only here, CPU has no flex backward) give the padded SDPA path's log-probs on packed rows."""
+    from grpo.models.loading import set_attention
+
+    model = _model(tiny_qwen2_dir)
+    ids, attn_mask, labels, temps = _ragged(model.config.vocab_size)
+    sel = labels != IGNORE_INDEX
+    with torch.no_grad():
+        padded = token_logprobs(model, ids, attn_mask, labels, temps)
+        # set_attention refuses flex on a CPU trainer (no backward there); its forward runs, so switch directly.
+        if attn == "eager":
+            set_attention(model, attn)
+        else:
+            model.set_attn_implementation(attn)
+        assert model.config._attn_implementation == attn
+        packed = token_logprobs(model, ids, attn_mask, labels, temps, packed=True)
+    assert torch.allclose(packed[sel], padded[sel], atol=1e-5)
+
+
+def test_flex_attention_is_refused_for_a_cpu_trainer(tiny_qwen2_dir):
+    from grpo.models.loading import set_attention
+
+    model = _model(tiny_qwen2_dir)
+    with pytest.raises(ValueError, match="only on CUDA"):
+        set_attention(model, "flex_attention")
+    with pytest.raises(ValueError, match="not one of"):
+        set_attention(model, "flash")
+    set_attention(model, None)  # null keeps the loaded kernel
+    assert model.config._attn_implementation == "sdpa"

@@ -8,7 +8,9 @@
 #   bash bench/gpu/run_suite.sh optim_bench [preset]  # per-optimizer step at a real size, peaks per phase
 #   bash bench/gpu/run_suite.sh memory     # multirun shared_vllm,lora_only: device memory back within 1 GiB per job
 #   bash bench/gpu/run_suite.sh packing    # padded vs padding-free vs token budget: perf/mfu, batch/pad_fraction
-#   bash bench/gpu/run_suite.sh async      # shared_vllm on one GPU, train.max_staleness 0 vs 1 (steps/s, stalls)
+#   bash bench/gpu/run_suite.sh async [mode]  # one GPU, train.max_staleness 0 vs 1 (steps/s, stalls); mode=shared_vllm
+#   bash bench/gpu/run_suite.sh mfu        # the trainer's update with a realistic length spread: perf/mfu per batching
+#   bash bench/gpu/run_suite.sh whole_step shared_vllm|lora_only|trl  # one whole-step run of the TRL comparison
 # EXTRA="server.enforce_eager=true ..." adds overrides to every train.py run (eager: no CUDA-graph capture, ~60 s
 # less per vLLM start, slower decode).
 # Results land in $OUT (or bench/results/gpu when OUT is unset).
@@ -82,9 +84,24 @@ PY
     { summarise "$out/packing"; summarise "$out/packing_budget"; } | tee "$out/packing.jsonl"
     ;;
   async)
-    python3 train.py -m "${common[@]}" "${big[@]}" train.steps=10 mode=shared_vllm train.max_staleness=0,1 \
-      hydra.sweep.dir="$out/async" 2>&1 | grep -vE "INFO|DEBUG" | tail -40
-    summarise "$out/async" | tee "$out/async.jsonl"
+    mode=${2:-shared_vllm}
+    python3 train.py -m "${common[@]}" "${big[@]}" eval=off train.steps=10 mode="$mode" train.max_staleness=0,1 \
+      hydra.sweep.dir="$out/async_$mode" 2>&1 | grep -vE "INFO|DEBUG" | tail -40
+    summarise "$out/async_$mode" | tee "$out/async_$mode.jsonl"
+    ;;
+  mfu)
+    python3 bench/gpu/mfu_bench.py --preset qwen3b --steps 4 --out "$out/mfu_qwen3b.json" 2>&1 | tail -8
+    ;;
+  whole_step)
+    # Same inputs as bench/gpu/trl_step.py (its docstring): 8 prompts x 8 completions, <= 128 tokens, AdamW 1e-6.
+    if [ "${2:-}" = trl ]; then
+      python3 bench/gpu/trl_step.py --preset qwen3b --steps 10 --out "$out/whole_step_trl.json" 2>&1 \
+        | grep -vE "INFO|DEBUG|it/s\]" | tail -15
+    else
+      python3 train.py "${common[@]}" "${big[@]}" eval=off train.steps=10 mode="${2:-shared_vllm}" optimizer=adamw \
+        optimizer.lr=1e-6 hydra.run.dir="$out/whole_step/${2:-shared_vllm}" 2>&1 | grep -vE "INFO|DEBUG" | tail -15
+      summarise "$out/whole_step" | tee "$out/whole_step_${2:-shared_vllm}.jsonl"
+    fi
     ;;
   optim_bench)
     python3 bench/gpu/optim_bench.py --preset "${2:-qwen3b}" --steps 4 --out "$out/optim_${2:-qwen3b}.json" 2>&1 | tail -8

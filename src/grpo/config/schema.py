@@ -99,6 +99,10 @@ class ModelConfig:
     gradient_checkpointing: bool = False
     # Longest prompt + completion in tokens; longer sequences are dropped and counted.
     max_seq_len: int = 2048
+    # The trainer's attention kernel (transformers' attn_implementation): null = transformers' default (sdpa),
+    # or sdpa, eager, flex_attention (CUDA only for training; keeps packed rows' attention block-sparse per
+    # sequence with train.padding_free), flash_attention_2 (needs the flash-attn package).
+    attn_implementation: Optional[str] = None
 
 
 # ---------------------------------------------------------------- optimizers (kwargs of the constructor)

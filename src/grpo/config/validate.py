@@ -102,7 +102,18 @@ def check_optimizer(cfg: DictConfig) -> None:
 
 
 def check_model(cfg: DictConfig) -> None:
-    """A local `model.name` exists; a hub id is refused when the hub is off."""
+    """A known attention kernel (FlexAttention on a CUDA trainer only); a local `model.name` exists; a hub id is
+    refused when the hub is off."""
+    from grpo.models.loading import ATTN_IMPLEMENTATIONS
+
+    attn = cfg.model.attn_implementation
+    if attn is not None and attn not in ATTN_IMPLEMENTATIONS:
+        raise ConfigError(f"model.attn_implementation={attn} is not one of {', '.join(ATTN_IMPLEMENTATIONS)} "
+                          "(or null for transformers' default)")
+    trains_on_cpu = cfg.train.device == "cpu" or (cfg.train.device == "auto" and not _cuda_available())
+    if attn == "flex_attention" and trains_on_cpu:
+        raise ConfigError("model.attn_implementation=flex_attention needs a CUDA trainer (PyTorch's FlexAttention "
+                          "has no backward pass on CPU); use sdpa or null on this machine")
     if cfg.model.offline is not None:
         return
     name = cfg.model.name

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Optional
 
 import torch
 from omegaconf import DictConfig
@@ -50,3 +51,26 @@ def load_model(model_dir: str, dtype: torch.dtype, device: torch.device, gradien
     model.config.use_cache = False
     # from_pretrained returns eval mode, in which transformers silently skips gradient checkpointing.
     return model.train()
+
+
+# transformers' attention kernels a run may pick (model.attn_implementation); null keeps the model's default.
+ATTN_IMPLEMENTATIONS = ("sdpa", "eager", "flex_attention", "flash_attention_2", "flash_attention_3")
+
+
+def set_attention(model: torch.nn.Module, attn_implementation: Optional[str]) -> None:
+    """Switch `model`'s attention kernel (transformers' `set_attn_implementation`); None leaves it as loaded.
+
+    FlexAttention has no backward pass on CPU in PyTorch, so training with it there is refused here rather than
+    failing at the first backward.
+    """
+    if attn_implementation is None:
+        return
+    if attn_implementation not in ATTN_IMPLEMENTATIONS:
+        raise ValueError(f"model.attn_implementation={attn_implementation!r} is not one of {ATTN_IMPLEMENTATIONS} "
+                         "(or null for transformers' default)")
+    device = next(model.parameters()).device
+    if attn_implementation == "flex_attention" and device.type != "cuda":
+        raise ValueError("model.attn_implementation=flex_attention trains only on CUDA (PyTorch's FlexAttention has "
+                         f"no backward on {device.type}); use sdpa or null here")
+    model.set_attn_implementation(attn_implementation)
+

@@ -1,0 +1,154 @@
+"""MFU of the trainer's update at a real model size with a realistic spread of sequence lengths, per micro-batching.
+
+    python bench/gpu/mfu_bench.py --preset qwen3b --out mfu_qwen3b.json [--configs rows16,budget_padded,...]
+
+The measured code is the trainer's own: ``GRPOTrainer.plan`` (the token-budget split) and ``GRPOTrainer.update``
+(forward + backward over the micro-batches, clip, AdamW step), and the figures are the ones it logs every step
+(``perf/mfu``, ``perf/tflops``, ``batch/pad_fraction``, ``time/train_seconds``). No server: the rollouts are
+synthetic, built with ``prepare_batch`` as the local pipeline builds them.
+
+Length spread (the "realistic" one of issue 19): 8 prompts x 8 completions per update (64 sequences); a group's
+prompt has 64-384 tokens (uniform), its completions are log-normal with a median of 256 tokens and sigma 0.6,
+clipped to [16, 1024] (mean ~300, a long tail: the longest of 64 is typically 3-4x the median), as a reasoning task
+sampled from an instruct model gives. Each update draws a new batch (seeded), the same sequence for every
+configuration. Model: random bf16 weights of the preset, gradient checkpointing on, torch AdamW (lr 1e-6),
+``conf/loss/grpo.yaml``. Each configuration runs in its own process (clean compile caches and memory peaks): 2
+warm-up updates (FlexAttention compiles on the first, and again for dynamic shapes on the second), then ``--steps``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+ROOT = Path(__file__).resolve().parents[2]
+
+# name: (train.* overrides, model.attn_implementation)
+CONFIGS = {
+    "rows16": ({"micro_batch_size": 16, "grad_accum": 4}, None),
+    "budget_padded": ({"max_tokens_per_micro_batch": 16384}, None),
+    "budget_packed_sdpa": ({"max_tokens_per_micro_batch": 16384, "padding_free": True}, None),
+    "budget_packed_flex": ({"max_tokens_per_micro_batch": 16384, "padding_free": True}, "flex_attention"),
+    "budget32k_packed_flex": ({"max_tokens_per_micro_batch": 32768, "padding_free": True}, "flex_attention"),
+}
+
+
+def rollout_groups(seed: int, vocab: int, prompts: int = 8, group_size: int = 8) -> list:
+    """One update's groups: random tokens with the spread of lengths described in the module docstring."""
+    import numpy as np
+
+    from grpo.pipeline.group import Group
+
+    rng = np.random.default_rng(seed)
+    groups = []
+    for _ in range(prompts):
+        prompt = rng.integers(3, vocab, int(rng.integers(64, 385))).tolist()
+        lengths = np.clip(np.round(rng.lognormal(np.log(256), 0.6, group_size)), 16, 1024).astype(int)
+        comps = [rng.integers(3, vocab, n).tolist() for n in lengths]
+        # Rollout log-probs near a random model's (log 1/vocab), so the PPO ratio stays finite and unclipped.
+        lps = [(-np.log(vocab) + 0.01 * rng.standard_normal(n)).tolist() for n in lengths]
+        groups.append(Group.sampled(prompt, comps, lps, rng.random(group_size).tolist(), 1.0))
+    return groups
+
+
+class _NoServer:
+    """The trainer's sync hooks with no server behind them."""
+
+    version = 0
+
+    def before_optimizer_step(self) -> None: ...
+
+    def after_optimizer_step(self) -> None: ...
+
+
+def one(preset: str, name: str, steps: int, device_name: str = "cuda") -> dict:
+    import torch
+    from hydra.utils import instantiate
+    from omegaconf import OmegaConf
+
+    sys.path.insert(0, str(ROOT / "src"))
+    from grpo.config.schema import TrainConfig
+    from grpo.models.loading import load_model, set_attention
+    from grpo.models.tiny import build_model_dir
+    from grpo.pipeline.batch import prepare_batch
+    from grpo.trainer.loop import GRPOTrainer
+    from grpo.trainer.metrics import NullMetrics
+    from grpo.trainer.optim import build_optimizer
+
+    train, attn = CONFIGS[name]
+    device = torch.device(device_name)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    model = load_model(str(build_model_dir(preset, dtype=str(dtype).removeprefix("torch."))), dtype, device, True)
+    set_attention(model, attn)
+    loss_cfg = OmegaConf.load(ROOT / "conf/loss/grpo.yaml")
+    loss_cfg.pop("defaults")
+    opt = build_optimizer(model, {"_target_": "torch.optim.AdamW", "lr": 1e-6, "weight_decay": 0.0})
+    cfg = OmegaConf.structured(TrainConfig(steps=10**6, **{"micro_batch_size": 64, "grad_accum": 1, **train}))
+    trainer = GRPOTrainer(
+        train_cfg=cfg, model=model, tokenizer=None, optimizer=opt,
+        scheduler=torch.optim.lr_scheduler.LambdaLR(opt, lambda _: 1.0), loss_fn=instantiate(loss_cfg),
+        pipeline=SimpleNamespace(), sync=_NoServer(), checkpoints=None, metrics=NullMetrics(), device=device,
+    )  # fmt: skip
+    vocab = model.config.vocab_size
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    rows = []
+    for step in range(2 + steps):
+        batch = prepare_batch(rollout_groups(step, vocab), max_seq_len=4096, micro_batch_size=cfg.micro_batch_size,
+                              pad_token_id=0, vocab_size=vocab)  # fmt: skip
+        sync()
+        t0 = time.perf_counter()
+        for _, mini in trainer.plan(batch):
+            row = trainer.update(mini)
+        sync()
+        rows.append({**{k: row[k] for k in ("perf/mfu", "perf/tflops", "batch/pad_fraction", "batch/micro_batches",
+                                             "time/train_seconds", "tokens/trained")},
+                     "forward_tokens": float(batch.metrics["tokens/total"]), "wall_s": time.perf_counter() - t0})
+    steady = rows[2:]
+
+    def med(key: str) -> float:
+        return statistics.median(r[key] for r in steady)
+
+    return {
+        "config": name, "train": train, "attn_implementation": attn or "sdpa (default)",
+        "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "steps": rows,
+        "median_mfu": med("perf/mfu"), "median_tflops": med("perf/tflops"), "median_train_s": med("time/train_seconds"),
+        "median_pad_fraction": med("batch/pad_fraction"), "median_micro_batches": med("batch/micro_batches"),
+        "trained_tokens_per_s": sum(r["tokens/trained"] for r in steady) / sum(r["time/train_seconds"] for r in steady),
+        "forward_tokens_per_s": sum(r["forward_tokens"] for r in steady) / sum(r["time/train_seconds"] for r in steady),
+        "peak_allocated_gb": torch.cuda.max_memory_allocated() / 1024**3 if device.type == "cuda" else None,
+    }  # fmt: skip
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--preset", default="qwen3b")
+    p.add_argument("--configs", default=",".join(CONFIGS))
+    p.add_argument("--steps", type=int, default=4)
+    p.add_argument("--device", default="cuda", help="cpu for a smoke run with a tiny preset")
+    p.add_argument("--out", required=True)
+    p.add_argument("--one", default=None, help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.one:
+        print(json.dumps(one(args.preset, args.one, args.steps, args.device)))
+        return
+    results = []
+    for name in args.configs.split(","):
+        proc = subprocess.run([sys.executable, __file__, "--preset", args.preset, "--one", name, "--steps",
+                               str(args.steps), "--device", args.device, "--out", "-"], capture_output=True, text=True, timeout=420)
+        try:
+            results.append(json.loads(proc.stdout.strip().splitlines()[-1]))
+        except (IndexError, json.JSONDecodeError):
+            results.append({"config": name, "error": proc.stderr[-3000:]})
+        summary = {k: v for k, v in results[-1].items() if k != "steps"}
+        print(json.dumps(summary), flush=True)
+        Path(args.out).write_text(json.dumps({"preset": args.preset, "results": results}, indent=2))
+
+
+if __name__ == "__main__":
+    main()
