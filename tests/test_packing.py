@@ -211,3 +211,25 @@ def test_flex_attention_is_refused_for_a_cpu_trainer(tiny_qwen2_dir):
         set_attention(model, "flash")
     set_attention(model, None)  # null keeps the loaded kernel
     assert model.config._attn_implementation == "sdpa"
+
+
+def test_out_of_memory_in_an_update_says_which_micro_batch_and_what_to_lower(tiny_qwen2_dir):
+    """A device OOM inside the forward/backward (raised here by the loss, as CUDA would raise it mid-backward)
+    becomes an error naming the update's largest micro-batch and the knobs that lower the peak."""
+    from grpo.trainer.loop import TrainerOutOfMemoryError
+
+    class OutOfMemoryLoss(GRPOLoss):
+        def __call__(self, *args, **kwargs):
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 182.00 MiB.")
+
+    model = _model(tiny_qwen2_dir)
+    batch = prepare_batch(_groups(3), max_seq_len=64, micro_batch_size=3, pad_token_id=0)
+    longest = max(int(mb.attention_mask.sum(dim=1).max()) for mb in batch.micro_batches)
+    with pytest.raises(TrainerOutOfMemoryError) as e:
+        _trainer(model, OutOfMemoryLoss()).update(batch)
+    msg = str(e.value)
+    assert f"step 1: out of device memory in the forward/backward of micro-batches of up to 3 sequences x {longest} tokens" in msg
+    for knob in ("train.micro_batch_size", "train.max_tokens_per_micro_batch", "model.gradient_checkpointing=true",
+                 "server.gpu_memory_utilization"):
+        assert knob in msg
+    assert isinstance(e.value.__cause__, torch.OutOfMemoryError)

@@ -36,6 +36,10 @@ CONFIGS = {
     "budget_packed_sdpa": ({"max_tokens_per_micro_batch": 16384, "padding_free": True}, None),
     "budget_packed_flex": ({"max_tokens_per_micro_batch": 16384, "padding_free": True}, "flex_attention"),
     "budget32k_packed_flex": ({"max_tokens_per_micro_batch": 32768, "padding_free": True}, "flex_attention"),
+    # train.logprob_chunk 4096 instead of 512: fewer, larger LM-head matmuls in the fused log-prob + loss.
+    "budget_padded_chunk4k": ({"max_tokens_per_micro_batch": 16384, "logprob_chunk": 4096}, None),
+    "budget32k_packed_flex_chunk4k": ({"max_tokens_per_micro_batch": 32768, "padding_free": True, "logprob_chunk": 4096},
+                                      "flex_attention"),
 }
 
 
@@ -106,6 +110,7 @@ def one(preset: str, name: str, steps: int, device_name: str = "cuda") -> dict:
         for _, mini in trainer.plan(batch):
             row = trainer.update(mini)
         sync()
+        print(f"update {step}: {time.perf_counter() - t0:.2f} s, mfu {row['perf/mfu']:.3f}", file=sys.stderr, flush=True)
         rows.append({**{k: row[k] for k in ("perf/mfu", "perf/tflops", "batch/pad_fraction", "batch/micro_batches",
                                              "time/train_seconds", "tokens/trained")},
                      "forward_tokens": float(batch.metrics["tokens/total"]), "wall_s": time.perf_counter() - t0})
@@ -131,6 +136,7 @@ def main() -> None:
     p.add_argument("--configs", default=",".join(CONFIGS))
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--device", default="cuda", help="cpu for a smoke run with a tiny preset")
+    p.add_argument("--timeout", type=int, default=420, help="seconds per configuration (compiles included)")
     p.add_argument("--out", required=True)
     p.add_argument("--one", default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -139,10 +145,14 @@ def main() -> None:
         return
     results = []
     for name in args.configs.split(","):
-        proc = subprocess.run([sys.executable, __file__, "--preset", args.preset, "--one", name, "--steps",
-                               str(args.steps), "--device", args.device, "--out", "-"], capture_output=True, text=True, timeout=420)
+        cmd = [sys.executable, __file__, "--preset", args.preset, "--one", name, "--steps", str(args.steps), "--device",
+               args.device, "--out", "-"]
         try:
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
             results.append(json.loads(proc.stdout.strip().splitlines()[-1]))
+        except subprocess.TimeoutExpired as e:  # the steps it finished are on its stderr
+            err = e.stderr.decode() if isinstance(e.stderr, bytes) else (e.stderr or "")
+            results.append({"config": name, "error": f"timed out after {args.timeout} s", "stderr": err[-3000:]})
         except (IndexError, json.JSONDecodeError):
             results.append({"config": name, "error": proc.stderr[-3000:]})
         summary = {k: v for k, v in results[-1].items() if k != "steps"}

@@ -10,7 +10,7 @@
 #   bash bench/gpu/run_suite.sh packing    # padded vs padding-free vs token budget: perf/mfu, batch/pad_fraction
 #   bash bench/gpu/run_suite.sh async [mode]  # one GPU, train.max_staleness 0 vs 1 (steps/s, stalls); mode=shared_vllm
 #   bash bench/gpu/run_suite.sh mfu        # the trainer's update with a realistic length spread: perf/mfu per batching
-#   bash bench/gpu/run_suite.sh whole_step shared_vllm|lora_only|trl  # one whole-step run of the TRL comparison
+#   bash bench/gpu/run_suite.sh whole_step shared_vllm|lora_only|trl [16|64]  # one run of the TRL comparison
 # EXTRA="server.enforce_eager=true ..." adds overrides to every train.py run (eager: no CUDA-graph capture, ~60 s
 # less per vLLM start, slower decode).
 # Results land in $OUT (or bench/results/gpu when OUT is unset).
@@ -93,14 +93,17 @@ PY
     python3 bench/gpu/mfu_bench.py --preset qwen3b --steps 4 --out "$out/mfu_qwen3b.json" 2>&1 | tail -8
     ;;
   whole_step)
-    # Same inputs as bench/gpu/trl_step.py (its docstring): 8 prompts x 8 completions, <= 128 tokens, AdamW 1e-6.
-    if [ "${2:-}" = trl ]; then
-      python3 bench/gpu/trl_step.py --preset qwen3b --steps 10 --out "$out/whole_step_trl.json" 2>&1 \
-        | grep -vE "INFO|DEBUG|it/s\]" | tail -15
+    # Same inputs as bench/gpu/trl_step.py (its docstring): 8 prompts x 8 completions, <= 128 tokens, AdamW 1e-6;
+    # $3 = sequences per micro-batch (16: x 4 accumulated, 64: one micro-batch) on both sides.
+    impl=${2:-shared_vllm} mb=${3:-16}
+    if [ "$impl" = trl ]; then
+      python3 bench/gpu/trl_step.py --preset qwen3b --steps 10 --micro-batch "$mb" --out "$out/whole_step_trl_mb$mb.json" \
+        2>&1 | grep -vE "INFO|DEBUG|it/s\]" | tail -15
     else
-      python3 train.py "${common[@]}" "${big[@]}" eval=off train.steps=10 mode="${2:-shared_vllm}" optimizer=adamw \
-        optimizer.lr=1e-6 hydra.run.dir="$out/whole_step/${2:-shared_vllm}" 2>&1 | grep -vE "INFO|DEBUG" | tail -15
-      summarise "$out/whole_step" | tee "$out/whole_step_${2:-shared_vllm}.jsonl"
+      python3 train.py "${common[@]}" "${big[@]}" eval=off train.steps=10 mode="$impl" optimizer=adamw \
+        optimizer.lr=1e-6 train.micro_batch_size="$mb" train.grad_accum=$((64 / mb)) \
+        hydra.run.dir="$out/whole_step/${impl}_mb$mb" 2>&1 | grep -vE "INFO|DEBUG" | tail -15
+      summarise "$out/whole_step" | tee "$out/whole_step_${impl}_mb$mb.jsonl"
     fi
     ;;
   optim_bench)

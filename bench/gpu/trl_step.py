@@ -36,6 +36,7 @@ def main() -> None:
     ap.add_argument("--preset", default="qwen3b")
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--micro-batch", type=int, default=16, help="per_device_train_batch_size (x 64/it accumulated)")
     ap.add_argument("--cpu-smoke", action="store_true", help="a tiny preset on CPU, transformers' generate (no vLLM)")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
@@ -75,7 +76,8 @@ def main() -> None:
 
     clock = Clock()
     cfg = GRPOConfig(
-        output_dir=tempfile.mkdtemp(prefix="trl_step_"), per_device_train_batch_size=16, gradient_accumulation_steps=4,
+        output_dir=tempfile.mkdtemp(prefix="trl_step_"), per_device_train_batch_size=args.micro_batch,
+        gradient_accumulation_steps=64 // args.micro_batch,
         num_generations=8, max_completion_length=args.max_new_tokens, temperature=1.0, learning_rate=1e-6,
         lr_scheduler_type="constant", optim="adamw_torch", weight_decay=0.0, max_grad_norm=1.0, beta=0.0,
         epsilon=0.2, loss_type="dapo", bf16=gpu, gradient_checkpointing=True, max_steps=args.steps, seed=0,
@@ -93,7 +95,7 @@ def main() -> None:
     tokens = [r.get("completions/mean_length", float("nan")) * 64 for r in logs]
     result = {
         "impl": "trl", "trl_version": __import__("trl").__version__, "vllm_version": __import__("vllm").__version__ if gpu else None,
-        "preset": args.preset, "device": torch.cuda.get_device_name() if gpu else "cpu", "steps": args.steps,
+        "preset": args.preset, "micro_batch": args.micro_batch, "device": torch.cuda.get_device_name() if gpu else "cpu", "steps": args.steps,
         "first_step_s": step_s[0] if step_s else None, "step_s": step_s,
         "steady_step_s_mean": statistics.mean(steady) if steady else None,
         "steady_step_s_median": statistics.median(steady) if steady else None,

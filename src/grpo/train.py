@@ -210,6 +210,12 @@ def build_model(cfg: DictConfig, sync, sync_ctx, resume_ckpt: Path | None, devic
         base = sync_ctx.model_dir if (resume_ckpt is None or sync.uses_lora) else resume_ckpt
         model = load_model(str(base), pick_dtype(cfg.model.dtype, device), device, cfg.model.gradient_checkpointing)
     set_attention(model, cfg.model.attn_implementation)
+    if cfg.train.padding_free and device.type == "cuda" and cfg.model.attn_implementation in (None, "sdpa", "eager"):
+        # Measured on an H100 (docs/performance.md): 16k-token packed rows under SDPA ran at half the padded MFU.
+        log.warning("train.padding_free with %s attention masks each packed row with an N x N block-diagonal mask "
+                    "(N = its tokens), so attention costs N^2 instead of the sum of the sequences' squares; on a GPU "
+                    "set model.attn_implementation=flex_attention (docs/performance.md)",
+                    cfg.model.attn_implementation or "sdpa")
     indices = resolve_layer_indices(cfg.layers.indices, cfg.model.num_layers)
     if sync.uses_lora:
         model = apply_lora(model, cfg.lora, indices, cfg.model.num_layers)

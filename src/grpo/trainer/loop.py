@@ -87,6 +87,26 @@ class NonFiniteError(RuntimeError):
     """Too many consecutive steps with a NaN/Inf loss or gradient."""
 
 
+class TrainerOutOfMemoryError(RuntimeError):
+    """A micro-batch's forward/backward ran out of device memory; the message names the knobs that lower the peak."""
+
+
+def out_of_memory_advice(batch: PreparedBatch, step: int, device: torch.device) -> str:
+    """What ran out of memory (the update's largest micro-batch, the device's free memory) and what to change."""
+    lengths = [mb.attention_mask.sum(dim=1).tolist() for mb in batch.micro_batches]
+    rows, longest = max(len(lens) for lens in lengths), max(max(lens, default=0) for lens in lengths)
+    free = ""
+    if device.type == "cuda":
+        free_b, total_b = torch.cuda.mem_get_info(device)
+        free = f"; {free_b / 2**30:.1f} of the GPU's {total_b / 2**30:.1f} GiB are free now"
+    return (
+        f"step {step}: out of device memory in the forward/backward of micro-batches of up to {rows} sequences x "
+        f"{longest} tokens{free}. Lower the peak with a smaller train.micro_batch_size (a larger train.grad_accum "
+        "keeps the batch) or a train.max_tokens_per_micro_batch budget, model.gradient_checkpointing=true, or, when "
+        "vLLM shares this GPU, a smaller server.gpu_memory_utilization"
+    )
+
+
 class GRPOTrainer:
     """Runs `train.steps` optimizer steps; each step pulls a batch, computes the GRPO loss, steps and syncs."""
 
@@ -255,7 +275,10 @@ class GRPOTrainer:
     def update(self, batch: PreparedBatch) -> dict[str, Any]:
         """One optimizer step on `batch` (a rollout batch or one of its mini-batches); its metrics."""
         t0 = time.perf_counter()
-        loss_total, loss_metrics = self.forward_backward(batch)
+        try:
+            loss_total, loss_metrics = self.forward_backward(batch)
+        except torch.OutOfMemoryError as error:
+            raise TrainerOutOfMemoryError(out_of_memory_advice(batch, self.step + 1, self.device)) from error
         t_fwd = time.perf_counter()
         grad_norm = self.optimizer_step(loss_total)
         t_opt = time.perf_counter()
