@@ -19,7 +19,9 @@ warm-up updates (FlexAttention compiles on the first, and again for dynamic shap
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -86,6 +88,8 @@ def one(preset: str, name: str, steps: int, device_name: str = "cuda") -> dict:
     from grpo.trainer.optim import build_optimizer
 
     train, attn = CONFIGS[name]
+    if os.environ.get("MFU_STACKS_AFTER_S"):  # where a configuration hangs: every thread's stack on stderr
+        faulthandler.dump_traceback_later(float(os.environ["MFU_STACKS_AFTER_S"]), repeat=True)
     device = torch.device(device_name)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     model = load_model(str(build_model_dir(preset, dtype=str(dtype).removeprefix("torch."))), dtype, device, True)
