@@ -25,7 +25,7 @@ from hydra.types import RunMode
 from hydra.utils import get_class, instantiate
 from omegaconf import DictConfig
 
-from grpo.config import register_configs, validate
+from grpo.config import ConfigError, register_configs, validate
 from grpo.run import (
     RunSummary,
     check_objective,
@@ -51,7 +51,15 @@ def main(cfg: DictConfig) -> float | None:
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     multirun = HydraConfig.get().mode == RunMode.MULTIRUN
     rank0 = int(os.environ.get("RANK", "0")) == 0  # torchrun: rank 0 owns the run dir and every output
-    validate(cfg, run_dir if rank0 else None)  # everything checkable before a model loads
+    try:
+        validate(cfg, run_dir if rank0 else None)  # everything checkable before a model loads
+    except ConfigError as e:
+        # A config mistake is the user's to fix: its message, not a traceback into the checks.
+        if multirun:
+            log.error("ConfigError: %s (this job is skipped; the sweep goes on)", e)
+            return float("nan")
+        print(f"ConfigError: {e}", file=sys.stderr)
+        raise SystemExit(1) from None
     signal.signal(signal.SIGTERM, _sigterm_as_interrupt)
     if rank0:
         record_provenance(run_dir)

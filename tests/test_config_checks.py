@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -94,7 +95,19 @@ def test_cli_stops_before_any_model_loads(tmp_path, override, needle):
                          capture_output=True, text=True, cwd=REPO, timeout=300)
     assert out.returncode != 0
     assert needle in out.stderr
+    assert "Traceback" not in out.stderr  # a config mistake prints its message, not the checks' stack
     assert not (tmp_path / "run" / "metrics.jsonl").exists() and not (tmp_path / "run" / "logs").exists()
+
+
+def test_a_sweep_skips_a_job_whose_config_is_wrong_and_goes_on(tmp_path):
+    out = subprocess.run([sys.executable, str(REPO / "train.py"), "-m", "model.attn_implementation=flex_attention,bogus",
+                          f"hydra.sweep.dir={tmp_path}/sweep"],
+                         capture_output=True, text=True, cwd=REPO, timeout=300)
+    log = out.stdout + out.stderr
+    assert out.returncode == 0, log[-3000:]
+    assert "#1 : model.attn_implementation=bogus" in log  # launched after job 0 failed
+    assert log.count("(this job is skipped; the sweep goes on)") == 2
+    assert "model.attn_implementation=bogus is not one of" in log and "flex_attention needs a CUDA trainer" in log
 
 
 @pytest.mark.parametrize(
@@ -163,3 +176,22 @@ def test_attention_kernel_is_checked(tmp_path, overrides, needle):
     with pytest.raises(ConfigError, match=needle):
         _validate(overrides + [f"hydra.run.dir={tmp_path}/run"], tmp_path / "run")
     _validate(["model.attn_implementation=eager", f"hydra.run.dir={tmp_path}/run2"], tmp_path / "run2")
+
+
+def test_a_hub_model_out_of_reach_stops_at_once_with_what_to_do_instead(tmp_path, monkeypatch):
+    """model=qwen3b names a hub id: with the hub unreachable (HF_ENDPOINT on a closed local port) and nothing cached,
+    validation says so before the hub client's minute of retries, naming the offline presets."""
+    for proxy in ("HTTPS_PROXY", "https_proxy", "HTTP_PROXY", "http_proxy", "ALL_PROXY"):
+        monkeypatch.delenv(proxy, raising=False)
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    with socket.socket() as s:  # a port that was free a moment ago: nothing listens there
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    monkeypatch.setenv("HF_ENDPOINT", f"http://127.0.0.1:{port}")
+    with pytest.raises(ConfigError, match=rf"the hub \(127.0.0.1:{port}\) cannot be reached") as e:
+        _validate(["model=qwen3b", f"hydra.run.dir={tmp_path}/run"], tmp_path / "run")
+    assert "model.name=Qwen/Qwen2.5-3B-Instruct" in str(e.value) and "qwen3b" in str(e.value).split("known shape")[1]
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(ConfigError, match="not in the local Hugging Face cache, and HF_HUB_OFFLINE=1"):
+        _validate(["model=qwen3b", f"hydra.run.dir={tmp_path}/run"], tmp_path / "run")
+    _validate(["model=qwen3b", "model.offline=qwen3b", f"hydra.run.dir={tmp_path}/run"], tmp_path / "run")

@@ -102,8 +102,8 @@ def check_optimizer(cfg: DictConfig) -> None:
 
 
 def check_model(cfg: DictConfig) -> None:
-    """A known attention kernel (FlexAttention on a CUDA trainer only); a local `model.name` exists; a hub id is
-    refused when the hub is off."""
+    """A known attention kernel (FlexAttention on a CUDA trainer only); a local `model.name` exists; a hub id not
+    in the local cache is refused when the hub is off or cannot be reached."""
     from grpo.models.loading import ATTN_IMPLEMENTATIONS
 
     attn = cfg.model.attn_implementation
@@ -120,11 +120,43 @@ def check_model(cfg: DictConfig) -> None:
     looks_local = name.startswith(("/", ".", "~")) or os.path.isabs(name)
     if looks_local and not Path(name).expanduser().exists():
         raise ConfigError(f"model.name={name} does not exist")
-    if not looks_local and os.environ.get("HF_HUB_OFFLINE") == "1" and not Path(name).exists():
-        raise ConfigError(
-            f"model.name={name} is a hub id but HF_HUB_OFFLINE=1; point model.name at a local directory "
-            f"or set model.offline=<preset> for random weights"
-        )
+    if looks_local or Path(name).exists() or _hub_cached(name):
+        return
+    from grpo.models.tiny import offline_presets
+
+    instead = (f"point model.name at a local directory or set model.offline=<preset> for random weights of a known "
+               f"shape ({', '.join(offline_presets())})")
+    if os.environ.get("HF_HUB_OFFLINE") == "1":
+        raise ConfigError(f"model.name={name} is a hub id, not in the local Hugging Face cache, and HF_HUB_OFFLINE=1; "
+                          f"{instead}")
+    reachable, where = _hub_reachable()
+    if not reachable:
+        # Without this the hub client retries for about a minute and ends in a traceback.
+        raise ConfigError(f"model.name={name} is a hub id, not in the local Hugging Face cache, and the hub "
+                          f"({where}) cannot be reached from here; {instead}, or fix the network (HF_ENDPOINT, proxy)")
+
+
+def _hub_cached(name: str) -> bool:
+    """The hub model's config.json is in the local Hugging Face cache."""
+    from huggingface_hub import try_to_load_from_cache
+
+    return isinstance(try_to_load_from_cache(name, "config.json"), str)
+
+
+def _hub_reachable(timeout_s: float = 3.0) -> tuple[bool, str]:
+    """(whether a TCP connection to the hub's host opens within `timeout_s`, "host:port"); HF_ENDPOINT names the
+    hub. Behind a proxy only the hub client knows the way, so it is given the benefit of the doubt."""
+    from urllib.parse import urlparse
+
+    url = urlparse(os.environ.get("HF_ENDPOINT") or "https://huggingface.co")
+    host, port = url.hostname or "huggingface.co", url.port or (443 if url.scheme == "https" else 80)
+    if any(os.environ.get(k) for k in ("HTTPS_PROXY", "https_proxy", "HTTP_PROXY", "http_proxy", "ALL_PROXY")):
+        return True, f"{host}:{port}"
+    try:
+        socket.create_connection((host, port), timeout=timeout_s).close()
+    except OSError:
+        return False, f"{host}:{port}"
+    return True, f"{host}:{port}"
 
 
 def check_server(cfg: DictConfig) -> None:

@@ -99,6 +99,11 @@ def build_tokenizer(vocab_size: int | None = None):
     return fast
 
 
+def offline_presets() -> list[str]:
+    """Every name `model.offline` accepts for random weights: the tiny presets, then the real architectures."""
+    return sorted(TINY_PRESETS) + sorted(p.stem for p in HF_CONFIG_DIR.glob("*.json"))
+
+
 def _model_config(preset: str, overrides: dict[str, Any] | None):
     from transformers import AutoConfig
 
@@ -107,8 +112,7 @@ def _model_config(preset: str, overrides: dict[str, Any] | None):
     else:
         path = HF_CONFIG_DIR / f"{preset}.json"
         if not path.exists():
-            known = sorted(TINY_PRESETS) + sorted(p.stem for p in HF_CONFIG_DIR.glob("*.json"))
-            raise ValueError(f"unknown offline model preset {preset!r}; known: {', '.join(known)}")
+            raise ValueError(f"unknown offline model preset {preset!r}; known: {', '.join(offline_presets())}")
         spec = {k: v for k, v in json.loads(path.read_text()).items() if not k.startswith("_")}
     spec.update(overrides or {})
     tok = build_tokenizer(spec.get("vocab_size"))
