@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
 # Issue 10 on the 2-GPU machine (nvidia-h200-x2), after the vLLM 0.26 kit is installed (bench/gpu/README.md):
 #   bash bench/gpu/multi_gpu.sh            # all three parts, < 9 minutes
-#   bash bench/gpu/multi_gpu.sh fsdp|train|qwen3b|none   (none: not part of "all")
+#   bash bench/gpu/multi_gpu.sh fsdp|train|qwen3b|none|async   (none, async: not part of "all")
 # (c) fsdp:   FSDP2 on 2 GPUs vs 1 GPU, same batch: loss, grad norm and updated weights agree (fsdp_compare.json)
 # (a) train:  train.py mode=broadcast, tiny model, trainer on GPU 0, vLLM on GPU 1 (metrics_broadcast_tiny.jsonl:
 #             grpo/logprob_diff stays small after every sync; sync/seconds, sync/bytes, sync/buckets per step)
 # (b) qwen3b: qwen3b-sized random weights, vLLM on GPU 1: sync seconds per round and served log-probs following
 #             the trainer (broadcast_qwen3b.json)
 # (d) none:   torchrun train.py mode=none on 2 GPUs (FSDP2), checkpoints every step, then a resume
+# (e) async:  train.py mode=broadcast at qwen3b size, vLLM on GPU 1, train.max_staleness=0,1 (issue 18; not run yet)
 # Small result files land at the top level of $OUT (or bench/results/gpu when OUT is unset).
 set -uo pipefail
 export VLLM_WORKER_MULTIPROC_METHOD=spawn VLLM_USE_FLASHINFER_SAMPLER=0 HF_HUB_OFFLINE=1 VLLM_NO_USAGE_STATS=1
@@ -68,5 +69,17 @@ if [[ $what == none ]]; then
   cp "$work/fsdp_none/metrics.jsonl" "$out/metrics_fsdp_none.jsonl" 2>/dev/null
   ls "$work/fsdp_none/checkpoints" "$work/fsdp_none/checkpoints/step_000003" > "$out/fsdp_none_checkpoints.txt" 2>&1
   tail -c 4000 "$work/fsdp_none/logs/vllm.log" > "$out/vllm_fsdp_none.log" 2>/dev/null
+fi
+if [[ $what == async ]]; then
+  stamp "train.py mode=broadcast qwen3b, vLLM on GPU 1, train.max_staleness 0 vs 1 (issue 18)"
+  # Trainer on GPU 0, vLLM on GPU 1 with CUDA graphs: generation of the next batch overlaps training, the
+  # broadcast pauses generation only for the transfer. Target (issue 18): k=1 >= 1.8x k=0's steps/s.
+  timeout 560 python3 train.py -m '~experiment' mode=broadcast server=gpu server.device=1 \
+    server.gpu_memory_utilization=0.8 server.max_model_len=1024 model=qwen3b model.offline=qwen3b \
+    model.gradient_checkpointing=true data=local_digits data.max_new_tokens=128 data.prompts_per_step=8 \
+    data.group_size=8 train.micro_batch_size=16 train.grad_accum=4 optimizer.lr=1e-6 eval=off train.steps=10 \
+    train.checkpoint_every=1000 train.max_staleness=0,1 logging.progress_bar=false logging.plot=false \
+    hydra.sweep.dir="$work/async" 2>&1 | grep -vE "INFO|DEBUG" | tail -25
+  for k in 0 1; do cp "$work/async/$k/metrics.jsonl" "$out/metrics_broadcast_async_k$k.jsonl" 2>/dev/null; done
 fi
 stamp "done"
