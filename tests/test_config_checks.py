@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import socket
 import subprocess
 import sys
@@ -195,3 +196,25 @@ def test_a_hub_model_out_of_reach_stops_at_once_with_what_to_do_instead(tmp_path
     with pytest.raises(ConfigError, match="not in the local Hugging Face cache, and HF_HUB_OFFLINE=1"):
         _validate(["model=qwen3b", f"hydra.run.dir={tmp_path}/run"], tmp_path / "run")
     _validate(["model=qwen3b", "model.offline=qwen3b", f"hydra.run.dir={tmp_path}/run"], tmp_path / "run")
+
+
+def test_a_local_pipeline_too_small_for_the_batch_stops_before_the_server(tmp_path):
+    with pytest.raises(ConfigError, match=r"data.prompts_per_step x data.group_size = \d+ sequences per step, fewer "
+                                          r"than the \d+ of train.micro_batch_size x train.grad_accum; raise"):
+        _validate(["data.group_size=1", f"hydra.run.dir={tmp_path}/run"], tmp_path / "run")
+    _validate(["data.group_size=1", "train.micro_batch_size=4", "train.grad_accum=1", f"hydra.run.dir={tmp_path}/r2"],
+              tmp_path / "r2")
+
+
+def test_resuming_a_finished_run_says_how_to_go_on_instead_of_starting_a_server(tmp_path):
+    from grpo.trainer.checkpoint import COMPLETE
+
+    ckpt = tmp_path / "old" / "checkpoints" / "step_000004"
+    ckpt.mkdir(parents=True)
+    (ckpt / "trainer_state.json").write_text(json.dumps({"step": 4}))
+    (ckpt / COMPLETE).write_text("")
+    resume = f"train.resume={tmp_path / 'old'}"
+    with pytest.raises(ConfigError, match=r"\(step_000004\) is at step 4, and train.steps=4, so there is nothing left "
+                                          r"to train; to go on, raise train.steps \(e.g. train.steps=8"):
+        _validate([resume, "train.steps=4", f"hydra.run.dir={tmp_path}/run"], tmp_path / "run")
+    _validate([resume, "train.steps=6", f"hydra.run.dir={tmp_path}/run"], tmp_path / "run")  # steps 5-6 are left

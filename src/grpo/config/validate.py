@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import json
 import os
 import shutil
 import socket
@@ -77,6 +78,7 @@ def validate(cfg: DictConfig, run_dir: Path | None = None) -> None:
     check_model(cfg)
     check_server(cfg)
     check_train(cfg)
+    check_data(cfg)
     check_async(cfg)
     check_logging(cfg)
     if run_dir is not None:
@@ -199,6 +201,27 @@ def check_train(cfg: DictConfig) -> None:
         raise ConfigError(f"train.max_tokens_per_micro_batch must be >= 1 (null = micro_batch_size rows), got {budget}")
     if cfg.train.resume is not None and not Path(cfg.train.resume).exists():
         raise ConfigError(f"train.resume={cfg.train.resume} does not exist")
+    check_resume_has_steps_left(cfg)
+
+
+def check_resume_has_steps_left(cfg: DictConfig) -> None:
+    """Resuming a run whose latest checkpoint already holds `train.steps` steps would start the server and train
+    nothing: say so, with the setting that continues it. (A run dir without a checkpoint fails in the run.)"""
+    from grpo.trainer.checkpoint import CheckpointManager
+
+    if cfg.train.resume is None:
+        return
+    latest = CheckpointManager(Path(cfg.train.resume), keep=cfg.train.keep_checkpoints).latest()
+    state = latest / "trainer_state.json" if latest is not None else None
+    if state is None or not state.exists():
+        return
+    done = int(json.loads(state.read_text()).get("step", 0))
+    if done >= cfg.train.steps:
+        raise ConfigError(
+            f"train.resume={cfg.train.resume}: its latest checkpoint ({latest.name}) is at step {done}, and "
+            f"train.steps={cfg.train.steps}, so there is nothing left to train; to go on, raise train.steps "
+            f"(e.g. train.steps={done + cfg.train.steps}; it counts from the run's start)"
+        )
 
 
 def check_async(cfg: DictConfig) -> None:
@@ -224,6 +247,28 @@ def check_async(cfg: DictConfig) -> None:
             f"train.max_staleness={k} trains on groups sampled up to {k} syncs ago; loss.old_logprobs=recompute "
             "without loss.tis_cap would take pi_old from the current weights and ignore that gap. Use "
             "loss.old_logprobs=rollout (the default: the ratio is against vLLM's log-probs) or set loss.tis_cap."
+        )
+
+
+def check_data(cfg: DictConfig) -> None:
+    """A local rollout pipeline generates at least the sequences one rollout batch trains on (said here, before the
+    server starts, rather than by the pipeline once it has)."""
+    from grpo.pipeline.local import LocalRolloutPipeline
+
+    target = cfg.data.get("_target_")
+    try:
+        local = target is not None and issubclass(get_class(target), LocalRolloutPipeline)
+    except Exception:  # an optional source's package missing: building the source says so, with its hint
+        return
+    if not local:
+        return
+    per_step = int(cfg.data.get("prompts_per_step", 0)) * int(cfg.data.get("group_size", 0))
+    needed = cfg.train.micro_batch_size * cfg.train.grad_accum
+    if per_step < needed:
+        raise ConfigError(
+            f"data.prompts_per_step x data.group_size = {per_step} sequences per step, fewer than the {needed} of "
+            "train.micro_batch_size x train.grad_accum; raise data.prompts_per_step or data.group_size, or lower "
+            "train.micro_batch_size or train.grad_accum"
         )
 
 
