@@ -58,9 +58,14 @@ def test_packed_inputs_concatenate_rows_and_restart_positions():
     assert pos.tolist() == [[0, 1, 2, 0, 0, 1]]
 
 
+@pytest.mark.parametrize("attn", [None, "varlen"])
 @pytest.mark.parametrize("preset", ["tiny_qwen2_dir", "tiny_llama_dir"])
-def test_packed_logprobs_and_gradients_equal_the_padded_path(preset, request):
+def test_packed_logprobs_and_gradients_equal_the_padded_path(preset, attn, request):
+    """Default SDPA (block-diagonal mask from the restarting positions) and varlen (per-sequence SDPA on CPU)."""
+    from grpo.models.loading import set_attention
+
     model = _model(request.getfixturevalue(preset))
+    set_attention(model, attn)
     ids, attn, labels, temps = _ragged(model.config.vocab_size)
     out = {}
     for packed in (False, True):
@@ -199,6 +204,59 @@ def test_packed_rows_keep_attention_per_sequence_under_other_kernels(tiny_qwen2_
         assert model.config._attn_implementation == attn
         packed = token_logprobs(model, ids, attn_mask, labels, temps, packed=True)
     assert torch.allclose(packed[sel], padded[sel], atol=1e-5)
+
+
+def test_packed_boundaries_are_the_cumulative_lengths_of_the_non_empty_rows():
+    from grpo.trainer.logprobs import packed_boundaries
+
+    attn = torch.tensor([[1, 1, 1, 0], [0, 0, 0, 0], [1, 1, 0, 0], [1, 1, 1, 1]])
+    b = packed_boundaries(attn)
+    assert b["cu_seq_lens_q"].tolist() == [0, 3, 5, 9] and b["cu_seq_lens_q"].dtype == torch.int32
+    assert b["max_length_q"] == 4 and b["cu_seq_lens_k"] is b["cu_seq_lens_q"]
+
+
+def test_varlen_attention_without_boundaries_reads_them_from_positions_and_keeps_padding_masks(tiny_qwen2_dir):
+    """A packed row passed with position ids only, and an unpacked left-padded batch with its 2D mask, give SDPA's
+    log-probs: the kernel never lets a token see another sequence or a pad."""
+    from grpo.models.loading import set_attention
+    from grpo.trainer.logprobs import backbone_and_head
+
+    model = _model(tiny_qwen2_dir)
+    ids, attn_mask, labels, temps = _ragged(model.config.vocab_size)
+    left_ids, left_mask = torch.zeros_like(ids), torch.zeros_like(attn_mask)
+    for b, n in enumerate(attn_mask.sum(1).tolist()):  # the same rows, left-padded
+        left_ids[b, ids.shape[1] - n:], left_mask[b, ids.shape[1] - n:] = ids[b, :n], 1
+    with torch.no_grad():
+        want_left = model(input_ids=left_ids, attention_mask=left_mask).logits
+        packed_ids, positions = packed_inputs(ids, attn_mask)
+        want_packed = backbone_and_head(model)[0](input_ids=packed_ids, position_ids=positions,
+                                                 use_cache=False).last_hidden_state
+        set_attention(model, "varlen")
+        got_left = model(input_ids=left_ids, attention_mask=left_mask).logits
+        got_packed = backbone_and_head(model)[0](input_ids=packed_ids, position_ids=positions,
+                                                use_cache=False).last_hidden_state
+    real = left_mask.bool()
+    torch.testing.assert_close(got_left[real], want_left[real], rtol=0, atol=1e-5)
+    torch.testing.assert_close(got_packed, want_packed, rtol=0, atol=1e-5)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (the flash varlen kernel)")
+def test_varlen_flash_kernel_gives_the_padded_paths_logprobs_and_gradients_on_cuda(tiny_qwen2_dir):
+    from transformers import AutoModelForCausalLM
+
+    from grpo.models.loading import set_attention
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_qwen2_dir, dtype=torch.bfloat16).cuda()
+    ids, attn, labels, temps = (t.cuda() for t in _ragged(model.config.vocab_size))
+    out = {}
+    for packed, kernel in ((False, "sdpa"), (True, "varlen")):
+        set_attention(model, kernel)
+        lp = token_logprobs(model, ids, attn, labels, temps, chunk_size=8, packed=packed)
+        (lp * torch.linspace(-1, 1, lp.numel(), device="cuda").view_as(lp)).sum().backward()
+        out[packed] = (lp.detach().float(), _grads(model))
+    torch.testing.assert_close(out[True][0], out[False][0], rtol=0, atol=2e-2)  # bf16
+    for name, g in out[False][1].items():
+        torch.testing.assert_close(out[True][1][name].float(), g.float(), rtol=5e-2, atol=5e-3, msg=name)
 
 
 def test_flex_attention_is_refused_for_a_cpu_trainer(tiny_qwen2_dir):

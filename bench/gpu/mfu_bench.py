@@ -42,6 +42,12 @@ CONFIGS = {
     "budget_padded_chunk4k": ({"max_tokens_per_micro_batch": 16384, "logprob_chunk": 4096}, None),
     "budget32k_packed_flex_chunk4k": ({"max_tokens_per_micro_batch": 32768, "padding_free": True, "logprob_chunk": 4096},
                                       "flex_attention"),
+    # model.attn_implementation=varlen: PyTorch's flash varlen kernel on the packed rows (no mask, no compile).
+    "budget16k_packed_varlen": ({"max_tokens_per_micro_batch": 16384, "padding_free": True}, "varlen"),
+    "budget32k_packed_varlen": ({"max_tokens_per_micro_batch": 32768, "padding_free": True}, "varlen"),
+    # + model.compile (the "+compile" suffix works on any configuration): torch.compile of each decoder block.
+    "budget16k_packed_varlen+compile": ({"max_tokens_per_micro_batch": 16384, "padding_free": True}, "varlen"),
+    "budget32k_packed_varlen+compile": ({"max_tokens_per_micro_batch": 32768, "padding_free": True}, "varlen"),
 }
 
 
@@ -80,20 +86,22 @@ def one(preset: str, name: str, steps: int, device_name: str = "cuda") -> dict:
 
     sys.path.insert(0, str(ROOT / "src"))
     from grpo.config.schema import TrainConfig
-    from grpo.models.loading import load_model, set_attention
+    from grpo.models.loading import compile_decoder_layers, load_model, set_attention
     from grpo.models.tiny import build_model_dir
     from grpo.pipeline.batch import prepare_batch
     from grpo.trainer.loop import GRPOTrainer
     from grpo.trainer.metrics import NullMetrics
     from grpo.trainer.optim import build_optimizer
 
-    train, attn = CONFIGS[name]
+    train, attn = CONFIGS[name] if name in CONFIGS else CONFIGS[name.removesuffix("+compile")]
     if os.environ.get("MFU_STACKS_AFTER_S"):  # where a configuration hangs: every thread's stack on stderr
         faulthandler.dump_traceback_later(float(os.environ["MFU_STACKS_AFTER_S"]), repeat=True)
     device = torch.device(device_name)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     model = load_model(str(build_model_dir(preset, dtype=str(dtype).removeprefix("torch."))), dtype, device, True)
     set_attention(model, attn)
+    if name.endswith("+compile"):
+        compile_decoder_layers(model)
     loss_cfg = OmegaConf.load(ROOT / "conf/loss/grpo.yaml")
     loss_cfg.pop("defaults")
     opt = build_optimizer(model, {"_target_": "torch.optim.AdamW", "lr": 1e-6, "weight_decay": 0.0})
@@ -125,6 +133,7 @@ def one(preset: str, name: str, steps: int, device_name: str = "cuda") -> dict:
 
     return {
         "config": name, "train": train, "attn_implementation": attn or "sdpa (default)",
+        "compile": name.endswith("+compile"),
         "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "steps": rows,
         "median_mfu": med("perf/mfu"), "median_tflops": med("perf/tflops"), "median_train_s": med("time/train_seconds"),
         "median_pad_fraction": med("batch/pad_fraction"), "median_micro_batches": med("batch/micro_batches"),

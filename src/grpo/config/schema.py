@@ -100,9 +100,13 @@ class ModelConfig:
     # Longest prompt + completion in tokens; longer sequences are dropped and counted.
     max_seq_len: int = 2048
     # The trainer's attention kernel (transformers' attn_implementation): null = transformers' default (sdpa),
-    # or sdpa, eager, flex_attention (CUDA only for training; keeps packed rows' attention block-sparse per
-    # sequence with train.padding_free), flash_attention_2 (needs the flash-attn package).
+    # or sdpa, eager, varlen (packed rows through PyTorch's flash varlen kernel on CUDA, per-sequence SDPA on CPU:
+    # the fast kernel for train.padding_free), flex_attention (CUDA only for training; block-sparse document
+    # masks, compiled per new length), flash_attention_2 (needs the flash-attn package).
     attn_implementation: Optional[str] = None
+    # torch.compile each decoder block of the trained model (fuses its norms, rotary embedding, gated MLP and
+    # residual adds; the attention kernel stays as it is). Compiles once, for dynamic lengths, on the first update.
+    compile: bool = False
 
 
 # ---------------------------------------------------------------- optimizers (kwargs of the constructor)

@@ -54,7 +54,8 @@ def load_model(model_dir: str, dtype: torch.dtype, device: torch.device, gradien
 
 
 # transformers' attention kernels a run may pick (model.attn_implementation); null keeps the model's default.
-ATTN_IMPLEMENTATIONS = ("sdpa", "eager", "flex_attention", "flash_attention_2", "flash_attention_3")
+# varlen is this project's (grpo.models.varlen_attention): packed rows through PyTorch's flash varlen kernel.
+ATTN_IMPLEMENTATIONS = ("sdpa", "eager", "varlen", "flex_attention", "flash_attention_2", "flash_attention_3")
 
 
 def set_attention(model: torch.nn.Module, attn_implementation: Optional[str]) -> None:
@@ -72,5 +73,25 @@ def set_attention(model: torch.nn.Module, attn_implementation: Optional[str]) ->
     if attn_implementation == "flex_attention" and device.type != "cuda":
         raise ValueError("model.attn_implementation=flex_attention trains only on CUDA (PyTorch's FlexAttention has "
                          f"no backward on {device.type}); use sdpa or null here")
+    if attn_implementation == "varlen":
+        from grpo.models import varlen_attention
+
+        varlen_attention.register()
     model.set_attn_implementation(attn_implementation)
 
+
+
+def compile_decoder_layers(model: torch.nn.Module) -> int:
+    """``torch.compile`` every decoder block of a transformers CausalLM in place (``model.compile``); returns how many.
+
+    Blocks, not the whole model: each compiles to the same code (one compile for all, dynamic lengths), gradient
+    checkpointing keeps wrapping each block, and the log-prob head stays the trainer's fused one. The varlen
+    attention function runs eagerly inside them (``varlen_attention.register``).
+    """
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
+    layers = getattr(decoder, "layers", None)
+    if layers is None:
+        raise ValueError(f"model.compile: {type(model).__name__} has no decoder blocks at .get_decoder().layers")
+    for layer in layers:
+        layer.compile(dynamic=True)
+    return len(layers)

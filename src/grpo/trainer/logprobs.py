@@ -68,6 +68,20 @@ def packed_inputs(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> tupl
     return input_ids[real][None], position_ids[None]
 
 
+def packed_boundaries(attention_mask: torch.Tensor) -> dict:
+    """The packed row's sequence boundaries as transformers' attention keyword arguments: ``cu_seq_lens_q/k``
+    (int32 cumulative lengths, empty rows dropped) and ``max_length_q/k`` (the longest sequence, a Python int).
+
+    The varlen kernels (``model.attn_implementation=varlen``, flash_attention_2) read them instead of deriving
+    them from the position ids in every layer; the other kernels ignore them.
+    """
+    lengths = attention_mask.sum(1)
+    lengths = lengths[lengths > 0]
+    cu = F.pad(lengths.cumsum(0), (1, 0)).to(torch.int32)
+    longest = int(lengths.max()) if lengths.numel() else 0
+    return {"cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": longest, "max_length_k": longest}
+
+
 def _final_hidden(
     model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, packed: bool = False
 ) -> tuple[torch.Tensor, nn.Module]:
@@ -82,7 +96,8 @@ def _final_hidden(
         mask = causal_attention_mask(attention_mask)
         return decoder(input_ids=input_ids, attention_mask=mask, use_cache=False).last_hidden_state, head
     ids, position_ids = packed_inputs(input_ids, attention_mask)
-    hidden = decoder(input_ids=ids, position_ids=position_ids, attention_mask=None, use_cache=False).last_hidden_state
+    hidden = decoder(input_ids=ids, position_ids=position_ids, attention_mask=None, use_cache=False,
+                     **packed_boundaries(attention_mask)).last_hidden_state
     real = attention_mask.bool()
     full = hidden.new_zeros(*real.shape, hidden.shape[-1])
     return full.index_put((real,), hidden[0]), head
