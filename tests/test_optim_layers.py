@@ -54,6 +54,20 @@ def test_optimizer_from_config_steps(model, name):
     assert len(changed) == len(before), set(before) - set(changed)
 
 
+def test_adamw_fused_is_passed_only_when_set(model):
+    """optimizer.fused=true reaches torch's AdamW (its fused kernel, which also runs on CPU); null is not passed, so
+    optimizers without the keyword (bitsandbytes) still build from the same schema."""
+    cfg = optimizer_cfg("adamw")
+    assert cfg.fused is None
+    assert build_optimizer(model, cfg).defaults["fused"] is None  # torch's default
+    cfg.fused = True
+    opt = build_optimizer(model, cfg)
+    assert opt.defaults["fused"] is True
+    before = model.lm_head.weight.detach().clone()
+    _step(model, opt)
+    assert not torch.equal(before, model.lm_head.weight.detach())
+
+
 def test_param_groups_exclude_norms_and_biases(model):
     cfg = optimizer_cfg("adamw")
     cfg.weight_decay = 0.1

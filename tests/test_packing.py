@@ -291,3 +291,27 @@ def test_out_of_memory_in_an_update_says_which_micro_batch_and_what_to_lower(tin
                  "server.gpu_memory_utilization"):
         assert knob in msg
     assert isinstance(e.value.__cause__, torch.OutOfMemoryError)
+
+
+def test_compiled_decoder_blocks_give_the_eager_logprobs_and_gradients(tiny_qwen2_dir):
+    """model.compile: torch.compile per block, under gradient checkpointing, packed varlen rows of two different
+    lengths (dynamic shapes: the second does not recompile into something else)."""
+    from grpo.models.loading import compile_decoder_layers, set_attention
+
+    out = {}
+    for compiled in (False, True):
+        model = _model(tiny_qwen2_dir)
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.train()
+        set_attention(model, "varlen")
+        if compiled:
+            assert compile_decoder_layers(model) == model.config.num_hidden_layers
+        for seed, lengths in enumerate([(7, 19, 1, 12), (9, 30, 4, 2)]):
+            ids, attn, labels, temps = _ragged(model.config.vocab_size, lengths=lengths, seed=seed)
+            lp = token_logprobs(model, ids, attn, labels, temps, chunk_size=8, packed=True)
+            (lp * torch.linspace(-1, 1, lp.numel()).view_as(lp)).sum().backward()
+            out[compiled, seed] = (lp.detach(), _grads(model))
+    for seed in (0, 1):
+        torch.testing.assert_close(out[True, seed][0], out[False, seed][0], rtol=0, atol=1e-5)
+        for name, g in out[False, seed][1].items():
+            torch.testing.assert_close(out[True, seed][1][name], g, rtol=1e-4, atol=1e-6, msg=name)

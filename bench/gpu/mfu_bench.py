@@ -19,6 +19,7 @@ warm-up updates (FlexAttention compiles on the first, and again for dynamic shap
 from __future__ import annotations
 
 import argparse
+import contextlib
 import faulthandler
 import json
 import os
@@ -51,8 +52,9 @@ CONFIGS = {
 }
 
 
-def rollout_groups(seed: int, vocab: int, prompts: int = 8, group_size: int = 8) -> list:
-    """One update's groups: random tokens with the spread of lengths described in the module docstring."""
+def rollout_groups(seed: int, vocab: int, prompts: int = 8, group_size: int = 8, spread: str = "reasoning") -> list:
+    """One update's groups: random tokens with the spread of lengths described in the module docstring
+    (``reasoning``), or the whole-step benchmark's shape (``short``: 7-token prompts, 128-token completions)."""
     import numpy as np
 
     from grpo.pipeline.group import Group
@@ -60,8 +62,11 @@ def rollout_groups(seed: int, vocab: int, prompts: int = 8, group_size: int = 8)
     rng = np.random.default_rng(seed)
     groups = []
     for _ in range(prompts):
-        prompt = rng.integers(3, vocab, int(rng.integers(64, 385))).tolist()
-        lengths = np.clip(np.round(rng.lognormal(np.log(256), 0.6, group_size)), 16, 1024).astype(int)
+        if spread == "short":
+            prompt, lengths = rng.integers(3, vocab, 7).tolist(), np.full(group_size, 128)
+        else:
+            prompt = rng.integers(3, vocab, int(rng.integers(64, 385))).tolist()
+            lengths = np.clip(np.round(rng.lognormal(np.log(256), 0.6, group_size)), 16, 1024).astype(int)
         comps = [rng.integers(3, vocab, n).tolist() for n in lengths]
         # Rollout log-probs near a random model's (log 1/vocab), so the PPO ratio stays finite and unclipped.
         lps = [(-np.log(vocab) + 0.01 * rng.standard_normal(n)).tolist() for n in lengths]
@@ -79,7 +84,8 @@ class _NoServer:
     def after_optimizer_step(self) -> None: ...
 
 
-def one(preset: str, name: str, steps: int, device_name: str = "cuda") -> dict:
+def one(preset: str, name: str, steps: int, device_name: str = "cuda", spread: str = "reasoning",
+        profile: bool = False) -> dict:
     import torch
     from hydra.utils import instantiate
     from omegaconf import OmegaConf
@@ -104,7 +110,8 @@ def one(preset: str, name: str, steps: int, device_name: str = "cuda") -> dict:
         compile_decoder_layers(model)
     loss_cfg = OmegaConf.load(ROOT / "conf/loss/grpo.yaml")
     loss_cfg.pop("defaults")
-    opt = build_optimizer(model, {"_target_": "torch.optim.AdamW", "lr": 1e-6, "weight_decay": 0.0})
+    fused = {"fused": True} if os.environ.get("MFU_FUSED_ADAMW") == "1" else {}
+    opt = build_optimizer(model, {"_target_": "torch.optim.AdamW", "lr": 1e-6, "weight_decay": 0.0, **fused})
     cfg = OmegaConf.structured(TrainConfig(steps=10**6, **{"micro_batch_size": 64, "grad_accum": 1, **train}))
     trainer = GRPOTrainer(
         train_cfg=cfg, model=model, tokenizer=None, optimizer=opt,
@@ -115,13 +122,19 @@ def one(preset: str, name: str, steps: int, device_name: str = "cuda") -> dict:
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     rows = []
     for step in range(2 + steps):
-        batch = prepare_batch(rollout_groups(step, vocab), max_seq_len=4096, micro_batch_size=cfg.micro_batch_size,
-                              pad_token_id=0, vocab_size=vocab)  # fmt: skip
+        batch = prepare_batch(rollout_groups(step, vocab, spread=spread), max_seq_len=4096,
+                              micro_batch_size=cfg.micro_batch_size, pad_token_id=0, vocab_size=vocab)  # fmt: skip
+        prof = torch.profiler.profile() if profile and step == 2 + steps - 1 else None  # the last update
         sync()
         t0 = time.perf_counter()
-        for _, mini in trainer.plan(batch):
-            row = trainer.update(mini)
-        sync()
+        with prof or contextlib.nullcontext():
+            for _, mini in trainer.plan(batch):
+                row = trainer.update(mini)
+            sync()
+        if prof is not None:
+            sort = "cuda_time_total" if device.type == "cuda" else "cpu_time_total"
+            profile_table = prof.key_averages().table(sort_by=sort, row_limit=30, max_name_column_width=70)
+            print(profile_table, file=sys.stderr, flush=True)
         print(f"update {step}: {time.perf_counter() - t0:.2f} s, mfu {row['perf/mfu']:.3f}", file=sys.stderr, flush=True)
         rows.append({**{k: row[k] for k in ("perf/mfu", "perf/tflops", "batch/pad_fraction", "batch/micro_batches",
                                              "time/train_seconds", "tokens/trained")},
@@ -140,6 +153,7 @@ def one(preset: str, name: str, steps: int, device_name: str = "cuda") -> dict:
         "trained_tokens_per_s": sum(r["tokens/trained"] for r in steady) / sum(r["time/train_seconds"] for r in steady),
         "forward_tokens_per_s": sum(r["forward_tokens"] for r in steady) / sum(r["time/train_seconds"] for r in steady),
         "peak_allocated_gb": torch.cuda.max_memory_allocated() / 1024**3 if device.type == "cuda" else None,
+        "spread": spread, "fused_adamw": bool(fused), **({"profile": profile_table} if profile else {}),
     }  # fmt: skip
 
 
@@ -150,16 +164,19 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--device", default="cuda", help="cpu for a smoke run with a tiny preset")
     p.add_argument("--timeout", type=int, default=420, help="seconds per configuration (compiles included)")
+    p.add_argument("--spread", default="reasoning", choices=["reasoning", "short"],
+                   help="sequence lengths: reasoning (module docstring) or short (the whole-step benchmark's 7 + 128)")
+    p.add_argument("--profile", action="store_true", help="torch.profiler table of the last update")
     p.add_argument("--out", required=True)
     p.add_argument("--one", default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.one:
-        print(json.dumps(one(args.preset, args.one, args.steps, args.device)))
+        print(json.dumps(one(args.preset, args.one, args.steps, args.device, args.spread, args.profile)))
         return
     results = []
     for name in args.configs.split(","):
         cmd = [sys.executable, __file__, "--preset", args.preset, "--one", name, "--steps", str(args.steps), "--device",
-               args.device, "--out", "-"]
+               args.device, "--spread", args.spread, "--out", "-", *(["--profile"] if args.profile else [])]
         try:
             proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
             results.append(json.loads(proc.stdout.strip().splitlines()[-1]))
@@ -168,7 +185,7 @@ def main() -> None:
             results.append({"config": name, "error": f"timed out after {args.timeout} s", "stderr": err[-3000:]})
         except (IndexError, json.JSONDecodeError):
             results.append({"config": name, "error": proc.stderr[-3000:]})
-        summary = {k: v for k, v in results[-1].items() if k != "steps"}
+        summary = {k: v for k, v in results[-1].items() if k not in ("steps", "profile")}
         print(json.dumps(summary), flush=True)
         Path(args.out).write_text(json.dumps({"preset": args.preset, "results": results}, indent=2))
 

@@ -11,6 +11,7 @@
 #   bash bench/gpu/run_suite.sh async [mode]  # one GPU, train.max_staleness 0 vs 1 (steps/s, stalls); mode=shared_vllm
 #   bash bench/gpu/run_suite.sh mfu        # the trainer's update with a realistic length spread: perf/mfu per batching
 #   bash bench/gpu/run_suite.sh whole_step shared_vllm|lora_only|trl [16|64]  # one run of the TRL comparison
+#     (TRL_OPTIM=adamw_torch_fused for TRL beside EXTRA="optimizer.fused=true" for ours)
 # EXTRA="server.enforce_eager=true ..." adds overrides to every train.py run (eager: no CUDA-graph capture, ~60 s
 # less per vLLM start, slower decode).
 # Results land in $OUT (or bench/results/gpu when OUT is unset).
@@ -97,7 +98,8 @@ PY
     # $3 = sequences per micro-batch (16: x 4 accumulated, 64: one micro-batch) on both sides.
     impl=${2:-shared_vllm} mb=${3:-16}
     if [ "$impl" = trl ]; then
-      python3 bench/gpu/trl_step.py --preset qwen3b --steps 10 --micro-batch "$mb" --out "$out/whole_step_trl_mb$mb.json" \
+      python3 bench/gpu/trl_step.py --preset qwen3b --steps 10 --micro-batch "$mb" --optim "${TRL_OPTIM:-adamw_torch}" \
+        --out "$out/whole_step_trl_mb$mb.json" \
         2>&1 | grep -vE "INFO|DEBUG|it/s\]" | tail -15
     else
       python3 train.py "${common[@]}" "${big[@]}" eval=off train.steps=10 mode="$impl" optimizer=adamw \

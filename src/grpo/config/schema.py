@@ -120,6 +120,9 @@ class AdamWConfig:
     betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
     eps: float = 1e-8
     weight_decay: float = 0.0
+    # torch's fused AdamW kernel (one launch per step instead of a foreach loop); null = torch's default. torch
+    # optimizers only: not passed when null.
+    fused: Optional[bool] = None
 
 
 @dataclass

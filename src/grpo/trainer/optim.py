@@ -85,7 +85,8 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
 def build_optimizer(model: nn.Module, optimizer_cfg: Any) -> torch.optim.Optimizer:
     """Instantiate the configured optimizer on the model's trainable parameters (norms/biases without decay)."""
     check_optimizer_available(optimizer_cfg)
-    cfg = _as_dict(optimizer_cfg)
+    # An unset (null) option is the optimizer's own default, so it is not passed (bitsandbytes has no `fused`).
+    cfg = {k: v for k, v in _as_dict(optimizer_cfg).items() if v is not None}
     groups = param_groups(model, float(cfg.get("weight_decay", 0.0) or 0.0))
     # instantiate(cfg, params=groups) would wrap the group dicts in DictConfigs, which optimizers reject: build a
     # partial from the config and call it with the plain groups.
