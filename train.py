@@ -209,7 +209,7 @@ def build_sync(cfg: DictConfig, rank0: bool, resume_ckpt: Path | None):
 def build_model(cfg: DictConfig, sync, sync_ctx, resume_ckpt: Path | None, device, dist_info) -> torch.nn.Module:
     """The trainable model: the strategy's own (shared_vllm) or loaded, with LoRA or frozen layers, sharded under
     torchrun."""
-    from grpo.models.loading import load_model, pick_dtype, set_attention
+    from grpo.models.loading import compile_decoder_layers, load_model, pick_dtype, set_attention
     from grpo.trainer import distributed
     from grpo.trainer.layers import apply_lora, freeze_to_layers, resolve_layer_indices
 
@@ -217,7 +217,15 @@ def build_model(cfg: DictConfig, sync, sync_ctx, resume_ckpt: Path | None, devic
     if model is None:
         base = sync_ctx.model_dir if (resume_ckpt is None or sync.uses_lora) else resume_ckpt
         model = load_model(str(base), pick_dtype(cfg.model.dtype, device), device, cfg.model.gradient_checkpointing)
-    set_attention(model, cfg.model.get("attn_implementation"))
+    set_attention(model, cfg.model.attn_implementation)
+    if cfg.train.padding_free and device.type == "cuda" and cfg.model.attn_implementation in (None, "sdpa", "eager"):
+        # Measured on an H100 (docs/performance.md): 16k-token packed rows under SDPA ran at half the padded MFU.
+        log.warning("train.padding_free with %s attention masks each packed row with an N x N block-diagonal mask "
+                    "(N = its tokens), so attention costs N^2 instead of the sum of the sequences' squares; on a GPU "
+                    "set model.attn_implementation=varlen (docs/performance.md)",
+                    cfg.model.attn_implementation or "sdpa")
+    if cfg.model.compile:  # lazy: traced at the first update, after LoRA or sharding below
+        log.info("model.compile: %d decoder blocks compile at the first update", compile_decoder_layers(model))
     indices = resolve_layer_indices(cfg.layers.indices, cfg.model.num_layers)
     if sync.uses_lora:
         model = apply_lora(model, cfg.lora, indices, cfg.model.num_layers)

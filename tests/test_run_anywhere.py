@@ -117,3 +117,12 @@ def test_missing_tensorboard_package_is_a_clear_error_at_start_up(tmp_path):
                          cwd=REPO, capture_output=True, text=True, timeout=120)
     assert run.returncode == 1
     assert "ConfigError: logging.tensorboard=true needs the `tensorboard` package" in run.stdout + run.stderr
+
+
+def test_the_package_ships_the_checkouts_train_py_and_conf_not_copies():
+    """`grpo-train` runs grpo/train.py and grpo/conf: symlinks to the checkout's train.py and conf/, so the console
+    script and `python train.py` can never drift apart (a copy once did: a fix landed in one and not the other)."""
+    for packaged, source in (("src/grpo/train.py", "train.py"), ("src/grpo/conf", "conf")):
+        path = REPO / packaged
+        assert path.is_symlink(), f"{packaged} must be a symlink to {source}, not a copy"
+        assert path.resolve() == (REPO / source).resolve()
