@@ -169,7 +169,7 @@ def test_worker_in_engine_process_reaches_the_vllm_command_and_environment(tmp_p
 @pytest.mark.parametrize(
     "overrides, needle",
     [
-        (["model.attn_implementation=flash"], "model.attn_implementation=flash is not one of sdpa, eager, flex_attention"),
+        (["model.attn_implementation=flash"], "model.attn_implementation=flash is not one of sdpa, eager, varlen, flex_attention"),
         (["model.attn_implementation=flex_attention", "train.device=cpu"], "needs a CUDA trainer"),
     ],
 )
