@@ -115,7 +115,7 @@ def check_model(cfg: DictConfig) -> None:
     trains_on_cpu = cfg.train.device == "cpu" or (cfg.train.device == "auto" and not _cuda_available())
     if attn == "flex_attention" and trains_on_cpu:
         raise ConfigError("model.attn_implementation=flex_attention needs a CUDA trainer (PyTorch's FlexAttention "
-                          "has no backward pass on CPU); use sdpa or null on this machine")
+                          "has no backward pass on CPU); use sdpa, null or varlen (packed rows per sequence) on this machine")
     if cfg.model.offline is not None:
         return
     name = cfg.model.name
