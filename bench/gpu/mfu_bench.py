@@ -46,7 +46,7 @@ CONFIGS = {
     # model.attn_implementation=varlen: PyTorch's flash varlen kernel on the packed rows (no mask, no compile).
     "budget16k_packed_varlen": ({"max_tokens_per_micro_batch": 16384, "padding_free": True}, "varlen"),
     "budget32k_packed_varlen": ({"max_tokens_per_micro_batch": 32768, "padding_free": True}, "varlen"),
-    # + model.compile (the "+compile" suffix works on any configuration): torch.compile of each decoder block.
+    # + model.compile (a name ending in "+compile"): torch.compile of each decoder block.
     "budget16k_packed_varlen+compile": ({"max_tokens_per_micro_batch": 16384, "padding_free": True}, "varlen"),
     "budget32k_packed_varlen+compile": ({"max_tokens_per_micro_batch": 32768, "padding_free": True}, "varlen"),
 }
@@ -99,7 +99,7 @@ def one(preset: str, name: str, steps: int, device_name: str = "cuda", spread: s
     from grpo.trainer.metrics import NullMetrics
     from grpo.trainer.optim import build_optimizer
 
-    train, attn = CONFIGS[name] if name in CONFIGS else CONFIGS[name.removesuffix("+compile")]
+    train, attn = CONFIGS[name]
     if os.environ.get("MFU_STACKS_AFTER_S"):  # where a configuration hangs: every thread's stack on stderr
         faulthandler.dump_traceback_later(float(os.environ["MFU_STACKS_AFTER_S"]), repeat=True)
     device = torch.device(device_name)

@@ -80,7 +80,6 @@ def set_attention(model: torch.nn.Module, attn_implementation: Optional[str]) ->
     model.set_attn_implementation(attn_implementation)
 
 
-
 def compile_decoder_layers(model: torch.nn.Module) -> int:
     """``torch.compile`` every decoder block of a transformers CausalLM in place (``model.compile``); returns how many.
 

@@ -119,4 +119,3 @@ def register() -> None:
     # the flash ops' Python-int lengths and custom autograd function cheaply.
     AttentionInterface.register(NAME, torch.compiler.disable(varlen_attention_forward))
     AttentionMaskInterface.register(NAME, flash_attention_mask)
-
