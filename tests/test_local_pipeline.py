@@ -132,6 +132,22 @@ def test_digits_groups_through_vllm(vllm_url, tokenizer):
 
 
 @pytest.mark.vllm
+def test_seeded_sampling_repeats_the_step_and_unseeded_does_not(vllm_url, tokenizer):
+    def tokens_of_step_0(seeded: bool) -> list:
+        pipe = _pipeline("local_digits", prompts_per_step=2, group_size=4, max_new_tokens=12, seeded_sampling=seeded)
+        pipe.setup(_ctx(tokenizer, vllm_url, batch_size=8))
+        try:
+            return [g.tokens for g in pipe.next_groups(0)]
+        finally:
+            pipe.close()
+
+    # Seeded (the default): the same step draws the same completions from the same weights.
+    assert tokens_of_step_0(True) == tokens_of_step_0(True)
+    # Unseeded: the engine's own random stream moves on, so 8 completions of 12 tokens come out different.
+    assert tokens_of_step_0(False) != tokens_of_step_0(False)
+
+
+@pytest.mark.vllm
 def test_gsm8k_groups_and_length_cap(vllm_url, tokenizer):
     from grpo.pipeline.batch import prepare_batch
 

@@ -12,6 +12,7 @@
 #   bash bench/gpu/run_suite.sh mfu        # the trainer's update with a realistic length spread: perf/mfu per batching
 #   bash bench/gpu/run_suite.sh whole_step shared_vllm|lora_only|trl [16|64]  # one run of the TRL comparison
 #     (TRL_OPTIM=adamw_torch_fused for TRL beside EXTRA="optimizer.fused=true" for ours)
+#   bash bench/gpu/run_suite.sh gen_probe  # one step's generation: our server vs vLLM in-process, seeded or not
 # EXTRA="server.enforce_eager=true ..." adds overrides to every train.py run (eager: no CUDA-graph capture, ~60 s
 # less per vLLM start, slower decode).
 # Results land in $OUT (or bench/results/gpu when OUT is unset).
@@ -107,6 +108,9 @@ PY
         hydra.run.dir="$out/whole_step/${impl}_mb$mb" 2>&1 | grep -vE "INFO|DEBUG" | tail -15
       summarise "$out/whole_step" | tee "$out/whole_step_${impl}_mb$mb.jsonl"
     fi
+    ;;
+  gen_probe)  # where generation time goes: our server vs an in-process LLM (TRL colocate), seeded or not
+    python3 bench/gpu/gen_probe.py --preset qwen3b --rounds 5 --out "$out/gen_probe_qwen3b.json" 2>&1 | tail -12
     ;;
   optim_bench)
     python3 bench/gpu/optim_bench.py --preset "${2:-qwen3b}" --steps 4 --out "$out/optim_${2:-qwen3b}.json" 2>&1 | tail -8

@@ -296,6 +296,8 @@ class LocalDataConfig:
     max_new_tokens: int = 16
     temperature: float = 1.0
     top_p: float = 1.0
+    # Per-request sampling seeds (a re-run draws the same rollouts); false samples from the engine's own stream.
+    seeded_sampling: bool = True
 
 
 # ---------------------------------------------------------------- evaluation (conf/eval/)

@@ -76,6 +76,7 @@ class LocalRolloutPipeline(DataPipeline):
         max_new_tokens: int = 16,
         temperature: float = 1.0,
         top_p: float = 1.0,
+        seeded_sampling: bool = True,
     ) -> None:
         if prompts_per_step < 1 or group_size < 1 or max_new_tokens < 1:
             raise ValueError(
@@ -91,6 +92,7 @@ class LocalRolloutPipeline(DataPipeline):
         self.max_new_tokens = int(max_new_tokens)
         self.temperature = float(temperature)
         self.top_p = float(top_p)
+        self.seeded_sampling = bool(seeded_sampling)
         self.ctx: Optional[PipelineContext] = None
         self.client: Any = None
         self._client_url: Optional[str] = None
@@ -149,11 +151,7 @@ class LocalRolloutPipeline(DataPipeline):
             endpoint = ctx.endpoint()  # inside the gate: a restart it waited for may have moved the server
             outs = self._client(endpoint.base_url).generate(
                 ids, n=self.group_size, max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p,
-                model=endpoint.model,
-                # Seeded sampling: a run re-run from its saved config draws the same rollouts (same weights, same
-                # server settings), so its first step reproduces. The client gives each prompt its own seeds from
-                # this base.
-                seed=(ctx.seed * 1_000_003 + step) % (2**31),
+                model=endpoint.model, **self._sampling_seed(step),
             )
         gen_s = time.monotonic() - t0
         scorer = _Scorer(self.rewards, ctx.tokenizer)
@@ -167,6 +165,17 @@ class LocalRolloutPipeline(DataPipeline):
             "data/dropped_prompts_too_long": float(dropped_long),
         }
         return groups
+
+    def _sampling_seed(self, step: int) -> dict[str, int]:
+        """The step's base seed, or nothing when seeded_sampling is off.
+
+        Seeded, a run re-run from its saved config draws the same rollouts (same weights, same server settings), so
+        its first step reproduces; the client gives each prompt its own seeds from this base. vLLM draws seeded
+        requests one by one with their own generators, so unseeded sampling is a little faster.
+        """
+        if not self.seeded_sampling:
+            return {}
+        return {"seed": (self.ctx.seed * 1_000_003 + step) % (2**31)}
 
     def _group(self, prompt: Prompt, prompt_ids: list[int], completions: list, scorer: "_Scorer") -> Group:
         if len(completions) != self.group_size:
