@@ -45,6 +45,16 @@ def _sigterm_as_interrupt(signum, frame):  # noqa: ARG001
     raise KeyboardInterrupt(f"signal {signum}")
 
 
+def config_error(error: ConfigError, multirun: bool) -> float:
+    """A config mistake is the user's to fix: print its message, not a traceback, and exit 1; in a sweep, skip the
+    job (NaN objective) and go on."""
+    if multirun:
+        log.error("ConfigError: %s (this job is skipped; the sweep goes on)", error)
+        return float("nan")
+    print(f"ConfigError: {error}", file=sys.stderr)
+    raise SystemExit(1) from None
+
+
 @hydra.main(version_base="1.3", config_path="conf", config_name="train")
 def main(cfg: DictConfig) -> float | None:
     """Returns `train.objective` (default: the mean reward of the last 10 rollout batches), which sweeps optimise."""
@@ -54,12 +64,7 @@ def main(cfg: DictConfig) -> float | None:
     try:
         validate(cfg, run_dir if rank0 else None)  # everything checkable before a model loads
     except ConfigError as e:
-        # A config mistake is the user's to fix: its message, not a traceback into the checks.
-        if multirun:
-            log.error("ConfigError: %s (this job is skipped; the sweep goes on)", e)
-            return float("nan")
-        print(f"ConfigError: {e}", file=sys.stderr)
-        raise SystemExit(1) from None
+        return config_error(e, multirun)
     signal.signal(signal.SIGTERM, _sigterm_as_interrupt)
     if rank0:
         record_provenance(run_dir)
@@ -80,6 +85,8 @@ def main(cfg: DictConfig) -> float | None:
             if rank0:
                 report_stop(e, cfg, run_dir, HydraConfig.get().overrides.task)
             raise SystemExit(exit_code(e)) from None
+        if isinstance(e, ConfigError):  # found while building a component (e.g. the evaluator's held-out prompts)
+            return config_error(e, multirun)
         # A failed multirun job is logged and the sweep goes on with the next one.
         if multirun and not isinstance(e, KeyboardInterrupt):
             log.exception("job failed; continuing the sweep")
@@ -112,7 +119,10 @@ def train(cfg: DictConfig, run_dir: Path) -> list[float]:
     log.info("loss %s", loss_fn)
     data = build_data(cfg) if rank0 else None
     log.info("data pipeline %s", type(data).__name__ if data is not None else "rank 0's")
-    evaluator = build_evaluator(cfg.eval, cfg.data) if rank0 else None  # bad eval input fails before a model loads
+    try:
+        evaluator = build_evaluator(cfg.eval, cfg.data) if rank0 else None  # bad eval input fails before a model loads
+    except ValueError as e:  # each of its messages names the eval/data key to change
+        raise ConfigError(str(e)) from None
     check_objective(cfg.train.objective, evaluator is not None)
     trainer = metrics = None
     try:

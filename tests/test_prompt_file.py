@@ -76,6 +76,15 @@ def test_eval_prompts_come_from_eval_path_or_a_clear_error(tmp_path):
         PromptFileTask(str(train), prompt_column="q").eval_prompts()
 
 
+def test_can_sample_says_which_rendered_prompts_training_draws(tmp_path):
+    train = write_jsonl(tmp_path / "train.jsonl", ROWS[:3])
+    task = PromptFileTask(str(train), prompt_column="q", template="Q: {prompt}\nA:",
+                          eval_path=str(write_jsonl(tmp_path / "eval.jsonl", ROWS[2:])))
+    assert task.can_sample(Prompt("Q: question 0\nA:")) and not task.can_sample(Prompt("question 0"))
+    # The evaluator's disjointness check: row 2 is in both files, so one held-out prompt could be trained on.
+    assert [task.can_sample(p) for p in task.eval_prompts()] == [True, False, False]
+
+
 def test_the_example_experiment_composes_and_builds_its_rewards_from_the_users_module():
     out = subprocess.run([sys.executable, "train.py", "--config-dir", "examples/my_task/conf", "experiment=my_task",
                           "--cfg", "job"], cwd=REPO, capture_output=True, text=True, timeout=120)
@@ -108,14 +117,19 @@ def test_the_example_task_trains_two_steps_with_the_real_engine(tmp_path, train_
     marker = f"GRPO_TEST_{uuid.uuid4().hex}"
     env = dict(os.environ, **server_env, GRPO_TEST_MARKER=marker, PYTHONUNBUFFERED="1")
     out = subprocess.run(
-        [sys.executable, "train.py", "--config-dir", "examples/my_task/conf", "experiment=my_task", *QUICK_SETTINGS,
+        # Evaluation left on (the default, as a user runs it): the held-out file is read, checked against the
+        # training prompts, and scored before the first step and after the last.
+        [sys.executable, "train.py", "--config-dir", "examples/my_task/conf", "experiment=my_task",
+         *[s for s in QUICK_SETTINGS if s != "eval=off"], "eval.samples_per_prompt=2", "eval.k=2",
          "train.steps=2", external, f"hydra.run.dir={run}"],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=400)
     assert out.returncode == 0, (out.stdout + out.stderr)[-3000:]
     assert_clean(marker)
     rows = metrics(run)
-    assert [r["step"] for r in rows] == [1, 2]
-    for r in rows:
+    assert [r["step"] for r in rows if "loss" in r] == [1, 2]
+    evaluated = [r for r in rows if "eval/accuracy" in r]
+    assert [r["step"] for r in evaluated] == [0, 2] and all(r["eval/prompts"] == 4 for r in evaluated)
+    for r in (r for r in rows if "loss" in r):
         assert 0.0 <= r["reward/characters"] <= 1.0 and 0.0 <= r["reward/exact"] <= 1.0
         assert r["reward/weighted"] == pytest.approx(r["reward/characters"] + 0.5 * r["reward/exact"], abs=1e-6)
     assert json.loads((run / "summary.json").read_text())["status"] == "completed"

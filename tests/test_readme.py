@@ -18,8 +18,10 @@ from pathlib import Path
 
 import pytest
 import yaml
+from omegaconf import OmegaConf
 
 from conftest import REPO
+from grpo.config.validate import check_data
 
 README = REPO / "README.md"
 # Programs outside this package that the README names; what is checked for each is in `external_ok`.
@@ -159,5 +161,8 @@ def test_readme_command_runs_as_written(argv, example_run):
     if "--cfg" in check and "--help" not in check:
         cfg = yaml.safe_load(out.stdout)
         assert {"model", "mode", "data", "train"} <= set(cfg), out.stdout[:500]
+        # Composing is not enough: a run's first check (the pipeline's step fills the loop's batch) must pass too,
+        # or the command stops at start-up with a ConfigError.
+        check_data(OmegaConf.create(cfg))
     else:
         assert "usage" in (out.stdout + out.stderr).lower() or "powered by hydra" in out.stdout.lower(), out.stdout[:500]

@@ -119,6 +119,19 @@ def test_missing_tensorboard_package_is_a_clear_error_at_start_up(tmp_path):
     assert "ConfigError: logging.tensorboard=true needs the `tensorboard` package" in run.stdout + run.stderr
 
 
+def test_a_prompt_file_without_held_out_prompts_stops_with_a_config_error(tmp_path):
+    # Evaluation is on for local tasks by default; a prompts file alone has nothing held out to evaluate on.
+    run = subprocess.run([sys.executable, "train.py", "~experiment", "data=prompt_file",
+                          "data.task.path=examples/my_task/prompts.jsonl", "data.task.prompt_column=question",
+                          "+data.rewards.c._target_=examples.my_task.my_rewards.answer_characters",
+                          "+data.rewards.c._partial_=true", f"hydra.run.dir={tmp_path}"],
+                         cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 1
+    assert "ConfigError: PromptFileTask has no held-out prompts: set data.task.eval_path" in run.stderr
+    assert "eval.enabled=false" in run.stderr and "Traceback" not in run.stderr
+    assert not (tmp_path / "logs" / "vllm.pid").exists()  # stopped before any server started
+
+
 def test_the_package_ships_the_checkouts_train_py_and_conf_not_copies():
     """`grpo-train` runs grpo/train.py and grpo/conf: symlinks to the checkout's train.py and conf/, so the console
     script and `python train.py` can never drift apart (a copy once did: a fix landed in one and not the other)."""

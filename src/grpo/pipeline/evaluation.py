@@ -287,5 +287,8 @@ def build_evaluator(eval_cfg: Any, data_cfg: Any) -> Optional[Evaluator]:
             raise e.__cause__ from None
         raise
     if train_task is not None:
-        evaluator.check_disjoint(_build(train_task))
+        try:
+            evaluator.check_disjoint(_build(train_task))
+        except NotImplementedError as e:  # a task of the user's making without eval_prompts or can_sample
+            raise ValueError(str(e)) from None
     return evaluator

@@ -122,6 +122,8 @@ class PromptFileTask(Task):
         self.format, self.template, self.chat_template = format, template, chat_template
         self.tokenizer: Any = None
         self.rows = self._load(self.path, split)
+        # (tokenizer, rendered training prompts) cached for can_sample; rebuilt when the tokenizer changes.
+        self._rendered_rows: Optional[tuple[Any, set[str]]] = None
         # Read at start-up too, so a wrong held-out path fails before training, not at the first evaluation.
         self.eval_rows: Optional[list[tuple[str, Optional[str]]]] = None
         if eval_path is not None or eval_split is not None:
@@ -147,11 +149,17 @@ class PromptFileTask(Task):
         picks = [self.rows[rng.randrange(len(self.rows))] for _ in range(n)]
         return [Prompt(self.render(text), answer) for text, answer in picks]
 
+    def can_sample(self, prompt: Prompt) -> bool:
+        """True when `prompt` renders the same as a training row (the evaluator refuses a held-out file that does)."""
+        if self._rendered_rows is None or self._rendered_rows[0] is not self.tokenizer:
+            self._rendered_rows = (self.tokenizer, {self.render(text) for text, _ in self.rows})
+        return prompt.text in self._rendered_rows[1]
+
     def eval_prompts(self) -> list[Prompt]:
         """Every held-out prompt, in file order (from `eval_path` / `eval_split`)."""
         if self.eval_rows is None:
             raise ValueError(
                 "PromptFileTask has no held-out prompts: set data.task.eval_path (a file) or data.task.eval_split "
-                "(a split of the dataset at data.task.path)"
+                "(a split of the dataset at data.task.path), or run without evaluation: eval.enabled=false"
             )
         return [Prompt(self.render(text), answer) for text, answer in self.eval_rows]

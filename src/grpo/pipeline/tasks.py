@@ -66,7 +66,10 @@ class Task:
 
     def can_sample(self, prompt: Prompt) -> bool:
         """True when `sample` may draw `prompt` (used to check that an eval set is disjoint from training)."""
-        raise NotImplementedError(f"{type(self).__name__} does not say which prompts it samples (can_sample)")
+        raise NotImplementedError(
+            f"{type(self).__name__} does not say which prompts it samples: implement can_sample(prompt) so that the "
+            "held-out prompts can be checked against training, or set eval.enabled=false"
+        )
 
 
 class DigitsTask(Task):
