@@ -11,7 +11,7 @@ import random
 from pathlib import Path
 from typing import Any, Optional
 
-from grpo.pipeline.tasks import Prompt, Task, read_jsonl
+from grpo.pipeline.tasks import Prompt, RowsTask, read_jsonl
 
 FORMATS = ("auto", "jsonl", "parquet", "hf_disk")
 
@@ -94,7 +94,7 @@ def rows_to_prompts(rows: list[dict[str, Any]], source: str, prompt_column: str,
     return pairs
 
 
-class PromptFileTask(Task):
+class PromptFileTask(RowsTask):
     """Prompts (and optional reference answers) read from a JSONL file, a parquet file or a saved HF dataset.
 
     Each prompt is rendered with `template` (`{prompt}` is replaced by the prompt column), then through the
@@ -122,8 +122,6 @@ class PromptFileTask(Task):
         self.format, self.template, self.chat_template = format, template, chat_template
         self.tokenizer: Any = None
         self.rows = self._load(self.path, split)
-        # (tokenizer, rendered training prompts) cached for can_sample; rebuilt when the tokenizer changes.
-        self._rendered_rows: Optional[tuple[Any, set[str]]] = None
         # Read at start-up too, so a wrong held-out path fails before training, not at the first evaluation.
         self.eval_rows: Optional[list[tuple[str, Optional[str]]]] = None
         if eval_path is not None or eval_split is not None:
@@ -148,12 +146,6 @@ class PromptFileTask(Task):
     def sample(self, rng: random.Random, n: int) -> list[Prompt]:
         picks = [self.rows[rng.randrange(len(self.rows))] for _ in range(n)]
         return [Prompt(self.render(text), answer) for text, answer in picks]
-
-    def can_sample(self, prompt: Prompt) -> bool:
-        """True when `prompt` renders the same as a training row (the evaluator refuses a held-out file that does)."""
-        if self._rendered_rows is None or self._rendered_rows[0] is not self.tokenizer:
-            self._rendered_rows = (self.tokenizer, {self.render(text) for text, _ in self.rows})
-        return prompt.text in self._rendered_rows[1]
 
     def eval_prompts(self) -> list[Prompt]:
         """Every held-out prompt, in file order (from `eval_path` / `eval_split`)."""

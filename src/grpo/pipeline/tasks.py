@@ -134,7 +134,25 @@ def gsm8k_final_answer(answer: str) -> str:
     return final.strip().replace(",", "").replace("$", "")
 
 
-class GSM8KTask(Task):
+class RowsTask(Task):
+    """A task whose training prompts are `self.rows` of (text, answer), rendered by `self.render(text)` (which may
+    use `self.tokenizer`): `can_sample` is whether a prompt renders as one of them."""
+
+    rows: list[tuple[str, Optional[str]]]
+    tokenizer: Any = None
+    # (tokenizer, rendered training prompts) cached for can_sample; rebuilt when the tokenizer changes.
+    _rendered_rows: Optional[tuple[Any, set[str]]] = None
+
+    def render(self, text: str) -> str:
+        raise NotImplementedError
+
+    def can_sample(self, prompt: Prompt) -> bool:
+        if self._rendered_rows is None or self._rendered_rows[0] is not self.tokenizer:
+            self._rendered_rows = (self.tokenizer, {self.render(text) for text, _ in self.rows})
+        return prompt.text in self._rendered_rows[1]
+
+
+class GSM8KTask(RowsTask):
     """Grade-school math from a JSONL file of `{"question", "answer"}` rows in GSM8K's format ("... #### 42").
 
     `path=None` uses the small offline set shipped with the package (written for this project, not GSM8K itself);
@@ -156,8 +174,6 @@ class GSM8KTask(Task):
         self.path = Path(path).expanduser() if path else MINI_GSM8K
         self.chat_template = chat_template
         self.tokenizer: Any = None
-        # (tokenizer, rendered training prompts) cached for can_sample; rebuilt when the tokenizer changes.
-        self._rendered_rows: Optional[tuple[Any, set[str]]] = None
         if eval_size < 0:
             raise ValueError(f"GSM8KTask.eval_size must be >= 0, got {eval_size}")
         # `rows` are what `sample` draws from; `eval_rows` the held-out split it never draws.
@@ -233,8 +249,3 @@ class GSM8KTask(Task):
                 f"{self.path}) or data.task.eval_path (a test file), or eval.enabled=false"
             )
         return [Prompt(self.render(q), a) for q, a in self.eval_rows]
-
-    def can_sample(self, prompt: Prompt) -> bool:
-        if self._rendered_rows is None or self._rendered_rows[0] is not self.tokenizer:
-            self._rendered_rows = (self.tokenizer, {self.render(q) for q, _ in self.rows})
-        return prompt.text in self._rendered_rows[1]
