@@ -219,7 +219,7 @@ def build_sync(cfg: DictConfig, rank0: bool, resume_ckpt: Path | None):
 def build_model(cfg: DictConfig, sync, sync_ctx, resume_ckpt: Path | None, device, dist_info) -> torch.nn.Module:
     """The trainable model: the strategy's own (shared_vllm) or loaded, with LoRA or frozen layers, sharded under
     torchrun."""
-    from grpo.models.loading import compile_decoder_layers, load_model, pick_dtype, set_attention
+    from grpo.models.loading import compile_decoder_layers, load_model, pick_dtype, prepare_for_training, set_attention
     from grpo.trainer import distributed
     from grpo.trainer.layers import apply_lora, freeze_to_layers, resolve_layer_indices
 
@@ -227,6 +227,8 @@ def build_model(cfg: DictConfig, sync, sync_ctx, resume_ckpt: Path | None, devic
     if model is None:
         base = sync_ctx.model_dir if (resume_ckpt is None or sync.uses_lora) else resume_ckpt
         model = load_model(str(base), pick_dtype(cfg.model.dtype, device), device, cfg.model.gradient_checkpointing)
+    else:  # the strategy's own model (shared_vllm's views of vLLM's tensors) gets the same training set-up
+        model = prepare_for_training(model, cfg.model.gradient_checkpointing)
     set_attention(model, cfg.model.attn_implementation)
     if cfg.train.padding_free and device.type == "cuda" and cfg.model.attn_implementation in (None, "sdpa", "eager"):
         # Measured on an H100 (docs/performance.md): 16k-token packed rows under SDPA ran at half the padded MFU.

@@ -143,3 +143,43 @@ def test_shared_vllm_fails_clearly_without_cuda(tmp_path, tiny_qwen2_dir):
     assert SharedMemorySync.requires_cuda
     with pytest.raises(RuntimeError, match="needs CUDA"):
         SharedMemorySync().launch(make_ctx(tmp_path, tiny_qwen2_dir))
+
+
+@pytest.mark.parametrize("checkpointing", [True, False])
+def test_a_model_the_strategy_builds_gets_the_same_training_set_up(tiny_qwen2_dir, checkpointing):
+    """mode=shared_vllm builds its own model (views of vLLM's tensors) instead of loading one. train.py must give it
+    what a loaded model gets: train mode, no KV cache, and `model.gradient_checkpointing`. The flag was once
+    silently ignored in that mode, so a GPU benchmark ran ours without the recompute it claimed. Recompute is seen
+    directly: a checkpointed block's MLP starts twice per forward + backward (a pre-hook: torch stops the recompute
+    as soon as it has the saved tensors, before the MLP's forward returns)."""
+    from types import SimpleNamespace
+
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from conftest import REPO
+    from grpo.config import register_configs
+    from grpo.train import build_model
+
+    class OwnModelSync:  # a strategy that, like shared_vllm, hands train.py a model of its own making
+        uses_lora = False
+
+        def load_model(self, ctx):
+            return AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(ctx.model_dir)).eval()
+
+    register_configs()
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
+        cfg = compose(config_name="train", overrides=[
+            "~experiment", "model=tiny_qwen2", f"model.gradient_checkpointing={str(checkpointing).lower()}"])
+    ctx = SimpleNamespace(model_dir=tiny_qwen2_dir)
+    model = build_model(cfg, OwnModelSync(), ctx, None, torch.device("cpu"), None)
+    assert model.training and model.config.use_cache is False
+    assert model.is_gradient_checkpointing is checkpointing
+
+    calls = []
+    model.model.layers[0].mlp.register_forward_pre_hook(lambda *_: calls.append(1))
+    ids = torch.tensor([SEQ])
+    model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+    assert len(calls) == (2 if checkpointing else 1)

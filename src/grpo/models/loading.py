@@ -44,6 +44,12 @@ def load_model(model_dir: str, dtype: torch.dtype, device: torch.device, gradien
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device)
+    return prepare_for_training(model, gradient_checkpointing)
+
+
+def prepare_for_training(model: torch.nn.Module, gradient_checkpointing: bool) -> torch.nn.Module:
+    """Train mode, no KV cache, and non-reentrant activation checkpointing if asked, for any causal LM: loaded here
+    or built by a sync strategy (mode=shared_vllm's views of vLLM's tensors)."""
     if gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         # Inputs must require grad for checkpointed blocks when the embeddings are frozen (layer selection, LoRA).
