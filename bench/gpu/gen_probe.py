@@ -10,7 +10,9 @@ processed (post-temperature) distribution. Both engines hold the preset's random
 in a rotating order, with a pause after each (an idle engine's busy-poll must not fall on the next measurement):
 
 - ``server_seeded`` / ``server_unseeded``: ``InferenceClient.generate`` against ``python -m grpo.inference.server``
-  (what ``data.seeded_sampling=true|false`` sends: a base seed per call, or none);
+  (what ``data.seeded_sampling=true|false`` sends: a base seed per call, or none), ``detokenize=False`` as the local
+  pipeline sends it (it decodes the token ids itself); ``server_unseeded_detok``: the same with the server
+  detokenizing (the pipeline's requests before 2026-11-25);
 - ``inproc_unseeded`` / ``inproc_seeded``: ``LLM.generate`` in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``:
   the engine core runs here, as in TRL's colocate mode), one request per prompt with ``n=8``.
 """
@@ -21,6 +23,7 @@ import argparse
 import json
 import os
 import random
+import re
 import statistics
 import sys
 import tempfile
@@ -39,6 +42,7 @@ def main() -> None:
     ap.add_argument("--kv-share", type=float, default=0.3)
     ap.add_argument("--gap-s", type=float, default=1.5)
     ap.add_argument("--dtype", default="bfloat16", help="float32 for a CPU smoke run of --preset tiny")
+    ap.add_argument("--variants", nargs="*", default=None, help="a subset of the variants (default: all)")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # read by the in-process LLM only; the server gets its own env
@@ -60,13 +64,15 @@ def main() -> None:
     server.start()
     try:
         client = InferenceClient(server.url)
+        in_process = not args.variants or any(v.startswith("inproc") for v in args.variants)
         llm = LLM(str(mdir), gpu_memory_utilization=args.kv_share, max_model_len=1024, dtype=args.dtype,
-                  logprobs_mode="processed_logprobs", seed=0)  # fmt: skip
+                  logprobs_mode="processed_logprobs", seed=0) if in_process else None  # fmt: skip
         sampling = dict(max_tokens=args.max_tokens, temperature=1.0, top_p=1.0, ignore_eos=True, logprobs=0)
 
-        def server_run(seed):
+        def server_run(seed, detokenize=False):
             extra = {} if seed is None else {"seed": seed}
-            outs = client.generate(ids, n=8, max_tokens=args.max_tokens, temperature=1.0, ignore_eos=True, **extra)
+            outs = client.generate(ids, n=8, max_tokens=args.max_tokens, temperature=1.0, ignore_eos=True,
+                                   detokenize=detokenize, **extra)  # fmt: skip
             return sum(len(c.token_ids) for o in outs for c in o)
 
         def inproc_run(seed):
@@ -77,8 +83,10 @@ def main() -> None:
 
         variants = {
             "server_seeded": lambda r: server_run(1000 + r), "server_unseeded": lambda r: server_run(None),
+            "server_unseeded_detok": lambda r: server_run(None, detokenize=True),
             "inproc_seeded": lambda r: inproc_run(1000 + r), "inproc_unseeded": lambda r: inproc_run(None),
         }  # fmt: skip
+        variants = {k: v for k, v in variants.items() if not args.variants or k in args.variants}
         for fn in variants.values():  # warm-up: first requests pay for lazy initialisation
             fn(-1)
         times: dict[str, list[float]] = {k: [] for k in variants}
@@ -93,6 +101,9 @@ def main() -> None:
         result = {
             "machine": machine(), "args": vars(args), "tokens_per_round": 64 * args.max_tokens,
             "seconds": times, "median_s": {k: statistics.median(v) for k, v in times.items()},
+            # vLLM logs its engine config at start-up: whether async scheduling (host work beside the GPU's) is on.
+            "server_log_scheduling": [ln.strip()[-300:] for ln in log.read_text(errors="replace").splitlines()
+                                      if re.search(r"async(hronous)?[ _]scheduling", ln, re.I)][:3],
         }  # fmt: skip
         print(json.dumps(result["median_s"], indent=1))
         Path(args.out).write_text(json.dumps(result, indent=1))

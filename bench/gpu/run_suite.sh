@@ -11,7 +11,8 @@
 #   bash bench/gpu/run_suite.sh async [mode]  # one GPU, train.max_staleness 0 vs 1 (steps/s, stalls); mode=shared_vllm
 #   bash bench/gpu/run_suite.sh mfu        # the trainer's update with a realistic length spread: perf/mfu per batching
 #   bash bench/gpu/run_suite.sh whole_step shared_vllm|lora_only|trl [16|64]  # one run of the TRL comparison
-#     (TRL_OPTIM=adamw_torch_fused for TRL beside EXTRA="optimizer.fused=true" for ours)
+#     (TRL_OPTIM=adamw_torch_fused for TRL beside EXTRA="optimizer.fused=true" for ours; TRL_ARGS=--no-gradient-checkpointing
+#     beside EXTRA="model.gradient_checkpointing=false")
 #   bash bench/gpu/run_suite.sh gen_probe  # one step's generation: our server vs vLLM in-process, seeded or not
 # EXTRA="server.enforce_eager=true ..." adds overrides to every train.py run (eager: no CUDA-graph capture, ~60 s
 # less per vLLM start, slower decode).
@@ -25,8 +26,9 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$out
 common=('~experiment' server=gpu data=local_digits logging.progress_bar=false logging.plot=false train.checkpoint_every=1000)
 big=(model=qwen3b model.offline=qwen3b model.gradient_checkpointing=true server.max_model_len=1024
      data.max_new_tokens=128 data.prompts_per_step=8 data.group_size=8 train.micro_batch_size=16 train.grad_accum=4)
+# After the shared settings (Hydra keeps the last value of a key), so EXTRA can also turn one of them off.
 # shellcheck disable=SC2206  # EXTRA is a space-separated list of overrides on purpose
-common+=(${EXTRA:-})
+big+=(${EXTRA:-})
 summarise() {  # one JSON line per job: mode/optimizer, mean of steps 2.. for the timing keys
   python3 - "$1" <<'PY'
 import json, sys, pathlib
@@ -100,7 +102,7 @@ PY
     impl=${2:-shared_vllm} mb=${3:-16}
     if [ "$impl" = trl ]; then
       python3 bench/gpu/trl_step.py --preset qwen3b --steps 10 --micro-batch "$mb" --optim "${TRL_OPTIM:-adamw_torch}" \
-        --out "$out/whole_step_trl_mb$mb.json" \
+        ${TRL_ARGS:-} --out "$out/whole_step_trl_mb$mb.json" \
         2>&1 | grep -vE "INFO|DEBUG|it/s\]" | tail -15
     else
       python3 train.py "${common[@]}" "${big[@]}" eval=off train.steps=10 mode="$impl" optimizer=adamw \
@@ -110,7 +112,7 @@ PY
     fi
     ;;
   gen_probe)  # where generation time goes: our server vs an in-process LLM (TRL colocate), seeded or not
-    python3 bench/gpu/gen_probe.py --preset qwen3b --rounds 5 --out "$out/gen_probe_qwen3b.json" 2>&1 | tail -12
+    python3 bench/gpu/gen_probe.py --preset qwen3b --rounds 5 ${PROBE_ARGS:-} --out "$out/gen_probe_qwen3b.json" 2>&1 | tail -12
     ;;
   optim_bench)
     python3 bench/gpu/optim_bench.py --preset "${2:-qwen3b}" --steps 4 --out "$out/optim_${2:-qwen3b}.json" 2>&1 | tail -8

@@ -39,6 +39,8 @@ def main() -> None:
     ap.add_argument("--micro-batch", type=int, default=16, help="per_device_train_batch_size (x 64/it accumulated)")
     ap.add_argument("--cpu-smoke", action="store_true", help="a tiny preset on CPU, transformers' generate (no vLLM)")
     ap.add_argument("--optim", default="adamw_torch", help="transformers' optim (adamw_torch_fused = fused AdamW)")
+    ap.add_argument("--no-gradient-checkpointing", action="store_true", help="keep activations (ours: "
+                    "model.gradient_checkpointing=false)")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     # vLLM's external launcher (TRL's colocate mode) joins a torch.distributed group: one process, rank 0.
@@ -81,7 +83,8 @@ def main() -> None:
         gradient_accumulation_steps=64 // args.micro_batch,
         num_generations=8, max_completion_length=args.max_new_tokens, temperature=1.0, learning_rate=1e-6,
         lr_scheduler_type="constant", optim=args.optim, weight_decay=0.0, max_grad_norm=1.0, beta=0.0,
-        epsilon=0.2, loss_type="dapo", bf16=gpu, gradient_checkpointing=True, max_steps=args.steps, seed=0,
+        epsilon=0.2, loss_type="dapo", bf16=gpu, gradient_checkpointing=not args.no_gradient_checkpointing,
+        max_steps=args.steps, seed=0,
         use_vllm=gpu, vllm_mode="colocate", vllm_gpu_memory_utilization=0.3, vllm_max_model_length=1024, use_cpu=not gpu,
         report_to=[], logging_steps=1, save_strategy="no", disable_dropout=True, shuffle_dataset=False,
     )  # fmt: skip
@@ -96,7 +99,7 @@ def main() -> None:
     tokens = [r.get("completions/mean_length", float("nan")) * 64 for r in logs]
     result = {
         "impl": "trl", "trl_version": __import__("trl").__version__, "vllm_version": __import__("vllm").__version__ if gpu else None,
-        "preset": args.preset, "micro_batch": args.micro_batch, "device": torch.cuda.get_device_name() if gpu else "cpu", "steps": args.steps,
+        "preset": args.preset, "micro_batch": args.micro_batch, "gradient_checkpointing": cfg.gradient_checkpointing, "device": torch.cuda.get_device_name() if gpu else "cpu", "steps": args.steps,
         "first_step_s": step_s[0] if step_s else None, "step_s": step_s,
         "steady_step_s_mean": statistics.mean(steady) if steady else None,
         "steady_step_s_median": statistics.median(steady) if steady else None,

@@ -151,7 +151,7 @@ class LocalRolloutPipeline(DataPipeline):
             endpoint = ctx.endpoint()  # inside the gate: a restart it waited for may have moved the server
             outs = self._client(endpoint.base_url).generate(
                 ids, n=self.group_size, max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p,
-                model=endpoint.model, **self._sampling_seed(step),
+                model=endpoint.model, detokenize=False, **self._sampling_seed(step),
             )
         gen_s = time.monotonic() - t0
         scorer = _Scorer(self.rewards, ctx.tokenizer)
@@ -222,7 +222,8 @@ class _Scorer:
         return sum(self.lengths)
 
     def score(self, prompt: Prompt, completion: Any) -> float:
-        # Score the text the tokens decode to, without special tokens (EOS is not an answer character).
+        # Score the text the tokens decode to, without special tokens (EOS is not an answer character). Decoded here,
+        # once, so the requests ask the server not to detokenize (6 % of generation on the CPU engine).
         text = self.tokenizer.decode(completion.token_ids, skip_special_tokens=True)
         total, values = weighted_reward(self.rewards, prompt, text)
         for name, r in values.items():
