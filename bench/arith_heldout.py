@@ -47,7 +47,7 @@ def evaluate(model_dir: Path, samples: int, temperature: float, max_new_tokens: 
     heldout = task.eval_prompts()
     tok = AutoTokenizer.from_pretrained(model_dir)
     ids = [tok.encode(p.text, add_special_tokens=False) for p in heldout]
-    cfg = ServerConfig(host="127.0.0.1", port=free_port(), gpu_memory_utilization=0.05, max_model_len=512,
+    cfg = ServerConfig(host="127.0.0.1", port=free_port(), kv_cache_gb=0.25, max_model_len=512,
                        dtype="float32", startup_timeout_s=300, busy_loop_s=0.02)
     log = Path(tempfile.mkdtemp(prefix="arith_heldout_")) / "vllm.log"
     server = VLLMServer(model_dir, cfg, log, served_model_name=str(model_dir))

@@ -56,9 +56,9 @@ def run(parts: list[str], quick: bool) -> None:
         # KV share 0.05: two or three vLLM CPU servers at 0.2 of RAM each don't fit next to other work on a 23 GiB
         # machine; the tiny workload needs far less KV cache than either.
         _run(["bench/e2e_modes.py", "--steps", "3" if quick else "20", "--modes", "none", "lora_only",
-              "--overrides", "server.gpu_memory_utilization=0.05"])
+              "--overrides", "server.kv_cache_gb=0.25"])
         _run(["bench/e2e_modes.py", "--steps", "3", "--modes", "lora_restart", "--out", str(RESULTS / "e2e_modes_restart.json"),
-              "--overrides", "server.gpu_memory_utilization=0.05"])
+              "--overrides", "server.kv_cache_gb=0.25"])
     if "server" in parts:
         _run(["bench/server_throughput.py", "--rounds", "3" if quick else "24", "--max-tokens", "32" if quick else "64",
               "--kv-share", "0.05"])

@@ -29,7 +29,7 @@ OUT = REPO / "bench" / "results" / "soak.json"
 STEPS, SIGTERM_STEP, CHECKPOINT_EVERY = 200, 120, 20
 QUICK = ["~experiment", "data.prompts_per_step=4", "data.group_size=4", "train.micro_batch_size=8", "train.grad_accum=2",
          "logging.progress_bar=false", "eval=off", "logging.plot=false", "server.enforce_eager=true",
-         "server.gpu_memory_utilization=0.05", f"train.steps={STEPS}", f"train.checkpoint_every={CHECKPOINT_EVERY}",
+         "server.kv_cache_gb=0.25", f"train.steps={STEPS}", f"train.checkpoint_every={CHECKPOINT_EVERY}",
          "train.keep_checkpoints=20", "server.max_restarts=3"]
 
 

@@ -53,7 +53,7 @@ def server_cfg(port: int | None = None, **overrides):
     from grpo.config.schema import ServerConfig
 
     base = dict(
-        host="127.0.0.1", port=port or free_port(), gpu_memory_utilization=0.2, max_model_len=512,
+        host="127.0.0.1", port=port or free_port(), gpu_memory_utilization=0.2, kv_cache_gb=0.5, max_model_len=512,
         dtype="float32", max_lora_rank=16, startup_timeout_s=240, busy_loop_s=0.02, worker_in_engine_process=True,
     )  # fmt: skip
     base.update(overrides)
@@ -89,7 +89,7 @@ def train_server(tiny_qwen2_dir, tmp_path_factory):
     from grpo.inference.process import VLLMServer
 
     log = tmp_path_factory.mktemp("train_server") / "vllm.log"
-    cfg = server_cfg(enforce_eager=True, max_model_len=1024, gpu_memory_utilization=0.05)
+    cfg = server_cfg(enforce_eager=True, max_model_len=1024, kv_cache_gb=0.25)
     server = VLLMServer(tiny_qwen2_dir, cfg, log, served_model_name=str(tiny_qwen2_dir))
     server.start()
     try:

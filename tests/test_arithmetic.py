@@ -220,7 +220,7 @@ def test_warmstart_serves_in_vllm_at_its_stated_accuracy(warm_arith_dir, tmp_pat
     held = task.eval_prompts()
     ids = [tok.encode(p.text, add_special_tokens=False) for p in held]
     # 5 % of RAM (~1.2 GiB) is plenty of KV cache for 0.6 M parameters; 20 % fails when other servers share the box.
-    server = VLLMServer(warm_arith_dir, server_cfg(gpu_memory_utilization=0.05), tmp_path / "vllm.log",
+    server = VLLMServer(warm_arith_dir, server_cfg(kv_cache_gb=0.25), tmp_path / "vllm.log",
                         served_model_name="warm-arith")
     server.start()
     client = InferenceClient(server.url)

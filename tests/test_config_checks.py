@@ -166,6 +166,20 @@ def test_worker_in_engine_process_reaches_the_vllm_command_and_environment(tmp_p
     assert "VLLM_ENABLE_V1_MULTIPROCESSING" not in env and "OMP_NUM_THREADS" not in env
 
 
+def test_kv_cache_gb_sizes_the_kv_cache_in_bytes_or_leaves_it_to_the_memory_share(tmp_path):
+    """The CPU engine sizes its KV cache from gpu_memory_utilization as a share of the first NUMA node minus the
+    server's own memory, which depends on the machine; server.kv_cache_gb (server=cpu sets 1 GiB) fixes the size."""
+    from conftest import server_cfg
+    from grpo.inference.process import VLLMServer
+
+    cmd = VLLMServer(tmp_path, server_cfg(kv_cache_gb=0.25), tmp_path / "a.log").command()
+    assert cmd[cmd.index("--kv-cache-memory-bytes") + 1] == str(256 * 2**20)
+    assert "--kv-cache-memory-bytes" not in VLLMServer(tmp_path, server_cfg(kv_cache_gb=None), tmp_path / "b.log").command()
+    with pytest.raises(ConfigError, match="server.kv_cache_gb must be a positive number"):
+        _validate(["server.kv_cache_gb=0"], tmp_path)
+    _validate(["server=gpu", "server.kv_cache_gb=null"], tmp_path)
+
+
 @pytest.mark.parametrize(
     "overrides, needle",
     [

@@ -27,7 +27,7 @@ from test_train_e2e import QUICK, assert_clean, metrics, processes_with_marker
 
 # Quick steps (QUICK: eager vLLM starts without torch.compile, far quicker on a new weights directory), no plot.
 # A small KV cache (~1.2 GB) so several engines fit beside each other on this shared machine.
-BASE = [*QUICK, "logging.plot=false", "server.gpu_memory_utilization=0.05"]
+BASE = [*QUICK, "logging.plot=false", "server.kv_cache_gb=0.25"]
 EVERY_STEP = "train.checkpoint_every=1"
 
 

@@ -248,6 +248,10 @@ class ServerConfig:
     external_url: Optional[str] = None
     # Share of device memory for weights + KV cache (on CPU: of host memory for the KV cache).
     gpu_memory_utilization: float = 0.2
+    # KV cache size in GiB (vLLM --kv-cache-memory-bytes); when set, gpu_memory_utilization no longer sizes it. The
+    # CPU engine sizes its KV cache as that share of the first NUMA node's memory minus what the server process
+    # already holds, which differs between machines of the same RAM; an explicit size does not.
+    kv_cache_gb: Optional[float] = None
     max_model_len: int = 2048
     dtype: str = "auto"
     # null = vLLM decides; true forces eager mode (slower decoding).

@@ -163,6 +163,9 @@ def _hub_reachable(timeout_s: float = 3.0) -> tuple[bool, str]:
 
 def check_server(cfg: DictConfig) -> None:
     """The server's port is free (or an external server is named) and its knobs are in range."""
+    kv_cache_gb = cfg.server.get("kv_cache_gb")
+    if kv_cache_gb is not None and kv_cache_gb <= 0:
+        raise ConfigError(f"server.kv_cache_gb must be a positive number of GiB or null, got {kv_cache_gb}")
     if cfg.server.busy_loop_s is not None and cfg.server.busy_loop_s < 0:
         raise ConfigError(f"server.busy_loop_s must be >= 0 seconds or null, got {cfg.server.busy_loop_s}")
     if cfg.server.worker_in_engine_process and max(parallel_sizes(cfg.server.extra_args).values()) > 1:

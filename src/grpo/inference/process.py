@@ -94,7 +94,7 @@ class VLLMServer:
     """Launches, watches and stops one vLLM server with our /generate and /grpo/* endpoints.
 
     `server_cfg` is a `grpo.config.schema.ServerConfig` node (or any object/mapping with its fields: host, port,
-    gpu_memory_utilization, max_model_len, dtype, enforce_eager, max_lora_rank, startup_timeout_s, extra_args,
+    gpu_memory_utilization, kv_cache_gb, max_model_len, dtype, enforce_eager, max_lora_rank, startup_timeout_s, extra_args,
     device, busy_loop_s, worker_in_engine_process). `lora_modules` maps adapter names to adapter directories to
     preload; `enable_lora` turns LoRA on even with none preloaded (for hot-swapping). The server's output goes to
     `log_path` (appended across restarts, so a crash log survives the restart that follows it).
@@ -177,6 +177,9 @@ class VLLMServer:
         ]  # fmt: skip
         if self.served_model_names:
             args += ["--served-model-name", *self.served_model_names]
+        kv_cache_gb = option(c, "kv_cache_gb", None)
+        if kv_cache_gb is not None:
+            args += ["--kv-cache-memory-bytes", str(int(float(kv_cache_gb) * 2**30))]
         if option(c, "enforce_eager") is True:
             args.append("--enforce-eager")
         if self.enable_lora:
