@@ -11,7 +11,6 @@ Each component is built here from its config node and handed to the trainer; see
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import signal
@@ -206,12 +205,13 @@ def resume_checkpoint(cfg: DictConfig) -> Path | None:
 def build_sync(cfg: DictConfig, rank0: bool, resume_ckpt: Path | None):
     """The run's sync strategy; torchrun ranks > 0 get a follower that joins the gathers rank 0's strategy runs."""
     from grpo.sync.follower import FollowerSync
+    from grpo.trainer.checkpoint import read_trainer_state
 
     sync = instantiate(cfg.mode) if rank0 else FollowerSync(
         cfg.mode.sync_every, gather=get_class(cfg.mode._target_).fsdp_gather)
     if resume_ckpt is not None:
         # The server reports the resumed weights' version from its first answer on.
-        sync.version = int(json.loads((resume_ckpt / "trainer_state.json").read_text()).get("weight_version", 0))
+        sync.version = int(read_trainer_state(resume_ckpt).get("weight_version", 0))
     log.info("sync strategy %s (every %d steps)", type(sync).__name__, sync.sync_every)
     return sync
 

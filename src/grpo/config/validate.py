@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import importlib
-import json
 import os
 import shutil
 import socket
@@ -210,15 +209,14 @@ def check_train(cfg: DictConfig) -> None:
 def check_resume_has_steps_left(cfg: DictConfig) -> None:
     """Resuming a run whose latest checkpoint already holds `train.steps` steps would start the server and train
     nothing: say so, with the setting that continues it. (A run dir without a checkpoint fails in the run.)"""
-    from grpo.trainer.checkpoint import CheckpointManager
+    from grpo.trainer.checkpoint import CheckpointManager, read_trainer_state
 
     if cfg.train.resume is None:
         return
     latest = CheckpointManager(Path(cfg.train.resume), keep=cfg.train.keep_checkpoints).latest()
-    state = latest / "trainer_state.json" if latest is not None else None
-    if state is None or not state.exists():
+    if latest is None or not (latest / "trainer_state.json").exists():
         return
-    done = int(json.loads(state.read_text()).get("step", 0))
+    done = int(read_trainer_state(latest).get("step", 0))
     if done >= cfg.train.steps:
         raise ConfigError(
             f"train.resume={cfg.train.resume}: its latest checkpoint ({latest.name}) is at step {done}, and "

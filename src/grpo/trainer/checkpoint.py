@@ -46,6 +46,11 @@ COMPLETE = "COMPLETE"
 _STEP_RE = re.compile(r"^step_(\d+)$")
 
 
+def read_trainer_state(checkpoint: Path) -> dict:
+    """A checkpoint's ``trainer_state.json``: ``step`` and the state its saver added (e.g. ``weight_version``)."""
+    return json.loads((Path(checkpoint) / "trainer_state.json").read_text())
+
+
 def _rng_state() -> dict:
     state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
     if torch.cuda.is_available():
@@ -184,7 +189,7 @@ class CheckpointManager:
         if scheduler is not None and (path / "scheduler.pt").exists():
             scheduler.load_state_dict(torch.load(path / "scheduler.pt", weights_only=False))
         _set_rng_state(torch.load(path / "rng.pt", weights_only=False))
-        return json.loads((path / "trainer_state.json").read_text())
+        return read_trainer_state(path)
 
     # ------------------------------------------------------------------ FSDP2 (torchrun)
     def save_distributed(
@@ -283,7 +288,7 @@ def _read_checkpoint(
                                    optimizer)
     rng_ranks = path / "rng_ranks.pt"
     small = {
-        "state": json.loads((path / "trainer_state.json").read_text()),
+        "state": read_trainer_state(path),
         "scheduler": torch.load(path / "scheduler.pt", weights_only=False)
         if scheduler is not None and (path / "scheduler.pt").exists() else None,
         "rng": torch.load(rng_ranks if rng_ranks.exists() else path / "rng.pt", weights_only=False),
