@@ -219,3 +219,32 @@ def test_a_reload_mid_request_shows_in_the_finish_version(vllm_server, tiny_qwen
     assert {(c.weight_version, c.last_weight_version) for c in completions} == {(before, before + 1)}
     again = client.generate([[10, 20, 30]], n=1, max_tokens=4)[0][0]
     assert again.weight_version == again.last_weight_version == before
+
+
+def test_pause_freezes_a_request_in_flight_and_resume_lets_it_finish_whole(vllm_server):
+    """shared_vllm and broadcast pause generation while the weights change ("keep"): a request in flight must neither
+    finish nor be lost while paused, and go on to its full length after resume."""
+    import threading
+    import time
+
+    client = vllm_server.client()
+    out: dict = {}
+
+    def generate() -> None:
+        out["res"] = client.generate([[10, 20, 30]], n=2, max_tokens=480, temperature=1.0, ignore_eos=True)
+
+    thread = threading.Thread(target=generate)
+    thread.start()
+    time.sleep(0.5)  # running: 480 tokens take seconds on the CPU engine
+    try:
+        assert thread.is_alive(), "the request finished before the pause; make it longer"
+        client.pause()
+        paused_at = time.monotonic()
+        thread.join(6.0)  # longer than the whole request takes unpaused
+        assert thread.is_alive(), "the request went on while generation was paused"
+    finally:
+        client.resume()
+    thread.join(120)
+    assert time.monotonic() - paused_at >= 6.0
+    assert [len(c.token_ids) for c in out["res"][0]] == [480, 480]
+    assert client.generate([[10, 20, 30]], n=1, max_tokens=4)[0][0].token_ids  # serving again
