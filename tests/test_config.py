@@ -252,3 +252,15 @@ def test_a_choice_outside_its_enum_fails_at_composition(override, key):
     with pytest.raises(ConfigCompositionException) as e:
         _compose([override])
     assert key in str(e.value.__cause__ or e.value)
+
+
+def test_help_lists_the_options_to_pick_and_not_the_schemas_they_build_on():
+    """`python train.py --help` (the README's way to see every group): each group with its real options, and none of
+    the `*_schema` bases that share the groups in Hydra's ConfigStore (Hydra's own list showed 17 of them)."""
+    out = _cli("--help")
+    assert out.returncode == 0, out.stderr
+    groups = dict(line.split(": ", 1) for line in out.stdout.split("== Config ==")[0].splitlines() if ": " in line)
+    assert groups["mode"] == "broadcast, lora_only, lora_restart, none, shared_vllm"
+    assert groups["optimizer"] == "adafactor, adamw, adamw_8bit"
+    assert "arith_grpo" in groups["experiment"] and set(groups) >= {"data", "eval", "loss", "model", "server", "sweep"}
+    assert "_schema" not in out.stdout

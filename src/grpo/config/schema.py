@@ -418,10 +418,31 @@ def first_set(*values: Any) -> Any:
     return next((v for v in values if v is not None), None)
 
 
+def config_groups() -> str:
+    """`--help`'s list of groups and their options, one line per group, without the `*_schema` entries: those are
+    the typed bases the group's YAML files build on (registered in the same groups), not options to pick."""
+    from hydra.core.global_hydra import GlobalHydra
+
+    loader = GlobalHydra.instance().config_loader()
+
+    def groups(parent: str) -> list[str]:
+        names = [f"{parent}/{g}" if parent else g for g in loader.list_groups(parent)]
+        return [g for name in names if not name.startswith("hydra") for g in [name, *groups(name)]]
+
+    lines = []
+    for group in sorted(groups("")):
+        options = [o for o in sorted(loader.get_group_options(group)) if not o.endswith("_schema")]
+        if options:
+            lines.append(f"{group}: {', '.join(options)}")
+    return "\n".join(lines)
+
+
 def register_configs() -> None:
     """Register every schema (each group YAML names its schema in its defaults list) and our resolvers."""
     # conf/train.yaml's hydra.run.dir: a resumed run continues in the run dir it resumes (train.resume).
     OmegaConf.register_new_resolver("grpo.first_set", first_set, replace=True)
+    # conf/train.yaml's hydra.help.template: the groups a user picks from.
+    OmegaConf.register_new_resolver("grpo.config_groups", config_groups, replace=True)
     cs = ConfigStore.instance()
     cs.store(name="root_schema", node=RootConfig)
     cs.store(group="model", name="model_schema", node=ModelConfig)
