@@ -423,6 +423,8 @@ def config_groups() -> str:
     the typed bases the group's YAML files build on (registered in the same groups), not options to pick."""
     from hydra.core.global_hydra import GlobalHydra
 
+    if not GlobalHydra.instance().is_initialized():  # resolved outside a Hydra app (e.g. a saved hydra.yaml)
+        return "(python train.py --help lists them)"
     loader = GlobalHydra.instance().config_loader()
 
     def groups(parent: str) -> list[str]:
