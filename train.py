@@ -25,6 +25,7 @@ from hydra.utils import get_class, instantiate
 from omegaconf import DictConfig
 
 from grpo.config import ConfigError, register_configs, validate
+from grpo.pipeline.base import DataSourceError
 from grpo.run import (
     RunSummary,
     check_objective,
@@ -44,13 +45,13 @@ def _sigterm_as_interrupt(signum, frame):  # noqa: ARG001
     raise KeyboardInterrupt(f"signal {signum}")
 
 
-def config_error(error: ConfigError, multirun: bool) -> float:
-    """A config mistake is the user's to fix: print its message, not a traceback, and exit 1; in a sweep, skip the
-    job (NaN objective) and go on."""
+def config_error(error: Exception, multirun: bool) -> float:
+    """A config mistake (ConfigError) or a data source that does not answer (DataSourceError) is the user's to fix:
+    print its message, not a traceback, and exit 1; in a sweep, skip the job (NaN objective) and go on."""
     if multirun:
-        log.error("ConfigError: %s (this job is skipped; the sweep goes on)", error)
+        log.error("%s: %s (this job is skipped; the sweep goes on)", type(error).__name__, error)
         return float("nan")
-    print(f"ConfigError: {error}", file=sys.stderr)
+    print(f"{type(error).__name__}: {error}", file=sys.stderr)
     raise SystemExit(1) from None
 
 
@@ -84,7 +85,8 @@ def main(cfg: DictConfig) -> float | None:
             if rank0:
                 report_stop(e, cfg, run_dir, HydraConfig.get().overrides.task)
             raise SystemExit(exit_code(e)) from None
-        if isinstance(e, ConfigError):  # found while building a component (e.g. the evaluator's held-out prompts)
+        # Found while building a component (the evaluator's held-out prompts, a data source that does not answer).
+        if isinstance(e, (ConfigError, DataSourceError)):
             return config_error(e, multirun)
         # A failed multirun job is logged and the sweep goes on with the next one.
         if multirun and not isinstance(e, KeyboardInterrupt):
@@ -118,6 +120,8 @@ def train(cfg: DictConfig, run_dir: Path) -> list[float]:
     log.info("loss %s", loss_fn)
     data = build_data(cfg) if rank0 else None
     log.info("data pipeline %s", type(data).__name__ if data is not None else "rank 0's")
+    if data is not None:
+        data.preflight()  # a remote source that does not answer stops the run before the server starts
     try:
         evaluator = build_evaluator(cfg.eval, cfg.data) if rank0 else None  # bad eval input fails before a model loads
     except ValueError as e:  # each of its messages names the eval/data key to change

@@ -286,6 +286,25 @@ def test_dead_url_gives_bounded_retries_then_clear_error(tmp_path):
     assert time.monotonic() - t0 < 3.0
 
 
+def test_a_run_without_run_api_stops_before_its_server_starts_with_what_to_start(tmp_path):
+    """`python train.py data=atropos` with nothing at data.url: the preflight stops it in seconds, before vLLM's
+    start-up (~25 s here), with a message that names the URL and what to start, and no traceback."""
+    from conftest import REPO
+
+    url = f"http://127.0.0.1:{free_port()}"
+    run = tmp_path / "run"
+    t0 = time.monotonic()
+    out = subprocess.run(
+        [sys.executable, str(REPO / "train.py"), "data=atropos", f"data.url={url}", "data.max_retries=1",
+         "data.poll_interval_s=0.05", "train.steps=1", f"hydra.run.dir={run}"],
+        capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert out.returncode == 1, out.stderr[-2000:]
+    assert f"AtroposError: run-api GET {url}/status failed after 2 attempts" in out.stderr
+    assert "Start Atropos' run-api first" in out.stderr and "Traceback" not in out.stderr
+    assert not (run / "logs" / "vllm.log").exists()  # no inference server was started
+    assert time.monotonic() - t0 < 60
+
+
 def test_server_answering_garbage(tmp_path):
     """A server that answers HTML / 500s: bounded retries, then an error naming the URL."""
     import http.server

@@ -24,7 +24,7 @@ from typing import Any, Optional
 
 import requests
 
-from grpo.pipeline.base import DataPipeline, PipelineContext
+from grpo.pipeline.base import DataPipeline, DataSourceError, PipelineContext
 from grpo.pipeline.group import Group, MalformedGroup, parse_group
 
 __all__ = ["AtroposError", "AtroposPipeline", "AtroposTimeoutError", "MalformedGroup", "validate_group"]
@@ -32,7 +32,7 @@ __all__ = ["AtroposError", "AtroposPipeline", "AtroposTimeoutError", "MalformedG
 log = logging.getLogger(__name__)
 
 
-class AtroposError(RuntimeError):
+class AtroposError(DataSourceError):
     """run-api could not be reached or answered something unusable; the message names the URL."""
 
 
@@ -152,6 +152,18 @@ class AtroposPipeline(DataPipeline):
             )
 
     # ------------------------------------------------------------------ DataPipeline
+    def preflight(self) -> None:
+        """run-api answers GET /status (with the bounded retries of every request), before the trainer starts its
+        inference server: Atropos' start order is run-api first, then the trainer, then the environments."""
+        self.session = self.session or requests.Session()
+        try:
+            self._request("GET", "/status")
+        except AtroposError as e:
+            raise AtroposError(
+                f"{e} Start Atropos' run-api first (`run-api`, or `python -m grpo.stack` for run-api, the inference "
+                "server, an environment and this trainer in one command), or point data.url at it"
+            ) from None
+
     def setup(self, ctx: PipelineContext) -> None:
         """POST /register before anything else (run-api's registration-order quirk, see _register)."""
         self.ctx = ctx

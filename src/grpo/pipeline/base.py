@@ -54,6 +54,11 @@ class PipelineContext:
     generation_gate: Optional[GenerationGate] = None
 
 
+class DataSourceError(RuntimeError):
+    """The data source cannot be reached or refuses this run; the message says what to start or change (train.py
+    prints it without a traceback)."""
+
+
 class DataPipeline(BatchSource):
     """Produces the groups of each optimizer step (see grpo.pipeline.group) and batches them for the trainer."""
 
@@ -61,6 +66,10 @@ class DataPipeline(BatchSource):
     # True when the groups are generated outside the trainer's loop, ahead of it (Atropos environments): such a
     # source applies `ctx.max_staleness` itself and is never wrapped in AsyncRollouts.
     asynchronous_source: ClassVar[bool] = False
+
+    def preflight(self) -> None:
+        """Checks that need neither the model nor the inference server, run before either starts: a remote source
+        that does not answer fails in seconds, not after the server's start-up (DataSourceError)."""
 
     @abstractmethod
     def setup(self, ctx: PipelineContext) -> None:
