@@ -136,12 +136,23 @@ def test_async_rollouts_with_recompute_and_tis_cap_or_rollout_logprobs_pass(tmp_
     _validate(["train.max_staleness=2", "data=atropos", "train.stale_policy=drop"], tmp_path)
 
 
-def test_worker_in_engine_process_needs_one_worker(tmp_path):
+def test_worker_in_engine_process_needs_one_worker(tmp_path, monkeypatch):
     # conf/server/cpu.yaml turns it on; a tensor-parallel server needs vLLM's worker processes.
     with pytest.raises(ConfigError, match="set server.worker_in_engine_process=false"):
         _validate(["server.extra_args=[--tensor-parallel-size,2]"], tmp_path)
     _validate(["server.extra_args=[--tensor-parallel-size,2]", "server.worker_in_engine_process=false"], tmp_path)
+    monkeypatch.setattr(sys.modules["grpo.config.validate"], "_cuda_available", lambda: True)  # server=gpu wants a GPU box
     _validate(["server=gpu", "server.extra_args=['-tp=2']"], tmp_path)  # off on a GPU box
+
+
+def test_server_gpu_without_a_gpu_says_to_use_server_cpu(tmp_path, monkeypatch):
+    """On a CPU-only machine vLLM would start on the CPU with the GPU settings and fail on one of them (the
+    server's max_model_len of 4096 against the model's 1024 positions), in a pydantic error from its log."""
+    monkeypatch.setattr(sys.modules["grpo.config.validate"], "_cuda_available", lambda: False)
+    with pytest.raises(ConfigError, match="server=gpu runs the vLLM server on a CUDA GPU and none is visible here; "
+                                          "use server=cpu"):
+        _validate(["server=gpu"], tmp_path)
+    _validate(["server=gpu", "server.external_url=http://127.0.0.1:9"], tmp_path)  # a GPU server elsewhere
 
 
 def test_worker_in_engine_process_reaches_the_vllm_command_and_environment(tmp_path, monkeypatch):
@@ -177,7 +188,7 @@ def test_kv_cache_gb_sizes_the_kv_cache_in_bytes_or_leaves_it_to_the_memory_shar
     assert "--kv-cache-memory-bytes" not in VLLMServer(tmp_path, server_cfg(kv_cache_gb=None), tmp_path / "b.log").command()
     with pytest.raises(ConfigError, match="server.kv_cache_gb must be a positive number"):
         _validate(["server.kv_cache_gb=0"], tmp_path)
-    _validate(["server=gpu", "server.kv_cache_gb=null"], tmp_path)
+    _validate(["server.kv_cache_gb=null"], tmp_path)
 
 
 @pytest.mark.parametrize(

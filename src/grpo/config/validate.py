@@ -75,6 +75,10 @@ def validate(cfg: DictConfig, run_dir: Path | None = None) -> None:
     if cfg.train.device == "cuda" and not _cuda_available():
         raise ConfigError("train.device=cuda but no CUDA device is visible; use train.device=auto or cpu")
     check_model(cfg)
+    if info.choices.get("server") == "gpu" and cfg.server.external_url is None and not _cuda_available():
+        # Else vLLM starts on the CPU with the GPU settings and fails on one of them (e.g. max_model_len).
+        raise ConfigError("server=gpu runs the vLLM server on a CUDA GPU and none is visible here; use server=cpu "
+                          "(the vLLM CPU engine), or attach to a GPU server with server.external_url=http://host:port")
     check_server(cfg)
     check_train(cfg)
     check_data(cfg)
