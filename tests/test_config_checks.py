@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import socket
 import subprocess
 import sys
@@ -243,3 +244,14 @@ def test_resuming_a_finished_run_says_how_to_go_on_instead_of_starting_a_server(
                                           r"to train; to go on, raise train.steps \(e.g. train.steps=8"):
         _validate([resume, "train.steps=4", f"hydra.run.dir={tmp_path}/run"], tmp_path / "run")
     _validate([resume, "train.steps=6", f"hydra.run.dir={tmp_path}/run"], tmp_path / "run")  # steps 5-6 are left
+
+
+@pytest.mark.parametrize("override, needle", [
+    ("loss.clip_eps=-0.1", "clip_eps must be in (0, 1), got -0.1"),
+    ("loss.kl_coef=-1", "kl_coef must be >= 0, got -1"),
+    ("loss.dual_clip=0.5", "dual_clip must be > 1, got 0.5"),
+])
+def test_a_bad_loss_setting_is_a_config_error_before_the_server_starts(tmp_path, override, needle):
+    """The loss validates itself when built; validate builds it, so a sweep's bad value is a ConfigError naming it."""
+    with pytest.raises(ConfigError, match="loss \\(grpo.trainer.loss.GRPOLoss\\): " + re.escape(needle)):
+        _validate([override], tmp_path)

@@ -70,6 +70,7 @@ def validate(cfg: DictConfig, run_dir: Path | None = None) -> None:
     checks.check_model_files(cfg.model)
     check_layers(cfg)
     check_optimizer(cfg)
+    check_loss(cfg)
     sync_cls = get_class(cfg.mode._target_)
     sync_cls.check_config(cfg, cuda=_cuda_available(), world_size=int(os.environ.get("WORLD_SIZE", "1")))
     if cfg.train.device == "cuda" and not _cuda_available():
@@ -104,6 +105,22 @@ def check_optimizer(cfg: DictConfig) -> None:
         _check_importable(cfg.optimizer._target_, "optimizer", "Install it with `pip install bitsandbytes`, or choose optimizer=adamw.")
     else:
         _check_importable(cfg.optimizer._target_, "optimizer", "Install the package or choose another optimizer.")
+
+
+def check_loss(cfg: DictConfig) -> None:
+    """The loss checks its own settings when built (`grpo.trainer.loss`): build it once here, so a bad value (a
+    clip-eps sweep's `loss.clip_eps=-0.1`) stops the run as a ConfigError before the server starts, not as a
+    traceback from the run's own instantiate."""
+    from hydra.errors import InstantiationException
+    from hydra.utils import instantiate
+
+    try:
+        instantiate(cfg.loss)
+    except InstantiationException as e:
+        cause = e.__cause__ if isinstance(e.__cause__, (ValueError, TypeError)) else None
+        if cause is None:
+            raise
+        raise ConfigError(f"loss ({cfg.loss._target_}): {cause}; set the loss.* key it names") from None
 
 
 def check_model(cfg: DictConfig) -> None:
