@@ -20,6 +20,7 @@ from pathlib import Path
 import hydra
 import torch
 from hydra.core.hydra_config import HydraConfig
+from hydra.errors import InstantiationException
 from hydra.types import RunMode
 from hydra.utils import get_class, instantiate
 from omegaconf import DictConfig
@@ -160,7 +161,12 @@ def build_data(cfg: DictConfig):
     """The run's data pipeline (rank 0); with `train.max_staleness >= 1` a local one is wrapped in the asynchronous
     producer (grpo.pipeline.rollout_queue). k = 0 never builds the producer: the synchronous loop, unchanged. A
     source that generates on its own (Atropos) is not wrapped: it gets k through PipelineContext.max_staleness."""
-    data = instantiate(cfg.data, _recursive_=False)
+    try:
+        data = instantiate(cfg.data, _recursive_=False)
+    except InstantiationException as e:  # the pipeline checks its own settings; each message names the data key
+        if not isinstance(e.__cause__, ValueError):
+            raise
+        raise ConfigError(str(e.__cause__)) from None
     if cfg.train.max_staleness > 0 and not data.asynchronous_source:
         from grpo.pipeline.rollout_queue import AsyncRollouts
 

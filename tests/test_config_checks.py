@@ -255,3 +255,29 @@ def test_a_bad_loss_setting_is_a_config_error_before_the_server_starts(tmp_path,
     """The loss validates itself when built; validate builds it, so a sweep's bad value is a ConfigError naming it."""
     with pytest.raises(ConfigError, match="loss \\(grpo.trainer.loss.GRPOLoss\\): " + re.escape(needle)):
         _validate([override], tmp_path)
+
+
+@pytest.mark.parametrize("overrides, needle", [
+    (["optimizer.lr=-1"], "optimizer (torch.optim.AdamW): Invalid learning rate: -1.0"),
+    (["optimizer.betas=[0.9,1.5]"], "optimizer (torch.optim.AdamW): Invalid beta parameter at index 1: 1.5"),
+])
+def test_a_setting_the_optimizer_refuses_is_a_config_error_before_the_server_starts(tmp_path, overrides, needle):
+    """torch checks lr, betas, eps and weight decay only when the optimizer is built, after the model (and, in
+    train.py, the server): validate builds it on one parameter first."""
+    with pytest.raises(ConfigError, match=re.escape(needle)):
+        _validate(overrides, tmp_path)
+
+
+@pytest.mark.parametrize("override, needle", [
+    ("data.top_p=0", "ConfigError: data.top_p must be in (0, 1] (1 = the whole distribution), got 0.0"),
+    ("data.temperature=-1", "ConfigError: data.temperature must be > 0 (the loss divides logits by it), got -1.0"),
+])
+def test_a_setting_the_data_pipeline_refuses_stops_the_run_with_its_message(tmp_path, override, needle):
+    """The local pipeline checks its settings when built (before the server starts); train.py prints the message as a
+    ConfigError instead of Hydra's InstantiationException traceback."""
+    run = tmp_path / "run"
+    out = subprocess.run([sys.executable, str(REPO / "train.py"), "~experiment", override, f"hydra.run.dir={run}"],
+                         capture_output=True, text=True, timeout=180, cwd=tmp_path)
+    assert out.returncode == 1, out.stderr[-2000:]
+    assert needle in out.stderr and "Traceback" not in out.stderr
+    assert not (run / "logs" / "vllm.log").exists()

@@ -100,11 +100,20 @@ def check_layers(cfg: DictConfig) -> None:
 
 
 def check_optimizer(cfg: DictConfig) -> None:
-    """The optimizer's package is importable."""
+    """The optimizer's package is importable, and it accepts its settings (torch checks lr, betas, eps and weight
+    decay when built: built here on one parameter, so `optimizer.lr=-1` stops the run before the server starts)."""
+    import torch
+
+    from grpo.trainer.optim import build_optimizer
+
     if cfg.optimizer._target_.startswith("bitsandbytes."):
         _check_importable(cfg.optimizer._target_, "optimizer", "Install it with `pip install bitsandbytes`, or choose optimizer=adamw.")
     else:
         _check_importable(cfg.optimizer._target_, "optimizer", "Install the package or choose another optimizer.")
+    try:
+        build_optimizer(torch.nn.Linear(1, 1), cfg.optimizer)
+    except (ValueError, TypeError) as e:
+        raise ConfigError(f"optimizer ({cfg.optimizer._target_}): {e}; set the optimizer.* key it names") from None
 
 
 def check_loss(cfg: DictConfig) -> None:

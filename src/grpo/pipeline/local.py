@@ -85,6 +85,8 @@ class LocalRolloutPipeline(DataPipeline):
             )
         if temperature <= 0:
             raise ValueError(f"data.temperature must be > 0 (the loss divides logits by it), got {temperature}")
+        if not 0 < top_p <= 1:
+            raise ValueError(f"data.top_p must be in (0, 1] (1 = the whole distribution), got {top_p}")
         self.task: Task = _instantiate(task)
         self.rewards = build_rewards(rewards)
         self.prompts_per_step = int(prompts_per_step)
