@@ -295,7 +295,8 @@ def test_a_run_without_run_api_stops_before_its_server_starts_with_what_to_start
     run = tmp_path / "run"
     t0 = time.monotonic()
     out = subprocess.run(
-        [sys.executable, str(REPO / "train.py"), "data=atropos", f"data.url={url}", "data.max_retries=1",
+        # '~experiment': the bare tiny model, so a fresh cache does not build the default job's warm start first.
+        [sys.executable, str(REPO / "train.py"), "~experiment", "data=atropos", f"data.url={url}", "data.max_retries=1",
          "data.poll_interval_s=0.05", "train.steps=1", f"hydra.run.dir={run}"],
         capture_output=True, text=True, timeout=120, cwd=tmp_path)
     assert out.returncode == 1, out.stderr[-2000:]
