@@ -76,11 +76,7 @@ def validate(cfg: DictConfig, run_dir: Path | None = None) -> None:
     if cfg.train.device == "cuda" and not _cuda_available():
         raise ConfigError("train.device=cuda but no CUDA device is visible; use train.device=auto or cpu")
     check_model(cfg)
-    if info.choices.get("server") == "gpu" and cfg.server.external_url is None and not _cuda_available():
-        # Else vLLM starts on the CPU with the GPU settings and fails on one of them (e.g. max_model_len).
-        raise ConfigError("server=gpu runs the vLLM server on a CUDA GPU and none is visible here; use server=cpu "
-                          "(the vLLM CPU engine), or attach to a GPU server with server.external_url=http://host:port")
-    check_server(cfg)
+    check_server(cfg, info.choices.get("server"))
     check_train(cfg)
     check_data(cfg)
     check_async(cfg)
@@ -190,8 +186,13 @@ def _hub_reachable(timeout_s: float = 3.0) -> tuple[bool, str]:
     return True, f"{host}:{port}"
 
 
-def check_server(cfg: DictConfig) -> None:
-    """The server's port is free (or an external server is named) and its knobs are in range."""
+def check_server(cfg: DictConfig, choice: str | None = None) -> None:
+    """The server's port is free (or an external server is named), its knobs are in range, and `server=gpu`
+    (`choice`, the server group's option) has a GPU to run on."""
+    if choice == "gpu" and cfg.server.external_url is None and not _cuda_available():
+        # Else vLLM starts on the CPU with the GPU settings and fails on one of them (e.g. max_model_len).
+        raise ConfigError("server=gpu runs the vLLM server on a CUDA GPU and none is visible here; use server=cpu "
+                          "(the vLLM CPU engine), or attach to a GPU server with server.external_url=http://host:port")
     kv_cache_gb = cfg.server.get("kv_cache_gb")
     if kv_cache_gb is not None and kv_cache_gb <= 0:
         raise ConfigError(f"server.kv_cache_gb must be a positive number of GiB or null, got {kv_cache_gb}")

@@ -167,7 +167,7 @@ class AtroposPipeline(DataPipeline):
     def setup(self, ctx: PipelineContext) -> None:
         """POST /register before anything else (run-api's registration-order quirk, see _register)."""
         self.ctx = ctx
-        self.session = requests.Session()
+        self.session = self.session or requests.Session()  # the one preflight opened, if it ran
         self._retries = 0
         # Ids at or past the tokenizer's size decode to nothing and may be past the model's embedding rows.
         sizes = [len(ctx.tokenizer) if ctx.tokenizer is not None else None,
