@@ -192,14 +192,11 @@ def test_server_environment_carries_the_busy_loop_cap(tmp_path, monkeypatch):
 
 
 @pytest.mark.vllm
-def test_a_reload_mid_request_shows_in_the_finish_version(vllm_server, tiny_qwen2_dir):
-    """/generate reports the weight version at admission and at finish: an in-place reload that lands while a request
-    runs makes them differ, and the request is not lost (preempted by the prefix-cache reset, it goes on)."""
+def _long_request_in_background(client) -> tuple:
+    """Start 2 x 480 tokens of one prompt (seconds on the CPU engine) in a thread; returns (thread, out), with
+    out["res"] the request's completions once the thread ends."""
     import threading
-    import time
 
-    client = vllm_server.client()
-    before = client.weight_version()
     out: dict = {}
 
     def generate() -> None:
@@ -207,6 +204,17 @@ def test_a_reload_mid_request_shows_in_the_finish_version(vllm_server, tiny_qwen
 
     thread = threading.Thread(target=generate)
     thread.start()
+    return thread, out
+
+
+def test_a_reload_mid_request_shows_in_the_finish_version(vllm_server, tiny_qwen2_dir):
+    """/generate reports the weight version at admission and at finish: an in-place reload that lands while a request
+    runs makes them differ, and the request is not lost (preempted by the prefix-cache reset, it goes on)."""
+    import time
+
+    client = vllm_server.client()
+    before = client.weight_version()
+    thread, out = _long_request_in_background(client)
     time.sleep(0.5)  # the request is running (480 tokens take seconds on the CPU engine)
     try:
         assert thread.is_alive(), "the request finished before the reload; make it longer"
@@ -226,17 +234,10 @@ def test_a_request_paused_in_flight_is_not_lost_and_finishes_whole_after_resume(
     lost or cut short by the pause, and generation must go on after resume. (Whether it is frozen meanwhile is
     vLLM's to keep: on the CPU engine a running request went on through the pause in 1-4 of 12 trials, with vLLM's
     own pause_generation as with the engine core's pause, so no assertion here relies on it.)"""
-    import threading
     import time
 
     client = vllm_server.client()
-    out: dict = {}
-
-    def generate() -> None:
-        out["res"] = client.generate([[10, 20, 30]], n=2, max_tokens=480, temperature=1.0, ignore_eos=True)
-
-    thread = threading.Thread(target=generate)
-    thread.start()
+    thread, out = _long_request_in_background(client)
     time.sleep(0.3)  # admitted and running: 480 tokens take about a second on the CPU engine
     try:
         client.pause()
