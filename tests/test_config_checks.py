@@ -281,3 +281,21 @@ def test_a_setting_the_data_pipeline_refuses_stops_the_run_with_its_message(tmp_
     assert out.returncode == 1, out.stderr[-2000:]
     assert needle in out.stderr and "Traceback" not in out.stderr
     assert not (run / "logs" / "vllm.log").exists()
+
+
+@pytest.mark.parametrize("override, needle", [
+    ("server.port=99999", "server.port=99999 is not a TCP port: use 1-65535, or null to pick a free one"),
+    ("server.port=0", "server.port=0 is not a TCP port"),
+])
+def test_a_port_outside_the_tcp_range_is_a_config_error(tmp_path, override, needle):
+    """Before, the free-port probe's bind raised OverflowError (a traceback)."""
+    with pytest.raises(ConfigError, match=re.escape(needle)):
+        _validate([override], tmp_path)
+
+
+def test_a_mandatory_value_left_unset_is_named(tmp_path):
+    """data=prompt_file without data.task.path: before, Hydra's MissingMandatoryValue inside two instantiation
+    errors."""
+    with pytest.raises(ConfigError, match=re.escape("data.task.path must be set (??? in the config, no default); add "
+                                                    "data.task.path=... to the command line")):
+        _validate(["~experiment", "data=prompt_file"], tmp_path)

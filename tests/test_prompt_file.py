@@ -67,6 +67,27 @@ def test_missing_column_is_a_clear_error_naming_it_and_the_columns_there(tmp_pat
         PromptFileTask(str(tmp_path / "bad.jsonl"), prompt_column="q")
 
 
+def test_a_task_or_reward_that_fails_to_build_names_its_data_key_and_the_cause(tmp_path):
+    """A missing file, a missing column, a reward target that does not import, or a reward function given without
+    `_partial_` is a ValueError naming the data.* key (train.py prints it as a ConfigError), not Hydra's nested
+    InstantiationException."""
+    from grpo.pipeline.local import LocalRolloutPipeline
+
+    path = str(write_jsonl(tmp_path / "p.jsonl", ROWS))
+    task = {"_target_": "grpo.pipeline.prompt_file.PromptFileTask", "path": path, "prompt_column": "q"}
+    reward = {"_target_": "grpo.pipeline.rewards.DigitFractionReward"}
+    with pytest.raises(ValueError, match=r"^data.task \(grpo.pipeline.prompt_file.PromptFileTask\): PromptFileTask: no file"):
+        LocalRolloutPipeline({**task, "path": str(tmp_path / "missing.jsonl")}, {"r": reward})
+    with pytest.raises(ValueError, match=r"^data.task .*: PromptFileTask: row 0 of .* has no column 'question'"):
+        LocalRolloutPipeline({**task, "prompt_column": "question"}, {"r": reward})
+    with pytest.raises(ValueError, match=r"^data.rewards.r \(grpo.pipeline.rewards.NoSuchReward\): Error loading"):
+        LocalRolloutPipeline(task, {"r": {"_target_": "grpo.pipeline.rewards.NoSuchReward"}})
+    with pytest.raises(ValueError, match=r"missing 1 required positional argument.* is a function: .* set "
+                                         r"data.rewards.r._partial_=true"):
+        LocalRolloutPipeline(task, {"r": {"_target_": "grpo.pipeline.rewards.parse_number"}})
+    assert len(LocalRolloutPipeline(task, {"r": reward}).rewards) == 1  # a good config still builds
+
+
 def test_eval_prompts_come_from_eval_path_or_a_clear_error(tmp_path):
     train = write_jsonl(tmp_path / "train.jsonl", ROWS[:3])
     held_out = write_jsonl(tmp_path / "eval.jsonl", ROWS[3:])

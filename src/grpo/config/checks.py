@@ -57,6 +57,31 @@ def check_known_keys(cfg: DictConfig) -> None:
             raise ConfigError(f"unknown config key {where} (added with +{where}=...?): nothing reads it{hint}")
 
 
+def check_missing_values(cfg: DictConfig) -> None:
+    """Every mandatory value (`???` in a YAML, e.g. `data=prompt_file`'s `data.task.path`) is set; else the component
+    that reads it fails in Hydra's MissingMandatoryValue, wrapped in its instantiation error."""
+    missing = sorted(_missing_keys(cfg, ""))
+    if missing:
+        example = " ".join(f"{k}=..." for k in missing)
+        raise ConfigError(f"{', '.join(missing)} must be set (??? in the config, no default); add {example} to the "
+                          "command line or to your experiment file")
+
+
+def _missing_keys(node: Any, path: str):
+    """Dotted keys of every `???` value under `node` (not `OmegaConf.missing_keys`: it resolves interpolations, and
+    the hydra node's need a running Hydra app)."""
+    keys = node.keys() if OmegaConf.is_dict(node) else range(len(node)) if OmegaConf.is_list(node) else ()
+    for key in keys:
+        if path == "" and key == "hydra":
+            continue
+        where = f"{path}.{key}" if path else str(key)
+        if OmegaConf.is_missing(node, key):
+            yield where
+            continue
+        child = OmegaConf.select(node, str(key), throw_on_missing=False, throw_on_resolution_failure=False)
+        yield from _missing_keys(child, where)
+
+
 def _typed_nodes(node: Any, path: str):
     """(dotted path, node) of every dict node whose type is a schema dataclass, depth first."""
     if not OmegaConf.is_dict(node):

@@ -66,6 +66,7 @@ def validate(cfg: DictConfig, run_dir: Path | None = None) -> None:
     checks.check_known_keys(cfg)
     info = checks.hydra_info(cfg)
     checks.check_group_choices(info)
+    checks.check_missing_values(cfg)
     checks.check_model_source(cfg.model, info)
     checks.check_model_files(cfg.model)
     check_layers(cfg)
@@ -204,6 +205,9 @@ def check_server(cfg: DictConfig, choice: str | None = None) -> None:
             f"{list(cfg.server.extra_args)} asks for several: set server.worker_in_engine_process=false"
         )
     port_fixed = cfg.server.port is not None  # null: the launcher picks a free port
+    if port_fixed and not 1 <= cfg.server.port <= 65535:
+        # Else the bind below fails with Python's OverflowError traceback.
+        raise ConfigError(f"server.port={cfg.server.port} is not a TCP port: use 1-65535, or null to pick a free one")
     if cfg.server.external_url is None and port_fixed and not _port_free(cfg.server.host, cfg.server.port):
         raise ConfigError(
             f"server.port={cfg.server.port} on {cfg.server.host} is already in use; pick a free port "

@@ -31,6 +31,37 @@ def _instantiate(node: Any) -> Any:
     return node
 
 
+def _build(node: Any, key: str) -> Any:
+    """`_instantiate(node)` for the config key `key`: a failure (a missing file or column, a `_target_` that does not
+    import, a function called without arguments) becomes a ValueError naming the key and the innermost cause,
+    instead of Hydra's InstantiationException around it (which train.py would print as a stack of wrappers)."""
+    from hydra.errors import InstantiationException
+
+    try:
+        return _instantiate(node)
+    except InstantiationException as e:
+        cause: BaseException = e
+        while isinstance(cause, InstantiationException) and cause.__cause__ is not None:
+            cause = cause.__cause__
+        message = str(cause.args[0]) if isinstance(cause, KeyError) and cause.args else str(cause)
+        hint = ""
+        if isinstance(cause, TypeError) and not node.get("_partial_", False) and _is_function(node["_target_"]):
+            hint = (f"; {node['_target_']} is a function: to hand it over as the reward itself (not call it with no "
+                    f"arguments), set {key}._partial_=true (+{key}._partial_=true on the command line)")
+        raise ValueError(f"{key} ({node.get('_target_')}): {message}{hint}") from e
+
+
+def _is_function(target: str) -> bool:
+    import inspect
+
+    from hydra.utils import get_method
+
+    try:
+        return inspect.isfunction(get_method(target))
+    except Exception:  # not importable or not a callable: no hint, the cause says why
+        return False
+
+
 def build_rewards(rewards: Mapping[str, Any]) -> dict[str, tuple[Any, float]]:
     """`{name: {_target_, weight, ...}}` (or `{name: callable}` / `{name: (callable, weight)}`) → `{name: (fn, w)}`."""
     out: dict[str, tuple[Any, float]] = {}
@@ -42,7 +73,7 @@ def build_rewards(rewards: Mapping[str, Any]) -> dict[str, tuple[Any, float]]:
             weight = node.pop("weight", 1.0)
             if "_target_" not in node:
                 raise ValueError(f"reward {name!r} needs a _target_ (a reward class), got keys {sorted(node)}")
-            fn = _instantiate(node)
+            fn = _build(node, f"data.rewards.{name}")
         else:
             fn, weight = spec, 1.0
         if not callable(fn):
@@ -87,7 +118,7 @@ class LocalRolloutPipeline(DataPipeline):
             raise ValueError(f"data.temperature must be > 0 (the loss divides logits by it), got {temperature}")
         if not 0 < top_p <= 1:
             raise ValueError(f"data.top_p must be in (0, 1] (1 = the whole distribution), got {top_p}")
-        self.task: Task = _instantiate(task)
+        self.task: Task = _build(task, "data.task")
         self.rewards = build_rewards(rewards)
         self.prompts_per_step = int(prompts_per_step)
         self.group_size = int(group_size)
