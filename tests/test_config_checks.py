@@ -299,3 +299,28 @@ def test_a_mandatory_value_left_unset_is_named(tmp_path):
     with pytest.raises(ConfigError, match=re.escape("data.task.path must be set (??? in the config, no default); add "
                                                     "data.task.path=... to the command line")):
         _validate(["~experiment", "data=prompt_file"], tmp_path)
+
+
+def test_a_fresh_run_into_a_run_dir_holding_a_run_stops_instead_of_overwriting_it(tmp_path):
+    """Before, a second `python train.py hydra.run.dir=X` truncated X's metrics.jsonl and replaced its checkpoints."""
+    from grpo.trainer.checkpoint import COMPLETE
+
+    run = tmp_path / "run"
+    _validate([f"hydra.run.dir={run}"], run)  # a new (or empty) dir is fine
+    (run / "metrics.jsonl").write_text('{"step": 1}\n')
+    with pytest.raises(ConfigError, match=re.escape(f"run dir {run} already holds a run (metrics.jsonl with rows), "
+                                                    f"which this run would overwrite; continue that run with "
+                                                    f"train.resume={run}, or start a new one in another dir")):
+        _validate([f"hydra.run.dir={run}"], run)
+    ckpt = run / "checkpoints" / "step_000004"
+    ckpt.mkdir(parents=True)
+    (ckpt / "trainer_state.json").write_text(json.dumps({"step": 4}))
+    (ckpt / COMPLETE).write_text("")
+    with pytest.raises(ConfigError, match=r"\(metrics.jsonl with rows, checkpoints up to step_000004\)"):
+        _validate([f"hydra.run.dir={run}"], run)
+    _validate([f"train.resume={run}", "train.steps=6", f"hydra.run.dir={run}"], run)  # continuing it is fine
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "metrics.jsonl").write_text('{"step": 1}\n')
+    with pytest.raises(ConfigError, match=f"run dir {other} already holds a run"):  # ... but not into another run's
+        _validate([f"train.resume={run}", "train.steps=6", f"hydra.run.dir={other}"], other)

@@ -55,6 +55,28 @@ def check_run_dir(run_dir: Path) -> None:
         )
 
 
+def check_run_dir_unused(cfg: DictConfig, run_dir: Path) -> None:
+    """A fresh run must not start in a run dir that holds another run's metrics or checkpoints: it would truncate
+    that run's metrics.jsonl and replace its checkpoints. Continuing that run (`train.resume=<that dir>`) is fine."""
+    from grpo.trainer.checkpoint import CheckpointManager
+
+    resume = cfg.train.resume
+    if resume is not None and Path(resume).resolve() == run_dir.resolve():
+        return
+    metrics = run_dir / "metrics.jsonl"
+    has_rows = metrics.exists() and metrics.stat().st_size > 0
+    latest = CheckpointManager(run_dir, keep=cfg.train.keep_checkpoints).latest()
+    if not has_rows and latest is None:
+        return
+    held = ", ".join(x for x in (f"{metrics.name} with rows" if has_rows else "",
+                                 f"checkpoints up to {latest.name}" if latest is not None else "") if x)
+    raise ConfigError(
+        f"run dir {run_dir} already holds a run ({held}), which this run would overwrite; continue that run with "
+        f"train.resume={run_dir}, or start a new one in another dir (hydra.run.dir=..., or leave it out for a new "
+        "dir under outputs/)"
+    )
+
+
 def validate(cfg: DictConfig, run_dir: Path | None = None) -> None:
     """Check everything that can be known before loading a model. Raises ConfigError naming the key.
 
@@ -84,6 +106,7 @@ def validate(cfg: DictConfig, run_dir: Path | None = None) -> None:
     check_logging(cfg)
     if run_dir is not None:
         check_run_dir(run_dir)
+        check_run_dir_unused(cfg, run_dir)
 
 
 def check_layers(cfg: DictConfig) -> None:
