@@ -46,11 +46,14 @@ def _sigterm_as_interrupt(signum, frame):  # noqa: ARG001
     raise KeyboardInterrupt(f"signal {signum}")
 
 
-def config_error(error: Exception, multirun: bool) -> float:
+def config_error(error: Exception, multirun: bool, run_dir: Path | None = None) -> float:
     """A config mistake (ConfigError) or a data source that does not answer (DataSourceError) is the user's to fix:
-    print its message, not a traceback, and exit 1; in a sweep, skip the job (NaN objective) and go on."""
+    print its message, not a traceback, and exit 1; in a sweep, skip the job (NaN objective, status `skipped` in its
+    summary.json for grpo.report) and go on."""
     if multirun:
         log.error("%s: %s (this job is skipped; the sweep goes on)", type(error).__name__, error)
+        if run_dir is not None:
+            RunSummary(run_dir).skip(error)
         return float("nan")
     print(f"{type(error).__name__}: {error}", file=sys.stderr)
     raise SystemExit(1) from None
@@ -65,7 +68,7 @@ def main(cfg: DictConfig) -> float | None:
     try:
         validate(cfg, run_dir if rank0 else None)  # everything checkable before a model loads
     except ConfigError as e:
-        return config_error(e, multirun)
+        return config_error(e, multirun, run_dir if rank0 else None)
     signal.signal(signal.SIGTERM, _sigterm_as_interrupt)
     if rank0:
         record_provenance(run_dir)
@@ -78,7 +81,8 @@ def main(cfg: DictConfig) -> float | None:
         final = summary.finish(rewards) if summary is not None else None
         return objective_value(run_dir, cfg.train.objective, final) if summary is not None else None
     except BaseException as e:
-        if summary is not None:
+        config_problem = isinstance(e, (ConfigError, DataSourceError))
+        if summary is not None and not (config_problem and multirun):  # a sweep's job: skipped (config_error)
             summary.fail(e)
         if isinstance(e, KeyboardInterrupt):  # Ctrl-C / SIGTERM: a short block (grpo.stop), not a traceback
             from grpo.stop import exit_code, report_stop
@@ -87,8 +91,8 @@ def main(cfg: DictConfig) -> float | None:
                 report_stop(e, cfg, run_dir, HydraConfig.get().overrides.task)
             raise SystemExit(exit_code(e)) from None
         # Found while building a component (the evaluator's held-out prompts, a data source that does not answer).
-        if isinstance(e, (ConfigError, DataSourceError)):
-            return config_error(e, multirun)
+        if config_problem:
+            return config_error(e, multirun, run_dir if rank0 else None)
         # A failed multirun job is logged and the sweep goes on with the next one.
         if multirun and not isinstance(e, KeyboardInterrupt):
             log.exception("job failed; continuing the sweep")

@@ -110,6 +110,12 @@ def test_a_sweep_skips_a_job_whose_config_is_wrong_and_goes_on(tmp_path):
     assert "#1 : model.attn_implementation=bogus" in log  # launched after job 0 failed
     assert log.count("(this job is skipped; the sweep goes on)") == 2
     assert "model.attn_implementation=bogus is not one of" in log and "flex_attention needs a CUDA trainer" in log
+    from grpo.report import report
+
+    _, rows = report(tmp_path / "sweep")  # before, the report called both jobs "not started"
+    assert [r["status"] for r in rows] == ["skipped", "skipped"]
+    summary = json.loads((tmp_path / "sweep" / "1" / "summary.json").read_text())
+    assert summary["error"].startswith("ConfigError: model.attn_implementation=bogus is not one of")
 
 
 @pytest.mark.parametrize(

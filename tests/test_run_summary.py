@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from grpo.run import RunSummary
 
 
@@ -25,3 +27,27 @@ def test_without_metrics_the_session_rewards_are_used_and_a_short_run_has_equal_
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["first10_reward_mean"] == summary["last10_reward_mean"] == 0.2
     assert summary["best_reward"] == 0.3 and summary["status"] == "completed"
+
+
+def test_a_skipped_job_keeps_the_summary_of_a_run_its_dir_holds(tmp_path):
+    """A sweep job refused because its dir holds an earlier run must not replace that run's summary.json."""
+    RunSummary(tmp_path).skip(ValueError("bad"))
+    assert json.loads((tmp_path / "summary.json").read_text())["status"] == "skipped"
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1, "reward/mean": 0.5}\n')
+    RunSummary(tmp_path).finish([0.5])
+    RunSummary(tmp_path).skip(ValueError("bad"))
+    assert json.loads((tmp_path / "summary.json").read_text())["status"] == "completed"
+
+
+@pytest.mark.parametrize("make, needle", [
+    (lambda d: d / "missing", "is not a directory: give a run dir or a sweep (multirun) dir"),
+    (lambda d: d, "no runs in"),
+])
+def test_report_of_a_dir_without_runs_is_a_one_line_error(tmp_path, capsys, make, needle):
+    """Before: a FileNotFoundError traceback, or an empty table with report.json and rewards.png written anyway."""
+    from grpo.report import main
+
+    with pytest.raises(SystemExit) as e:
+        main([str(make(tmp_path))])
+    assert e.value.code == 2 and needle in capsys.readouterr().err
+    assert not (tmp_path / "report.json").exists()

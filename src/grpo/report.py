@@ -94,7 +94,8 @@ def plot_rewards(rows: list[dict[str, Any]], out: Path) -> Path:
     ax.set_xlabel("optimizer step")
     ax.set_ylabel("reward/mean")
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=7)
+    if any(r["_rewards"] for r in rows):  # a sweep whose jobs were all skipped has no curve to label
+        ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(out, dpi=110)
     plt.close(fig)
@@ -114,6 +115,11 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description="Summarise a multirun sweep dir, or one run dir.")
     parser.add_argument("sweep_dir", type=Path)
     args = parser.parse_args(argv)
+    if not args.sweep_dir.is_dir():
+        parser.error(f"{args.sweep_dir} is not a directory: give a run dir or a sweep (multirun) dir")
+    if not job_dirs(args.sweep_dir):
+        parser.error(f"no runs in {args.sweep_dir}: a run dir has a metrics.jsonl, a sweep dir has job dirs "
+                     "(0, 1, ...) with a .hydra/ each")
     table, _ = report(args.sweep_dir)
     print(table)
     print(f"\nwrote {args.sweep_dir / 'report.json'} and {args.sweep_dir / 'rewards.png'}")

@@ -76,6 +76,14 @@ class RunSummary:
         rows = (json.loads(line) for line in path.read_text().splitlines() if line.strip())
         return [float(r["reward/mean"]) for r in rows if r.get("reward/mean") is not None]
 
+    def skip(self, error: BaseException) -> None:
+        """Record a sweep job skipped at start-up for its config (`grpo.report` shows it as skipped, with why). In a
+        dir whose metrics.jsonl has rows, summary.json is another run's (the job was refused for holding it): kept."""
+        metrics = self.path.with_name("metrics.jsonl")
+        if metrics.exists() and metrics.stat().st_size > 0:
+            return
+        self._write({"status": "skipped", "error": f"{type(error).__name__}: {error}"})
+
     def fail(self, error: BaseException) -> None:
         """Record a failed or interrupted run."""
         status = "interrupted" if isinstance(error, KeyboardInterrupt) else "failed"
