@@ -264,3 +264,22 @@ def test_help_lists_the_options_to_pick_and_not_the_schemas_they_build_on():
     assert groups["optimizer"] == "adafactor, adamw, adamw_8bit"
     assert "arith_grpo" in groups["experiment"] and set(groups) >= {"data", "eval", "loss", "model", "server", "sweep"}
     assert "_schema" not in out.stdout
+
+
+def test_a_run_does_not_print_bitsandbytes_advice_about_4bit_kernels(tmp_path):
+    """peft (imported by every run for its weight handling) imports bitsandbytes when installed, whose CPU backend
+    warned on every run "Failed to load CPU gemm_4bit_forward ... pip install kernels": advice about a feature no
+    run uses. The run's logging config (conf/train.yaml, hydra.job_logging) mutes that logger."""
+    pytest.importorskip("bitsandbytes")
+    app = ("import sys; from pathlib import Path; import hydra\n"
+           "from grpo.config import register_configs\n"
+           "register_configs()\n"
+           f"@hydra.main(version_base='1.3', config_path={str(REPO / 'conf')!r}, config_name='train')\n"
+           "def main(cfg):\n"
+           "    import logging, peft  # noqa: F401\n"
+           "    logging.getLogger('train').info('imported peft')\n"
+           f"sys.argv = ['app', '~experiment', 'hydra.run.dir={tmp_path}']\n"
+           "main()\n")
+    out = subprocess.run([sys.executable, "-c", app], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and "imported peft" in out.stdout, out.stderr[-2000:]
+    assert "gemm_4bit" not in out.stdout + out.stderr and "kernels" not in out.stdout + out.stderr
