@@ -209,9 +209,12 @@ async def handle_pause(request) -> dict:
     mode, clear_cache = body.get("mode", "keep"), bool(body.get("clear_cache", False))
     engine = _state(request).engine_client
     if mode == "keep" and not clear_cache:
-        # The engine core's pause itself: AsyncLLM.pause_generation adds a fixed 20 ms sleep so that outputs of the
-        # requests an "abort" ends reach their callers first. "keep" ends none, and shared_vllm pauses around every
-        # optimizer step: the sleep was 20 of the pause's 22 ms on the CPU engine.
+        # The engine core's pause itself. It answers only once no step is in flight (from the engine's idle callback:
+        # no request schedulable under PAUSED_ALL, batch queue empty) and schedules no token until resume, so the
+        # weights may change as soon as it returns. Tokens computed before it can still reach callers after it
+        # returns (request outputs go through another asyncio task); they were computed with the old weights.
+        # AsyncLLM.pause_generation adds a fixed 20 ms sleep for that ordering only, and shared_vllm pauses around
+        # every optimizer step: the sleep was 20 of the pause's 22 ms on the CPU engine.
         await engine.engine_core.pause_scheduler_async(mode="keep", clear_cache=False)
     else:
         await engine.pause_generation(mode=mode, clear_cache=clear_cache)
