@@ -330,3 +330,11 @@ def test_a_fresh_run_into_a_run_dir_holding_a_run_stops_instead_of_overwriting_i
     (other / "metrics.jsonl").write_text('{"step": 1}\n')
     with pytest.raises(ConfigError, match=f"run dir {other} already holds a run"):  # ... but not into another run's
         _validate([f"train.resume={run}", "train.steps=6", f"hydra.run.dir={other}"], other)
+
+
+def test_a_sweep_option_without_multirun_is_refused_not_run_as_one_job(tmp_path):
+    """Before, `python train.py sweep=lr` ran one job at the default lr: the sweep silently ignored."""
+    with pytest.raises(ConfigError, match=re.escape("sweep=lr sets the values a sweep runs over, and without -m Hydra "
+                                                    "runs one job with none of them; add -m (python train.py -m sweep=lr")):
+        _validate(["sweep=lr"], tmp_path)
+    _validate(["hydra.mode=MULTIRUN", "sweep=lr"], tmp_path)  # a sweep's job

@@ -12,6 +12,7 @@ import difflib
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
+from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 from grpo.config.validate import ConfigError
@@ -29,6 +30,8 @@ class HydraInfo:
     choices: Mapping[str, Any]
     # The command-line overrides, e.g. ["model.name=/x", "+optimzer.lr=1"].
     overrides: Sequence[str]
+    # Started with -m / --multirun (a sweep).
+    multirun: bool = False
 
 
 def hydra_info(cfg: DictConfig) -> HydraInfo:
@@ -40,7 +43,8 @@ def hydra_info(cfg: DictConfig) -> HydraInfo:
         if not HydraConfig.initialized():
             return HydraInfo(choices={}, overrides=())
         node = HydraConfig.get()
-    return HydraInfo(choices=dict(node.runtime.choices), overrides=list(node.overrides.task))
+    return HydraInfo(choices=dict(node.runtime.choices), overrides=list(node.overrides.task),
+                     multirun=node.get("mode") == RunMode.MULTIRUN)
 
 
 def check_known_keys(cfg: DictConfig) -> None:
@@ -108,6 +112,14 @@ def check_group_choices(info: HydraInfo) -> None:
             raise ConfigError(
                 f"{group}={option} is the schema behind the {group} options, not an option itself{listed}"
             )
+
+
+def check_sweep_needs_multirun(info: HydraInfo) -> None:
+    """A `sweep=` option only sets Hydra's sweeper: without -m Hydra runs one job with none of its values."""
+    option = info.choices.get("sweep")
+    if option is not None and not info.multirun:
+        raise ConfigError(f"sweep={option} sets the values a sweep runs over, and without -m Hydra runs one job with "
+                          f"none of them; add -m (python train.py -m sweep={option} ...), or drop sweep={option}")
 
 
 def _group_options(group: str) -> list[str]:

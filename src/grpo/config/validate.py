@@ -88,6 +88,7 @@ def validate(cfg: DictConfig, run_dir: Path | None = None) -> None:
     checks.check_known_keys(cfg)
     info = checks.hydra_info(cfg)
     checks.check_group_choices(info)
+    checks.check_sweep_needs_multirun(info)
     checks.check_missing_values(cfg)
     checks.check_model_source(cfg.model, info)
     checks.check_model_files(cfg.model)
