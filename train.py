@@ -79,7 +79,6 @@ def main(cfg: DictConfig) -> float | None:
     try:
         rewards = train(cfg, run_dir)
         final = summary.finish(rewards) if summary is not None else None
-        return objective_value(run_dir, cfg.train.objective, final) if summary is not None else None
     except BaseException as e:
         config_problem = isinstance(e, (ConfigError, DataSourceError))
         if summary is not None and not (config_problem and multirun):  # a sweep's job: skipped (config_error)
@@ -104,6 +103,12 @@ def main(cfg: DictConfig) -> float | None:
         release_device_memory()
         if rank0 and memory_before is not None:
             record_device_memory(run_dir, memory_before)
+    if summary is None:
+        return None
+    try:  # the run completed (summary.json says so) whatever the objective's fate
+        return objective_value(run_dir, cfg.train.objective, final)
+    except ConfigError as e:
+        return config_error(e, multirun)
 
 
 def train(cfg: DictConfig, run_dir: Path) -> list[float]:
@@ -131,7 +136,7 @@ def train(cfg: DictConfig, run_dir: Path) -> list[float]:
         evaluator = build_evaluator(cfg.eval, cfg.data) if rank0 else None  # bad eval input fails before a model loads
     except ValueError as e:  # each of its messages names the eval/data key to change
         raise ConfigError(str(e)) from None
-    check_objective(cfg.train.objective, evaluator is not None)
+    check_objective(cfg.train.objective, evaluator is not None, type(evaluator).metric_names if evaluator else ())
     trainer = metrics = None
     try:
         trainer, metrics = build_trainer(cfg, run_dir, model_dir, tokenizer, sync, loss_fn, data, evaluator,

@@ -181,6 +181,7 @@ def test_evaluator_against_vllm(vllm_server, tiny_qwen2_dir, tmp_path, caplog):
         assert 0.0 <= first[key] <= 1.0, key
     assert first["eval/prompts"] == 6 and first["eval/k"] == 2 and 1 <= first["eval/response_tokens_mean"] <= 8
     assert first["eval/weight_version"] == 0 and first["eval/seconds"] > 0
+    assert sorted(first) == sorted(Evaluator.metric_names)  # what train.objective=eval/... is checked against
     assert first["eval/pass@k"] >= first["eval/mean@k"]  # pass@2 of the same samples can only be higher
     # Fixed prompts, greedy and seeded samples, same weights: the same figures twice.
     assert {k: v for k, v in first.items() if k != "eval/seconds"} == {
@@ -281,3 +282,21 @@ def test_objective_selects_last_eval_value(tmp_path):
     with pytest.raises(ValueError, match="eval is off"):
         check_objective("eval/accuracy", eval_enabled=False)
     check_objective("eval/accuracy", eval_enabled=True)
+
+
+def test_an_objective_that_names_no_metric_is_a_config_error_at_start_up_not_after_the_run(tmp_path):
+    """Before, `train.objective=eval/acuracy` trained the whole run, then ended in a ValueError traceback that also
+    turned the completed run's summary.json into 'failed'; `eval=off train.objective=eval/accuracy` was a traceback."""
+    from grpo.options import ConfigError
+    from grpo.run import check_objective, objective_value
+
+    with pytest.raises(ConfigError, match="train.objective=eval/acuracy is not a metric the evaluator logs; did you "
+                                          "mean eval/accuracy"):
+        check_objective("eval/acuracy", True, Evaluator.metric_names)
+    with pytest.raises(ConfigError, match="eval is off"):
+        check_objective("eval/accuracy", False, Evaluator.metric_names)
+    check_objective("grpo/kl", True, Evaluator.metric_names)  # a training metric: known only once logged
+    (tmp_path / "metrics.jsonl").write_text(json.dumps({"step": 1, "grpo/kl": 0.1}) + "\n")
+    with pytest.raises(ConfigError, match=r"no row of .* has this key \(the run itself completed\); did you mean "
+                                          r"grpo/kl\?"):
+        objective_value(tmp_path, "grpo/k1", None)

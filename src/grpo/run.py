@@ -3,6 +3,7 @@ device_memory.json (with the release of device memory between multirun jobs)."""
 
 from __future__ import annotations
 
+import difflib
 import gc
 import json
 import logging
@@ -12,8 +13,11 @@ import time
 import traceback
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
+from typing import Sequence
 
 import torch
+
+from grpo.options import ConfigError
 
 log = logging.getLogger(__name__)
 
@@ -91,11 +95,19 @@ class RunSummary:
                      "traceback": "".join(traceback.format_exception(error))[-4000:]})
 
 
-def check_objective(key: str | None, eval_enabled: bool) -> None:
-    """Start-up check of `train.objective`: an `eval/` key needs the evaluator on."""
-    if key is not None and key.startswith("eval/") and not eval_enabled:
-        raise ValueError(f"train.objective={key} is an eval metric but eval is off; set eval.enabled=true "
-                         "(and eval.task for data=atropos) or train.objective=null")
+def check_objective(key: str | None, eval_enabled: bool, eval_metrics: Sequence[str] = ()) -> None:
+    """Start-up check of `train.objective`: an `eval/` key needs the evaluator on and must be one it logs (a typo
+    would otherwise surface only after the whole run, when the objective is read)."""
+    if key is None or not key.startswith("eval/"):
+        return
+    if not eval_enabled:
+        raise ConfigError(f"train.objective={key} is an eval metric but eval is off; set eval.enabled=true "
+                          "(and eval.task for data=atropos) or train.objective=null")
+    if eval_metrics and key not in eval_metrics:
+        close = difflib.get_close_matches(key, eval_metrics, n=1)
+        hint = f"did you mean {close[0]}? " if close else ""
+        raise ConfigError(f"train.objective={key} is not a metric the evaluator logs; {hint}(it logs "
+                          f"{', '.join(eval_metrics)})")
 
 
 def objective_value(run_dir: Path, key: str | None, final_reward: float | None) -> float | None:
@@ -104,9 +116,14 @@ def objective_value(run_dir: Path, key: str | None, final_reward: float | None) 
         return final_reward
     from grpo.trainer.metrics import read_metrics
 
-    values = [r[key] for r in read_metrics(run_dir / "metrics.jsonl") if r.get(key) is not None]
+    rows = read_metrics(run_dir / "metrics.jsonl")
+    values = [r[key] for r in rows if r.get(key) is not None]
     if not values:
-        raise ValueError(f"train.objective={key}: no row of {run_dir / 'metrics.jsonl'} has this key")
+        logged = sorted({k for r in rows for k in r})
+        close = difflib.get_close_matches(key, logged, n=1)
+        hint = f"; did you mean {close[0]}?" if close else ""
+        raise ConfigError(f"train.objective={key}: no row of {run_dir / 'metrics.jsonl'} has this key (the run "
+                          f"itself completed){hint}")
     return float(values[-1])
 
 

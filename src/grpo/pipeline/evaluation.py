@@ -86,6 +86,10 @@ class Evaluator:
     `eval/seconds`. A completion is correct when the reward `correct_reward` gives it >= `correct_threshold`.
     """
 
+    # Every key an evaluation logs (what `train.objective=eval/...` may name; checked at start-up).
+    metric_names = ("eval/accuracy", "eval/pass@k", "eval/mean@k", "eval/reward_mean", "eval/response_tokens_mean",
+                    "eval/unparsed_fraction", "eval/weight_version", "eval/prompts", "eval/k", "eval/seconds")
+
     def __init__(
         self,
         task: Any,
