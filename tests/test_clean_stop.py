@@ -74,12 +74,15 @@ def test_sigterm_prints_the_stop_block_writes_curves_and_the_command_resumes(tmp
 
 
 def test_a_real_error_keeps_its_traceback(tmp_path):
-    # A resume dir without a checkpoint fails inside the run (past start-up validation): a real error, not a stop.
-    empty = tmp_path / "empty"
-    empty.mkdir()
-    out = subprocess.run([sys.executable, "train.py", "~experiment", f"train.resume={empty}", f"hydra.run.dir={tmp_path / 'run'}"],
-                         cwd=REPO, capture_output=True, text=True, timeout=120)
+    # A model dir that passes the start-up check (config.json and a weights file) but does not load fails inside the
+    # run: a real error, not a stop.
+    broken = tmp_path / "broken_model"
+    broken.mkdir()
+    (broken / "config.json").write_text("{}")
+    (broken / "model.safetensors").write_bytes(b"")
+    out = subprocess.run([sys.executable, "train.py", "~experiment", "model.offline=null", f"model.name={broken}",
+                          f"hydra.run.dir={tmp_path / 'run'}"], cwd=REPO, capture_output=True, text=True, timeout=120)
     text = out.stdout + out.stderr
     assert out.returncode == 1, text[-2000:]
-    assert "Traceback" in text and f"train.resume={empty} has no complete checkpoint" in text
+    assert "Traceback" in text and "ConfigError" not in text
     assert "grpo: stopped by" not in text

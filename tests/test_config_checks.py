@@ -338,3 +338,25 @@ def test_a_sweep_option_without_multirun_is_refused_not_run_as_one_job(tmp_path)
                                                     "runs one job with none of them; add -m (python train.py -m sweep=lr")):
         _validate(["sweep=lr"], tmp_path)
     _validate(["hydra.mode=MULTIRUN", "sweep=lr"], tmp_path)  # a sweep's job
+
+
+def test_a_resume_dir_without_a_checkpoint_says_what_to_give_instead(tmp_path):
+    """Before, each failed in the run with a FileNotFoundError traceback ("has no complete checkpoint"), and a
+    checkpoint given as train.resume got the run's .hydra/, train.log and summary.json written into it."""
+    from grpo.trainer.checkpoint import COMPLETE
+
+    run = tmp_path / "old"
+    ckpt = run / "checkpoints" / "step_000004"
+    ckpt.mkdir(parents=True)
+    (ckpt / "trainer_state.json").write_text(json.dumps({"step": 4}))
+    (ckpt / COMPLETE).write_text("")
+    for given in (ckpt, run / "checkpoints"):
+        with pytest.raises(ConfigError, match=re.escape(f"train.resume={given} is inside a run's checkpoints/; "
+                                                        f"train.resume takes the run dir, and the run goes on from "
+                                                        f"its latest complete checkpoint: train.resume={run}")):
+            _validate([f"train.resume={given}", "train.steps=8", f"hydra.run.dir={tmp_path}/run"], tmp_path / "run")
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(ConfigError, match=re.escape(f"train.resume={empty} has no complete checkpoint under "
+                                                    "checkpoints/ (one is written every train.checkpoint_every steps")):
+        _validate([f"train.resume={empty}", f"hydra.run.dir={tmp_path}/run"], tmp_path / "run")

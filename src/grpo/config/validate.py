@@ -266,14 +266,17 @@ def check_train(cfg: DictConfig) -> None:
 
 
 def check_resume_has_steps_left(cfg: DictConfig) -> None:
-    """Resuming a run whose latest checkpoint already holds `train.steps` steps would start the server and train
-    nothing: say so, with the setting that continues it. (A run dir without a checkpoint fails in the run.)"""
+    """`train.resume` is a run dir with a complete checkpoint (`check_resume_dir`). Resuming a run whose latest
+    checkpoint already holds `train.steps` steps would start the server and train nothing: say so, with the setting
+    that continues it."""
     from grpo.trainer.checkpoint import CheckpointManager, read_trainer_state
 
     if cfg.train.resume is None:
         return
     latest = CheckpointManager(Path(cfg.train.resume), keep=cfg.train.keep_checkpoints).latest()
-    if latest is None or not (latest / "trainer_state.json").exists():
+    if latest is None:
+        check_resume_dir(Path(cfg.train.resume))
+    if not (latest / "trainer_state.json").exists():
         return
     done = int(read_trainer_state(latest).get("step", 0))
     if done >= cfg.train.steps:
@@ -282,6 +285,25 @@ def check_resume_has_steps_left(cfg: DictConfig) -> None:
             f"train.steps={cfg.train.steps}, so there is nothing left to train; to go on, raise train.steps "
             f"(e.g. train.steps={done + cfg.train.steps}; it counts from the run's start)"
         )
+
+
+def check_resume_dir(resume: Path) -> None:
+    """Raises for a `train.resume` without a complete checkpoint under its checkpoints/, saying what to give instead:
+    its run dir when it is a checkpoint or the checkpoints/ dir itself (a natural guess that failed in the run with
+    a FileNotFoundError traceback)."""
+    from grpo.trainer.checkpoint import COMPLETE
+
+    run_dir = None
+    if (resume / COMPLETE).exists() or (resume / "trainer_state.json").exists():
+        run_dir = resume.parent.parent
+    elif resume.name == "checkpoints":
+        run_dir = resume.parent
+    if run_dir is not None:
+        raise ConfigError(f"train.resume={resume} is inside a run's checkpoints/; train.resume takes the run dir, "
+                          f"and the run goes on from its latest complete checkpoint: train.resume={run_dir}")
+    raise ConfigError(f"train.resume={resume} has no complete checkpoint under checkpoints/ (one is written every "
+                      "train.checkpoint_every steps, and a run stopped before the first cannot be resumed); start it "
+                      "again without train.resume, or name a run dir that has one")
 
 
 def check_async(cfg: DictConfig) -> None:
