@@ -81,6 +81,24 @@ def test_client_generate_and_prompt_logprobs(vllm_server, hf_model):
 
 
 @pytest.mark.vllm
+def test_generate_answers_the_same_from_vllms_flat_log_prob_layout(vllm_server):
+    """/generate asks vLLM for its flat log-prob layout (cheaper per decode step); the answer, top-k log-probs with the
+    actual token first and the prompt's log-probs included, is the one the per-position layout gives."""
+    import requests
+
+    body = dict(prompt={"prompt_token_ids": [10, 20, 30, 40]}, n=2, max_tokens=6, temperature=1.0, seed=7, logprobs=2,
+                prompt_logprobs=2)  # fmt: skip
+    flat, nested = (requests.post(vllm_server.url + "/generate", json={**body, "flat_logprobs": f}, timeout=60).json()
+                    for f in (True, False))  # fmt: skip
+    for key in ("token_ids", "logprobs", "prompt_logprobs"):
+        assert flat[key] == nested[key], key
+    for ids, positions in zip(flat["token_ids"], flat["logprobs"]):
+        assert [int(next(iter(p[0]))) for p in positions] == ids  # the sampled token is each position's first key
+        assert all(2 <= len(p[0]) <= 3 for p in positions)  # the top 2, plus the sampled token when not among them
+    assert len(flat["prompt_logprobs"]) == 4
+
+
+@pytest.mark.vllm
 def test_seeded_generate_reproduces_and_gives_every_sample_its_own_stream(vllm_server):
     from grpo.inference.client import InferenceClient
 
@@ -207,17 +225,37 @@ def _long_request_in_background(client) -> tuple:
     return thread, out
 
 
+def _running_requests(base_url: str) -> float:
+    """vLLM's own gauge of the requests it is running (GET /metrics)."""
+    import requests
+
+    text = requests.get(base_url + "/metrics", timeout=5).text
+    return sum(float(ln.rsplit(" ", 1)[1]) for ln in text.splitlines() if ln.startswith("vllm:num_requests_running"))
+
+
+def _start_and_catch_running(client, attempts: int = 3) -> tuple:
+    """The long background request, caught while vLLM runs it (polling its gauge, not a fixed sleep: on a fast or a
+    loaded machine a fixed sleep lands before admission or after the end); a fresh request when one was missed."""
+    import time
+
+    for _ in range(attempts):
+        thread, out = _long_request_in_background(client)
+        deadline = time.monotonic() + 30
+        while thread.is_alive() and time.monotonic() < deadline:
+            if _running_requests(client.base_url) >= 1:
+                return thread, out
+            time.sleep(0.005)
+        thread.join(120)
+    raise AssertionError(f"never saw the request running in {attempts} tries")
+
+
 def test_a_reload_mid_request_shows_in_the_finish_version(vllm_server, tiny_qwen2_dir):
     """/generate reports the weight version at admission and at finish: an in-place reload that lands while a request
     runs makes them differ, and the request is not lost (preempted by the prefix-cache reset, it goes on)."""
-    import time
-
     client = vllm_server.client()
     before = client.weight_version()
-    thread, out = _long_request_in_background(client)
-    time.sleep(0.5)  # the request is running (480 tokens take seconds on the CPU engine)
+    thread, out = _start_and_catch_running(client)
     try:
-        assert thread.is_alive(), "the request finished before the reload; make it longer"
         client.reload_weights(str(tiny_qwen2_dir), version=before + 1)  # the same weights: the session's stay
         thread.join(120)
     finally:

@@ -88,6 +88,21 @@ def _position_logprobs(entry: Any, token_id: int) -> dict[int, float]:
     return out
 
 
+def _sample_logprobs(token_ids: Any, logprobs: Any) -> list[list[dict[int, float]]]:
+    """One [{token_id: logprob}] per generated position, the actual token first, from vLLM's per-position dicts or
+    from its flat layout (``flat_logprobs``: parallel lists, read directly instead of a dict built per position)."""
+    if not logprobs:
+        return []
+    if not hasattr(logprobs, "start_indices"):
+        return [[_position_logprobs(entry, tid)] for tid, entry in zip(token_ids, logprobs)]
+    ids, values = logprobs.token_ids, logprobs.logprobs
+    out = []
+    for tid, start, end in zip(token_ids, logprobs.start_indices, logprobs.end_indices):
+        pos = {ids[i]: float(values[i]) for i in range(start, end)}
+        out.append([{tid: pos.pop(tid), **pos}])
+    return out
+
+
 async def handle_generate(request) -> dict:
     """POST /generate: {"prompt": {"prompt_token_ids": [...]} | str | [int], "n", "max_tokens", ...}."""
     from vllm import SamplingParams
@@ -114,6 +129,9 @@ async def handle_generate(request) -> dict:
     # Atropos always asks for logprobs; default them on so the response always has the full shape.
     if body.get("logprobs") is None:
         body["logprobs"] = 0
+    # vLLM's flat layout keeps a request's log-probs in a few lists instead of a dict and a Logprob object per token
+    # per step: less work in the API process on every decode step (the response is the same).
+    body.setdefault("flat_logprobs", True)
     body["output_kind"] = RequestOutputKind.FINAL_ONLY
     params = SamplingParams(**body)
     # Read before the request starts: the version the weights had when this batch was scheduled.
@@ -130,9 +148,7 @@ async def handle_generate(request) -> dict:
         "text": [o.text for o in outputs],
         "prompt_token_ids": prompt_ids,
         "token_ids": [list(o.token_ids) for o in outputs],
-        "logprobs": [
-            [[_position_logprobs(entry, tid)] for tid, entry in zip(o.token_ids, o.logprobs or [])] for o in outputs
-        ],
+        "logprobs": [_sample_logprobs(o.token_ids, o.logprobs) for o in outputs],
         "finish_reasons": [o.finish_reason for o in outputs],
         "weight_version": version,
         "last_weight_version": _upper_version(state),
@@ -155,7 +171,7 @@ def prompt_topk(prompt_ids: list[int], entries: list[Any], k: int) -> list[dict[
     out: list[dict[int, float]] = []
     for pos, tid in enumerate(prompt_ids):
         entry = entries[pos] if pos < len(entries) else None
-        if entry is None:
+        if not entry:  # None, or an empty position in vLLM's flat layout
             out.append({tid: 0.0})
             continue
         row = {tid: float(entry[tid].logprob)}
