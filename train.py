@@ -341,6 +341,18 @@ def _non_rank0_hydra_args() -> list[str]:
             "hydra/job_logging=stdout"]
 
 
-if __name__ == "__main__":
+def run() -> None:
+    """The command line's entry (`python train.py`, `grpo-train`): a choice whose Hydra plugin is missing is said
+    before Hydra composes (its own error names no package), then the Hydra app."""
+    from grpo.config.checks import check_hydra_plugins
+
+    try:
+        check_hydra_plugins(sys.argv[1:])
+    except ConfigError as e:
+        config_error(e, multirun=False)
     sys.argv += _non_rank0_hydra_args()
     main()
+
+
+if __name__ == "__main__":
+    run()

@@ -360,3 +360,17 @@ def test_a_resume_dir_without_a_checkpoint_says_what_to_give_instead(tmp_path):
     with pytest.raises(ConfigError, match=re.escape(f"train.resume={empty} has no complete checkpoint under "
                                                     "checkpoints/ (one is written every train.checkpoint_every steps")):
         _validate([f"train.resume={empty}", f"hydra.run.dir={tmp_path}/run"], tmp_path / "run")
+
+
+def test_sweep_optuna_without_its_plugin_says_what_to_install(tmp_path):
+    """Before, Hydra stopped with "Could not find 'hydra/sweeper/optuna'", which names no package."""
+    import importlib.util
+
+    if importlib.util.find_spec("hydra_plugins") and importlib.util.find_spec("hydra_plugins.hydra_optuna_sweeper"):
+        pytest.skip("the Optuna sweeper is installed here")
+    out = subprocess.run([sys.executable, str(REPO / "train.py"), "-m", "sweep=optuna", f"hydra.sweep.dir={tmp_path}"],
+                         capture_output=True, text=True, cwd=REPO, timeout=120)
+    assert out.returncode == 1
+    assert ('ConfigError: sweep=optuna needs Hydra\'s hydra-optuna-sweeper plugin, which is not installed: '
+            'pip install -e ".[sweep]"') in out.stderr
+    assert "Could not find" not in out.stderr and "Traceback" not in out.stderr

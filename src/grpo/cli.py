@@ -21,9 +21,9 @@ def main() -> None:
     # or the current directory. Put the current directory first so `_target_: my_rewards.fn` works as documented.
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())
-    from grpo.train import main as train_main
+    from grpo.train import run
 
-    train_main()
+    run()
 
 
 if __name__ == "__main__":

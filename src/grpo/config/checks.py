@@ -122,6 +122,35 @@ def check_sweep_needs_multirun(info: HydraInfo) -> None:
                           f"none of them; add -m (python train.py -m sweep={option} ...), or drop sweep={option}")
 
 
+# Command-line choices that need a Hydra plugin: (group, option) -> (its module, the pip package).
+PLUGIN_CHOICES = {
+    ("sweep", "optuna"): ("hydra_plugins.hydra_optuna_sweeper", "hydra-optuna-sweeper"),
+    ("hydra/sweeper", "optuna"): ("hydra_plugins.hydra_optuna_sweeper", "hydra-optuna-sweeper"),
+    ("hydra/launcher", "submitit_slurm"): ("hydra_plugins.hydra_submitit_launcher", "hydra-submitit-launcher"),
+    ("hydra/launcher", "submitit_local"): ("hydra_plugins.hydra_submitit_launcher", "hydra-submitit-launcher"),
+}
+
+
+def check_hydra_plugins(args: Sequence[str]) -> None:
+    """A command-line choice that needs a Hydra plugin (`sweep=optuna`) has it installed. Checked on the arguments,
+    before Hydra composes: without the plugin Hydra stops with "Could not find 'hydra/sweeper/optuna'", which does
+    not say what to install."""
+    import importlib.util
+
+    for arg in args:
+        group, _, option = arg.lstrip("+~").partition("=")
+        plugin = PLUGIN_CHOICES.get((group, option))
+        if plugin is None:
+            continue
+        try:
+            found = importlib.util.find_spec(plugin[0]) is not None
+        except ModuleNotFoundError:  # no hydra_plugins package at all
+            found = False
+        if not found:
+            raise ConfigError(f"{arg} needs Hydra's {plugin[1]} plugin, which is not installed: "
+                              f"pip install -e \".[sweep]\" (or pip install {plugin[1]})")
+
+
 def _group_options(group: str) -> list[str]:
     from hydra.core.global_hydra import GlobalHydra
 
