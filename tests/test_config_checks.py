@@ -374,3 +374,14 @@ def test_sweep_optuna_without_its_plugin_says_what_to_install(tmp_path):
     assert ('ConfigError: sweep=optuna needs Hydra\'s hydra-optuna-sweeper plugin, which is not installed: '
             'pip install -e ".[sweep]"') in out.stderr
     assert "Could not find" not in out.stderr and "Traceback" not in out.stderr
+
+
+@pytest.mark.parametrize("override", ["lora.r=8", "lora=all_linear"])
+def test_lora_settings_with_a_full_fine_tuning_mode_are_refused_not_ignored(tmp_path, override):
+    """Before, `python train.py lora.r=8` (mode=none) trained every weight and ignored the setting."""
+    with pytest.raises(ConfigError, match=re.escape(f"{override} sets the LoRA adapter, but mode=none trains the full "
+                                                    "weights (no adapter) and would ignore it; for an adapter pick "
+                                                    "mode=lora_only")):
+        _validate([override], tmp_path)
+    _validate(["mode=lora_only", override], tmp_path)
+    _validate(["hydra.mode=MULTIRUN", override], tmp_path)  # a sweep's common setting, e.g. over mode=none,lora_only

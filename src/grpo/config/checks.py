@@ -170,6 +170,23 @@ def check_model_source(model_cfg: DictConfig, info: HydraInfo) -> None:
         )
 
 
+def check_lora_given_with_a_lora_mode(cfg: DictConfig, info: HydraInfo) -> None:
+    """`lora=...` or `lora.*=...` on the command line must reach a LoRA: with a full fine-tuning mode (mode=none,
+    shared_vllm, broadcast) every weight trains and the LoRA settings would be silently ignored. Not in a sweep,
+    whose settings are common to its jobs (`-m mode=none,lora_only lora.r=8`)."""
+    from hydra.utils import get_class
+
+    if info.multirun:
+        return
+    given = [o for o in info.overrides if o.lstrip("+~").split("=", 1)[0].split(".", 1)[0] == "lora"]
+    mode = get_class(cfg.mode._target_)
+    if given and not mode.uses_lora:
+        raise ConfigError(
+            f"{' '.join(given)} sets the LoRA adapter, but mode={mode.mode_name} trains the full weights (no adapter) "
+            "and would ignore it; for an adapter pick mode=lora_only or mode=lora_restart, else drop the lora settings"
+        )
+
+
 def check_model_files(model_cfg: DictConfig) -> None:
     """A local model directory must hold a model (config.json and weights), not fail later in the tokenizer."""
     if model_cfg.offline:
