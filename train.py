@@ -31,6 +31,7 @@ from grpo.run import (
     RunSummary,
     check_objective,
     device_memory,
+    done_message,
     objective_value,
     record_device_memory,
     record_provenance,
@@ -79,6 +80,8 @@ def main(cfg: DictConfig) -> float | None:
     try:
         rewards = train(cfg, run_dir)
         final = summary.finish(rewards) if summary is not None else None
+        if summary is not None:
+            log.info(done_message(run_dir))
     except BaseException as e:
         config_problem = isinstance(e, (ConfigError, DataSourceError))
         if summary is not None and not (config_problem and multirun):  # a sweep's job: skipped (config_error)

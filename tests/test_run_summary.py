@@ -51,3 +51,16 @@ def test_report_of_a_dir_without_runs_is_a_one_line_error(tmp_path, capsys, make
         main([str(make(tmp_path))])
     assert e.value.code == 2 and needle in capsys.readouterr().err
     assert not (tmp_path / "report.json").exists()
+
+
+def test_a_completed_run_ends_with_a_line_saying_how_it_went_and_where_its_outputs_are(tmp_path):
+    """Before, a run ended with its progress bar: the run dir was named only among the start-up lines."""
+    from grpo.run import done_message
+
+    rows = [{"step": 0, "eval/accuracy": 0.25}, {"step": 1, "reward/mean": 0.5},
+            {"step": 2, "reward/mean": 0.7, "eval/accuracy": 0.5}]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    RunSummary(tmp_path).finish([0.5, 0.7])
+    assert done_message(tmp_path) == (
+        "run completed: 2 steps; reward 0.600 -> 0.600 (mean of the first and last 10 steps); held-out accuracy "
+        f"0.250 -> 0.500.\n  run dir: {tmp_path} (summary: python -m grpo.report {tmp_path})")

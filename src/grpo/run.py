@@ -95,6 +95,23 @@ class RunSummary:
                      "traceback": "".join(traceback.format_exception(error))[-4000:]})
 
 
+def done_message(run_dir: Path) -> str:
+    """The line a completed run ends with: steps, reward and held-out accuracy from first to last, and where the
+    outputs are (the run dir is otherwise named only among the start-up lines)."""
+    from grpo.trainer.metrics import read_metrics
+
+    summary = json.loads((run_dir / "summary.json").read_text())
+    rows = read_metrics(run_dir / "metrics.jsonl") if (run_dir / "metrics.jsonl").exists() else []
+    parts = [f"run completed: {summary['steps_run']} steps"]
+    if summary.get("last10_reward_mean") is not None:
+        parts.append(f"reward {summary['first10_reward_mean']:.3f} -> {summary['last10_reward_mean']:.3f} (mean of the "
+                     "first and last 10 steps)")
+    accuracy = [r["eval/accuracy"] for r in rows if r.get("eval/accuracy") is not None]
+    if accuracy:
+        parts.append(f"held-out accuracy {accuracy[0]:.3f} -> {accuracy[-1]:.3f}")
+    return "; ".join(parts) + f".\n  run dir: {run_dir} (summary: python -m grpo.report {run_dir})"
+
+
 def check_objective(key: str | None, eval_enabled: bool, eval_metrics: Sequence[str] = ()) -> None:
     """Start-up check of `train.objective`: an `eval/` key needs the evaluator on and must be one it logs (a typo
     would otherwise surface only after the whole run, when the objective is read)."""
