@@ -22,7 +22,7 @@ import pytest
 import requests
 import torch
 
-from conftest import REPO, attach, free_port
+from conftest import REPO, attach, free_port, server_cfg
 from test_train_e2e import QUICK, assert_clean, metrics, processes_with_marker
 
 # Quick steps (QUICK: eager vLLM starts without torch.compile, far quicker on a new weights directory), no plot.
@@ -335,3 +335,33 @@ def test_soak_200_steps_with_a_server_crash_every_50(tmp_path, tiny_qwen2_dir):
     assert late - early < 0.05 + 0.05 * early, report  # < 50 MB + 5 %
     assert max(fds[170:200]) <= max(fds[20:50]) + 2, report
     assert_valid_checkpoint(run, 200, tiny_qwen2_dir)
+
+
+@pytest.mark.vllm
+def test_a_server_stopped_during_its_start_up_is_gone_in_seconds(tiny_qwen2_dir, tmp_path):
+    """vLLM ignores SIGTERM while it starts: a Ctrl-C during the start-up waited the full 20 s grace in silence
+    (measured 21.5 s) before the SIGKILL. A server that never answered /health is killed after 2 s."""
+    import contextlib
+    import threading
+
+    from grpo.inference.process import ServerStartError, VLLMServer
+
+    server = VLLMServer(tiny_qwen2_dir, server_cfg(kv_cache_gb=0.25), tmp_path / "vllm.log")
+
+    def start() -> None:
+        with contextlib.suppress(ServerStartError):  # its process is gone: what the stop below causes
+            server.start(timeout=20)
+
+    threading.Thread(target=start, daemon=True).start()
+    deadline = time.monotonic() + 30  # until vLLM is past its first log lines and into its engine's start-up
+    while time.monotonic() < deadline and "Resolved architecture" not in server.log_tail(40):
+        time.sleep(0.2)
+    time.sleep(3)
+    assert not server.ready
+    pid = server.proc.pid
+    t0 = time.monotonic()
+    server.stop()
+    took = time.monotonic() - t0
+    assert took < 8, took
+    with pytest.raises(ProcessLookupError):
+        os.killpg(pid, 0)  # the whole process group is gone

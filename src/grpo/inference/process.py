@@ -24,6 +24,9 @@ from grpo.options import ConfigError, option
 log = logging.getLogger(__name__)
 # Seconds between "starting vLLM ..." progress lines while the server starts.
 PROGRESS_EVERY_S = 5.0
+# SIGTERM to SIGKILL for a server that never answered /health: vLLM ignores SIGTERM while it starts, so the usual
+# grace (20 s) only made a Ctrl-C during start-up wait in silence; a server that never served has nothing to save.
+STARTING_STOP_S = 2.0
 
 
 class ServerStartError(RuntimeError):
@@ -137,6 +140,8 @@ class VLLMServer:
         # Proves to the launcher that the server answering is this one; sent on every weight-changing call.
         self.token = identity.new_token()
         self.proc: subprocess.Popen | None = None
+        # Whether the current process has answered /health (a server still starting is stopped without grace).
+        self.ready = False
         self._log_file = None
         self.restarts = 0
 
@@ -251,6 +256,7 @@ class VLLMServer:
         self._log_file = open(self.log_path, "ab")
         self._log_file.write(f"\n===== grpo: starting {' '.join(self.command())}\n".encode())
         self._log_file.flush()
+        self.ready = False
         self.proc = subprocess.Popen(
             self.command(),
             stdout=self._log_file,
@@ -278,6 +284,7 @@ class VLLMServer:
                 raise self._start_failed(f"inference server exited with code {code} during start-up")
             state, detail = self.probe(timeout=2.0)
             if state == "ours":
+                self.ready = True
                 log.info("vLLM ready at %s after %.0f s", self.url, time.monotonic() - t0)
                 return
             if state == "foreign":
@@ -348,23 +355,33 @@ class VLLMServer:
             )
 
     def stop(self, timeout: float = 20.0) -> None:
-        """SIGTERM the server's process group, SIGKILL it after `timeout` s. Safe to call twice."""
+        """SIGTERM the server's process group, SIGKILL it after `timeout` s (STARTING_STOP_S for a server that has
+        not answered /health yet). Safe to call twice."""
         proc = self.proc
         if proc is not None:
             if proc.poll() is None:
+                grace = timeout if self.ready else min(timeout, STARTING_STOP_S)
                 self._signal_group(signal.SIGTERM)
                 self._signal_group(signal.SIGCONT)  # a stopped (hung) server handles SIGTERM only once continued
                 try:
-                    proc.wait(timeout=timeout)
+                    proc.wait(timeout=min(grace, 1.0))
                 except subprocess.TimeoutExpired:
-                    self._signal_group(signal.SIGKILL)
-                    proc.wait(timeout=10)
+                    self._wait_or_kill(proc, grace)
             self._cleanup_group()
             self.pid_path.unlink(missing_ok=True)
         self.proc = None
         if self._log_file is not None:
             self._log_file.close()
             self._log_file = None
+
+    def _wait_or_kill(self, proc: subprocess.Popen, grace: float) -> None:
+        # Said on the terminal: a stop that waits in silence (a Ctrl-C during a long step) looks like a hang.
+        log.info("stopping vLLM (pid %d): waiting up to %.0f s for it to exit, then SIGKILL", proc.pid, grace)
+        try:
+            proc.wait(timeout=max(grace - 1.0, 0.0))
+        except subprocess.TimeoutExpired:
+            self._signal_group(signal.SIGKILL)
+            proc.wait(timeout=10)
 
     def restart(
         self,
