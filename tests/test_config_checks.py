@@ -385,3 +385,18 @@ def test_lora_settings_with_a_full_fine_tuning_mode_are_refused_not_ignored(tmp_
         _validate([override], tmp_path)
     _validate(["mode=lora_only", override], tmp_path)
     _validate(["hydra.mode=MULTIRUN", override], tmp_path)  # a sweep's common setting, e.g. over mode=none,lora_only
+
+
+@pytest.mark.parametrize("override, needle", [
+    ("train.checkpoint_every=0", "train.checkpoint_every must be >= 1, got 0"),
+    ("train.keep_checkpoints=0", "train.keep_checkpoints must be >= 1, got 0"),
+    ("train.logprob_chunk=0", "train.logprob_chunk must be >= 1, got 0"),
+    ("train.max_nonfinite_steps=0", "train.max_nonfinite_steps must be >= 1, got 0"),
+    ("train.warmup_steps=-1", "train.warmup_steps must be >= 0, got -1"),
+    ("train.max_grad_norm=0", "train.max_grad_norm must be > 0, or null for no gradient clipping; got 0.0"),
+])
+def test_loop_counts_out_of_range_are_config_errors_before_the_server_starts(tmp_path, override, needle):
+    """Before, each passed start-up and failed in the run (checkpoint_every=0: ZeroDivisionError after the first
+    step, before its checkpoint; warmup_steps=-1: the scheduler's ValueError after the server's start-up)."""
+    with pytest.raises(ConfigError, match=re.escape(needle)):
+        _validate([override], tmp_path)

@@ -258,12 +258,26 @@ def check_train(cfg: DictConfig) -> None:
             f"train.mini_batches={cfg.train.mini_batches} exceeds the {cfg.train.micro_batch_size * cfg.train.grad_accum} "
             "sequences of a rollout batch (train.micro_batch_size x train.grad_accum)"
         )
+    check_train_counts(cfg.train)
     budget = cfg.train.max_tokens_per_micro_batch
     if budget is not None and budget < 1:
         raise ConfigError(f"train.max_tokens_per_micro_batch must be >= 1 (null = micro_batch_size rows), got {budget}")
     if cfg.train.resume is not None and not Path(cfg.train.resume).exists():
         raise ConfigError(f"train.resume={cfg.train.resume} does not exist")
     check_resume_has_steps_left(cfg)
+
+
+def check_train_counts(train: DictConfig) -> None:
+    """Counts the loop reads only once it runs: each was an error after the server's start-up and a first step
+    (`train.checkpoint_every=0`: ZeroDivisionError, before the step's checkpoint), or a traceback."""
+    at_least = {"checkpoint_every": 1, "keep_checkpoints": 1, "logprob_chunk": 1, "max_nonfinite_steps": 1,
+                "warmup_steps": 0}
+    for key, low in at_least.items():
+        if train[key] < low:
+            raise ConfigError(f"train.{key} must be >= {low}, got {train[key]}")
+    if train.max_grad_norm is not None and train.max_grad_norm <= 0:
+        raise ConfigError(f"train.max_grad_norm must be > 0, or null for no gradient clipping; got "
+                          f"{train.max_grad_norm}")
 
 
 def check_resume_has_steps_left(cfg: DictConfig) -> None:
