@@ -400,3 +400,16 @@ def test_loop_counts_out_of_range_are_config_errors_before_the_server_starts(tmp
     step, before its checkpoint; warmup_steps=-1: the scheduler's ValueError after the server's start-up)."""
     with pytest.raises(ConfigError, match=re.escape(needle)):
         _validate([override], tmp_path)
+
+
+def test_a_local_model_whose_block_count_differs_from_model_num_layers_is_refused(tmp_path):
+    """Before, model.name=<a 6-block model> with model.num_layers left at 4 trained blocks 0-3 only under layers=all
+    (embeddings and head frozen too), silently."""
+    model = tmp_path / "my_model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"num_hidden_layers": 6}))
+    (model / "model.safetensors").write_bytes(b"")
+    with pytest.raises(ConfigError, match=re.escape(f"model.num_layers=4, but {model / 'config.json'} says the model "
+                                                    "has 6 blocks; set model.num_layers=6")):
+        _validate(["model.offline=null", f"model.name={model}"], tmp_path / "run")
+    _validate(["model.offline=null", f"model.name={model}", "model.num_layers=6"], tmp_path / "run")

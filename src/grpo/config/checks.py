@@ -202,3 +202,22 @@ def check_model_files(model_cfg: DictConfig) -> None:
             f"no model files in {path} (model.name): expected config.json and weights (*.safetensors or *.bin); "
             f"found {found or 'nothing'}"
         )
+    check_layer_count(model_cfg, path / "config.json")
+
+
+def check_layer_count(model_cfg: DictConfig, config_json: Path) -> None:
+    """`model.num_layers` is the model's block count: layer specs resolve against it, so a smaller value left at a
+    preset's default made `layers=all` train only the first blocks (embeddings and head frozen), silently."""
+    import json
+
+    try:
+        hf_config = json.loads(config_json.read_text())
+    except (OSError, ValueError):
+        return  # loading the model says what is wrong with it
+    hf_config = hf_config.get("text_config", hf_config)  # multimodal configs nest the language model's
+    blocks = next((hf_config[k] for k in ("num_hidden_layers", "n_layer", "num_layers") if k in hf_config), None)
+    if isinstance(blocks, int) and blocks != model_cfg.num_layers:
+        raise ConfigError(
+            f"model.num_layers={model_cfg.num_layers}, but {config_json} says the model has {blocks} blocks; set "
+            f"model.num_layers={blocks} (layers=... resolves against it)"
+        )
