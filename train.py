@@ -30,6 +30,7 @@ from grpo.pipeline.base import DataSourceError
 from grpo.run import (
     RunSummary,
     check_objective,
+    check_resume_identity,
     device_memory,
     done_message,
     objective_value,
@@ -68,11 +69,12 @@ def main(cfg: DictConfig) -> float | None:
     rank0 = int(os.environ.get("RANK", "0")) == 0  # torchrun: rank 0 owns the run dir and every output
     try:
         validate(cfg, run_dir if rank0 else None)  # everything checkable before a model loads
+        check_resume_identity(cfg)  # before record_provenance rewrites a resumed run's own record
     except ConfigError as e:
         return config_error(e, multirun, run_dir if rank0 else None)
     signal.signal(signal.SIGTERM, _sigterm_as_interrupt)
     if rank0:
-        record_provenance(run_dir)
+        record_provenance(run_dir, cfg)
     summary = RunSummary(run_dir) if rank0 else None
     # One process training on a GPU: its device memory at the start, checked against the end (device_memory.json).
     single_gpu = rank0 and int(os.environ.get("WORLD_SIZE", "1")) == 1 and cfg.train.device != "cpu"

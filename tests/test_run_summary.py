@@ -64,3 +64,28 @@ def test_a_completed_run_ends_with_a_line_saying_how_it_went_and_where_its_outpu
     assert done_message(tmp_path) == (
         "run completed: 2 steps; reward 0.600 -> 0.600 (mean of the first and last 10 steps); held-out accuracy "
         f"0.250 -> 0.500.\n  run dir: {tmp_path} (summary: python -m grpo.report {tmp_path})")
+
+
+def test_resuming_a_run_with_another_model_or_data_is_refused_naming_the_runs_command(tmp_path):
+    """Before, `python train.py train.resume=<a '~experiment' run>` (the README's resume line, without the run's
+    overrides) continued the tiny digits run on the default job's model name and arithmetic data, silently."""
+    from omegaconf import OmegaConf
+
+    from grpo.options import ConfigError
+    from grpo.run import check_resume_identity, record_provenance
+
+    def cfg(offline: str, data: str):
+        return OmegaConf.create({"train": {"resume": str(tmp_path)}, "model": {
+            "name": offline, "offline": offline, "num_layers": 4}, "mode": {"_target_": "grpo.sync.M"},
+            "data": {"_target_": "grpo.pipeline.local.LocalRolloutPipeline", "task": {"_target_": data}}})
+
+    tiny = cfg("tiny-qwen2", "grpo.pipeline.tasks.DigitsTask")
+    record_provenance(tmp_path, tiny)
+    check_resume_identity(tiny)  # the same run's settings: fine
+    with pytest.raises(ConfigError) as e:
+        check_resume_identity(cfg("warm-arith", "grpo.pipeline.arithmetic.ArithmeticTask"))
+    assert str(e.value).startswith(
+        f"train.resume={tmp_path} was trained with model.name=tiny-qwen2, model.offline=tiny-qwen2, "
+        "data.task._target_=grpo.pipeline.tasks.DigitsTask, but this command composes model.name=warm-arith, "
+        "model.offline=warm-arith, data.task._target_=grpo.pipeline.arithmetic.ArithmeticTask; resume with the run's "
+        "own settings (its command was: ")

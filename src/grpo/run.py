@@ -13,7 +13,7 @@ import time
 import traceback
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Sequence
 
 import torch
 
@@ -39,13 +39,48 @@ def git_commit(cwd: Path | None = None) -> str | None:
         return None
 
 
-def record_provenance(run_dir: Path) -> dict:
-    """Write provenance.json: package version, git commit, python and command line."""
+# What a run is (its model, mode and data): a resume must compose the same (check_resume_identity).
+IDENTITY_KEYS = ("model.name", "model.offline", "model.num_layers", "mode._target_", "data._target_",
+                 "data.task._target_")
+
+
+def run_identity(cfg: Any) -> dict[str, Any]:
+    """The IDENTITY_KEYS of a composed config (None where a key is absent)."""
+    from omegaconf import OmegaConf
+
+    return {key: OmegaConf.select(cfg, key, default=None) for key in IDENTITY_KEYS}
+
+
+def check_resume_identity(cfg: Any) -> None:
+    """`train.resume` of a run trained on another model, mode or data (e.g. resumed without the overrides it was
+    started with, so the default job composes) would continue it on those, silently: refuse, naming the keys and
+    the run's own command line (its provenance.json, read before this run rewrites it)."""
+    resume = cfg.train.resume
+    path = Path(resume) / "provenance.json" if resume is not None else None
+    if path is None or not path.exists():
+        return
+    earlier = json.loads(path.read_text())
+    before, now = earlier.get("identity") or {}, run_identity(cfg)
+    differ = [k for k in IDENTITY_KEYS if k in before and before[k] != now[k]]
+    if differ:
+        was = ", ".join(f"{k}={before[k]}" for k in differ)
+        given = ", ".join(f"{k}={now[k]}" for k in differ)
+        raise ConfigError(
+            f"train.resume={resume} was trained with {was}, but this command composes {given}; resume with the "
+            f"run's own settings (its command was: {' '.join(earlier.get('argv', []))}) plus train.resume={resume}"
+        )
+
+
+def record_provenance(run_dir: Path, cfg: Any = None) -> dict:
+    """Write provenance.json: package version, git commit, python, command line and the run's identity (model,
+    mode, data) when `cfg` is given."""
     try:
         pkg = version("grpo")
     except PackageNotFoundError:
         pkg = None
     info = {"grpo_version": pkg, "git_commit": git_commit(), "python": sys.version.split()[0], "argv": sys.argv}
+    if cfg is not None:
+        info["identity"] = run_identity(cfg)
     (run_dir / "provenance.json").write_text(json.dumps(info, indent=2))
     return info
 
