@@ -413,3 +413,13 @@ def test_a_local_model_whose_block_count_differs_from_model_num_layers_is_refuse
                                                     "has 6 blocks; set model.num_layers=6")):
         _validate(["model.offline=null", f"model.name={model}"], tmp_path / "run")
     _validate(["model.offline=null", f"model.name={model}", "model.num_layers=6"], tmp_path / "run")
+
+
+def test_a_completion_cap_beyond_the_sequence_length_is_refused_not_cut(tmp_path):
+    """Before, data.max_new_tokens=500 with model.max_seq_len=64 ran with completions cut to fit, silently."""
+    with pytest.raises(ConfigError, match=re.escape("data.max_new_tokens=500 cannot be reached: model.max_seq_len=64 "
+                                                    "bounds prompt + completion")):
+        _validate(["~experiment", "data.max_new_tokens=500", "model.max_seq_len=64"], tmp_path)
+    with pytest.raises(ConfigError, match=re.escape("eval.max_new_tokens=64 cannot be reached")):
+        _validate(["~experiment", "eval.max_new_tokens=64", "model.max_seq_len=64"], tmp_path)
+    _validate(["~experiment", "data.max_new_tokens=32", "model.max_seq_len=64"], tmp_path)

@@ -349,7 +349,7 @@ def check_async(cfg: DictConfig) -> None:
 
 def check_data(cfg: DictConfig) -> None:
     """A local rollout pipeline generates at least the sequences one rollout batch trains on (said here, before the
-    server starts, rather than by the pipeline once it has)."""
+    server starts, rather than by the pipeline once it has), and its completion caps fit model.max_seq_len."""
     from grpo.pipeline.local import LocalRolloutPipeline
 
     target = cfg.data.get("_target_")
@@ -359,6 +359,14 @@ def check_data(cfg: DictConfig) -> None:
         return
     if not local:
         return
+    max_len = cfg.model.max_seq_len
+    for key, max_new in (("data", cfg.data.get("max_new_tokens")), ("eval", cfg.eval.get("max_new_tokens"))):
+        if max_new is not None and max_new >= max_len:
+            # The pipeline and the evaluator cap a completion at max_seq_len minus its prompt: cut, silently.
+            raise ConfigError(
+                f"{key}.max_new_tokens={max_new} cannot be reached: model.max_seq_len={max_len} bounds prompt + "
+                f"completion (a prompt has at least one token); raise model.max_seq_len or lower {key}.max_new_tokens"
+            )
     per_step = int(cfg.data.get("prompts_per_step", 0)) * int(cfg.data.get("group_size", 0))
     needed = cfg.train.micro_batch_size * cfg.train.grad_accum
     if per_step < needed:
