@@ -346,13 +346,26 @@ def _non_rank0_hydra_args() -> list[str]:
             "hydra/job_logging=stdout"]
 
 
+def _config_dirs(args: list[str]) -> list[Path]:
+    """The directories `--config-dir` / `-cd` add to the search path."""
+    dirs = []
+    for i, arg in enumerate(args):
+        name, _, value = arg.partition("=")
+        if name in ("--config-dir", "-cd"):
+            dirs.append(Path(value or (args[i + 1] if i + 1 < len(args) else "")))
+    return dirs
+
+
 def run() -> None:
     """The command line's entry (`python train.py`, `grpo-train`): a choice whose Hydra plugin is missing is said
     before Hydra composes (its own error names no package), then the Hydra app."""
-    from grpo.config.checks import check_hydra_plugins
+    from grpo.config.checks import check_group_option_names, check_hydra_plugins
 
+    args = sys.argv[1:]
     try:
-        check_hydra_plugins(sys.argv[1:])
+        check_hydra_plugins(args)
+        if not any(a.split("=", 1)[0] in ("--config-path", "-cp") for a in args):  # another primary config
+            check_group_option_names(args, [Path(__file__).parent / "conf", *_config_dirs(args)])
     except ConfigError as e:
         config_error(e, multirun=False)
     sys.argv += _non_rank0_hydra_args()

@@ -90,7 +90,10 @@ def test_request_timeout_is_settable_for_atropos(tmp_path):
 
 @pytest.mark.parametrize(
     "override, needle",
-    [("+optimzer.lr=1", "unknown config key optimzer"), ("model.name=/no/such/path", "model.name=/no/such/path was given")],
+    [("+optimzer.lr=1", "unknown config key optimzer"), ("model.name=/no/such/path", "model.name=/no/such/path was given"),
+     # Hydra's own error listed the *_schema entries as options, with its search path and no suggestion.
+     ("optimizer=adamW", "optimizer=adamW is not one of the optimizer options; did you mean optimizer=adamw? choose "
+                         "one of adafactor, adamw, adamw_8bit")],
 )
 def test_cli_stops_before_any_model_loads(tmp_path, override, needle):
     out = subprocess.run([sys.executable, str(REPO / "train.py"), override, f"hydra.run.dir={tmp_path}/run"],
@@ -423,3 +426,21 @@ def test_a_completion_cap_beyond_the_sequence_length_is_refused_not_cut(tmp_path
     with pytest.raises(ConfigError, match=re.escape("eval.max_new_tokens=64 cannot be reached")):
         _validate(["~experiment", "eval.max_new_tokens=64", "model.max_seq_len=64"], tmp_path)
     _validate(["~experiment", "data.max_new_tokens=32", "model.max_seq_len=64"], tmp_path)
+
+
+def test_a_group_option_typo_is_named_with_the_nearest_option(tmp_path):
+    """Options come from every config dir's group folder (--config-dir adds experiments); comma lists (a sweep) are
+    checked one by one; keys that are not groups, and a sweep's function syntax, pass through."""
+    from grpo.config.checks import check_group_option_names
+
+    mine = tmp_path / "conf"
+    (mine / "experiment").mkdir(parents=True)
+    (mine / "experiment" / "my_task.yaml").write_text("")
+    dirs = [REPO / "conf", mine]
+    check_group_option_names(["experiment=my_task", "-m", "loss=grpo,dapo", "data.task.path=x", "--config-dir",
+                              str(mine), "optimizer.lr=interval(1e-4, 1e-3)", "layers=choice(all,top25)"], dirs)
+    with pytest.raises(ConfigError, match="experiment=my_tsk is not one of the experiment options; did you mean "
+                                          "experiment=my_task?"):
+        check_group_option_names(["experiment=my_tsk"], dirs)
+    with pytest.raises(ConfigError, match="loss=dapo2 is not one of the loss options"):
+        check_group_option_names(["loss=grpo,dapo2"], dirs)

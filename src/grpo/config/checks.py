@@ -151,6 +151,25 @@ def check_hydra_plugins(args: Sequence[str]) -> None:
                               f"pip install -e \".[sweep]\" (or pip install {plugin[1]})")
 
 
+def check_group_option_names(args: Sequence[str], config_dirs: Sequence[Path]) -> None:
+    """Each `group=option` on the command line names an option of that group (a YAML file in a config dir's
+    `<group>/`). Checked before Hydra composes: Hydra's own error for a typo (`optimizer=adamW`) lists the schema
+    entries beside the options and its search path, with no suggestion."""
+    for arg in args:
+        key, sep, value = arg.lstrip("+").partition("=")
+        dirs = [d / key for d in config_dirs if key and (d / key).is_dir()] if sep and not arg.startswith("-") else []
+        if not dirs or any(c in value for c in "()[]{}$"):  # not a group of ours, or a sweep's function syntax
+            continue
+        options = sorted({p.stem for d in dirs for p in d.glob("*.yaml")})
+        for choice in value.split(","):
+            if choice in ("", "null") or choice in options or choice.endswith("_schema"):  # schemas: checked later
+                continue
+            close = difflib.get_close_matches(choice, options, n=1)
+            hint = f"did you mean {key}={close[0]}? " if close else ""
+            raise ConfigError(f"{key}={choice} is not one of the {key} options; {hint}choose one of {', '.join(options)} "
+                              "(python train.py --help lists every group)")
+
+
 def _group_options(group: str) -> list[str]:
     from hydra.core.global_hydra import GlobalHydra
 
