@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -112,6 +113,8 @@ def plot(curves: list[dict], path: Path) -> None:
 
 def run(k: int, seed: int, steps: int, every: int, root: Path) -> Path:
     run_dir = root / f"k{k}_s{seed}"
+    # A rerun of the bench replaces its own earlier run (train.py refuses a fresh run into a dir that holds one).
+    shutil.rmtree(run_dir, ignore_errors=True)
     cmd = [sys.executable, str(REPO / "train.py"), "experiment=arith_grpo", f"train.max_staleness={k}",
            f"train.seed={seed}", f"train.steps={steps}", f"eval.every={every}", "eval.samples_per_prompt=1",
            "eval.k=1", "train.checkpoint_every=1000", "logging.progress_bar=false", f"hydra.run.dir={run_dir}"]
