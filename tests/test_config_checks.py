@@ -444,3 +444,17 @@ def test_a_group_option_typo_is_named_with_the_nearest_option(tmp_path):
         check_group_option_names(["experiment=my_tsk"], dirs)
     with pytest.raises(ConfigError, match="loss=dapo2 is not one of the loss options"):
         check_group_option_names(["loss=grpo,dapo2"], dirs)
+
+
+def test_a_refused_run_leaves_the_held_runs_hydra_record_as_it_was(tmp_path):
+    """The run-dir check runs as a Hydra callback before the job starts: before, the refused command's config and
+    overrides had already replaced the earlier run's .hydra/ (what `--config-path <run>/.hydra` reruns)."""
+    run = tmp_path / "run"
+    (run / ".hydra").mkdir(parents=True)
+    (run / ".hydra" / "config.yaml").write_text("the earlier run's config\n")
+    (run / "metrics.jsonl").write_text('{"step": 1}\n')
+    out = subprocess.run([sys.executable, str(REPO / "train.py"), "~experiment", f"hydra.run.dir={run}"],
+                         capture_output=True, text=True, cwd=REPO, timeout=120)
+    assert out.returncode == 1 and f"ConfigError: run dir {run} already holds a run" in out.stderr, out.stderr[-2000:]
+    assert (run / ".hydra" / "config.yaml").read_text() == "the earlier run's config\n"
+    assert sorted(p.name for p in run.iterdir()) == [".hydra", "metrics.jsonl"]  # no train.log, no overrides.yaml

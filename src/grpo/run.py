@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 import torch
+from hydra.experimental.callback import Callback
 
 from grpo.options import ConfigError
 
@@ -209,3 +210,25 @@ def record_device_memory(run_dir: Path, before: dict[str, float], settle_s: floa
     (run_dir / "device_memory.json").write_text(json.dumps({"before": before, "after_teardown": after}, indent=2))
     log.info("device memory: %.2f GiB in use before the job, %.2f GiB after its teardown",
              before["device_used_gb"], after["device_used_gb"])
+
+
+class RunDirGuard(Callback):
+    """Hydra callback (conf/train.yaml, hydra.callbacks): before a single run's job starts, refuse a run dir that
+    holds another run (`check_run_dir_unused`) and a resume of another model, mode or data
+    (`check_resume_identity`). train.py checks both too, but only after Hydra has written the job's `.hydra/`
+    (config, overrides) into the run dir, over the earlier run's own record."""
+
+    def on_run_start(self, config: Any, **kwargs: Any) -> None:  # noqa: ARG002
+        """Exit 1 with the ConfigError's message, before Hydra writes anything into the run dir."""
+        from hydra.core.hydra_config import HydraConfig
+
+        from grpo.config.validate import check_run_dir_unused
+
+        HydraConfig.instance().set_config(config)  # the run dir's interpolations read it (run_job sets it again)
+        try:
+            check_run_dir_unused(config, Path(config.hydra.run.dir))
+            check_resume_identity(config)
+        except ConfigError as e:
+            print(f"ConfigError: {e}", file=sys.stderr)
+            raise SystemExit(1) from None
+
