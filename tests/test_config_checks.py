@@ -458,3 +458,18 @@ def test_a_refused_run_leaves_the_held_runs_hydra_record_as_it_was(tmp_path):
     assert out.returncode == 1 and f"ConfigError: run dir {run} already holds a run" in out.stderr, out.stderr[-2000:]
     assert (run / ".hydra" / "config.yaml").read_text() == "the earlier run's config\n"
     assert sorted(p.name for p in run.iterdir()) == [".hydra", "metrics.jsonl"]  # no train.log, no overrides.yaml
+
+
+def test_a_checkpoint_given_as_train_resume_gets_nothing_written_into_it(tmp_path):
+    """A resume's default run dir is train.resume: before, a checkpoint dir given there got Hydra's .hydra/ and
+    train.log (then provenance.json and summary.json) written into it."""
+    from grpo.trainer.checkpoint import COMPLETE
+
+    ckpt = tmp_path / "old" / "checkpoints" / "step_000004"
+    ckpt.mkdir(parents=True)
+    (ckpt / "trainer_state.json").write_text(json.dumps({"step": 4}))
+    (ckpt / COMPLETE).write_text("")
+    out = subprocess.run([sys.executable, str(REPO / "train.py"), "~experiment", f"train.resume={ckpt}"],
+                         capture_output=True, text=True, cwd=REPO, timeout=120)
+    assert out.returncode == 1 and "train.resume takes the run dir" in out.stderr, out.stderr[-2000:]
+    assert sorted(p.name for p in ckpt.iterdir()) == [COMPLETE, "trainer_state.json"]

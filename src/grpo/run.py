@@ -214,19 +214,22 @@ def record_device_memory(run_dir: Path, before: dict[str, float], settle_s: floa
 
 class RunDirGuard(Callback):
     """Hydra callback (conf/train.yaml, hydra.callbacks): before a single run's job starts, refuse a run dir that
-    holds another run (`check_run_dir_unused`) and a resume of another model, mode or data
-    (`check_resume_identity`). train.py checks both too, but only after Hydra has written the job's `.hydra/`
+    holds another run (`check_run_dir_unused`), a resume dir without a checkpoint or steps left, and a resume of
+    another model, mode or data (`check_resume_identity`). train.py checks both too, but only after Hydra has written the job's `.hydra/`
     (config, overrides) into the run dir, over the earlier run's own record."""
 
     def on_run_start(self, config: Any, **kwargs: Any) -> None:  # noqa: ARG002
         """Exit 1 with the ConfigError's message, before Hydra writes anything into the run dir."""
         from hydra.core.hydra_config import HydraConfig
 
-        from grpo.config.validate import check_run_dir_unused
+        from grpo.config.validate import check_resume_has_steps_left, check_run_dir_unused
 
         HydraConfig.instance().set_config(config)  # the run dir's interpolations read it (run_job sets it again)
         try:
             check_run_dir_unused(config, Path(config.hydra.run.dir))
+            if config.train.resume is not None and Path(config.train.resume).exists():
+                # The default run dir of a resume is train.resume: a checkpoint given there would get .hydra/.
+                check_resume_has_steps_left(config)
             check_resume_identity(config)
         except ConfigError as e:
             print(f"ConfigError: {e}", file=sys.stderr)
