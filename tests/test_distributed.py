@@ -343,6 +343,10 @@ def _train_one_step(rank: int, world: int, port: int, model_dir: str, out_root: 
             {"loss": row["loss"], "grad_norm": row["grad_norm"], "logprob_diff": row["grpo/logprob_diff"],
              "checksum": sync.checksum, "names": sync.names}))
         torch.save({k: v.detach().clone() for k, v in gathered.items()}, Path(out_root) / f"gathered_world{world}.pt")
+    if info.enabled:
+        # Both ranks leave together: rank 1 tearing gloo down while rank 0 still wrote its files once aborted rank 1
+        # ("terminate called without an active exception", SIGABRT) in a full-suite run on a loaded 2-core machine.
+        torch.distributed.barrier()
     distributed.destroy()
 
 
@@ -473,6 +477,7 @@ def _resume_worker(rank: int, world: int, port: int, model_dir: str, out_root: s
     if info.is_rank0:
         torch.save({"straight": straight, "first": first, "resumed": resumed, "straight_rows": straight_rows,
                     "resumed_rows": resumed_rows}, out / "resume_results.pt")
+    torch.distributed.barrier()  # both ranks leave together (see _train_one_step)
     distributed.destroy()
 
 
