@@ -7,6 +7,7 @@ import os
 import shutil
 import socket
 from pathlib import Path
+from typing import NoReturn
 
 from hydra.utils import get_class
 from omegaconf import DictConfig
@@ -281,7 +282,7 @@ def check_train_counts(train: DictConfig) -> None:
 
 
 def check_resume_has_steps_left(cfg: DictConfig) -> None:
-    """`train.resume` is a run dir with a complete checkpoint (`check_resume_dir`). Resuming a run whose latest
+    """`train.resume` is a run dir with a complete checkpoint (else `raise_for_resume_dir`). Resuming a run whose latest
     checkpoint already holds `train.steps` steps would start the server and train nothing: say so, with the setting
     that continues it."""
     from grpo.trainer.checkpoint import CheckpointManager, read_trainer_state
@@ -290,7 +291,7 @@ def check_resume_has_steps_left(cfg: DictConfig) -> None:
         return
     latest = CheckpointManager(Path(cfg.train.resume), keep=cfg.train.keep_checkpoints).latest()
     if latest is None:
-        check_resume_dir(Path(cfg.train.resume))
+        raise_for_resume_dir(Path(cfg.train.resume))
     if not (latest / "trainer_state.json").exists():
         return
     done = int(read_trainer_state(latest).get("step", 0))
@@ -302,7 +303,7 @@ def check_resume_has_steps_left(cfg: DictConfig) -> None:
         )
 
 
-def check_resume_dir(resume: Path) -> None:
+def raise_for_resume_dir(resume: Path) -> NoReturn:
     """Raises for a `train.resume` without a complete checkpoint under its checkpoints/, saying what to give instead:
     its run dir when it is a checkpoint or the checkpoints/ dir itself (a natural guess that failed in the run with
     a FileNotFoundError traceback)."""
