@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 from pathlib import Path
 from typing import Any, Optional
 
 from omegaconf import DictConfig, OmegaConf
+
+log = logging.getLogger(__name__)
 
 # Shown on the progress bar, in this order, when present.
 BAR_KEYS = ("reward/mean", "loss", "grpo/clipped_fraction", "sync/seconds")
@@ -28,23 +31,65 @@ def tensorboard_writer_class() -> type:
     return SummaryWriter
 
 
-def continue_history(path: Path, start_step: int, earlier: Optional[Path] = None) -> int:
+class MetricsFileError(ValueError):
+    """A metrics.jsonl line other than the last that is not a JSON row: not the trace of a crash mid-write (which
+    can only tear the last line), so no reader guesses; the message names the file and the line."""
+
+
+def _parse_rows(path: Path) -> tuple[list[tuple[str, dict[str, Any]]], Optional[str]]:
+    """(line, row) of every row of a metrics.jsonl, and the torn last line (None when there is none).
+
+    A run killed (or a disk filling up) while it writes a row leaves a last line that does not parse, with no newline
+    after it; a reader of a running run's file can see one too. That line is returned apart, for the caller to leave
+    out and say so. A line that does not parse anywhere else raises MetricsFileError."""
+    lines = Path(path).read_text(errors="replace").split("\n")  # a file ending in a newline ends in ""
+    out: list[tuple[str, dict[str, Any]]] = []
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except ValueError as e:
+            if number == len(lines):
+                return out, line
+            raise MetricsFileError(
+                f"{path}, line {number} of {len(lines) - 1}: not a JSON row ({e}); only the last line of a metrics "
+                "file can be torn by a crash, so this one was changed by hand or the disk is damaged: repair or "
+                "remove that line"
+            ) from None
+        if not isinstance(row, dict) or not isinstance(row.get("step"), (int, float)):
+            raise MetricsFileError(f"{path}, line {number}: a metrics row is a JSON object with a 'step', got "
+                                   f"{line[:80]!r}")
+        out.append((line, row))
+    return out, None
+
+
+def _torn_warning(path: Path, torn: str) -> str:
+    return (f"{path} ends with a partial row ({len(torn)} bytes, no newline: the run was stopped or the disk filled "
+            f"up while it was written), left out: {torn[:60]!r}...")
+
+
+def continue_history(path: Path, start_step: int, earlier: Optional[Path] = None) -> tuple[int, int]:
     """Start a run's metrics.jsonl (`path`) with its history up to `start_step`, so a resumed run is one series.
 
     A fresh run (`start_step` 0) starts an empty file. A run resumed from the checkpoint of step `start_step` keeps
     the rows up to that step, from `earlier` (the resumed run's metrics.jsonl, when it continues in another run dir)
     or from `path` itself; rows past it are the steps the resumed run does again, dropped so that every step appears
-    once. Written to a temporary file and renamed, so a crash here leaves the old history whole. Returns the rows
-    kept."""
+    once. A partial last row (a crash while it was written; its step is past the checkpoint, whose rows are flushed
+    before it) is dropped with a warning. Written to a temporary file and renamed, so a crash here leaves the old
+    history whole. Returns (the rows kept, the partial rows dropped: 0 or 1)."""
     source = earlier if earlier is not None and earlier.exists() else path
     kept: list[str] = []
+    torn = None
     if start_step > 0 and source.exists():
-        kept = [line for line in source.read_text().splitlines()
-                if line.strip() and json.loads(line)["step"] <= start_step]
+        rows, torn = _parse_rows(source)
+        kept = [line for line, row in rows if row["step"] <= start_step]
+        if torn is not None:
+            log.warning(_torn_warning(source, torn))
     tmp = path.with_name(f".{path.name}.tmp")
     tmp.write_text("".join(line + "\n" for line in kept))
     os.replace(tmp, path)
-    return len(kept)
+    return len(kept), int(torn is not None)
 
 
 class MetricsLogger:
@@ -55,7 +100,8 @@ class MetricsLogger:
         self.path = run_dir / "metrics.jsonl"
         self.run_dir = run_dir
         earlier = Path(resumed_from) / "metrics.jsonl" if resumed_from is not None else None
-        continue_history(self.path, start_step, earlier)
+        # A partial row the resumed history ended with is counted in this run's first row (metrics/partial_rows_dropped).
+        _, self._partial_rows_dropped = continue_history(self.path, start_step, earlier)
         self._file = open(self.path, "a", buffering=1)
         self._wandb = None
         if logging_cfg.wandb:
@@ -82,6 +128,9 @@ class MetricsLogger:
         """Record one optimizer step; `metrics` must contain `step`."""
         clean = {k: (float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else v) for k, v in metrics.items()}
         clean["step"] = int(metrics["step"])
+        if self._partial_rows_dropped:
+            clean["metrics/partial_rows_dropped"] = float(self._partial_rows_dropped)
+            self._partial_rows_dropped = 0
         # JSON has no NaN; keep the line parseable by every reader.
         line = json.dumps({k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in clean.items()})
         self._file.write(line + "\n")
@@ -118,8 +167,12 @@ class MetricsLogger:
 
 
 def read_metrics(path: Path) -> list[dict[str, Any]]:
-    """All lines of a metrics.jsonl."""
-    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+    """All rows of a metrics.jsonl. A partial last line (a run stopped while writing it, or still writing it) is left
+    out with a warning; a bad line elsewhere raises MetricsFileError naming it."""
+    rows, torn = _parse_rows(Path(path))
+    if torn is not None:
+        log.warning(_torn_warning(Path(path), torn))
+    return [row for _, row in rows]
 
 
 # Eval metrics drawn in the eval panel of curves.png, when a run has them.
