@@ -69,3 +69,71 @@ def test_a_bad_line_before_the_last_is_an_error_naming_it_not_rows_dropped(tiny_
             read()
     assert path.read_text() == kept  # the resume refused before rewriting the history
     assert json.loads(lines[1])["step"] == 2
+
+
+# A subprocess whose writes past `limit` bytes per file fail in the kernel (RLIMIT_FSIZE; Python ignores SIGXFSZ, so
+# the write gets EFBIG), as a disk that fills up mid-write fails them with ENOSPC: checkpoint step 1 is written
+# before the limit, step 2 and a served-weights dir after it.
+_WRITE_PAST_LIMIT = """
+import json, resource, sys
+import torch
+from transformers import AutoModelForCausalLM
+from grpo.trainer.checkpoint import CheckpointManager, CheckpointWriteError
+from grpo.weights.hf_dir import WeightsWriteError, save_model_weights
+
+model_dir, run, limit = sys.argv[1], sys.argv[2], int(sys.argv[3])
+model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+optimizer = torch.optim.AdamW(model.parameters())
+sum(p.sum() for p in model.parameters()).backward()
+optimizer.step()
+ckpts = CheckpointManager(run)
+ckpts.save(1, model, None, optimizer, None)
+resource.setrlimit(resource.RLIMIT_FSIZE, (limit, resource.RLIM_INFINITY))
+out = {}
+for name, write, error in (("checkpoint", lambda: ckpts.save(2, model, None, optimizer, None), CheckpointWriteError),
+                           ("weights", lambda: save_model_weights(model, None, run + "/served_weights/v2"),
+                            WeightsWriteError)):
+    try:
+        write()
+        out[name] = "written"
+    except error as e:
+        out[name] = [e.errno, str(e)]
+print(json.dumps(out))
+"""
+
+
+# 1 MiB: model.safetensors (2.5 MB, a safetensors write) fails, in the checkpoint and in the served weights;
+# 4 MiB: the model fits, optimizer.pt (5 MB, torch.save) fails.
+@pytest.mark.parametrize("limit_mib, failing", [(1, "model.safetensors"), (4, "optimizer.pt")])
+def test_a_write_failing_mid_checkpoint_is_a_checkpoint_write_error_and_the_last_checkpoint_stays(
+        tiny_qwen2_dir, tmp_path, limit_mib, failing):
+    """Before: a full disk in torch.save was `RuntimeError: [enforce fail at inline_container.cc:672] unexpected pos`
+    and in the safetensors write a SafetensorError, neither naming the checkpoint nor the OS error."""
+    import errno
+    import subprocess
+    import sys
+
+    from conftest import REPO
+    from grpo.trainer.checkpoint import CheckpointManager
+
+    run = tmp_path / "run"
+    done = subprocess.run([sys.executable, "-c", _WRITE_PAST_LIMIT, str(tiny_qwen2_dir), str(run),
+                           str(limit_mib * 1024**2)], capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    code, message = out["checkpoint"]
+    assert code == errno.EFBIG, (failing, message)
+    assert f"could not write checkpoint step 2 under {run / 'checkpoints'}: [Errno 27] File too large" in message
+    if failing == "model.safetensors":
+        code, message = out["weights"]
+        assert code == errno.EFBIG and f"could not write weights to {run}/served_weights/v2: " in message, message
+        assert "File too large" in message
+    else:
+        assert out["weights"] == "written"
+    # Step 1's checkpoint is the latest and whole; nothing half-written is left.
+    ckpts = CheckpointManager(run)
+    assert ckpts.latest() == run / "checkpoints" / "step_000001"
+    assert sorted(p.name for p in ckpts.root.iterdir()) == ["step_000001"]
+    assert [p.name for p in (run / "served_weights").iterdir()] == ([] if failing == "model.safetensors" else ["v2"])
+    torch_load = __import__("torch").load
+    assert torch_load(ckpts.latest() / "optimizer.pt", weights_only=False)["state"]

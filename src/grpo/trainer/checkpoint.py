@@ -34,9 +34,11 @@ from grpo import faults
 from grpo.weights import params
 from grpo.weights.hf_dir import (
     load_model_weights,
+    os_error_of,
     publish_dir,
     read_safetensors,
     save_model_weights,
+    save_torch,
     write_model,
 )
 
@@ -135,21 +137,25 @@ class CheckpointManager:
         try:
             write_model(model, tokenizer, tmp, model_state)
             if optimizer_state is not None:
-                torch.save(optimizer_state, tmp / "optimizer.pt")
+                save_torch(optimizer_state, tmp / "optimizer.pt")
             elif optimizer is not None:
-                torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
+                save_torch(optimizer.state_dict(), tmp / "optimizer.pt")
             if scheduler is not None:
-                torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
-            torch.save(rng_states[0] if rng_states else _rng_state(), tmp / "rng.pt")
+                save_torch(scheduler.state_dict(), tmp / "scheduler.pt")
+            save_torch(rng_states[0] if rng_states else _rng_state(), tmp / "rng.pt")
             if rng_states and len(rng_states) > 1:
-                torch.save(rng_states, tmp / "rng_ranks.pt")
+                save_torch(rng_states, tmp / "rng_ranks.pt")
             faults.point("checkpoint_write", step)  # test-only: GRPO_FAULT=sigterm@checkpoint_write:<step>
             (tmp / "trainer_state.json").write_text(state_json)
             (tmp / COMPLETE).write_text(f"{step}\n")
             publish_dir(tmp, final)
-        except OSError as e:
+        except Exception as e:
             shutil.rmtree(tmp, ignore_errors=True)
-            raise CheckpointWriteError(step, self.root, e) from e
+            # A full disk reaches here as an OSError, a safetensors error naming it, or (torch) a chained OSError.
+            os_error = os_error_of(e)
+            if os_error is None:
+                raise
+            raise CheckpointWriteError(step, self.root, os_error) from e
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise

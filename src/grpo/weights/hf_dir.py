@@ -8,14 +8,49 @@ file-based sync modes (grpo.sync) both publish weights this way.
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import tempfile
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import torch
 from torch import nn
+
+# How a safetensors (Rust) write names the OS error it met: "I/O error: No space left on device (os error 28)".
+_RUST_OS_ERROR = re.compile(r"\(os error (\d+)\)")
+
+
+class WeightsWriteError(OSError):
+    """A weights directory could not be written (a full disk, an unwritable directory); nothing was published."""
+
+    def __init__(self, final: Path, error: OSError) -> None:
+        super().__init__(error.errno, f"could not write weights to {final}: {error}")
+
+
+def os_error_of(error: BaseException) -> Optional[OSError]:
+    """The operating-system error behind a failed write, or None when there is none: `error` itself, one it was
+    raised from or while handling, or the one a safetensors write reports only in its message. (torch.save to a path
+    reports a full disk as a RuntimeError of its zip writer with no OS error at all; `save_torch` keeps it.)"""
+    seen: set[int] = set()
+    e: Optional[BaseException] = error
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, OSError):
+            return e
+        m = _RUST_OS_ERROR.search(str(e))
+        if m:
+            code = int(m.group(1))
+            return OSError(code, f"{os.strerror(code)} ({type(e).__name__}: {e})")
+        e = e.__cause__ or e.__context__
+    return None
+
+
+def save_torch(obj: Any, path: Path) -> None:
+    """torch.save through a Python file, so a failed write raises (or chains) the OSError itself (e.g. ENOSPC)."""
+    with open(path, "wb") as f:
+        torch.save(obj, f)
 
 
 def is_peft(model: nn.Module) -> bool:
@@ -115,6 +150,12 @@ def save_model_weights(
     try:
         write_model(model, tokenizer, tmp, state_dict)
         publish_dir(tmp, final)
+    except Exception as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        os_error = os_error_of(e)
+        if os_error is None:
+            raise
+        raise WeightsWriteError(final, os_error) from e
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
