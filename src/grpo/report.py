@@ -8,8 +8,11 @@ from __future__ import annotations
 
 import argparse
 import json
+from collections import Counter
 from pathlib import Path
 from typing import Any
+
+from hydra.experimental.callback import Callback
 
 from grpo.trainer.metrics import read_metrics
 
@@ -109,6 +112,23 @@ def report(sweep_dir: Path) -> tuple[str, list[dict[str, Any]]]:
     (sweep_dir / "report.json").write_text(json.dumps([{k: v for k, v in r.items() if not k.startswith("_")} for r in rows], indent=2))
     plot_rewards(rows, sweep_dir / "rewards.png")
     return table, rows
+
+
+def sweep_done_message(sweep_dir: Path) -> str:
+    """The line a sweep (`python train.py -m ...`) ends with: its jobs by status, where they are, and the command
+    that compares them (each job's own last line names only that job's dir)."""
+    rows = [job_row(d) for d in job_dirs(sweep_dir)] if sweep_dir.is_dir() else []
+    counts = Counter(r["status"] for r in rows)
+    statuses = ", ".join(f"{n} {status}" for status, n in counts.most_common())
+    jobs = f"{len(rows)} job{'s' if len(rows) != 1 else ''}" + (f" ({statuses})" if statuses else "")
+    return f"sweep done: {jobs} in {sweep_dir}\n  compare them: python -m grpo.report {sweep_dir}"
+
+
+class SweepDone(Callback):
+    """Hydra callback (conf/train.yaml, hydra.callbacks): after the last job of a sweep, print `sweep_done_message`."""
+
+    def on_multirun_end(self, config: Any, **kwargs: Any) -> None:  # noqa: ARG002
+        print(sweep_done_message(Path(str(config.hydra.sweep.dir))), flush=True)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -1,0 +1,42 @@
+"""The end of a sweep (`python train.py -m ...`) names the sweep dir and the command that compares its jobs: each job's
+own last line names only its job dir, and Hydra says nothing when the sweep ends (a newcomer had the last job's
+`python -m grpo.report <sweep>/2`, a one-row table)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from hydra import compose, initialize_config_dir
+from hydra.core.global_hydra import GlobalHydra
+from hydra.utils import instantiate
+
+from grpo.config import register_configs
+
+REPO = Path(__file__).resolve().parents[1]
+register_configs()
+
+
+def job(sweep: Path, num: int, summary: dict, steps: int) -> None:
+    d = sweep / str(num)
+    (d / ".hydra").mkdir(parents=True)
+    (d / ".hydra" / "overrides.yaml").write_text(f"- train.seed={num}\n")
+    (d / "summary.json").write_text(json.dumps(summary))
+    (d / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "reward/mean": 0.5}) + "\n"
+                                             for s in range(1, steps + 1)))
+
+
+def test_the_callbacks_of_the_composed_config_end_a_sweep_with_its_dir_and_the_report_command(tmp_path, capsys):
+    sweep = tmp_path / "multirun" / "12-00-00"
+    job(sweep, 0, {"status": "completed"}, 2)
+    job(sweep, 1, {"status": "completed"}, 2)
+    job(sweep, 2, {"status": "skipped", "error": "ConfigError: x"}, 0)
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
+        cfg = compose(config_name="train", overrides=[f"hydra.sweep.dir={sweep}"], return_hydra_config=True)
+    callbacks = [instantiate(c) for c in cfg.hydra.callbacks.values()]
+    for callback in callbacks:  # what Hydra does after the last job of a multirun
+        callback.on_multirun_end(config=cfg)
+    out = capsys.readouterr().out
+    assert f"sweep done: 3 jobs (2 completed, 1 skipped) in {sweep}" in out
+    assert f"compare them: python -m grpo.report {sweep}" in out
