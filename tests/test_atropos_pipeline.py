@@ -377,3 +377,44 @@ def test_restarted_run_api_gets_registered_again(tmp_path):
         assert requests.get(url + "/info", timeout=5).json()["batch_size"] == BATCH
     finally:
         _stop(proc)
+
+
+def test_a_run_api_restarted_mid_run_is_registered_again_at_the_trainer_step_and_counted(tmp_path):
+    """run-api killed after two batches and started again on its port: the trainer registers again at the step it is
+    at (run-api's step, which environments read from /status, went back to the run's first step before), counts it
+    (data/reregistrations) and trains on what the environment pushes to the new server."""
+    proc, url = _start_run_api(tmp_path)
+    try:
+        pipe = AtroposPipeline(url=url, poll_interval_s=0.05, max_wait_s=10, max_retries=3)
+        pipe.setup(_ctx(tmp_path))
+        assert requests.get(url + "/batch", timeout=5).json() == {"batch": None}
+        env_id = _register_env(url)
+        for step in (0, 1):
+            for g in (_group(2 * step), _group(2 * step + 1)):
+                _push(url, g, env_id)
+            pipe.next_groups(step)
+            assert pipe.last_metrics["data/reregistrations"] == 0
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        proc, _ = _start_run_api(tmp_path, port=int(url.rsplit(":", 1)[1]))
+
+        def environment():  # registers with the new server once the trainer has polled it, then pushes a batch
+            body = {"max_token_length": 64, "desired_name": "test_env", "weight": 1.0, "group_size": GROUP_SIZE}
+            deadline = time.monotonic() + 10
+            while time.monotonic() < deadline:
+                answer = requests.post(url + "/register-env", json=body, timeout=5).json()
+                if answer["status"] == "success":
+                    for g in (_group(10), _group(11)):
+                        _push(url, g, answer["env_id"])
+                    return
+                time.sleep(0.05)
+
+        thread = threading.Thread(target=environment)
+        thread.start()
+        groups = pipe.next_groups(2)
+        thread.join()
+        assert sorted(g.scores for g in groups) == sorted([_group(10)["scores"], _group(11)["scores"]])
+        assert _status(url)["current_step"] == 3  # registered at step 2, one batch handed out since
+        assert pipe.last_metrics["data/reregistrations"] == 1
+    finally:
+        _stop(proc)

@@ -121,7 +121,9 @@ class AtroposPipeline(DataPipeline):
             f"is `run-api` running and reachable at {self.url}?"
         )
 
-    def _register(self) -> None:
+    def _register(self, starting_step: Optional[int] = None) -> None:
+        """POST /register; `starting_step`: run-api's step to start from (default the run's first step; a trainer
+        registering again with a restarted run-api passes the step it is at, so environments see no step regress)."""
         ctx = self.ctx
         assert ctx is not None
         body = {
@@ -131,7 +133,7 @@ class AtroposPipeline(DataPipeline):
             "max_token_len": int(ctx.max_seq_len),
             "checkpoint_dir": str(ctx.run_dir / "checkpoints"),
             "save_checkpoint_interval": int(ctx.checkpoint_every),
-            "starting_step": int(ctx.start_step),
+            "starting_step": int(ctx.start_step if starting_step is None else starting_step),
             "num_steps": int(ctx.total_steps),
         }
         answer = self._request("POST", "/register", body)
@@ -230,8 +232,9 @@ class AtroposPipeline(DataPipeline):
                 # The server lost our registration (restarted): register again once, then give up clearly.
                 if reregistered:
                     raise AtroposError(f"run-api {self.url}/batch keeps answering: {answer.get('message')}")
-                log.warning("run-api says %r; registering again", answer.get("message"))
-                self._register()
+                log.warning("run-api at %s says %r (restarted? the groups it had queued are gone); registering again "
+                            "at step %d (counted in data/reregistrations)", self.url, answer.get("message"), step)
+                self._register(starting_step=step)
                 reregistered = True
                 continue
             batch = answer.get("batch")
@@ -266,6 +269,7 @@ class AtroposPipeline(DataPipeline):
             "data/wait_seconds": time.monotonic() - start,
             "data/polls": float(polls),
             "data/retries": float(self._retries),
+            "data/reregistrations": float(reregistered),
         }
         return groups
 
