@@ -135,6 +135,18 @@ def test_build_evaluator_defaults_and_bad_input():
                                                             "eval_size": 12}}), gsm_train)
 
 
+@pytest.mark.parametrize("top_p", [0.0, 1.5])
+def test_eval_top_p_outside_its_range_is_refused_when_the_evaluator_is_built(top_p):
+    """train.py builds the evaluator before the server starts; eval.top_p=0 passed that and vLLM refused the first
+    eval request (HTTP 400 traceback) after its ~25 s start-up."""
+    local = OmegaConf.create({"task": DIGITS, "rewards": DIGIT_REWARDS, "max_new_tokens": 8})
+    node = {"_target_": "grpo.pipeline.evaluation.Evaluator", "enabled": None, "task": None, "rewards": None,
+            "max_new_tokens": None}
+    with pytest.raises(ValueError, match=r"eval.top_p must be in \(0, 1\]"):
+        build_evaluator(OmegaConf.create({**node, "top_p": top_p}), local)
+    assert build_evaluator(OmegaConf.create({**node, "top_p": 1.0}), local).top_p == 1.0
+
+
 def test_eval_time_hint_only_for_a_long_run_that_mostly_evaluates():
     from grpo.pipeline.evaluation import eval_time_hint
 

@@ -114,6 +114,8 @@ class Evaluator:
                              f"samples_per_prompt={samples_per_prompt}")
         if temperature <= 0:
             raise ValueError(f"eval.temperature must be > 0 (it is the pass@k sampling temperature), got {temperature}")
+        if not 0 < top_p <= 1:  # vLLM refuses it on the first eval request, after the server's start-up
+            raise ValueError(f"eval.top_p must be in (0, 1] (1 = the whole distribution), got {top_p}")
         if every < 0 or max_new_tokens < 1 or max_concurrency < 1 or samples_logged < 0:
             raise ValueError("eval.every, eval.samples_logged must be >= 0 and eval.max_new_tokens, "
                              f"eval.max_concurrency >= 1, got {every}, {samples_logged}, {max_new_tokens}, {max_concurrency}")
