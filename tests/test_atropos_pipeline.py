@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import subprocess
@@ -185,6 +186,37 @@ def test_bad_groups_are_dropped_and_counted(run_api, tmp_path):
     assert m["data/polls"] == 3
     assert pipe.totals == {"data/dropped_malformed": 4, "data/dropped_too_long": 1, "async/dropped_groups": 0}
     assert m["async/unversioned_groups"] == 1 and "async/staleness_mean" not in m  # no group says its version
+
+
+def test_numbers_past_float32_and_a_string_override_are_dropped_and_counted(run_api, tmp_path, caplog):
+    """Values run-api passes on that the trainer could not hold. Before: a score of 1e200 overflowed its group's
+    spread and the group trained with zero advantage, counted as an ordinary zero-advantage group; an advantage past
+    float32 stopped the run in the batcher ('RuntimeError: value cannot be converted to type float without
+    overflow'); log-probs past it became -inf; set_advantage_to_zero "false" was taken as true. Now each such group
+    is dropped and counted, with the field named."""
+    pipe = AtroposPipeline(url=run_api, poll_interval_s=0.05, max_wait_s=5, max_retries=2)
+    pipe.setup(_ctx(tmp_path))
+    assert requests.get(run_api + "/batch", timeout=5).json() == {"batch": None}
+    env_id = _register_env(run_api)
+    huge_score = _group(1)
+    huge_score["scores"][0] = 1e200
+    huge_advantage = {**_group(2), "advantages": [[1e39] * 9] * GROUP_SIZE}
+    huge_logprob = _group(3)
+    huge_logprob["inference_logprobs"][1][-1] = -1e39
+    huge_ref = {**_group(4), "ref_logprobs": [[-1e39] * 9] * GROUP_SIZE}
+    string_override = {**_group(5), "overrides": [{"set_advantage_to_zero": "false"}] * GROUP_SIZE}
+    good = _group(6)
+    # Batches of 2 groups, the newest first (test_bad_groups_are_dropped_and_counted): good comes with huge_score.
+    for g in (good, huge_score, huge_advantage, huge_logprob, huge_ref, string_override):
+        _push(run_api, g, env_id)
+    with caplog.at_level(logging.WARNING, logger="grpo.pipeline.atropos"):
+        groups = pipe.next_groups(0)
+    messages = [r.getMessage() for r in caplog.records]
+    assert [g.scores for g in groups] == [good["scores"]]
+    assert pipe.metrics()["data/dropped_malformed"] == 5 and pipe.metrics()["data/polls"] == 3
+    for field in ("scores: has 1e+200", "advantages: sequence 0", "inference_logprobs: sequence 1 has -1e+39",
+                  "ref_logprobs: sequence 0 has -1e+39", "overrides: sequence 0: set_advantage_to_zero must be"):
+        assert any(field in m for m in messages), (field, messages)
 
 
 def _versioned(seed: int, version: int | None, last: int | None = None) -> dict:

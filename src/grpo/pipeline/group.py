@@ -101,8 +101,15 @@ def _is_int(x: Any) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
+# The trainer holds a group's numbers as float32 (grpo.pipeline.batch._collate), so the wire format stops at its
+# range: past it a score of 1e200 made its group's spread overflow to a zero advantage, an advantage of 1e39 stopped
+# the run in the batcher (no float32 holds it), a log-prob of -1e39 became -inf. torch.finfo(torch.float32).max:
+FLOAT32_MAX = 3.4028234663852886e38
+
+
 def _is_num(x: Any) -> bool:
-    return isinstance(x, Real) and not isinstance(x, bool) and math.isfinite(x)
+    """A finite number within float32's range (not a bool)."""
+    return isinstance(x, Real) and not isinstance(x, bool) and math.isfinite(x) and abs(x) <= FLOAT32_MAX
 
 
 def _per_sequence_list(raw: dict, key: str, n: int) -> list:
@@ -161,7 +168,8 @@ def _per_token_rows(raw: dict, key: str, lengths: list[int]) -> list[Optional[li
             got = len(row) if isinstance(row, (list, tuple)) else type(row).__name__
             raise MalformedGroup(key, f"sequence {i} has length {got}, tokens has {n}")
         if not all(_is_num(v) for v in row):
-            raise MalformedGroup(key, f"sequence {i} has a null, non-numeric or non-finite value")
+            bad = next(v for v in row if not _is_num(v))
+            raise MalformedGroup(key, f"sequence {i} has {bad!r}: not a finite number within float32's range")
         rows.append([float(v) for v in row])
     return rows
 
@@ -176,7 +184,8 @@ def _advantages(raw: dict, lengths: list[int]) -> list[Advantage]:
         elif isinstance(a, (list, tuple)) and len(a) == n and all(_is_num(v) for v in a):
             out.append([float(v) for v in a])
         else:
-            raise MalformedGroup("advantages", f"sequence {i} must be a finite number or {n} finite numbers")
+            raise MalformedGroup("advantages", f"sequence {i} must be a finite number or {n} finite numbers, within "
+                                 "float32's range")
     return out
 
 
@@ -206,7 +215,12 @@ def _temperatures_and_zeros(raw: dict, n: int) -> tuple[list[float], list[bool]]
         # Precedence: the sequence's own sampling temperature, then the group's generation params, then the
         # group-wide override, then 1.0.
         temps.append(next((t for t in (t_seq, t_gen, t_group) if t is not None), 1.0))
-        zeros.append(bool((ov or {}).get("set_advantage_to_zero", False)))
+        zero = (ov or {}).get("set_advantage_to_zero")
+        if zero is not None and not isinstance(zero, bool):
+            # bool("false") is True: a string or number here would silently zero the sequence's advantage.
+            raise MalformedGroup("overrides", f"sequence {i}: set_advantage_to_zero must be true, false or null, got "
+                                 f"{zero!r}")
+        zeros.append(bool(zero))
     return temps, zeros
 
 
@@ -219,8 +233,9 @@ def parse_group(raw: Any, vocab_size: Optional[int] = None) -> Group:
     lengths = [len(t) for t in tokens]
     masks = _masks(raw, tokens)
     scores = _per_sequence_list(raw, "scores", len(tokens))
-    if not all(_is_num(s) for s in scores):
-        raise MalformedGroup("scores", "has a null, non-numeric or non-finite value")
+    bad = [s for s in scores if not _is_num(s)]
+    if bad:
+        raise MalformedGroup("scores", f"has {bad[0]!r}: not a finite number within float32's range")
     temps, zeros = _temperatures_and_zeros(raw, len(tokens))
     version, last_version = _versions(raw)
     return Group(
