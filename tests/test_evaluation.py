@@ -147,6 +147,16 @@ def test_eval_top_p_outside_its_range_is_refused_when_the_evaluator_is_built(top
     assert build_evaluator(OmegaConf.create({**node, "top_p": 1.0}), local).top_p == 1.0
 
 
+def test_eval_max_new_tokens_0_is_refused_not_replaced_by_the_data_cap():
+    """eval.max_new_tokens=0 read as unset: the run evaluated at data.max_new_tokens, silently."""
+    local = OmegaConf.create({"task": DIGITS, "rewards": DIGIT_REWARDS, "max_new_tokens": 8})
+    node = {"_target_": "grpo.pipeline.evaluation.Evaluator", "enabled": None, "task": None, "rewards": None}
+    with pytest.raises(ValueError, match="eval.max_new_tokens"):
+        build_evaluator(OmegaConf.create({**node, "max_new_tokens": 0}), local)
+    assert build_evaluator(OmegaConf.create({**node, "max_new_tokens": None}), local).max_new_tokens == 8
+    assert build_evaluator(OmegaConf.create({**node, "max_new_tokens": 5}), local).max_new_tokens == 5
+
+
 def test_eval_time_hint_only_for_a_long_run_that_mostly_evaluates():
     from grpo.pipeline.evaluation import eval_time_hint
 

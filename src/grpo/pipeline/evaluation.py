@@ -285,7 +285,8 @@ def build_evaluator(eval_cfg: Any, data_cfg: Any) -> Optional[Evaluator]:
     rewards = eval_cfg.get("rewards") or data_cfg.get("rewards")
     if not rewards:
         raise ValueError("eval needs rewards: set eval.rewards (the training data has none)")
-    max_new = eval_cfg.get("max_new_tokens") or data_cfg.get("max_new_tokens") or 16
+    # Only null falls back: eval.max_new_tokens=0 must reach the evaluator's own check, not become data's cap.
+    max_new = next((v for v in (eval_cfg.get("max_new_tokens"), data_cfg.get("max_new_tokens")) if v is not None), 16)
     try:
         evaluator = instantiate(eval_cfg, task=task, rewards=rewards, max_new_tokens=max_new, _recursive_=False)
     except InstantiationException as e:
