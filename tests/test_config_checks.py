@@ -473,3 +473,12 @@ def test_a_checkpoint_given_as_train_resume_gets_nothing_written_into_it(tmp_pat
                          capture_output=True, text=True, cwd=REPO, timeout=120)
     assert out.returncode == 1 and "train.resume takes the run dir" in out.stderr, out.stderr[-2000:]
     assert sorted(p.name for p in ckpt.iterdir()) == [COMPLETE, "trainer_state.json"]
+
+
+@pytest.mark.parametrize("mode", ["none", "lora_only", "lora_restart"])
+def test_sync_every_below_1_is_a_config_error_of_the_mode(tmp_path, mode):
+    """mode.sync_every=0 was the strategy constructor's ValueError inside Hydra's 'Error executing job ... Error in
+    call to target' block, after the run's start-up lines; it is the mode's start-up check."""
+    with pytest.raises(ConfigError, match=r"mode.sync_every must be >= 1 .* got 0"):
+        _validate(["~experiment", f"mode={mode}", "mode.sync_every=0"], tmp_path)
+    _validate(["~experiment", f"mode={mode}", "mode.sync_every=2"], tmp_path)

@@ -150,6 +150,9 @@ class SyncStrategy(ABC):
     def check_config(cls, cfg: Any, *, cuda: bool, world_size: int = 1) -> None:
         """Refuse a run config this strategy cannot serve, before any model loads (ConfigError naming the key).
         `cfg` is the whole run config; subclasses add their own checks to these."""
+        sync_every = option(cfg.mode, "sync_every", 1)
+        if sync_every < 1:  # the constructor's own check comes only after the run's first start-up lines
+            raise ConfigError(f"mode.sync_every must be >= 1 (sync after every N rollout batches), got {sync_every}")
         if cls.requires_cuda and not cuda:
             raise ConfigError(
                 f"mode={cls.mode_name} needs a CUDA GPU; none is visible here. Use mode=none, mode=lora_only or "
