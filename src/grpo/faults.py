@@ -15,6 +15,8 @@ metrics.jsonl):
     kill_server_generating@<b>,...  SIGKILL it (pid from <run_dir>/logs/vllm.pid) as the local pipeline sends the
                               requests of rollout batch <b> (1-based); with train.max_staleness >= 1 that is the
                               producer thread, while the trainer trains the batch before
+    kill_server_evaluating@<s>,...  SIGKILL it (pid from <run_dir>/logs/vllm.pid) as the evaluator sends its requests
+                              after step <s> (0: the eval before training)
 
 Example: GRPO_FAULT="nan_loss@3;sigterm@checkpoint_write:5".
 """
@@ -59,19 +61,30 @@ def point(phase: str, step: int) -> None:
 _fired: set[tuple[str, int]] = set()
 
 
-def kill_server_generating(batch: int, pid_file) -> None:
-    """Before rollout batch `batch`'s (1-based) requests: SIGKILL the server whose process group is in `pid_file`
-    when GRPO_FAULT says kill_server_generating@<batch> (a crash during generation); once per process, so the
-    retry of that batch's generation meets the restarted server."""
-    if not active("kill_server_generating", batch) or ("kill_server_generating", batch) in _fired:
+def _kill_once(kind: str, n: int, pid_file, where: str) -> None:
+    """SIGKILL the server whose process group is in `pid_file` when GRPO_FAULT says <kind>@<n>; once per process,
+    so a retry meets the restarted server."""
+    if not active(kind, n) or (kind, n) in _fired:
         return
-    _fired.add(("kill_server_generating", batch))
+    _fired.add((kind, n))
     try:
         pid = int(open(pid_file).read())
     except (OSError, ValueError):
         return
-    log.warning("GRPO_FAULT: kill_server_generating (pgid %d) at rollout batch %d", pid, batch)
+    log.warning("GRPO_FAULT: %s (pgid %d) at %s %d", kind, pid, where, n)
     os.killpg(pid, signal.SIGKILL)
+
+
+def kill_server_generating(batch: int, pid_file) -> None:
+    """Before rollout batch `batch`'s (1-based) requests: SIGKILL the server (a crash during generation) when
+    GRPO_FAULT says kill_server_generating@<batch>."""
+    _kill_once("kill_server_generating", batch, pid_file, "rollout batch")
+
+
+def kill_server_evaluating(step: int, pid_file) -> None:
+    """Before the requests of the evaluation after step `step`: SIGKILL the server (a crash during an in-run
+    evaluation) when GRPO_FAULT says kill_server_evaluating@<step>."""
+    _kill_once("kill_server_evaluating", step, pid_file, "the evaluation after step")
 
 
 def server_faults(step: int, pid: int | None) -> None:

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Mapping, Optional
 
+from grpo import faults
 from grpo.inference.client import Completion, Endpoint, InferenceClient
 from grpo.pipeline.local import build_rewards, weighted_reward
 from grpo.pipeline.tasks import Prompt, Task
@@ -189,6 +190,7 @@ class Evaluator:
         """Generate on every held-out prompt (greedy and sampled), score, append samples; returns `eval/*` metrics."""
         assert self.ctx is not None, "Evaluator.setup() was not called"
         t0 = time.monotonic()
+        faults.kill_server_evaluating(step, self.ctx.run_dir / "logs" / "vllm.pid")  # test-only (GRPO_FAULT)
         endpoint = self.ctx.endpoint()
         client = self._client_for(endpoint.base_url)
         longest = max(len(x) for x in self.prompt_ids)

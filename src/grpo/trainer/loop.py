@@ -178,19 +178,25 @@ class GRPOTrainer:
         # time-to-accuracy curves plot; the server's start-up before it is in summary.json's wall_seconds.
         t_fit = time.perf_counter()
         if self.evaluator is not None and self.step == 0 and self.evaluator.due(0, self.cfg.steps):
-            self.log_row({"step": 0, **self.evaluator.evaluate(0)}, t_fit)  # before_train: the initial weights
+            self.log_row({"step": 0, **self.evaluate(0)}, t_fit)  # before_train: the initial weights
         while self.step < self.cfg.steps:
             self.sync.prepare_step(self.step + 1)
             first = self.step
             rows = self.train_batch()
+            failed: Optional[Exception] = None
             if self.evaluator is not None and any(self.evaluator.due(s, self.cfg.steps)
                                                   for s in range(first + 1, self.step + 1)):
-                rows[-1].update(self.evaluator.evaluate(self.step))
+                try:
+                    rows[-1].update(self.evaluate(self.step))
+                except Exception as error:  # the steps were trained: their rows are written first, then it raises
+                    failed = error
             # The rows go to disk before the checkpoint that holds these steps' weights: a run stopped or failing
             # inside the checkpoint write has them, and a resume from an older checkpoint trims them
             # (MetricsLogger), so every step is in metrics.jsonl exactly once.
             for row in rows:
                 self.log_row(row, t_fit)
+            if failed is not None:
+                raise failed
             every = self.cfg.checkpoint_every
             if self.step // every > first // every or self.step == self.cfg.steps:
                 self.metrics.flush()
@@ -318,6 +324,18 @@ class GRPOTrainer:
             lp = self.token_logprobs(dev.input_ids, dev.attention_mask, dev.labels, dev.temperatures,
                                      chunk_size=self.cfg.logprob_chunk, packed=self.packed)
             mb.old_logprobs = lp.detach().to(mb.labels.device)
+
+    def evaluate(self, step: int) -> dict[str, Any]:
+        """The evaluator's metrics after `step`. A server that died during the evaluation is restarted by the sync
+        strategy, as in `fetch_batch` (bounded by server.max_restarts), and the evaluation runs again once; its
+        samples are written only by the run that completes."""
+        assert self.evaluator is not None
+        try:
+            return self.evaluator.evaluate(step)
+        except Exception as error:
+            if not self.sync.recover(error):
+                raise
+        return self.evaluator.evaluate(step)
 
     def fetch_batch(self) -> PreparedBatch:
         """The next rollout batch (the data source is indexed by rollout batch, 0-based). A server that died while generating is restarted by the sync strategy (bounded by

@@ -1,0 +1,57 @@
+"""The in-run evaluation when the inference server dies under it: the server is restarted like a crash during
+generation (bounded by server.max_restarts) and the evaluation runs again; when it cannot be, the steps already
+trained keep their rows."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from conftest import free_port
+from test_reliability import assert_valid_checkpoint, server_starts, train
+from test_run_history import build_trainer, fit, rows
+from test_train_e2e import assert_clean
+
+
+@pytest.mark.vllm
+def test_a_server_killed_during_an_in_run_eval_is_restarted_and_the_eval_row_written_once(tmp_path, tiny_qwen2_dir):
+    """Before: the eval's ServerUnreachable ended the run (no restart, though one was allowed), and step 2, trained,
+    had no row. ~40 s: one vLLM start and one restart."""
+    run = tmp_path / "run"
+    code, out, marker = train("eval=default", "eval.every=2", "eval.samples_per_prompt=2", "eval.k=1",
+                              "train.steps=3", "train.checkpoint_every=1", "server.max_restarts=1",
+                              f"server.port={free_port()}", f"hydra.run.dir={run}", fault="kill_server_evaluating@2")
+    assert code == 0, out[-3000:]
+    assert "GRPO_FAULT: kill_server_evaluating" in out and "restart 1 of 1 on weight version 2" in out, out[-3000:]
+    table = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in table] == [0, 1, 2, 3]
+    # Evals before training, after step 2 (on the restarted server, which serves step 2's weights) and at the end.
+    assert [r["step"] for r in table if "eval/accuracy" in r] == [0, 2, 3]
+    assert table[2]["eval/weight_version"] == 2
+    samples = [json.loads(line)["step"] for line in (run / "eval_samples.jsonl").read_text().splitlines()]
+    assert sorted(set(samples)) == [0, 2, 3] and samples.count(2) == samples.count(0)  # the eval of step 2 once
+    assert server_starts(run)[1] == str(run / "served_weights" / "v2")
+    assert_valid_checkpoint(run, 3, tiny_qwen2_dir)
+    assert_clean(marker)
+
+
+def test_an_eval_that_fails_after_training_steps_leaves_their_rows(tiny_qwen2_dir, tmp_path):
+    """The trainer loop, no server (an evaluator that fails after step 2, as one with no restart left does): the rows
+    of steps 1-2 are on disk before the error (step 2's checkpoint, due after its eval, is not written: a resume
+    trains step 2 again and replaces its row)."""
+
+    class FailingEval:
+        def due(self, step, total):
+            return step == 2
+
+        def evaluate(self, step):
+            raise RuntimeError("inference server exited; giving up after 0 restarts")
+
+    run = tmp_path / "run"
+    trainer = build_trainer(tiny_qwen2_dir, run, steps=4)
+    trainer.evaluator = FailingEval()
+    with pytest.raises(RuntimeError, match="giving up after 0 restarts"):
+        fit(trainer)
+    assert [r["step"] for r in rows(run)] == [1, 2]
+    assert all(r["loss"] is not None and "eval/accuracy" not in r for r in rows(run))
