@@ -36,22 +36,27 @@ def test_a_server_killed_during_an_in_run_eval_is_restarted_and_the_eval_row_wri
     assert_clean(marker)
 
 
-def test_an_eval_that_fails_after_training_steps_leaves_their_rows(tiny_qwen2_dir, tmp_path):
-    """The trainer loop, no server (an evaluator that fails after step 2, as one with no restart left does): the rows
-    of steps 1-2 are on disk before the error (step 2's checkpoint, due after its eval, is not written: a resume
-    trains step 2 again and replaces its row)."""
+@pytest.mark.parametrize("error", [RuntimeError("inference server exited; giving up after 0 restarts"),
+                                   KeyboardInterrupt("signal 15")], ids=["no_restart_left", "sigterm"])
+def test_an_eval_that_fails_after_training_steps_leaves_their_rows(tiny_qwen2_dir, tmp_path, error):
+    """The trainer loop, no server (an evaluator that fails after step 2, as one with no restart left does, or is
+    stopped by SIGTERM, which train.py raises as KeyboardInterrupt): the rows of steps 1-2 are on disk before the
+    error, so the stop block names step 2 as the last one done (step 2's checkpoint, due after its eval, is not
+    written: a resume trains step 2 again and replaces its row)."""
+    from grpo.stop import last_step
 
     class FailingEval:
         def due(self, step, total):
             return step == 2
 
         def evaluate(self, step):
-            raise RuntimeError("inference server exited; giving up after 0 restarts")
+            raise error
 
     run = tmp_path / "run"
     trainer = build_trainer(tiny_qwen2_dir, run, steps=4)
     trainer.evaluator = FailingEval()
-    with pytest.raises(RuntimeError, match="giving up after 0 restarts"):
+    with pytest.raises(type(error)):
         fit(trainer)
+    assert last_step(run) == 2
     assert [r["step"] for r in rows(run)] == [1, 2]
     assert all(r["loss"] is not None and "eval/accuracy" not in r for r in rows(run))

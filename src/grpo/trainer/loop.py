@@ -183,12 +183,12 @@ class GRPOTrainer:
             self.sync.prepare_step(self.step + 1)
             first = self.step
             rows = self.train_batch()
-            failed: Optional[Exception] = None
+            failed: Optional[BaseException] = None
             if self.evaluator is not None and any(self.evaluator.due(s, self.cfg.steps)
                                                   for s in range(first + 1, self.step + 1)):
                 try:
                     rows[-1].update(self.evaluate(self.step))
-                except Exception as error:  # the steps were trained: their rows are written first, then it raises
+                except BaseException as error:  # the steps were trained (a SIGTERM too): their rows first, then raise
                     failed = error
             # The rows go to disk before the checkpoint that holds these steps' weights: a run stopped or failing
             # inside the checkpoint write has them, and a resume from an older checkpoint trims them
