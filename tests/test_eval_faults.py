@@ -29,6 +29,7 @@ def test_a_server_killed_during_an_in_run_eval_is_restarted_and_the_eval_row_wri
     # Evals before training, after step 2 (on the restarted server, which serves step 2's weights) and at the end.
     assert [r["step"] for r in table if "eval/accuracy" in r] == [0, 2, 3]
     assert table[2]["eval/weight_version"] == 2
+    assert [r.get("server/restarts") for r in table] == [None, 0, 0, 1]  # counted from the next row on
     samples = [json.loads(line)["step"] for line in (run / "eval_samples.jsonl").read_text().splitlines()]
     assert sorted(set(samples)) == [0, 2, 3] and samples.count(2) == samples.count(0)  # the eval of step 2 once
     assert server_starts(run)[1] == str(run / "served_weights" / "v2")

@@ -209,6 +209,11 @@ class SyncStrategy(ABC):
         return Endpoint(base_url=self.base_url, model=self.served_model, version=int(self.version))
 
     # ------------------------------------------------------------------ faults
+    @property
+    def restarts(self) -> int:
+        """Restarts of a dead or hung server so far in this session (`server/restarts` in every metrics row)."""
+        return 0
+
     def prepare_step(self, step: int) -> None:
         """Before optimizer step `step` (1-based): make sure the server is up (restart a dead one, bounded)."""
         self.check_health()

@@ -100,6 +100,10 @@ class ServerSync(SyncStrategy):
         self._restart_current()
         return True
 
+    @property
+    def restarts(self) -> int:
+        return self._restarts_used
+
     def prepare_step(self, step: int) -> None:
         # GRPO_FAULT (tests) kills or stops our server here, so the health check below must notice.
         faults.server_faults(step, self.server.pid if self.server is not None else None)
