@@ -88,6 +88,22 @@ def test_port_null_picks_a_free_port_and_start_failure_shows_the_log(tmp_path, t
     assert errors and "no-such-flag" in errors[-1] and "last lines of" in errors[-1]
 
 
+def test_start_up_progress_says_what_vllm_is_doing(tmp_path):
+    """The "starting vLLM: N s" lines carry vLLM's last log message: a 3-minute GPU start-up (weights, compile,
+    CUDA-graph capture) otherwise reads as a hang."""
+    from grpo.inference.process import VLLMServer
+
+    server = VLLMServer("unused-model-dir", _cfg_port_none(), tmp_path / "vllm.log")
+    assert server.start_up_phase() == ""  # no log yet
+    (tmp_path / "vllm.log").write_text(
+        "\n===== grpo: starting python -m grpo.inference.server ...\n"
+        "(EngineCore pid=77) INFO 11-25 07:36:39 [gpu_model_runner.py:4321] Capturing CUDA graphs (decode): 35%\n\n"
+    )
+    assert server.start_up_phase() == " (Capturing CUDA graphs (decode): 35%)"
+    (tmp_path / "vllm.log").write_text("===== grpo: starting python -m grpo.inference.server ...\n")
+    assert server.start_up_phase() == ""  # only our own header: nothing from vLLM yet
+
+
 def _cfg_port_none():
     cfg = server_cfg()
     cfg.port = None

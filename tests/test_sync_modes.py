@@ -145,6 +145,36 @@ def test_shared_vllm_fails_clearly_without_cuda(tmp_path, tiny_qwen2_dir):
         SharedMemorySync().launch(make_ctx(tmp_path, tiny_qwen2_dir))
 
 
+@pytest.mark.parametrize("preset", ["tiny-qwen2", "tiny-llama"])
+def test_shared_vllm_rebuilds_the_meta_rotary_buffers_on_the_device_without_a_deprecation_warning(preset):
+    """shared_vllm builds the HF model on meta and points its parameters at vLLM's tensors; the rotary embedding's
+    inv_freq (a buffer vLLM has no copy of) is rebuilt on the device. A run printed transformers' FutureWarning
+    about the `device` argument on every start (hermes8b, H100); the rebuilt model must also compute exactly what a
+    normally built one does."""
+    import warnings
+
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from grpo.models.tiny import build_model_dir
+    from grpo.sync.shared_memory import rebuild_meta_buffer_modules
+
+    model_dir = build_model_dir(preset)
+    config = AutoConfig.from_pretrained(model_dir)
+    reference = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    for name, p in reference.named_parameters():  # what the views into vLLM's tensors are, on CPU
+        module_name, _, leaf = name.rpartition(".")
+        setattr(model.get_submodule(module_name), leaf, torch.nn.Parameter(p.detach().clone()))
+    if config.tie_word_embeddings:  # as load_model does: lm_head shares the embedding (one parameter above)
+        model.tie_weights()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a FutureWarning fails the test
+        rebuild_meta_buffer_modules(model, config, torch.device("cpu"))
+    assert not [n for n, b in model.named_buffers() if b.is_meta]
+    torch.testing.assert_close(trainer_logprobs(model), trainer_logprobs(reference), rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("checkpointing", [True, False])
 def test_a_model_the_strategy_builds_gets_the_same_training_set_up(tiny_qwen2_dir, checkpointing):
     """mode=shared_vllm builds its own model (views of vLLM's tensors) instead of loading one. train.py must give it

@@ -14,6 +14,8 @@
 #     (TRL_OPTIM=adamw_torch_fused for TRL beside EXTRA="optimizer.fused=true" for ours; TRL_ARGS=--no-gradient-checkpointing
 #     beside EXTRA="model.gradient_checkpointing=false")
 #   bash bench/gpu/run_suite.sh gen_probe  # one step's generation: our server vs vLLM in-process, seeded or not
+#   bash bench/gpu/run_suite.sh readme qwen3b_lora_only|hermes8b_shared|qwen14b_lora_restart  # a README "On a GPU
+#     box" command as a newcomer types it, random weights (model.offline), 3 steps; rc, seconds, metrics rows
 # EXTRA="server.enforce_eager=true ..." adds overrides to every train.py run (eager: no CUDA-graph capture, ~60 s
 # less per vLLM start, slower decode).
 # Results land in $OUT (or bench/results/gpu when OUT is unset).
@@ -113,6 +115,23 @@ PY
     ;;
   gen_probe)  # where generation time goes: our server vs an in-process LLM (TRL colocate), seeded or not
     python3 bench/gpu/gen_probe.py --preset qwen3b --rounds 5 ${PROBE_ARGS:-} --out "$out/gen_probe_qwen3b.json" 2>&1 | tail -12
+    ;;
+  readme)  # no ${common[@]}/${big[@]}: the command as README.md gives it, plus random weights and 3 steps
+    case "${2:-qwen3b_lora_only}" in
+      qwen3b_lora_only) args=(model=qwen3b server=gpu mode=lora_only model.offline=qwen3b) ;;
+      hermes8b_shared) args=(experiment=gsm8k_hermes8b_shared model.offline=hermes8b) ;;
+      qwen14b_lora_restart) args=(experiment=qwen14b_lora_restart_adafactor model.offline=qwen14b mode.sync_every=2) ;;
+      *) echo "unknown README job $2"; exit 2 ;;
+    esac
+    job=${2:-qwen3b_lora_only} run=/tmp/readme_runs/${2:-qwen3b_lora_only} t0=$(date +%s)
+    python3 train.py "${args[@]}" train.steps=3 eval.every=2 logging.progress_bar=false hydra.run.dir="$run" \
+      > "$out/readme_$job.log" 2>&1
+    rc=$?
+    echo "{\"job\": \"$job\", \"rc\": $rc, \"seconds\": $(( $(date +%s) - t0 ))}" | tee -a "$out/readme.jsonl"
+    grep -vE "INFO|DEBUG" "$out/readme_$job.log" | tail -25
+    cp "$run/metrics.jsonl" "$out/readme_${job}_metrics.jsonl" 2>/dev/null
+    du -sh "$run" "$GRPO_CACHE"/* 2>/dev/null; df -h /tmp | tail -1
+    rm -rf "$run"  # 8B/14B checkpoints and weights fill the lent machine's disk
     ;;
   optim_bench)
     python3 bench/gpu/optim_bench.py --preset "${2:-qwen3b}" --steps 4 --out "$out/optim_${2:-qwen3b}.json" 2>&1 | tail -8

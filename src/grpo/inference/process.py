@@ -22,8 +22,10 @@ from grpo.inference import identity, vllm_plugin
 from grpo.options import ConfigError, option
 
 log = logging.getLogger(__name__)
-# Seconds between "starting vLLM ..." progress lines while the server starts.
-PROGRESS_EVERY_S = 5.0
+# Seconds before the first "starting vLLM ..." progress line, and the most between two: the gap doubles from the
+# first to the last, so a 3-minute GPU start-up (CUDA-graph capture) prints ~8 lines, not 40.
+PROGRESS_FIRST_S = 5.0
+PROGRESS_MAX_S = 30.0
 # SIGTERM to SIGKILL for a server that never answered /health: vLLM ignores SIGTERM while it starts, so the usual
 # grace (20 s) only made a Ctrl-C during start-up wait in silence; a server that never served has nothing to save.
 STARTING_STOP_S = 2.0
@@ -273,9 +275,10 @@ class VLLMServer:
 
     def wait_healthy(self, timeout: float) -> None:
         """Poll /health until this server answers it with the run token's proof; fail fast if the process exits or
-        something else answers on host:port. Logs progress every PROGRESS_EVERY_S seconds."""
+        something else answers on host:port. Logs progress (with what vLLM's log says it is doing) at growing gaps."""
         t0 = time.monotonic()
-        deadline, next_report = t0 + timeout, t0 + PROGRESS_EVERY_S
+        gap = PROGRESS_FIRST_S
+        deadline, next_report = t0 + timeout, t0 + gap
         log.info("starting vLLM on %s:%s (log: %s)", self.host, self.port, self.log_path)
         while time.monotonic() < deadline:
             if self.proc is not None and self.proc.poll() is not None:
@@ -295,9 +298,9 @@ class VLLMServer:
                     f"one). Our server's log: {self.log_path}"
                 )
             if time.monotonic() >= next_report:
-                log.info("starting vLLM on %s:%s (log: %s): %.0f s", self.host, self.port, self.log_path,
-                         time.monotonic() - t0)
-                next_report += PROGRESS_EVERY_S
+                log.info("starting vLLM: %.0f s%s", time.monotonic() - t0, self.start_up_phase())
+                gap = min(2 * gap, PROGRESS_MAX_S)
+                next_report += gap
             time.sleep(0.25)
         self.stop()
         raise self._start_failed(f"inference server not healthy after {timeout:.0f}s")
@@ -360,7 +363,7 @@ class VLLMServer:
         proc = self.proc
         if proc is not None:
             if proc.poll() is None:
-                grace = timeout if self.ready else min(timeout, STARTING_STOP_S)
+                grace = self.stop_grace(timeout)
                 self._signal_group(signal.SIGTERM)
                 self._signal_group(signal.SIGCONT)  # a stopped (hung) server handles SIGTERM only once continued
                 try:
@@ -373,6 +376,11 @@ class VLLMServer:
         if self._log_file is not None:
             self._log_file.close()
             self._log_file = None
+
+    def stop_grace(self, timeout: float) -> float:
+        """Seconds `stop(timeout)` waits between SIGTERM and SIGKILL: `timeout`, or at most STARTING_STOP_S while
+        the server has not answered /health yet (vLLM ignores SIGTERM while it starts)."""
+        return timeout if self.ready else min(timeout, STARTING_STOP_S)
 
     def _wait_or_kill(self, proc: subprocess.Popen, grace: float) -> None:
         # Said on the terminal: a stop that waits in silence (a Ctrl-C during a long step) looks like a hang.
@@ -404,6 +412,17 @@ class VLLMServer:
         while port_in_use(self.host, self.port) and time.monotonic() < deadline:
             time.sleep(0.1)
         self.start()
+
+    def start_up_phase(self) -> str:
+        """` (<vLLM's last log message>)`, shortened, or "" when the log has none yet: what a start-up is busy with."""
+        if not self.log_path.exists():
+            return ""
+        for line in reversed(self.log_tail(5).splitlines()):
+            # vLLM's lines read "(EngineCore pid=1) INFO 11-25 07:34:25 [file.py:12] message": keep the message.
+            message = line.split("] ", 1)[-1].strip()
+            if message and not message.startswith("====="):
+                return f" ({message[:100]})"
+        return ""
 
     def log_tail(self, n: int = 40) -> str:
         """Last `n` lines of the server log."""

@@ -28,6 +28,17 @@ from grpo.sync.param_mapping import MappingError, build_views, plan_mapping
 from grpo.sync.server_base import ServerSync
 
 
+def rebuild_meta_buffer_modules(model: nn.Module, config: Any, device: torch.device) -> None:
+    """Rebuild on `device` the modules of a meta-built model whose buffers are still on meta (the rotary
+    embedding's non-persistent inv_freq: vLLM's tensors hold no such buffer to view)."""
+    for mod_name, module in list(model.named_modules()):
+        if any(b.is_meta for b in module.buffers(recurse=False)):
+            parent_name, _, child = mod_name.rpartition(".")
+            parent = model.get_submodule(parent_name) if parent_name else model
+            with torch.device(device):  # not a `device=` argument: transformers deprecates it for these modules
+                setattr(parent, child, type(module)(config=config))
+
+
 class SharedMemorySync(ServerSync):
     """Train views of vLLM's parameters (same host, CUDA); sync = version bump + prefix-cache reset."""
 
@@ -88,13 +99,7 @@ class SharedMemorySync(ServerSync):
             setattr(module, leaf, nn.Parameter(view, requires_grad=True))
         if getattr(config, "tie_word_embeddings", False):
             model.tie_weights()
-        # Non-persistent buffers (rotary inv_freq) were created on meta: rebuild those modules on the device.
-        device = next(iter(views.values())).device
-        for mod_name, module in list(model.named_modules()):
-            if any(b.is_meta for b in module.buffers(recurse=False)):
-                parent_name, _, child = mod_name.rpartition(".")
-                parent = model.get_submodule(parent_name) if parent_name else model
-                setattr(parent, child, type(module)(config=config, device=device))
+        rebuild_meta_buffer_modules(model, config, next(iter(views.values())).device)
         leftover = [n for n, p in model.named_parameters() if p.is_meta] + [
             n for n, b in model.named_buffers() if b.is_meta
         ]
