@@ -482,3 +482,23 @@ def test_sync_every_below_1_is_a_config_error_of_the_mode(tmp_path, mode):
     with pytest.raises(ConfigError, match=r"mode.sync_every must be >= 1 .* got 0"):
         _validate(["~experiment", f"mode={mode}", "mode.sync_every=0"], tmp_path)
     _validate(["~experiment", f"mode={mode}", "mode.sync_every=2"], tmp_path)
+
+
+def test_a_misspelt_key_is_named_with_the_nearest_key_before_hydra_composes(tmp_path):
+    """Hydra's own error for `optimzer.lr=1` ("Could not override ... To append to your config use +optimzer.lr=1")
+    advised the `+` form, which adds a key nothing reads; the check says which key was meant."""
+    from grpo.config.checks import check_group_option_names
+
+    mine = tmp_path / "conf"
+    (mine / "mygroup").mkdir(parents=True)
+    dirs = [REPO / "conf", mine]
+    for arg, where, fix in [("optimzer.lr=1", "optimzer", "optimizer.lr=1"), ("train.stepz=3", "train.stepz", "train.steps=3"),
+                            ("server.prot=9000", "server.prot", "server.port=9000"), ("nme=x", "nme", "name=x"),
+                            ("logging.tensorbord=true", "logging.tensorbord", "logging.tensorboard=true")]:
+        with pytest.raises(ConfigError, match=re.escape(f"{arg}: the config has no key {where}; did you mean {fix}?")):
+            check_group_option_names([arg], dirs)
+    # Real keys, keys under a node whose schema depends on the option (optimizer, data, ...), Hydra's own keys, a
+    # group of your config dir, +/~ forms (checked after composing) and a sweep's values pass through.
+    check_group_option_names(["-m", "train.steps=3,6", "loss.clip_eps=0.1", "optimizer.betas=[0.9,0.99]",
+                              "data.task.path=x", "mode.sync_every=2", "hydra.run.dir=/x", "hydra/launcher=basic",
+                              "mygroup.key=1", "+optimzer.lr=1", "~experiment", "--cfg", "job", "name=x"], dirs)

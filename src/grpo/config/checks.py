@@ -153,11 +153,14 @@ def check_hydra_plugins(args: Sequence[str]) -> None:
 
 def check_group_option_names(args: Sequence[str], config_dirs: Sequence[Path]) -> None:
     """Each `group=option` on the command line names an option of that group (a YAML file in a config dir's
-    `<group>/`). Checked before Hydra composes: Hydra's own error for a typo (`optimizer=adamW`) lists the schema
-    entries beside the options and its search path, with no suggestion."""
+    `<group>/`), and each `key=value` a key the config has (`check_override_key`). Checked before Hydra composes:
+    Hydra's own error for a typo (`optimizer=adamW`) lists the schema entries beside the options and its search
+    path, with no suggestion."""
     for arg in args:
         key, sep, value = arg.lstrip("+").partition("=")
         dirs = [d / key for d in config_dirs if key and (d / key).is_dir()] if sep and not arg.startswith("-") else []
+        if not dirs and sep and not arg.startswith(("-", "+", "~")):
+            check_override_key(key, value, config_dirs)
         if not dirs or any(c in value for c in "()[]{}$"):  # not a group of ours, or a sweep's function syntax
             continue
         options = sorted({p.stem for d in dirs for p in d.glob("*.yaml")})
@@ -168,6 +171,36 @@ def check_group_option_names(args: Sequence[str], config_dirs: Sequence[Path]) -
             hint = f"did you mean {key}={close[0]}? " if close else ""
             raise ConfigError(f"{key}={choice} is not one of the {key} options; {hint}choose one of {', '.join(options)} "
                               "(python train.py --help lists every group)")
+
+
+def check_override_key(key: str, value: str, config_dirs: Sequence[Path]) -> None:
+    """`key=value` (no `+`) sets a key the config has: its first part is a top-level key or a group of a config
+    dir, and under a node of a fixed schema (train, model, server, ...) the next part is one of its fields. Hydra's
+    own error for a misspelt key (`optimzer.lr=1`) advises `+optimzer.lr=1`, which adds a key nothing reads."""
+    import typing
+
+    from grpo.config.schema import RootConfig
+
+    parts = key.split(".")
+    if "/" in key or not all(parts):  # hydra/launcher=..., or not a dotted key
+        return
+    schema: Any = RootConfig
+    groups = {d.name for c in config_dirs if c.is_dir() for d in c.iterdir() if d.is_dir()}
+    for depth, part in enumerate(parts):
+        if schema is None or not dataclasses.is_dataclass(schema):
+            return  # a node whose keys depend on the option chosen (optimizer, mode, data, ...): Hydra checks it
+        if depth == 0 and (part == "hydra" or part in groups):
+            if part == "hydra" or part not in {f.name for f in dataclasses.fields(schema)}:
+                return  # Hydra's own node, or a group of your config dir
+        hints = typing.get_type_hints(schema)
+        if part not in hints:
+            where = ".".join(parts[:depth + 1])
+            close = difflib.get_close_matches(part, sorted(hints), n=1)
+            fix = ".".join([*parts[:depth], close[0], *parts[depth + 1:]]) if close else None
+            hint = f"did you mean {fix}={value}? " if fix else ""
+            raise ConfigError(f"{key}={value}: the config has no key {where}; {hint}(python train.py --cfg job prints "
+                              "every key; +key=... would add a key nothing reads)")
+        schema = hints[part]
 
 
 def _group_options(group: str) -> list[str]:
