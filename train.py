@@ -26,6 +26,7 @@ from hydra.utils import get_class, instantiate
 from omegaconf import DictConfig
 
 from grpo.config import ConfigError, register_configs, validate
+from grpo.options import instantiation_cause
 from grpo.pipeline.base import DataSourceError
 from grpo.run import (
     RunSummary,
@@ -178,9 +179,10 @@ def build_data(cfg: DictConfig):
     try:
         data = instantiate(cfg.data, _recursive_=False)
     except InstantiationException as e:  # the pipeline checks its own settings; each message names the data key
-        if not isinstance(e.__cause__, ValueError):
+        cause = instantiation_cause(e)
+        if not isinstance(cause, ValueError):
             raise
-        raise ConfigError(str(e.__cause__)) from None
+        raise ConfigError(str(cause)) from None
     if cfg.train.max_staleness > 0 and not data.asynchronous_source:
         from grpo.pipeline.rollout_queue import AsyncRollouts
 

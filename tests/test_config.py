@@ -283,3 +283,24 @@ def test_a_run_does_not_print_bitsandbytes_advice_about_4bit_kernels(tmp_path):
     out = subprocess.run([sys.executable, "-c", app], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and "imported peft" in out.stdout, out.stderr[-2000:]
     assert "gemm_4bit" not in out.stdout + out.stderr and "kernels" not in out.stdout + out.stderr
+
+
+def test_instantiation_cause_is_the_error_the_config_caused():
+    """Hydra wraps an error in a nested `_target_` once per level; the loss check, the data build and the reward
+    build all report the innermost one (the line that names the bad value)."""
+    from hydra.errors import InstantiationException
+    from hydra.utils import instantiate
+
+    from grpo.options import instantiation_cause
+
+    # A component that instantiates a node of its own in __init__ (as pipelines build their task): two wrappers,
+    # which a one-level unwrap (the loss check's and the data build's before) left as a traceback.
+    node = {"_target_": "hydra.utils.instantiate", "_recursive_": False,
+            "config": {"_target_": "builtins.int", "_args_": ["twelve"]}}
+    with pytest.raises(InstantiationException) as e:
+        instantiate(node)
+    assert isinstance(e.value.__cause__, InstantiationException)
+    cause = instantiation_cause(e.value)
+    assert isinstance(cause, ValueError) and "twelve" in str(cause)
+    plain = KeyError("x")
+    assert instantiation_cause(plain) is plain

@@ -13,7 +13,7 @@ from hydra.utils import get_class
 from omegaconf import DictConfig
 
 from grpo.inference.process import parallel_sizes
-from grpo.options import ConfigError
+from grpo.options import ConfigError, instantiation_cause
 
 __all__ = ["ConfigError", "check_run_dir", "validate"]
 
@@ -149,8 +149,8 @@ def check_loss(cfg: DictConfig) -> None:
     try:
         instantiate(cfg.loss)
     except InstantiationException as e:
-        cause = e.__cause__ if isinstance(e.__cause__, (ValueError, TypeError)) else None
-        if cause is None:
+        cause = instantiation_cause(e)
+        if not isinstance(cause, (ValueError, TypeError)):
             raise
         raise ConfigError(f"loss ({cfg.loss._target_}): {cause}; set the loss.* key it names") from None
 

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any, Mapping, Optional
 
 from grpo import faults
+from grpo.options import instantiation_cause
 from grpo.pipeline.base import DataPipeline, PipelineContext
 from grpo.pipeline.group import Group
 from grpo.pipeline.tasks import Prompt, Task
@@ -40,9 +41,7 @@ def _build(node: Any, key: str) -> Any:
     try:
         return _instantiate(node)
     except InstantiationException as e:
-        cause: BaseException = e
-        while isinstance(cause, InstantiationException) and cause.__cause__ is not None:
-            cause = cause.__cause__
+        cause = instantiation_cause(e)
         message = str(cause.args[0]) if isinstance(cause, KeyError) and cause.args else str(cause)
         hint = ""
         if isinstance(cause, TypeError) and not node.get("_partial_", False) and _is_function(node["_target_"]):
