@@ -137,3 +137,53 @@ def test_a_write_failing_mid_checkpoint_is_a_checkpoint_write_error_and_the_last
     assert [p.name for p in (run / "served_weights").iterdir()] == ([] if failing == "model.safetensors" else ["v2"])
     torch_load = __import__("torch").load
     assert torch_load(ckpts.latest() / "optimizer.pt", weights_only=False)["state"]
+
+
+_ROWS_PAST_LIMIT = """
+import json, resource, sys
+from pathlib import Path
+from omegaconf import OmegaConf
+from grpo.config.schema import LoggingConfig
+from grpo.trainer.metrics import MetricsLogger, MetricsWriteError
+
+run = Path(sys.argv[1])
+logger = MetricsLogger(run, OmegaConf.structured(LoggingConfig(progress_bar=False, plot=False)), OmegaConf.create({}),
+                       100, 0)
+resource.setrlimit(resource.RLIMIT_FSIZE, (4000, resource.RLIM_INFINITY))
+out = {}
+try:
+    for step in range(1, 100):
+        logger.log({"step": step, **{f"metric/{i}": 0.5 for i in range(20)}})
+except MetricsWriteError as e:
+    out["log"] = [step, e.errno, str(e)]
+try:
+    logger.close()
+    out["close"] = "ok"
+except OSError as e:
+    out["close"] = repr(e)
+print(json.dumps(out))
+"""
+
+
+def test_a_metrics_row_that_cannot_be_written_names_the_file_and_close_does_not_fail_again(tmp_path):
+    """A row written past a file-size limit (as on a full disk). Before: `OSError: [Errno 27] File too large` naming
+    no file, raised again by close() in train.py's teardown, which then skipped the rest of it (the vLLM server's
+    stop: it died only with the trainer, by PR_SET_PDEATHSIG, and left logs/vllm.pid behind)."""
+    import errno
+    import subprocess
+    import sys
+
+    from conftest import REPO
+    from grpo.trainer.metrics import read_metrics
+
+    run = tmp_path / "run"
+    run.mkdir()
+    done = subprocess.run([sys.executable, "-c", _ROWS_PAST_LIMIT, str(run)], capture_output=True, text=True,
+                          timeout=120, cwd=REPO)
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    step, code, message = out["log"]
+    assert code == errno.EFBIG
+    assert f"could not write the metrics row of step {step} to {run / 'metrics.jsonl'}: File too large" in message
+    assert out["close"] == "ok"
+    assert [r["step"] for r in read_metrics(run / "metrics.jsonl")] == list(range(1, step))

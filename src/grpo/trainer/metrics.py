@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -29,6 +30,10 @@ def tensorboard_writer_class() -> type:
             "or set logging.tensorboard=false"
         ) from e
     return SummaryWriter
+
+
+class MetricsWriteError(OSError):
+    """A metrics row could not be written (a full disk, a file-size limit); the rows before it are on disk."""
 
 
 class MetricsFileError(ValueError):
@@ -133,7 +138,18 @@ class MetricsLogger:
             self._partial_rows_dropped = 0
         # JSON has no NaN; keep the line parseable by every reader.
         line = json.dumps({k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in clean.items()})
-        self._file.write(line + "\n")
+        if self._file.closed:
+            raise MetricsWriteError(f"{self.path} is closed (an earlier row could not be written)")
+        try:
+            self._file.write(line + "\n")
+        except OSError as e:
+            # The file keeps the rows before this one (and maybe part of it, which readers leave out). Close it now
+            # and drop the part still buffered: another flush would only fail again, in close(), where it would
+            # stop the run's teardown (the server's stop) with an error that names no file.
+            with contextlib.suppress(OSError):
+                self._file.close()
+            raise MetricsWriteError(e.errno, f"could not write the metrics row of step {clean['step']} to "
+                                    f"{self.path}: {e.strerror or e}") from e
         if self._wandb is not None:
             self._wandb.log(clean, step=clean["step"])
         if self._tensorboard is not None:
@@ -152,7 +168,8 @@ class MetricsLogger:
             os.fsync(self._file.fileno())
 
     def close(self) -> None:
-        """Flush and close every sink. Safe to call twice."""
+        """Flush and close every sink, the file last. Safe to call twice. A failure of the file's last flush raises
+        MetricsWriteError naming it (after the other sinks are closed)."""
         if self._bar is not None:
             self._bar.close()
             self._bar = None
@@ -163,7 +180,11 @@ class MetricsLogger:
             self._tensorboard.close()
             self._tensorboard = None
         if not self._file.closed:
-            self._file.close()
+            try:
+                self._file.close()
+            except OSError as e:
+                raise MetricsWriteError(e.errno, f"could not write the last metrics rows to {self.path}: "
+                                        f"{e.strerror or e}") from e
 
 
 def read_metrics(path: Path) -> list[dict[str, Any]]:
