@@ -16,7 +16,7 @@ from hydra.utils import instantiate
 
 from grpo.config import register_configs, validate
 from grpo.pipeline.evaluation import build_evaluator
-from grpo.pipeline.tasks import Task
+from grpo.pipeline.tasks import Prompt, Task
 
 REPO = Path(__file__).resolve().parents[1]
 register_configs()
@@ -45,4 +45,27 @@ def test_the_readme_task_class_example_composes_builds_samples_and_is_evaluated(
     assert evaluator is not None
     held_out = {p.answer for p in evaluator.task.eval_prompts()}
     assert len(held_out) == 4 and not held_out & {p.answer for p in drawn}
-    assert set(pipeline.rewards) == {"characters"}
+    assert set(pipeline.rewards) == {"exact", "characters"}
+    assert_accuracy_is_the_exact_answer(evaluator)
+
+
+def assert_accuracy_is_the_exact_answer(evaluator) -> None:
+    """Held-out accuracy judges the answer: with the shaped reward (the first, before) "nnnnnnnn" for "window" was
+    correct, all its letters being the word's (the example's 0.000 -> 0.250 was such completions)."""
+    fn, _ = evaluator.rewards[evaluator.correct_reward]
+    window = Prompt("Repeat the word: window\n", answer="window")
+    assert fn(window, "window\n") >= evaluator.correct_threshold
+    assert fn(window, "nnnnnnnn") < evaluator.correct_threshold
+
+
+def test_the_example_experiment_judges_held_out_accuracy_by_the_exact_answer(monkeypatch):
+    monkeypatch.syspath_prepend(str(REPO))
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
+        # python train.py --config-dir examples/my_task/conf experiment=my_task (from the checkout root)
+        overrides = [f"hydra.searchpath=[file://{REPO / 'examples/my_task/conf'}]", "experiment=my_task"]
+        cfg = compose(config_name="train", overrides=overrides)
+    monkeypatch.chdir(REPO)  # the experiment's file paths are relative to where you run
+    evaluator = build_evaluator(cfg.eval, cfg.data)
+    assert evaluator.correct_reward == "exact"
+    assert_accuracy_is_the_exact_answer(evaluator)
