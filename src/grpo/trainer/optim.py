@@ -7,6 +7,7 @@ imported (bitsandbytes for ``adamw_8bit``), start-up fails with the package to i
 from __future__ import annotations
 
 import importlib
+import logging
 import math
 from typing import Any
 
@@ -15,6 +16,8 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 from torch.optim.lr_scheduler import LambdaLR
+
+log = logging.getLogger(__name__)
 
 SCHEDULES = ("constant", "linear", "cosine")
 # Where each optimizer's package comes from, for the error message.
@@ -113,5 +116,12 @@ def build_scheduler(optimizer: torch.optim.Optimizer, schedule: str, warmup_step
         raise ValueError(f"lr schedule must be one of {SCHEDULES}, got {schedule!r}")
     if warmup_steps < 0 or total_steps < 1:
         raise ValueError(f"need warmup_steps >= 0 and total_steps >= 1, got {warmup_steps}, {total_steps}")
+    if warmup_steps >= total_steps:
+        # A run shortened with train.steps=N keeps its job's warmup (the default job: 10 steps): silently, the whole
+        # run trained at a fraction of optimizer.lr.
+        peak = lr_lambda(total_steps - 1, schedule, warmup_steps, total_steps)
+        log.warning("train.warmup_steps=%d is not below train.steps=%d: the learning rate warms up for the whole run and "
+                    "peaks at %.0f%% of optimizer.lr; lower train.warmup_steps (e.g. train.warmup_steps=0) for a short run",
+                    warmup_steps, total_steps, 100 * peak)
     return LambdaLR(optimizer, lambda s: lr_lambda(s, schedule, warmup_steps, total_steps))
 
