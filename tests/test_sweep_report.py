@@ -40,3 +40,32 @@ def test_the_callbacks_of_the_composed_config_end_a_sweep_with_its_dir_and_the_r
     out = capsys.readouterr().out
     assert f"sweep done: 3 jobs (2 completed, 1 skipped) in {sweep}" in out
     assert f"compare them: python -m grpo.report {sweep}" in out
+
+
+def test_a_sweep_into_a_dir_whose_jobs_ran_stops_before_hydra_rewrites_their_records(tmp_path):
+    """A sweep given the same hydra.sweep.dir twice: each job used to be skipped by train.py's own check, but only
+    after Hydra had written that job's .hydra/ over the earlier run's config and overrides."""
+    import subprocess
+    import sys
+
+    sweep = tmp_path / "sweep"
+    job(sweep, 0, {"status": "completed"}, 2)
+    (sweep / "1" / ".hydra").mkdir(parents=True)  # a job that never trained: holds no run
+    record = sweep / "0" / ".hydra" / "overrides.yaml"
+    before = record.read_text()
+    out = subprocess.run([sys.executable, str(REPO / "train.py"), "-m", "~experiment", "train.steps=1,2",
+                          f"hydra.sweep.dir={sweep}"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 1, out.stderr[-2000:]
+    assert f"ConfigError: sweep dir {sweep} already holds runs (jobs 0)" in out.stderr
+    assert "hydra.sweep.dir" in out.stderr and "Traceback" not in out.stderr
+    assert record.read_text() == before  # the earlier job's record is untouched
+    assert not (sweep / "multirun.yaml").exists()
+
+
+def test_a_sweep_into_a_fresh_or_never_trained_dir_is_let_through(tmp_path):
+    from grpo.config.validate import check_sweep_dir_unused
+
+    check_sweep_dir_unused(tmp_path / "does-not-exist")
+    (tmp_path / "0" / ".hydra").mkdir(parents=True)
+    (tmp_path / "0" / "metrics.jsonl").write_text("")  # started, no row written
+    check_sweep_dir_unused(tmp_path)

@@ -215,8 +215,9 @@ def record_device_memory(run_dir: Path, before: dict[str, float], settle_s: floa
 class RunDirGuard(Callback):
     """Hydra callback (conf/train.yaml, hydra.callbacks): before a single run's job starts, refuse a run dir that
     holds another run (`check_run_dir_unused`), a resume dir without a checkpoint or steps left, and a resume of
-    another model, mode or data (`check_resume_identity`). train.py checks both too, but only after Hydra has written the job's `.hydra/`
-    (config, overrides) into the run dir, over the earlier run's own record."""
+    another model, mode or data (`check_resume_identity`); before a sweep's first job, a sweep dir whose jobs already
+    ran. train.py checks each job too, but only after Hydra has written the job's `.hydra/` (config, overrides) into
+    its dir, over the earlier run's own record."""
 
     def on_run_start(self, config: Any, **kwargs: Any) -> None:  # noqa: ARG002
         """Exit 1 with the ConfigError's message, before Hydra writes anything into the run dir."""
@@ -231,6 +232,19 @@ class RunDirGuard(Callback):
                 # The default run dir of a resume is train.resume: a checkpoint given there would get .hydra/.
                 check_resume_has_steps_left(config)
             check_resume_identity(config)
+        except ConfigError as e:
+            print(f"ConfigError: {e}", file=sys.stderr)
+            raise SystemExit(1) from None
+
+    def on_multirun_start(self, config: Any, **kwargs: Any) -> None:  # noqa: ARG002
+        """Exit 1 before the first job when the sweep dir holds jobs that already ran (`check_sweep_dir_unused`)."""
+        from hydra.core.hydra_config import HydraConfig
+
+        from grpo.config.validate import check_sweep_dir_unused
+
+        HydraConfig.instance().set_config(config)  # the sweep dir's interpolations may read it
+        try:
+            check_sweep_dir_unused(Path(config.hydra.sweep.dir))
         except ConfigError as e:
             print(f"ConfigError: {e}", file=sys.stderr)
             raise SystemExit(1) from None

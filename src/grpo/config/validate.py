@@ -56,21 +56,42 @@ def check_run_dir(run_dir: Path) -> None:
         )
 
 
+def held_run(run_dir: Path) -> str:
+    """What of an earlier run `run_dir` holds ("metrics.jsonl with rows, checkpoints up to step_000010"), or ""."""
+    from grpo.trainer.checkpoint import CheckpointManager
+
+    metrics = run_dir / "metrics.jsonl"
+    has_rows = metrics.exists() and metrics.stat().st_size > 0
+    latest = CheckpointManager(run_dir).latest()
+    return ", ".join(x for x in (f"{metrics.name} with rows" if has_rows else "",
+                                 f"checkpoints up to {latest.name}" if latest is not None else "") if x)
+
+
+def check_sweep_dir_unused(sweep_dir: Path) -> None:
+    """A sweep must not start in a dir whose jobs already ran (an explicit `hydra.sweep.dir` given twice): Hydra
+    writes each job's `.hydra/` over the earlier job's record before any check inside the job can skip it."""
+    if not sweep_dir.is_dir():
+        return
+    candidates = {p.parent for p in sweep_dir.rglob("metrics.jsonl")}
+    candidates |= {p.parent for p in sweep_dir.rglob("checkpoints") if p.is_dir()}
+    held = sorted(str(d.relative_to(sweep_dir)) for d in candidates if held_run(d))
+    if held:
+        shown = ", ".join(held[:5]) + (f" and {len(held) - 5} more" if len(held) > 5 else "")
+        raise ConfigError(
+            f"sweep dir {sweep_dir} already holds runs (jobs {shown}), which this sweep's jobs would overwrite; "
+            "pick another hydra.sweep.dir, or leave it out for a new dir under multirun/"
+        )
+
+
 def check_run_dir_unused(cfg: DictConfig, run_dir: Path) -> None:
     """A fresh run must not start in a run dir that holds another run's metrics or checkpoints: it would truncate
     that run's metrics.jsonl and replace its checkpoints. Continuing that run (`train.resume=<that dir>`) is fine."""
-    from grpo.trainer.checkpoint import CheckpointManager
-
     resume = cfg.train.resume
     if resume is not None and Path(resume).resolve() == run_dir.resolve():
         return
-    metrics = run_dir / "metrics.jsonl"
-    has_rows = metrics.exists() and metrics.stat().st_size > 0
-    latest = CheckpointManager(run_dir, keep=cfg.train.keep_checkpoints).latest()
-    if not has_rows and latest is None:
+    held = held_run(run_dir)
+    if not held:
         return
-    held = ", ".join(x for x in (f"{metrics.name} with rows" if has_rows else "",
-                                 f"checkpoints up to {latest.name}" if latest is not None else "") if x)
     raise ConfigError(
         f"run dir {run_dir} already holds a run ({held}), which this run would overwrite; continue that run with "
         f"train.resume={run_dir}, or start a new one in another dir (hydra.run.dir=..., or leave it out for a new "
