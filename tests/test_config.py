@@ -304,3 +304,24 @@ def test_instantiation_cause_is_the_error_the_config_caused():
     assert isinstance(cause, ValueError) and "twelve" in str(cause)
     plain = KeyError("x")
     assert instantiation_cause(plain) is plain
+
+
+def test_a_hub_model_in_the_local_cache_is_checked_against_model_num_layers(tmp_path, monkeypatch):
+    """model.name=<hub id> with a preset's num_layers: a cached hub model of another depth made `layers=all` train
+    only the first blocks, silently (local directories were already checked; hub ids were not)."""
+    import huggingface_hub.constants
+
+    from grpo.config.validate import check_model
+    from grpo.options import ConfigError
+
+    repo = tmp_path / "models--acme--deep-7b"
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text("abc123")
+    (repo / "snapshots" / "abc123").mkdir(parents=True)
+    (repo / "snapshots" / "abc123" / "config.json").write_text('{"model_type": "qwen2", "num_hidden_layers": 28}')
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path))
+    cfg = _compose(["model=qwen3b", "model.name=acme/deep-7b"])
+    assert cfg.model.num_layers == 36
+    with pytest.raises(ConfigError, match=r"model.num_layers=36, but .*config.json says the model has 28 blocks"):
+        check_model(cfg)
+    check_model(_compose(["model=qwen3b", "model.name=acme/deep-7b", "model.num_layers=28"]))

@@ -195,7 +195,13 @@ def check_model(cfg: DictConfig) -> None:
     looks_local = name.startswith(("/", ".", "~")) or os.path.isabs(name)
     if looks_local and not Path(name).expanduser().exists():
         raise ConfigError(f"model.name={name} does not exist")
-    if looks_local or Path(name).exists() or _hub_cached(name):
+    if looks_local or Path(name).exists():
+        return
+    cached_config = _hub_cached_config(name)
+    if cached_config is not None:
+        from grpo.config.checks import check_layer_count
+
+        check_layer_count(cfg.model, cached_config)
         return
     from grpo.models.tiny import offline_presets
 
@@ -211,11 +217,12 @@ def check_model(cfg: DictConfig) -> None:
                           f"({where}) cannot be reached from here; {instead}, or fix the network (HF_ENDPOINT, proxy)")
 
 
-def _hub_cached(name: str) -> bool:
-    """The hub model's config.json is in the local Hugging Face cache."""
+def _hub_cached_config(name: str) -> Path | None:
+    """The hub model's config.json in the local Hugging Face cache, or None."""
     from huggingface_hub import try_to_load_from_cache
 
-    return isinstance(try_to_load_from_cache(name, "config.json"), str)
+    found = try_to_load_from_cache(name, "config.json")
+    return Path(found) if isinstance(found, str) else None
 
 
 def _hub_reachable(timeout_s: float = 3.0) -> tuple[bool, str]:
