@@ -187,3 +187,32 @@ def test_a_metrics_row_that_cannot_be_written_names_the_file_and_close_does_not_
     assert f"could not write the metrics row of step {step} to {run / 'metrics.jsonl'}: File too large" in message
     assert out["close"] == "ok"
     assert [r["step"] for r in read_metrics(run / "metrics.jsonl")] == list(range(1, step))
+
+
+def test_a_resume_trims_and_carries_the_eval_samples_like_the_metrics_rows(tmp_path):
+    """Before: eval_samples.jsonl was only appended to, so a run stopped after evaluating step 4 with its checkpoint at
+    step 3 had step 4's samples twice once resumed (the resumed run evaluates step 4 again), and a resume into another
+    run dir started without the earlier ones."""
+    from omegaconf import OmegaConf
+
+    from grpo.config.schema import LoggingConfig
+    from grpo.trainer.metrics import EVAL_SAMPLES, MetricsLogger
+
+    def stopped_run(path):
+        path.mkdir()
+        (path / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "loss": 0.1}) + "\n" for s in range(5)))
+        (path / EVAL_SAMPLES).write_text("".join(json.dumps({"step": s, "completion": f"c{i}"}) + "\n"
+                                                 for s in (0, 2, 4) for i in range(2)))
+
+    def resume(run_dir, resumed_from):
+        run_dir.mkdir(exist_ok=True)
+        MetricsLogger(run_dir, OmegaConf.structured(LoggingConfig(progress_bar=False, plot=False)),
+                      OmegaConf.create({}), 6, start_step=3, resumed_from=resumed_from).close()
+        return [json.loads(line)["step"] for line in (run_dir / EVAL_SAMPLES).read_text().splitlines()]
+
+    run, other = tmp_path / "run", tmp_path / "other"
+    stopped_run(run)
+    earlier = (run / EVAL_SAMPLES).read_text()
+    assert resume(other, run) == [0, 0, 2, 2]  # carried into another dir; the resumed one is left as it was
+    assert (run / EVAL_SAMPLES).read_text() == earlier
+    assert resume(run, run) == [0, 0, 2, 2]  # in its own dir: step 4's samples go, the resumed run writes them again

@@ -24,6 +24,7 @@ from grpo import faults
 from grpo.inference.client import Completion, Endpoint, InferenceClient
 from grpo.pipeline.local import build_rewards, weighted_reward
 from grpo.pipeline.tasks import Prompt, Task
+from grpo.trainer.metrics import EVAL_SAMPLES
 
 log = logging.getLogger(__name__)
 
@@ -247,7 +248,7 @@ class Evaluator:
 
     def _write_samples(self, step: int, greedy: list[_Scored]) -> None:
         # The same first prompts every time, so a reader can follow one prompt's answer through training.
-        with open(self.ctx.run_dir / "eval_samples.jsonl", "a", encoding="utf-8") as f:
+        with open(self.ctx.run_dir / EVAL_SAMPLES, "a", encoding="utf-8") as f:
             for prompt, s in zip(self.prompts[: self.samples_logged], greedy):
                 f.write(json.dumps({
                     "step": step, "weight_version": s.completion.weight_version, "prompt": prompt.text,

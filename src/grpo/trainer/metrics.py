@@ -16,6 +16,9 @@ log = logging.getLogger(__name__)
 
 # Shown on the progress bar, in this order, when present.
 BAR_KEYS = ("reward/mean", "loss", "grpo/clipped_fraction", "sync/seconds")
+# The held-out evaluation's logged completions (grpo.pipeline.evaluation), one JSON line each, keyed by "step": part of
+# the run's history like metrics.jsonl, so a resume trims and carries them the same way.
+EVAL_SAMPLES = "eval_samples.jsonl"
 # TensorBoard event files go here, inside the run dir (`tensorboard --logdir outputs` shows every run).
 TENSORBOARD_DIR = "tensorboard"
 
@@ -107,6 +110,11 @@ class MetricsLogger:
         earlier = Path(resumed_from) / "metrics.jsonl" if resumed_from is not None else None
         # A partial row the resumed history ended with is counted in this run's first row (metrics/partial_rows_dropped).
         _, self._partial_rows_dropped = continue_history(self.path, start_step, earlier)
+        # The eval samples of steps past the checkpoint are evaluated again by the resumed run: dropped, so each
+        # eval's samples are there once (carried over from the resumed run dir when this one is another).
+        samples, earlier_samples = run_dir / EVAL_SAMPLES, earlier.with_name(EVAL_SAMPLES) if earlier else None
+        if samples.exists() or (earlier_samples is not None and earlier_samples.exists()):
+            continue_history(samples, start_step, earlier_samples)
         self._file = open(self.path, "a", buffering=1)
         self._wandb = None
         if logging_cfg.wandb:
