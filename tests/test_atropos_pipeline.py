@@ -16,7 +16,7 @@ import requests
 
 from conftest import free_port
 from grpo.inference.client import Endpoint
-from grpo.pipeline.atropos import AtroposError, AtroposPipeline
+from grpo.pipeline.atropos import AtroposError, AtroposPipeline, AtroposTimeoutError
 from grpo.pipeline.base import PipelineContext
 
 GROUP_SIZE = 4
@@ -305,6 +305,22 @@ def test_timeout_when_no_data(run_api, tmp_path):
         pipe.next_groups(0)
     # Back-off is capped at 8x the poll interval, so the wait overshoots max_wait_s by at most one short sleep.
     assert 1.0 <= time.monotonic() - t0 < 3.0
+
+
+def test_groups_that_make_no_batch_time_out_saying_so(run_api, tmp_path):
+    """An environment with group_size 3: its groups never add up to a batch of 8, so run-api keeps them queued and
+    answers no batch. Before, the timeout asked whether an environment was running, while one was pushing."""
+    pipe = AtroposPipeline(url=run_api, poll_interval_s=0.05, max_wait_s=0.5, max_retries=1)
+    pipe.setup(_ctx(tmp_path))
+    assert requests.get(run_api + "/batch", timeout=5).json() == {"batch": None}
+    body = {"max_token_length": 64, "desired_name": "threes", "weight": 1.0, "group_size": 3}
+    env_id = requests.post(run_api + "/register-env", json=body, timeout=5).json()["env_id"]
+    for seed in range(3):
+        group = _group(seed)
+        _push(run_api, {k: v[:3] if isinstance(v, list) else v for k, v in group.items()}, env_id)
+    with pytest.raises(AtroposTimeoutError, match=r"run-api holds 3 queued groups that make no batch of exactly 8 "
+                                                  r"sequences: .* must divide 8"):
+        pipe.next_groups(0)
 
 
 def test_dead_url_gives_bounded_retries_then_clear_error(tmp_path):

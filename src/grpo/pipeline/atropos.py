@@ -206,6 +206,22 @@ class AtroposPipeline(DataPipeline):
                         stale, len(batch), limit, current)
         return kept
 
+    def _why_no_batch(self) -> str:
+        """The likely cause of a wait for a batch that timed out, from run-api's queue (GET /status)."""
+        assert self.ctx is not None
+        try:
+            status = self._request("GET", "/status")
+        except AtroposError:
+            status = None
+        queued = status.get("queue_size") if isinstance(status, dict) else None
+        if isinstance(queued, int) and queued > 0:
+            # run-api hands out whole groups adding up to exactly the batch: groups whose sizes do not divide it
+            # (or one larger than it) wait in its queue forever while the environment keeps pushing.
+            return (f"run-api holds {queued} queued groups that make no batch of exactly {self.ctx.batch_size} "
+                    f"sequences: it hands out whole groups only, so every group's size (the environments' group_size) "
+                    f"must divide {self.ctx.batch_size} (train.micro_batch_size x train.grad_accum)")
+        return "is an environment running and pushing /scored_data?"
+
     @staticmethod
     def _lag_metrics(groups: list[Group], current: int) -> dict[str, float]:
         """Lag (trainer's version - the group's) of the versioned groups; unversioned ones are only counted."""
@@ -250,7 +266,7 @@ class AtroposPipeline(DataPipeline):
                 dropped = sum(counts.values())
                 raise AtroposTimeoutError(
                     f"no usable batch from run-api at {self.url} after {waited:.0f}s (max_wait_s={self.max_wait_s:g}, "
-                    f"{dropped} bad or stale groups dropped); is an environment running and pushing /scored_data?"
+                    f"{dropped} bad or stale groups dropped); {self._why_no_batch()}"
                 )
             if batch:
                 # Every group of this batch was bad or stale; the server has moved on a step. Ask again at once.
