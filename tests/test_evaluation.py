@@ -322,3 +322,25 @@ def test_an_objective_that_names_no_metric_is_a_config_error_at_start_up_not_aft
     with pytest.raises(ConfigError, match=r"no row of .* has this key \(the run itself completed\); did you mean "
                                           r"grpo/kl\?"):
         objective_value(tmp_path, "grpo/k1", None)
+
+
+def test_the_atropos_eval_the_error_suggests_composes_and_builds():
+    """data=atropos eval.enabled=true said "name one, e.g. eval.task._target_=..."; typed as said, Hydra refused it
+    (eval.task is null: "Could not override 'eval.task._target_'"), then the eval had no rewards and GSM8K no held-out
+    rows. The suggestion now composes and builds an evaluator as it stands."""
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    from grpo.config import register_configs
+
+    register_configs()
+    repo = Path(__file__).resolve().parents[1]
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=str(repo / "conf"), version_base="1.3"):
+        cfg = compose(config_name="train", overrides=["data=atropos", "eval.enabled=true"])
+        with pytest.raises(ValueError, match="no task to evaluate") as e:
+            build_evaluator(cfg.eval, cfg.data)
+        suggested = str(e.value).split("e.g. ", 1)[1].split(", or set", 1)[0].split()
+        cfg = compose(config_name="train", overrides=["data=atropos", "eval.enabled=true", *suggested])
+    evaluator = build_evaluator(cfg.eval, cfg.data)
+    assert evaluator.correct_reward == "correct" and len(evaluator.task.eval_prompts()) > 0

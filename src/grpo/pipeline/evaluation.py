@@ -265,6 +265,12 @@ def _build(node: Any) -> Any:
     return node
 
 
+# An eval of its own for data=atropos, as typed on the command line: eval.task and eval.rewards are null in the
+# config, so their keys need the + of a key Hydra adds (without it: "Could not override 'eval.task._target_'").
+ATROPOS_EVAL_EXAMPLE = ("+eval.task._target_=grpo.pipeline.tasks.GSM8KTask +eval.task.eval_size=12 "
+                        "+eval.rewards.correct._target_=grpo.pipeline.rewards.MathAnswerReward")
+
+
 def build_evaluator(eval_cfg: Any, data_cfg: Any) -> Optional[Evaluator]:
     """The run's evaluator from `cfg.eval`, or None when eval is off.
 
@@ -283,11 +289,12 @@ def build_evaluator(eval_cfg: Any, data_cfg: Any) -> Optional[Evaluator]:
     if not enabled:
         return None
     if task is None:
-        raise ValueError("eval.enabled=true but the training data (data=atropos) has no task to evaluate: name one, "
-                         "e.g. eval.task._target_=grpo.pipeline.tasks.GSM8KTask, or set eval.enabled=false")
+        raise ValueError("eval.enabled=true but the training data (data=atropos) has no task to evaluate: name one "
+                         f"and its rewards, e.g. {ATROPOS_EVAL_EXAMPLE}, or set eval.enabled=false")
     rewards = eval_cfg.get("rewards") or data_cfg.get("rewards")
     if not rewards:
-        raise ValueError("eval needs rewards: set eval.rewards (the training data has none)")
+        raise ValueError("eval needs rewards: set eval.rewards (the training data has none), e.g. "
+                         "+eval.rewards.correct._target_=grpo.pipeline.rewards.MathAnswerReward")
     # Only null falls back: eval.max_new_tokens=0 must reach the evaluator's own check, not become data's cap.
     max_new = next((v for v in (eval_cfg.get("max_new_tokens"), data_cfg.get("max_new_tokens")) if v is not None), 16)
     try:
