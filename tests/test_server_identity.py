@@ -272,3 +272,18 @@ def test_served_model_alias(race):
         assert r.status_code == 200, (name, r.text)
     r = requests.post(winner.url + "/v1/completions", json={"model": "nope", "prompt": [1, 2], "max_tokens": 2})
     assert r.status_code == 404
+
+
+def test_grpo_serve_help_says_what_it_adds_without_vllms_deprecation_warnings():
+    """`grpo-serve --help` printed only vLLM's help, led by two warnings that the module is deprecated in favour of
+    `vllm serve`: a newcomer learnt neither what grpo-serve adds nor that the warning is not about their command."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-m", "grpo.inference.server", "--help"], capture_output=True, text=True,
+                         timeout=180)
+    assert out.returncode == 0, out.stderr[-2000:]
+    text = out.stdout + out.stderr
+    assert text.lstrip().startswith("grpo-serve (python -m grpo.inference.server)")
+    assert "POST /generate" in text and "--max-model-len" in text  # ours first, then vLLM's own options
+    assert "DeprecationWarning" not in text and "is deprecated" not in text

@@ -367,6 +367,14 @@ def port_arg(argv: list[str]) -> int:
     return 8000
 
 
+HELP_PREFACE = (
+    "grpo-serve (python -m grpo.inference.server): vLLM's OpenAI-compatible server plus POST /generate (Atropos'\n"
+    "shape, with weight versions) and the /grpo/* weight-sync endpoints a trainer uses. Every option is vLLM's own\n"
+    "(below); added unless given: --worker-extension-cls grpo.inference.worker_extension.WeightSyncExtension\n"
+    "--logprobs-mode processed_logprobs. An Atropos environment points at http://HOST:PORT (server_type=vllm).\n"
+)
+
+
 def main(argv: list[str] | None = None) -> None:
     """Run vLLM's api_server with `with_defaults(argv)`, on a port no other process can bind while it runs.
 
@@ -374,9 +382,17 @@ def main(argv: list[str] | None = None) -> None:
     every vLLM release we support (0.26 on the GPU machine, 0.32 CPU here), unlike the newer launcher modules.
     """
     import runpy
+    import warnings
 
-    args = with_defaults(sys.argv[1:] if argv is None else argv)
+    raw = sys.argv[1:] if argv is None else argv
+    if "-h" in raw or "--help" in raw:
+        print(HELP_PREFACE)
+    args = with_defaults(raw)
     identity.exclusive_listen(port_arg(args))
+    # vLLM deprecates running this module as a command (for its `vllm serve`); we run it on purpose (docstring
+    # above), so its two warnings would only tell a grpo-serve user to use a command they did not type.
+    warnings.filterwarnings("ignore", message=r".*vllm\.entrypoints\.openai\.api_server.*deprecated",
+                            category=DeprecationWarning)
     sys.argv = ["vllm.entrypoints.openai.api_server", *args]
     runpy.run_module("vllm.entrypoints.openai.api_server", run_name="__main__", alter_sys=True)
 
