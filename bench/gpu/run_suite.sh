@@ -10,7 +10,8 @@
 #   bash bench/gpu/run_suite.sh packing    # padded vs padding-free vs token budget: perf/mfu, batch/pad_fraction
 #   bash bench/gpu/run_suite.sh async [mode]  # one GPU, train.max_staleness 0 vs 1 (steps/s, stalls); mode=shared_vllm
 #   bash bench/gpu/run_suite.sh mfu        # the trainer's update with a realistic length spread: perf/mfu per batching
-#   bash bench/gpu/run_suite.sh whole_step shared_vllm|lora_only|trl [16|64]  # one run of the TRL comparison
+#   bash bench/gpu/run_suite.sh whole_step shared_vllm|lora_only|trl|experiment [16|64]  # one run of the TRL comparison
+#     (experiment: python train.py experiment=qwen3b_whole_step, the fastest recipe as a committed experiment)
 #     (TRL_OPTIM=adamw_torch_fused for TRL beside EXTRA="optimizer.fused=true" for ours; TRL_ARGS=--no-gradient-checkpointing
 #     beside EXTRA="model.gradient_checkpointing=false")
 #   bash bench/gpu/run_suite.sh gen_probe  # one step's generation: our server vs vLLM in-process, seeded or not
@@ -106,6 +107,10 @@ PY
       python3 bench/gpu/trl_step.py --preset qwen3b --steps 10 --micro-batch "$mb" --optim "${TRL_OPTIM:-adamw_torch}" \
         ${TRL_ARGS:-} --out "$out/whole_step_trl_mb$mb.json" \
         2>&1 | grep -vE "INFO|DEBUG|it/s\]" | tail -15
+    elif [ "$impl" = experiment ]; then  # the same recipe as experiments/qwen3b_whole_step.yaml, as a user runs it
+      python3 train.py experiment=qwen3b_whole_step model.offline=qwen3b logging.progress_bar=false \
+        hydra.run.dir="$out/whole_step/experiment_qwen3b_whole_step" 2>&1 | grep -vE "INFO|DEBUG" | tail -15
+      summarise "$out/whole_step" | tee "$out/whole_step_experiment.jsonl"
     else
       python3 train.py "${common[@]}" "${big[@]}" eval=off train.steps=10 mode="$impl" optimizer=adamw \
         optimizer.lr=1e-6 train.micro_batch_size="$mb" train.grad_accum=$((64 / mb)) \
