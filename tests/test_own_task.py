@@ -24,7 +24,7 @@ register_configs()
 
 def test_the_readme_task_class_example_composes_builds_samples_and_is_evaluated(tmp_path, monkeypatch):
     monkeypatch.syspath_prepend(str(REPO))  # python train.py imports from the checkout root (examples.my_task...)
-    sys.modules.pop("examples", None)
+    monkeypatch.delitem(sys.modules, "examples", raising=False)  # a namespace package found anew from REPO
     GlobalHydra.instance().clear()
     with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
         # --config-dir examples/my_task/conf '~experiment' data=repeat_words, as the README's command
