@@ -375,6 +375,38 @@ HELP_PREFACE = (
 )
 
 
+def exit_with_launcher() -> bool:
+    """When the launcher asked for this server to die with it (PR_SET_PDEATHSIG, as grpo.inference.process does),
+    make sure it does: the SIGTERM the kernel sends is lost while vLLM starts (it does not act on SIGTERM then), so a
+    trainer SIGKILLed (OOM, a scheduler) during the server's start-up left it running for good, holding its port and
+    memory. A daemon thread notices the launcher's exit itself and SIGKILLs this server's process group (its own
+    session; else only this process). True when it watches. Linux only; a server started from a shell never asks."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        asked = ctypes.c_int(0)
+        if libc.prctl(2, ctypes.byref(asked)) != 0 or asked.value == 0:  # PR_GET_PDEATHSIG
+            return False
+    except (OSError, AttributeError):
+        return False
+    import signal
+    import threading
+    import time
+
+    launcher = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == launcher:
+            time.sleep(0.5)
+        if os.getpgrp() == os.getpid():  # the leader of its own process group: vLLM's processes are all in it
+            os.killpg(os.getpid(), signal.SIGKILL)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    threading.Thread(target=watch, name="grpo-exit-with-launcher", daemon=True).start()
+    return True
+
+
 def main(argv: list[str] | None = None) -> None:
     """Run vLLM's api_server with `with_defaults(argv)`, on a port no other process can bind while it runs.
 
@@ -388,6 +420,7 @@ def main(argv: list[str] | None = None) -> None:
     if "-h" in raw or "--help" in raw:
         print(HELP_PREFACE)
     args = with_defaults(raw)
+    exit_with_launcher()
     identity.exclusive_listen(port_arg(args))
     # vLLM deprecates running this module as a command (for its `vllm serve`); we run it on purpose (docstring
     # above), so its two warnings would only tell a grpo-serve user to use a command they did not type.
