@@ -216,10 +216,10 @@ def _temperatures_and_zeros(raw: dict, n: int) -> tuple[list[float], list[bool]]
         # group-wide override, then 1.0.
         temps.append(next((t for t in (t_seq, t_gen, t_group) if t is not None), 1.0))
         zero = (ov or {}).get("set_advantage_to_zero")
-        if zero is not None and not isinstance(zero, bool):
-            # bool("false") is True: a string or number here would silently zero the sequence's advantage.
-            raise MalformedGroup("overrides", f"sequence {i}: set_advantage_to_zero must be true, false or null, got "
-                                 f"{zero!r}")
+        if zero is not None and not isinstance(zero, bool) and zero not in (0, 1):
+            # bool("false") is True: a string or any other number here would silently zero the sequence's advantage.
+            raise MalformedGroup("overrides", f"sequence {i}: set_advantage_to_zero must be true, false (or 1, 0) or "
+                                 f"null, got {zero!r}")
         zeros.append(bool(zero))
     return temps, zeros
 
