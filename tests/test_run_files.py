@@ -216,3 +216,25 @@ def test_a_resume_trims_and_carries_the_eval_samples_like_the_metrics_rows(tmp_p
     assert resume(other, run) == [0, 0, 2, 2]  # carried into another dir; the resumed one is left as it was
     assert (run / EVAL_SAMPLES).read_text() == earlier
     assert resume(run, run) == [0, 0, 2, 2]  # in its own dir: step 4's samples go, the resumed run writes them again
+
+
+def test_the_report_of_a_sweep_with_a_torn_summary_or_metrics_file_names_it_and_reports_the_others(tmp_path, capsys):
+    """Before: one job's summary.json cut short (a run killed or a disk full while it was written) or a bad metrics
+    line made `python -m grpo.report` fail with a JSONDecodeError for the whole sweep."""
+    from grpo.report import main
+
+    for job, status in (("0", "completed"), ("1", "completed"), ("2", "failed")):
+        d = tmp_path / job
+        (d / ".hydra").mkdir(parents=True)
+        (d / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "reward/mean": 0.5, "loss": 0.1}) + "\n"
+                                                 for s in (1, 2)))
+        (d / "summary.json").write_text(json.dumps({"status": status, "steps_run": 2}, indent=2))
+    (tmp_path / "1" / "summary.json").write_text('{\n  "status": "compl')
+    (tmp_path / "2" / "metrics.jsonl").write_text('{"step": 1, "rew\n{"step": 2, "reward/mean": 0.5}\n')
+    main([str(tmp_path)])
+    out, err = capsys.readouterr()
+    assert f"cannot read {tmp_path / '1' / 'summary.json'}: " in err
+    assert f"cannot read {tmp_path / '2' / 'metrics.jsonl'}, line 1 of 2: not a JSON row" in err
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert [(r["job"], r["status"], r["steps"]) for r in report] == [("0", "completed", 2), ("1", "unreadable", 2),
+                                                                    ("2", "unreadable", 0)]

@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from collections import Counter
 from pathlib import Path
 from typing import Any
 
 from hydra.experimental.callback import Callback
 
-from grpo.trainer.metrics import read_metrics
+from grpo.trainer.metrics import MetricsFileError, read_metrics
 
 COLUMNS = ("job", "overrides", "status", "steps", "last10_reward_mean", "best_reward", "final_loss", "steps_per_s",
            "clip_fraction", "eval_first", "eval_best", "eval_last")
@@ -31,10 +32,38 @@ def _overrides(job_dir: Path) -> str:
     return " ".join(str(o) for o in OmegaConf.load(path))
 
 
+def _read_job_files(job_dir: Path) -> tuple[dict[str, Any], list[dict[str, Any]], list[str]]:
+    """(summary.json, metrics rows, what could not be read) of a job dir. A file torn by a crash or a full disk (a
+    summary.json cut short; a bad metrics line before the last) makes that job's row say so instead of failing the
+    report of every other job."""
+    summary: Any = {}
+    rows: list[dict[str, Any]] = []
+    unreadable = []
+    path = job_dir / "summary.json"
+    if path.exists():
+        try:
+            summary = json.loads(path.read_text())
+        except ValueError as e:
+            summary = {}
+            unreadable.append(f"{path}: {e}")
+        if not isinstance(summary, dict):
+            unreadable.append(f"{path}: not a JSON object")
+            summary = {}
+    path = job_dir / "metrics.jsonl"
+    if path.exists():
+        try:
+            rows = read_metrics(path)
+        except MetricsFileError as e:
+            unreadable.append(str(e))
+    return summary, rows, unreadable
+
+
 def job_row(job_dir: Path) -> dict[str, Any]:
-    """Summary of one job dir (status from summary.json; figures from metrics.jsonl)."""
-    summary = json.loads((job_dir / "summary.json").read_text()) if (job_dir / "summary.json").exists() else {}
-    rows = read_metrics(job_dir / "metrics.jsonl") if (job_dir / "metrics.jsonl").exists() else []
+    """Summary of one job dir (status from summary.json; figures from metrics.jsonl). A file it cannot read makes
+    the status `unreadable` (the reason is printed to stderr)."""
+    summary, rows, unreadable = _read_job_files(job_dir)
+    for problem in unreadable:
+        print(f"grpo.report: cannot read {problem}", file=sys.stderr)
     rewards = [r["reward/mean"] for r in rows if r.get("reward/mean") is not None]
     losses = [r["loss"] for r in rows if r.get("loss") is not None]
     step_s = [r["time/step_seconds"] for r in rows if r.get("time/step_seconds")]
@@ -44,7 +73,7 @@ def job_row(job_dir: Path) -> dict[str, Any]:
     return {
         "job": job_dir.name,
         "overrides": _overrides(job_dir),
-        "status": summary.get("status", "running" if rows else "not started"),
+        "status": "unreadable" if unreadable else summary.get("status", "running" if rows else "not started"),
         "steps": rows[-1]["step"] if rows else 0,
         "last10_reward_mean": sum(tail) / len(tail) if tail else None,
         "best_reward": max(rewards) if rewards else None,
