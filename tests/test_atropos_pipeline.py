@@ -219,6 +219,39 @@ def test_numbers_past_float32_and_a_string_override_are_dropped_and_counted(run_
         assert any(field in m for m in messages), (field, messages)
 
 
+def test_a_batch_run_api_cannot_send_is_counted_and_said(run_api, tmp_path, caplog):
+    """run-api 0.4.0 accepts a score of inf (or NaN), then answers 500 to the /batch that holds it, after taking the
+    batch off its queue: that batch (a good group with it) is gone. Before, the pipeline retried in silence (a
+    timeout said '0 bad groups dropped'); now it warns and counts it (data/batch_server_errors) and goes on."""
+    import json
+
+    pipe = AtroposPipeline(url=run_api, poll_interval_s=0.05, max_wait_s=10, max_retries=2)
+    pipe.setup(_ctx(tmp_path))
+    assert requests.get(run_api + "/batch", timeout=5).json() == {"batch": None}
+    env_id = _register_env(run_api)
+    poisoned = _group(1)
+    poisoned["scores"][0] = float("inf")  # json.dumps writes Infinity; run-api's parser takes it
+    for g in (poisoned, _group(2)):
+        requests.post(run_api + "/scored_data", data=json.dumps({**g, "env_id": env_id}),
+                      headers={"Content-Type": "application/json"}, timeout=5).raise_for_status()
+
+    def environment():  # pushes the next batch once run-api has lost the first
+        deadline = time.monotonic() + 10
+        while _status(run_api)["current_step"] < 1 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        for g in (_group(3), _group(4)):
+            _push(run_api, g, env_id)
+
+    thread = threading.Thread(target=environment)
+    thread.start()
+    with caplog.at_level(logging.WARNING, logger="grpo.pipeline.atropos"):
+        groups = pipe.next_groups(0)
+    thread.join()
+    assert sorted(g.scores for g in groups) == sorted([_group(3)["scores"], _group(4)["scores"]])
+    assert pipe.last_metrics["data/batch_server_errors"] == 1
+    assert "the batch it was sending is likely lost" in caplog.text and "HTTP 500" in caplog.text
+
+
 def _versioned(seed: int, version: int | None, last: int | None = None) -> dict:
     """A group whose environment reported the weight version it sampled under (in generation_params, the one place
     run-api keeps it), as grpo.pipeline.atropos_env sends it."""

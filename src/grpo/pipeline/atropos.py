@@ -85,6 +85,9 @@ class AtroposPipeline(DataPipeline):
         self.uuid: Optional[int] = None
         self.vocab_size: Optional[int] = None
         self._retries = 0
+        # 5xx answers to GET /batch in the current fetch: run-api 0.4.0 forms a batch, advances its step, then fails
+        # to send it (a NaN or inf an environment pushed is not JSON), so the batch is gone.
+        self._batch_errors = 0
         self.last_metrics: dict[str, float] = {}
         # Run totals of dropped groups, for the end-of-run summary.
         self.totals: dict[str, int] = {"data/dropped_malformed": 0, "data/dropped_too_long": 0,
@@ -107,6 +110,11 @@ class AtroposPipeline(DataPipeline):
                 continue
             if resp.status_code >= 500:
                 last_error = f"HTTP {resp.status_code}: {resp.text[:200]}"
+                if path == "/batch":
+                    self._batch_errors += 1
+                    log.warning("run-api %s answered %s; the batch it was sending is likely lost (run-api 0.4.0 "
+                                "answers 500 when a group holds a NaN or inf, e.g. a score, and drops the batch; its "
+                                "log says more). Counted in data/batch_server_errors; asking again", url, last_error)
                 continue
             if resp.status_code >= 400:
                 # A client error will not fix itself by retrying: the request or the server version is wrong.
@@ -236,7 +244,7 @@ class AtroposPipeline(DataPipeline):
     def next_groups(self, step: int) -> list[Group]:
         """Poll /batch until a batch with at least one valid group arrives, or raise after max_wait_s."""
         start = time.monotonic()
-        self._retries = 0
+        self._retries = self._batch_errors = 0
         counts = {"data/dropped_malformed": 0, "data/dropped_too_long": 0, "async/dropped_groups": 0}
         interval, polls, reregistered = self.poll_interval_s, 0, False
         while True:
@@ -266,7 +274,8 @@ class AtroposPipeline(DataPipeline):
                 dropped = sum(counts.values())
                 raise AtroposTimeoutError(
                     f"no usable batch from run-api at {self.url} after {waited:.0f}s (max_wait_s={self.max_wait_s:g}, "
-                    f"{dropped} bad or stale groups dropped); {self._why_no_batch()}"
+                    f"{dropped} bad or stale groups dropped, {self._batch_errors} batches lost to run-api errors); "
+                    f"{self._why_no_batch()}"
                 )
             if batch:
                 # Every group of this batch was bad or stale; the server has moved on a step. Ask again at once.
@@ -285,6 +294,7 @@ class AtroposPipeline(DataPipeline):
             "data/wait_seconds": time.monotonic() - start,
             "data/polls": float(polls),
             "data/retries": float(self._retries),
+            "data/batch_server_errors": float(self._batch_errors),
             "data/reregistrations": float(reregistered),
         }
         return groups
