@@ -22,6 +22,20 @@ def test_first10_and_last10_reward_means_cover_every_step_of_a_resumed_run(tmp_p
     assert "final_reward" not in summary and "first_reward" not in summary
 
 
+def test_steps_run_counts_optimizer_steps_when_a_rollout_batch_has_several(tmp_path):
+    """train.ppo_epochs x train.mini_batches = 4: a 4-step run has one rollout batch (its reward on the batch's first
+    row). summary.json and the done line said "1 steps" while grpo.report said 4."""
+    from grpo.run import done_message
+
+    rows = [{"step": 1, "reward/mean": 0.5, "loss": 0.1}, {"step": 2, "loss": 0.2}, {"step": 3, "loss": 0.1},
+            {"step": 4, "loss": 0.0}]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"step": 5, "lo')
+    RunSummary(tmp_path).finish([0.5])  # a torn last line (a crash mid-write) is left out, not a crash here
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["steps_run"] == 4 and summary["rollout_batches"] == 1
+    assert done_message(tmp_path).startswith("run completed: 4 steps; reward 0.500 -> 0.500")
+
+
 def test_without_metrics_the_session_rewards_are_used_and_a_short_run_has_equal_means(tmp_path):
     RunSummary(tmp_path).finish([0.1, 0.3])
     summary = json.loads((tmp_path / "summary.json").read_text())
@@ -62,7 +76,7 @@ def test_a_completed_run_ends_with_a_line_saying_how_it_went_and_where_its_outpu
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     RunSummary(tmp_path).finish([0.5, 0.7])
     assert done_message(tmp_path) == (
-        "run completed: 2 steps; reward 0.600 -> 0.600 (mean of the first and last 10 steps); held-out accuracy "
+        "run completed: 2 steps; reward 0.600 -> 0.600 (mean of the first and last 10 rollout batches); held-out accuracy "
         f"0.250 -> 0.500.\n  run dir: {tmp_path} (summary: python -m grpo.report {tmp_path})")
 
 

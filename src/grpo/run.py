@@ -22,7 +22,7 @@ from grpo.options import ConfigError
 
 log = logging.getLogger(__name__)
 
-# Steps averaged for `first10_reward_mean` and `last10_reward_mean` (the objective sweeps optimise).
+# Rollout batches averaged for `first10_reward_mean` and `last10_reward_mean` (the objective sweeps optimise).
 REWARD_WINDOW = 10
 
 
@@ -102,19 +102,22 @@ class RunSummary:
 
         A run resumed in its own run dir counts every step of its metrics.jsonl, not only this session's `rewards`.
         """
-        rewards = self._rewards_in_metrics() or rewards
+        rows = self._metric_rows()
+        rewards = [float(r["reward/mean"]) for r in rows if r.get("reward/mean") is not None] or rewards
+        # Optimizer steps, not rollout batches: with train.ppo_epochs x train.mini_batches > 1 a batch has several.
+        steps = max((int(r["step"]) for r in rows if r.get("step") is not None), default=len(rewards))
         last = sum(rewards[-REWARD_WINDOW:]) / len(rewards[-REWARD_WINDOW:]) if rewards else None
         first = sum(rewards[:REWARD_WINDOW]) / len(rewards[:REWARD_WINDOW]) if rewards else None
-        self._write({"status": "completed", "steps_run": len(rewards), "last10_reward_mean": last,
-                     "first10_reward_mean": first, "best_reward": max(rewards) if rewards else None})
+        self._write({"status": "completed", "steps_run": steps, "rollout_batches": len(rewards),
+                     "last10_reward_mean": last, "first10_reward_mean": first,
+                     "best_reward": max(rewards) if rewards else None})
         return last
 
-    def _rewards_in_metrics(self) -> list[float]:
+    def _metric_rows(self) -> list[dict]:
+        from grpo.trainer.metrics import read_metrics
+
         path = self.path.with_name("metrics.jsonl")
-        if not path.exists():
-            return []
-        rows = (json.loads(line) for line in path.read_text().splitlines() if line.strip())
-        return [float(r["reward/mean"]) for r in rows if r.get("reward/mean") is not None]
+        return read_metrics(path) if path.exists() else []
 
     def skip(self, error: BaseException) -> None:
         """Record a sweep job skipped at start-up for its config (`grpo.report` shows it as skipped, with why). In a
@@ -141,7 +144,7 @@ def done_message(run_dir: Path) -> str:
     parts = [f"run completed: {summary['steps_run']} steps"]
     if summary.get("last10_reward_mean") is not None:
         parts.append(f"reward {summary['first10_reward_mean']:.3f} -> {summary['last10_reward_mean']:.3f} (mean of the "
-                     "first and last 10 steps)")
+                     "first and last 10 rollout batches)")
     accuracy = [r["eval/accuracy"] for r in rows if r.get("eval/accuracy") is not None]
     if accuracy:
         parts.append(f"held-out accuracy {accuracy[0]:.3f} -> {accuracy[-1]:.3f}")
