@@ -236,9 +236,25 @@ def test_a_hub_model_out_of_reach_stops_at_once_with_what_to_do_instead(tmp_path
 def test_a_local_pipeline_too_small_for_the_batch_stops_before_the_server(tmp_path):
     with pytest.raises(ConfigError, match=r"data.prompts_per_step x data.group_size = \d+ sequences per step, fewer "
                                           r"than the \d+ of train.micro_batch_size x train.grad_accum; raise"):
-        _validate(["data.group_size=1", f"hydra.run.dir={tmp_path}/run"], tmp_path / "run")
-    _validate(["data.group_size=1", "train.micro_batch_size=4", "train.grad_accum=1", f"hydra.run.dir={tmp_path}/r2"],
+        _validate(["data.group_size=2", f"hydra.run.dir={tmp_path}/run"], tmp_path / "run")
+    _validate(["data.group_size=2", "train.micro_batch_size=4", "train.grad_accum=1", f"hydra.run.dir={tmp_path}/r2"],
               tmp_path / "r2")
+
+
+@pytest.mark.parametrize("override, needle", [
+    # Every completion's advantage is its reward minus its group's mean: alone in its group, always 0.
+    ("data.group_size=1", "data.group_size=1 gives every completion advantage 0"),
+    # A task class that is not a Task died with AttributeError after vLLM's start-up.
+    ("data.task._target_=collections.OrderedDict", "data.task (OrderedDict) has no sample(rng, n) method"),
+])
+def test_a_local_pipeline_that_cannot_train_stops_before_the_server(override, needle):
+    from grpo.train import build_data  # train.py builds the data source before it starts the server
+
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
+        cfg = compose(config_name="train", overrides=["~experiment", override])
+    with pytest.raises(ConfigError, match=re.escape(needle)):
+        build_data(cfg)
 
 
 def test_resuming_a_finished_run_says_how_to_go_on_instead_of_starting_a_server(tmp_path):

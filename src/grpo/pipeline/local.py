@@ -113,11 +113,17 @@ class LocalRolloutPipeline(DataPipeline):
                 "data.prompts_per_step, data.group_size and data.max_new_tokens must be >= 1, got "
                 f"{prompts_per_step}, {group_size}, {max_new_tokens}"
             )
+        if group_size < 2:
+            raise ValueError("data.group_size=1 gives every completion advantage 0 (its reward is compared with the other "
+                             "completions of its prompt, and there are none), so nothing trains; use data.group_size >= 2")
         if temperature <= 0:
             raise ValueError(f"data.temperature must be > 0 (the loss divides logits by it), got {temperature}")
         if not 0 < top_p <= 1:
             raise ValueError(f"data.top_p must be in (0, 1] (1 = the whole distribution), got {top_p}")
         self.task: Task = _build(task, "data.task")
+        if not callable(getattr(self.task, "sample", None)):
+            raise ValueError(f"data.task ({type(self.task).__name__}) has no sample(rng, n) method; a task subclasses "
+                             "grpo.pipeline.tasks.Task (README, 'Your own task')")
         self.rewards = build_rewards(rewards)
         self.prompts_per_step = int(prompts_per_step)
         self.group_size = int(group_size)
