@@ -442,6 +442,9 @@ def test_a_completion_cap_beyond_the_sequence_length_is_refused_not_cut(tmp_path
     with pytest.raises(ConfigError, match=re.escape("eval.max_new_tokens=64 cannot be reached")):
         _validate(["~experiment", "eval.max_new_tokens=64", "model.max_seq_len=64"], tmp_path)
     _validate(["~experiment", "data.max_new_tokens=32", "model.max_seq_len=64"], tmp_path)
+    # vLLM's own bound: server.max_model_len=16 ran data.max_new_tokens=16 at 8 tokens, silently.
+    with pytest.raises(ConfigError, match=re.escape("data.max_new_tokens=16 cannot be reached: server.max_model_len=16")):
+        _validate(["~experiment", "data.max_new_tokens=16", "server.max_model_len=16"], tmp_path)
 
 
 def test_a_group_option_typo_is_named_with_the_nearest_option(tmp_path):

@@ -388,14 +388,15 @@ def check_data(cfg: DictConfig) -> None:
         return
     if not local:
         return
-    max_len = cfg.model.max_seq_len
+    # The pipeline and the evaluator cap a completion at the length bound minus its prompt: cut, silently.
+    bounds = (("model.max_seq_len", cfg.model.max_seq_len), ("server.max_model_len", cfg.server.get("max_model_len")))
     for key, max_new in (("data", cfg.data.get("max_new_tokens")), ("eval", cfg.eval.get("max_new_tokens"))):
-        if max_new is not None and max_new >= max_len:
-            # The pipeline and the evaluator cap a completion at max_seq_len minus its prompt: cut, silently.
-            raise ConfigError(
-                f"{key}.max_new_tokens={max_new} cannot be reached: model.max_seq_len={max_len} bounds prompt + "
-                f"completion (a prompt has at least one token); raise model.max_seq_len or lower {key}.max_new_tokens"
-            )
+        for bound, max_len in bounds:
+            if max_new is not None and max_len is not None and max_new >= max_len:
+                raise ConfigError(
+                    f"{key}.max_new_tokens={max_new} cannot be reached: {bound}={max_len} bounds prompt + completion "
+                    f"(a prompt has at least one token); raise {bound} or lower {key}.max_new_tokens"
+                )
     per_step = int(cfg.data.get("prompts_per_step", 0)) * int(cfg.data.get("group_size", 0))
     needed = cfg.train.micro_batch_size * cfg.train.grad_accum
     if per_step < needed:
