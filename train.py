@@ -11,6 +11,7 @@ Each component is built here from its config node and handed to the trainer; see
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
@@ -62,6 +63,17 @@ def config_error(error: Exception, multirun: bool, run_dir: Path | None = None) 
     raise SystemExit(1) from None
 
 
+def has_trained(run_dir: Path) -> bool:
+    """metrics.jsonl has a row of a trained step (not only the step-0 eval); False when it cannot be read."""
+    from grpo.stop import last_step
+    from grpo.trainer.metrics import MetricsFileError
+
+    try:
+        return bool(last_step(run_dir))
+    except MetricsFileError:  # said by the stop report; here it must not replace the error being handled
+        return False
+
+
 @hydra.main(version_base="1.3", config_path="conf", config_name="train")
 def main(cfg: DictConfig) -> float | None:
     """Returns `train.objective` (default: the mean reward of the last 10 rollout batches), which sweeps optimise."""
@@ -86,7 +98,10 @@ def main(cfg: DictConfig) -> float | None:
         if summary is not None:
             log.info(done_message(run_dir))
     except BaseException as e:
-        config_problem = isinstance(e, (ConfigError, DataSourceError))
+        # A data source that stops answering after steps were trained (run-api killed mid-run) is the run's failure,
+        # not a config problem: a sweep records that job as failed, not skipped.
+        config_problem = isinstance(e, ConfigError) or (
+            isinstance(e, DataSourceError) and not (rank0 and has_trained(run_dir)))
         if summary is not None and not (config_problem and multirun):  # a sweep's job: skipped (config_error)
             summary.fail(e)
         if isinstance(e, KeyboardInterrupt):  # Ctrl-C / SIGTERM: a short block (grpo.stop), not a traceback
@@ -155,21 +170,18 @@ def train(cfg: DictConfig, run_dir: Path) -> list[float]:
         # Tear down in reverse order so a multirun's next job starts from a clean process table and memory. The
         # trainer lets go of its model, gradients and optimizer state first, even when a traceback still holds it,
         # and before the server stops: under shared_vllm the parameters are views of the server's memory.
-        if metrics is not None:
-            metrics.close()
-        if evaluator is not None:
-            evaluator.close()
-        if data is not None:
-            data.close()
-        if trainer is not None:
-            trainer.close()
-        del trainer
-        release_device_memory()
-        sync.shutdown()
-        if dist_info is not None:
-            from grpo.trainer import distributed
+        # Each part is closed even when one before it raises: the server this run started is always stopped.
+        with contextlib.ExitStack() as teardown:
+            if dist_info is not None:
+                from grpo.trainer import distributed
 
-            distributed.destroy()
+                teardown.callback(distributed.destroy)
+            teardown.callback(sync.shutdown)
+            teardown.callback(release_device_memory)
+            for part in (trainer, data, evaluator, metrics):  # run last to first: metrics.close() first
+                if part is not None:
+                    teardown.callback(part.close)
+            del trainer  # the stack holds trainer.close until it runs, then nothing keeps the trainer
 
 
 def build_data(cfg: DictConfig):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 
@@ -103,3 +104,41 @@ def test_resuming_a_run_with_another_model_or_data_is_refused_naming_the_runs_co
         "data.task._target_=grpo.pipeline.tasks.DigitsTask, but this command composes model.name=warm-arith, "
         "model.offline=warm-arith, data.task._target_=grpo.pipeline.arithmetic.ArithmeticTask; resume with the run's "
         "own settings (its command was: ")
+
+
+def test_a_second_trainer_in_a_run_dir_in_use_stops_naming_the_holder(tmp_path):
+    """A resume command run twice (or a requeued job) put two trainers in one run dir: both 'completed', the second
+    replaced metrics.jsonl under the first. The run dir's lock stops the second before Hydra writes anything."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from grpo.run import lock_run_dir, unlock_run_dir
+
+    run = tmp_path / "run"
+    lock_run_dir(run)  # this process is the running trainer
+    try:
+        out = subprocess.run([sys.executable, str(Path(__file__).resolve().parents[1] / "train.py"), "~experiment",
+                              f"hydra.run.dir={run}"], capture_output=True, text=True, timeout=120)
+        assert out.returncode == 1, out.stderr[-2000:]
+        assert f"ConfigError: run dir {run} is in use by a running trainer (pid {os.getpid()})" in out.stderr
+        assert not (run / ".hydra").exists() and not (run / "metrics.jsonl").exists()
+    finally:
+        unlock_run_dir()
+    lock_run_dir(run)  # free again: taken at once
+    unlock_run_dir()
+
+
+def test_a_summary_that_cannot_be_written_is_logged_and_never_left_half_written(tmp_path, caplog):
+    """summary.json is written inside the handling of a failed run: a write error there replaced the run's own
+    error. It is now logged; and the file is replaced whole (a temporary file renamed over it)."""
+    import logging
+
+    summary = RunSummary(tmp_path)
+    summary.finish([0.5])
+    first = (tmp_path / "summary.json").read_text()
+    (tmp_path / ".summary.json.tmp").mkdir()  # the temporary file cannot be written
+    with caplog.at_level(logging.ERROR, logger="grpo.run"):
+        summary.fail(RuntimeError("the run's own error"))
+    assert "could not write" in caplog.text and "failed" in caplog.text
+    assert (tmp_path / "summary.json").read_text() == first  # the earlier record, whole

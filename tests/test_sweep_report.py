@@ -69,3 +69,25 @@ def test_a_sweep_into_a_fresh_or_never_trained_dir_is_let_through(tmp_path):
     (tmp_path / "0" / ".hydra").mkdir(parents=True)
     (tmp_path / "0" / "metrics.jsonl").write_text("")  # started, no row written
     check_sweep_dir_unused(tmp_path)
+
+
+def test_a_sweep_job_whose_data_source_dies_after_training_is_failed_not_skipped(tmp_path):
+    """A data source lost mid-run (run-api killed after some steps) was handled as a config problem: the job was
+    logged as skipped, wrote no summary.json, and the sweep's end line and grpo.report called it running. It trained
+    steps, so it failed; a source that fails before any step still makes the job skipped."""
+    import os
+    import subprocess
+    import sys
+
+    sweep = tmp_path / "sweep"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "tests"), os.environ.get("PYTHONPATH", "")])}
+    out = subprocess.run([sys.executable, str(REPO / "train.py"), "-m", "~experiment", "train.steps=4",
+                          "data._target_=failing_source.GoneAfterTwoBatches", "eval=off", "logging.plot=false",
+                          "logging.progress_bar=false", f"hydra.sweep.dir={sweep}"],
+                         capture_output=True, text=True, timeout=400, env=env)
+    assert out.returncode == 0, out.stderr[-3000:]  # the sweep goes on past a failed job
+    summary = json.loads((sweep / "0" / "summary.json").read_text())
+    assert summary["status"] == "failed" and "DataSourceError" in summary["error"], summary
+    rows = [json.loads(line) for line in (sweep / "0" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2]
+    assert "1 failed" in out.stdout + out.stderr

@@ -7,6 +7,7 @@ import difflib
 import gc
 import json
 import logging
+import os
 import subprocess
 import sys
 import time
@@ -94,8 +95,15 @@ class RunSummary:
         self.t0 = time.time()
 
     def _write(self, data: dict) -> None:
+        """Replace summary.json whole (a crash never leaves half of it); a failed write is logged, not raised: it
+        runs inside the error handling of a failed run, whose own error must stay the one reported."""
         data["wall_seconds"] = time.time() - self.t0
-        self.path.write_text(json.dumps(data, indent=2))
+        tmp = self.path.with_name(f".{self.path.name}.tmp")
+        try:
+            tmp.write_text(json.dumps(data, indent=2))
+            os.replace(tmp, self.path)
+        except OSError as e:
+            log.error("could not write %s (status %s): %s", self.path, data.get("status"), e)
 
     def finish(self, rewards: list[float]) -> float | None:
         """Record a completed run; returns the mean reward of the last REWARD_WINDOW steps.
@@ -215,6 +223,46 @@ def record_device_memory(run_dir: Path, before: dict[str, float], settle_s: floa
              before["device_used_gb"], after["device_used_gb"])
 
 
+# The open lock file of this process's run dir (`lock_run_dir`): the lock lasts as long as the process.
+_run_dir_lock: Any = None
+
+
+def lock_run_dir(run_dir: Path) -> None:
+    """Hold an exclusive lock on `<run_dir>/.grpo.lock` for the rest of this process. A second trainer in the same
+    dir (a resume command run twice, a requeued job) would write the same metrics.jsonl and checkpoints: it gets a
+    ConfigError naming the holder instead."""
+    import fcntl
+
+    global _run_dir_lock
+    path = (run_dir / ".grpo.lock").resolve()
+    if _run_dir_lock is not None and Path(_run_dir_lock.name) == path:
+        return  # this process holds it already
+    run_dir.mkdir(parents=True, exist_ok=True)
+    f = open(path, "a+")
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        f.seek(0)
+        holder = f.read().strip() or "another process"
+        f.close()
+        raise ConfigError(f"run dir {run_dir} is in use by a running trainer ({holder}); wait for it to end or stop "
+                          "it, or start this run in another dir (hydra.run.dir=...)") from None
+    f.seek(0)
+    f.truncate()
+    f.write(f"pid {os.getpid()}\n")
+    f.flush()
+    unlock_run_dir()  # another run dir earlier in this process (tests): let it go
+    _run_dir_lock = f
+
+
+def unlock_run_dir() -> None:
+    """Let go of the run dir lock this process holds, if any (the process's end does it too)."""
+    global _run_dir_lock
+    if _run_dir_lock is not None:
+        _run_dir_lock.close()
+        _run_dir_lock = None
+
+
 class RunDirGuard(Callback):
     """Hydra callback (conf/train.yaml, hydra.callbacks): before a single run's job starts, refuse a run dir that
     holds another run (`check_run_dir_unused`), a resume dir without a checkpoint or steps left, and a resume of
@@ -235,6 +283,8 @@ class RunDirGuard(Callback):
                 # The default run dir of a resume is train.resume: a checkpoint given there would get .hydra/.
                 check_resume_has_steps_left(config)
             check_resume_identity(config)
+            if int(os.environ.get("RANK", "0")) == 0:  # torchrun: rank 0 owns the run dir
+                lock_run_dir(Path(config.hydra.run.dir))
         except ConfigError as e:
             print(f"ConfigError: {e}", file=sys.stderr)
             raise SystemExit(1) from None
