@@ -131,6 +131,10 @@ def test_a_sweep_skips_a_job_whose_config_is_wrong_and_goes_on(tmp_path):
         (["train.max_staleness=-1"], "train.max_staleness must be >= 0"),
         (["train.max_staleness=2", "mode=lora_only"], "use train.max_staleness=1 with lora_only"),
         (["train.max_staleness=1", "train.stale_policy=drop", "train.rollout_queue=0"], "train.rollout_queue must be >= 1"),
+        # Settings that were silently ignored (the run was synchronous, or waited with no queue to bound).
+        (["train.stale_policy=drop"], "train.stale_policy=drop acts only with asynchronous rollouts"),
+        (["train.rollout_queue=3"], "train.rollout_queue=3 acts only with asynchronous rollouts"),
+        (["train.max_staleness=1", "train.rollout_queue=3"], "bounds the queue of stale_policy=drop only"),
     ],
 )
 def test_async_rollout_settings_are_checked(tmp_path, overrides, needle):

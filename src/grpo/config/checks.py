@@ -239,6 +239,24 @@ def check_lora_given_with_a_lora_mode(cfg: DictConfig, info: HydraInfo) -> None:
         )
 
 
+def check_async_settings_used(cfg: DictConfig, info: HydraInfo) -> None:
+    """`train.stale_policy` and `train.rollout_queue` act only with asynchronous rollouts (`train.max_staleness >= 1`),
+    and `rollout_queue` only bounds stale_policy=drop's queue: otherwise they would be silently ignored. Not in a
+    sweep, whose settings are common to its jobs (`-m train.max_staleness=0,1 train.stale_policy=drop`)."""
+    if info.multirun:
+        return
+    train = cfg.train
+    if train.max_staleness == 0:
+        for key, default in (("stale_policy", "wait"), ("rollout_queue", None)):
+            if train[key] != default:
+                raise ConfigError(f"train.{key}={train[key]} acts only with asynchronous rollouts; set "
+                                  "train.max_staleness=k >= 1 (README 'Asynchronous rollouts'), or drop it")
+    elif train.stale_policy == "wait" and train.rollout_queue is not None:
+        raise ConfigError(f"train.rollout_queue={train.rollout_queue} bounds the queue of stale_policy=drop only (with "
+                          f"wait the producer runs at most max_staleness={train.max_staleness} batches ahead); set "
+                          "train.stale_policy=drop, or drop train.rollout_queue")
+
+
 def check_model_files(model_cfg: DictConfig) -> None:
     """A local model directory must hold a model (config.json and weights), not fail later in the tokenizer."""
     if model_cfg.offline:
