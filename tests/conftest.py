@@ -55,6 +55,7 @@ def server_cfg(port: int | None = None, **overrides):
     base = dict(
         host="127.0.0.1", port=port or free_port(), gpu_memory_utilization=0.2, kv_cache_gb=0.5, max_model_len=512,
         dtype="float32", max_lora_rank=16, startup_timeout_s=240, busy_loop_s=0.02, worker_in_engine_process=True,
+        chunked_prefill=False,
     )  # fmt: skip
     base.update(overrides)
     return ServerConfig(**base)

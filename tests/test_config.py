@@ -325,3 +325,20 @@ def test_a_hub_model_in_the_local_cache_is_checked_against_model_num_layers(tmp_
     with pytest.raises(ConfigError, match=r"model.num_layers=36, but .*config.json says the model has 28 blocks"):
         check_model(cfg)
     check_model(_compose(["model=qwen3b", "model.name=acme/deep-7b", "model.num_layers=28"]))
+
+
+def test_server_cpu_keeps_chunked_prefill_off_when_extra_args_are_given():
+    """The flag lived in server=cpu's extra_args, so a user's own server.extra_args silently dropped it (and with it
+    the fix for vLLM 0.32's CPU engine dying on seeded prompts split across steps)."""
+    from grpo.inference.process import VLLMServer
+
+    def command(*overrides: str) -> list[str]:
+        cfg = _compose(["server=cpu", *overrides])
+        return VLLMServer("model-dir", cfg.server, Path("vllm.log")).command()
+
+    assert "--no-enable-chunked-prefill" in command()
+    args = command("server.extra_args=[--max-num-seqs,64]")
+    assert "--no-enable-chunked-prefill" in args and "--max-num-seqs" in args
+    assert "--enable-chunked-prefill" in command("server.chunked_prefill=true")
+    gpu = _compose(["server=gpu"])
+    assert not any("chunked-prefill" in a for a in VLLMServer("model-dir", gpu.server, Path("vllm.log")).command())

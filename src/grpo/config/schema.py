@@ -256,6 +256,9 @@ class ServerConfig:
     dtype: str = "auto"
     # null = vLLM decides; true forces eager mode (slower decoding).
     enforce_eager: Optional[bool] = None
+    # null = vLLM decides; false = --no-enable-chunked-prefill (server=cpu: vLLM 0.32's CPU engine dies on a seeded
+    # prompt split across steps).
+    chunked_prefill: Optional[bool] = None
     max_lora_rank: int = 64
     startup_timeout_s: float = 300.0
     # Restarts allowed after a crash or a failed health check before the run stops.

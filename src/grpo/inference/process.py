@@ -189,6 +189,9 @@ class VLLMServer:
             args += ["--kv-cache-memory-bytes", str(int(float(kv_cache_gb) * 2**30))]
         if option(c, "enforce_eager") is True:
             args.append("--enforce-eager")
+        chunked_prefill = option(c, "chunked_prefill")
+        if chunked_prefill is not None:
+            args.append("--enable-chunked-prefill" if chunked_prefill else "--no-enable-chunked-prefill")
         if self.enable_lora:
             args += ["--enable-lora", "--max-lora-rank", str(option(c, "max_lora_rank", 64))]
             if self.lora_modules:
