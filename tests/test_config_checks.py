@@ -337,15 +337,18 @@ def test_a_fresh_run_into_a_run_dir_holding_a_run_stops_instead_of_overwriting_i
     run = tmp_path / "run"
     _validate([f"hydra.run.dir={run}"], run)  # a new (or empty) dir is fine
     (run / "metrics.jsonl").write_text('{"step": 1}\n')
+    # No checkpoint (a run stopped before its first one): train.resume would refuse it, so it is not offered.
     with pytest.raises(ConfigError, match=re.escape(f"run dir {run} already holds a run (metrics.jsonl with rows), "
-                                                    f"which this run would overwrite; continue that run with "
-                                                    f"train.resume={run}, or start a new one in another dir")):
+                                                    "which this run would overwrite; it has no checkpoint to continue "
+                                                    "from; start a new one in another dir")):
         _validate([f"hydra.run.dir={run}"], run)
     ckpt = run / "checkpoints" / "step_000004"
     ckpt.mkdir(parents=True)
     (ckpt / "trainer_state.json").write_text(json.dumps({"step": 4}))
     (ckpt / COMPLETE).write_text("")
-    with pytest.raises(ConfigError, match=r"\(metrics.jsonl with rows, checkpoints up to step_000004\)"):
+    with pytest.raises(ConfigError, match=re.escape(f"(metrics.jsonl with rows, checkpoints up to step_000004), which "
+                                                    f"this run would overwrite; continue that run with "
+                                                    f"train.resume={run}, or start a new one in another dir")):
         _validate([f"hydra.run.dir={run}"], run)
     _validate([f"train.resume={run}", "train.steps=6", f"hydra.run.dir={run}"], run)  # continuing it is fine
     other = tmp_path / "other"

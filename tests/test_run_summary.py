@@ -23,6 +23,16 @@ def test_first10_and_last10_reward_means_cover_every_step_of_a_resumed_run(tmp_p
     assert "final_reward" not in summary and "first_reward" not in summary
 
 
+def test_a_run_with_only_its_first_evaluation_does_not_read_as_no_change(tmp_path):
+    """eval.at_end=false and no eval inside the run: the line said "held-out accuracy 0.382 -> 0.382"."""
+    from grpo.run import done_message
+
+    rows = [{"step": 0, "eval/accuracy": 0.382}, {"step": 1, "reward/mean": 0.5}]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    RunSummary(tmp_path).finish([0.5])
+    assert "held-out accuracy 0.382 (one evaluation, at step 0)." in done_message(tmp_path)
+
+
 def test_steps_run_counts_optimizer_steps_when_a_rollout_batch_has_several(tmp_path):
     """train.ppo_epochs x train.mini_batches = 4: a 4-step run has one rollout batch (its reward on the batch's first
     row). summary.json and the done line said "1 steps" while grpo.report said 4."""

@@ -153,9 +153,11 @@ def done_message(run_dir: Path) -> str:
     if summary.get("last10_reward_mean") is not None:
         parts.append(f"reward {summary['first10_reward_mean']:.3f} -> {summary['last10_reward_mean']:.3f} (mean of the "
                      "first and last 10 rollout batches)")
-    accuracy = [r["eval/accuracy"] for r in rows if r.get("eval/accuracy") is not None]
-    if accuracy:
-        parts.append(f"held-out accuracy {accuracy[0]:.3f} -> {accuracy[-1]:.3f}")
+    evals = [r for r in rows if r.get("eval/accuracy") is not None]
+    if len(evals) > 1:
+        parts.append(f"held-out accuracy {evals[0]['eval/accuracy']:.3f} -> {evals[-1]['eval/accuracy']:.3f}")
+    elif evals:  # "0.382 -> 0.382" read as no learning when only the step-0 eval ran (eval.at_end=false)
+        parts.append(f"held-out accuracy {evals[0]['eval/accuracy']:.3f} (one evaluation, at step {evals[0]['step']})")
     return "; ".join(parts) + f".\n  run dir: {run_dir} (summary: python -m grpo.report {run_dir})"
 
 

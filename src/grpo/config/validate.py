@@ -92,10 +92,14 @@ def check_run_dir_unused(cfg: DictConfig, run_dir: Path) -> None:
     held = held_run(run_dir)
     if not held:
         return
+    from grpo.trainer.checkpoint import CheckpointManager
+
+    # Without a checkpoint there is nothing to continue: train.resume would refuse it in turn.
+    go_on = (f"continue that run with train.resume={run_dir}, or " if CheckpointManager(run_dir).latest() is not None
+             else "it has no checkpoint to continue from; ")
     raise ConfigError(
-        f"run dir {run_dir} already holds a run ({held}), which this run would overwrite; continue that run with "
-        f"train.resume={run_dir}, or start a new one in another dir (hydra.run.dir=..., or leave it out for a new "
-        "dir under outputs/)"
+        f"run dir {run_dir} already holds a run ({held}), which this run would overwrite; {go_on}start a new one in "
+        "another dir (hydra.run.dir=..., or leave it out for a new dir under outputs/)"
     )
 
 
