@@ -184,6 +184,14 @@ def train(cfg: DictConfig, run_dir: Path) -> list[float]:
             del trainer  # the stack holds trainer.close until it runs, then nothing keeps the trainer
 
 
+def rollout_batches(cfg: DictConfig, start_step: int, start_batch: int | None) -> tuple[int, int]:
+    """(first rollout batch of this session, rollout batches of the run): what a data source counts (its `step`,
+    run-api's step), where a batch trains train.ppo_epochs x train.mini_batches optimizer steps."""
+    updates_per_batch = cfg.train.ppo_epochs * cfg.train.mini_batches
+    first = start_batch if start_batch is not None else start_step // updates_per_batch
+    return first, cfg.train.steps // updates_per_batch
+
+
 def build_data(cfg: DictConfig):
     """The run's data pipeline (rank 0); with `train.max_staleness >= 1` a local one is wrapped in the asynchronous
     producer (grpo.pipeline.rollout_queue). k = 0 never builds the producer: the synchronous loop, unchanged. A
@@ -320,10 +328,11 @@ def build_trainer(cfg, run_dir, model_dir, tokenizer, sync, loss_fn, data, evalu
         start_batch = state.get("batch")
         source.load_state_dict(state.get("data", {}))
         log.info("resumed from %s at step %d", resume_ckpt, start_step)
+    first_batch, total_batches = rollout_batches(cfg, start_step, start_batch)
     if data is not None:
         data.setup(PipelineContext(
             tokenizer=tokenizer, endpoint=sync.endpoint, batch_size=cfg.train.micro_batch_size * cfg.train.grad_accum,
-            max_seq_len=cfg.model.max_seq_len, run_dir=run_dir, total_steps=cfg.train.steps, start_step=start_step,
+            max_seq_len=cfg.model.max_seq_len, run_dir=run_dir, total_steps=total_batches, start_step=first_batch,
             checkpoint_every=cfg.train.checkpoint_every, seed=cfg.train.seed, max_staleness=cfg.train.max_staleness,
             generation_gate=sync.gate,
             batch_shape=BatchShape(

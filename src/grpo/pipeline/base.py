@@ -39,6 +39,8 @@ class PipelineContext:
     batch_size: int
     max_seq_len: int
     run_dir: Path
+    # Rollout batches of the run, and the first one this session fetches (the `step` of next_groups; run-api's
+    # step). With train.ppo_epochs x train.mini_batches > 1 an optimizer step is a fraction of one.
     total_steps: int
     start_step: int
     checkpoint_every: int
