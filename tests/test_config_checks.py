@@ -245,6 +245,14 @@ def test_a_local_pipeline_too_small_for_the_batch_stops_before_the_server(tmp_pa
               tmp_path / "r2")
 
 
+def test_another_data_option_on_the_default_job_is_told_where_its_batch_comes_from(tmp_path):
+    """python train.py data=local_digits: the default job's batch (16 x 8 for arithmetic) outgrows the digits data;
+    the message named the keys but not that the experiment set them."""
+    with pytest.raises(ConfigError, match=re.escape("(experiment=arith_quick sets the batch for its own data; "
+                                                    "'~experiment' gives the bare config)")):
+        _validate(["data=local_digits", f"hydra.run.dir={tmp_path}/run"], tmp_path / "run")
+
+
 @pytest.mark.parametrize("override, needle", [
     # Every completion's advantage is its reward minus its group's mean: alone in its group, always 0.
     ("data.group_size=1", "data.group_size=1 gives every completion advantage 0"),

@@ -130,7 +130,7 @@ def validate(cfg: DictConfig, run_dir: Path | None = None) -> None:
     check_model(cfg)
     check_server(cfg, info.choices.get("server"))
     check_train(cfg)
-    check_data(cfg)
+    check_data(cfg, info.choices.get("experiment"))
     check_async(cfg)
     check_logging(cfg)
     if run_dir is not None:
@@ -381,7 +381,7 @@ def check_async(cfg: DictConfig) -> None:
         )
 
 
-def check_data(cfg: DictConfig) -> None:
+def check_data(cfg: DictConfig, experiment: str | None = None) -> None:
     """A local rollout pipeline generates at least the sequences one rollout batch trains on (said here, before the
     server starts, rather than by the pipeline once it has), and its completion caps fit model.max_seq_len."""
     from grpo.pipeline.local import LocalRolloutPipeline
@@ -409,6 +409,8 @@ def check_data(cfg: DictConfig) -> None:
             f"data.prompts_per_step x data.group_size = {per_step} sequences per step, fewer than the {needed} of "
             "train.micro_batch_size x train.grad_accum; raise data.prompts_per_step or data.group_size, or lower "
             "train.micro_batch_size or train.grad_accum"
+            + (f" (experiment={experiment} sets the batch for its own data; '~experiment' gives the bare config)"
+               if experiment else "")
         )
 
 
