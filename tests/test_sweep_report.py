@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 from hydra.utils import instantiate
@@ -71,6 +72,7 @@ def test_a_sweep_into_a_fresh_or_never_trained_dir_is_let_through(tmp_path):
     check_sweep_dir_unused(tmp_path)
 
 
+@pytest.mark.vllm  # its job starts a vLLM server
 def test_a_sweep_job_whose_data_source_dies_after_training_is_failed_not_skipped(tmp_path):
     """A data source lost mid-run (run-api killed after some steps) was handled as a config problem: the job was
     logged as skipped, wrote no summary.json, and the sweep's end line and grpo.report called it running. It trained
