@@ -355,3 +355,17 @@ def test_the_data_source_counts_rollout_batches_not_optimizer_steps():
     assert rollout_batches(cfg, 8, None) == (2, 4)  # an older checkpoint without the batch number
     assert rollout_batches(cfg, 8, 2) == (2, 4)
     assert rollout_batches(_compose(["train.steps=16"]), 8, None) == (8, 16)
+
+
+def test_mode_none_reload_is_a_setting_the_readme_can_offer():
+    """README's sync table offered `mode=none mode.reload=restart`; the config had no such key (Hydra refused it,
+    and +mode.reload was refused as read by nothing), though the sync class takes it."""
+    from hydra.utils import instantiate
+
+    assert _compose(["mode=none"]).mode.reload == "inplace"
+    assert instantiate(_compose(["mode=none", "mode.reload=restart"]).mode).reload == "restart"
+    from grpo.config.validate import validate
+    from grpo.options import ConfigError
+
+    with pytest.raises(ConfigError, match="mode.reload=bogus is not one of inplace, restart"):
+        validate(_compose(["mode=none", "mode.reload=bogus"]))

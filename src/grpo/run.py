@@ -106,7 +106,7 @@ class RunSummary:
             log.error("could not write %s (status %s): %s", self.path, data.get("status"), e)
 
     def finish(self, rewards: list[float]) -> float | None:
-        """Record a completed run; returns the mean reward of the last REWARD_WINDOW steps.
+        """Record a completed run; returns the mean reward of the last REWARD_WINDOW rollout batches.
 
         A run resumed in its own run dir counts every step of its metrics.jsonl, not only this session's `rewards`.
         """

@@ -87,7 +87,8 @@ class ModelConfig:
 
     # Hugging Face id or local directory; ignored when `offline` names a preset to build.
     name: str = MISSING
-    # Build random weights offline from a preset (tiny-qwen2, tiny-llama, qwen3b, qwen14b, hermes8b); null = load `name`.
+    # Build weights offline from a preset: random (tiny-qwen2, tiny-llama, qwen3b, qwen14b, hermes8b) or warm-started
+    # (warm-arith: tiny-qwen2 after a short supervised warm-up on the arithmetic task); null = load `name`.
     offline: Optional[str] = None
     # Seed of the offline random weights.
     seed: int = 0
@@ -191,6 +192,8 @@ class CheckpointRestartSyncConfig:
 
     _target_: str = "grpo.sync.checkpoint_restart.CheckpointRestartSync"
     sync_every: int = 1
+    # inplace: vLLM reloads the saved weights in place (a restart when that fails); restart: always restart vLLM.
+    reload: str = "inplace"
 
 
 @dataclass

@@ -13,13 +13,18 @@ and drives the server.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import torch.nn as nn
 
 from grpo.inference.client import InferenceServerError
+from grpo.options import ConfigError, option
 from grpo.sync.base import SyncContext
 from grpo.sync.server_base import ServerSync
 from grpo.weights.params import save_full_weights
+
+# How vLLM takes the saved weights (mode.reload).
+RELOADS = ("inplace", "restart")
 
 
 class CheckpointRestartSync(ServerSync):
@@ -34,10 +39,18 @@ class CheckpointRestartSync(ServerSync):
 
     def __init__(self, sync_every: int = 1, reload: str = "inplace") -> None:
         super().__init__(sync_every)
-        if reload not in ("inplace", "restart"):
+        if reload not in RELOADS:
             raise ValueError(f"reload must be 'inplace' or 'restart', got {reload!r}")
         self.reload = reload
         self.served_dir: Path | None = None
+
+    @classmethod
+    def check_config(cls, cfg: Any, *, cuda: bool, world_size: int = 1) -> None:
+        super().check_config(cfg, cuda=cuda, world_size=world_size)
+        reload = option(cfg.mode, "reload", "inplace")
+        if reload not in RELOADS:
+            raise ConfigError(f"mode.reload={reload} is not one of {', '.join(RELOADS)} (inplace: vLLM reloads the "
+                              "saved weights in place; restart: it restarts on them every sync)")
 
     def launch(self, ctx: SyncContext) -> None:
         self.served_dir = Path(ctx.resume_weights or ctx.model_dir)
