@@ -284,8 +284,9 @@ class VLLMServer:
         deadline, next_report = t0 + timeout, t0 + gap
         log.info("starting vLLM on %s:%s (log: %s)", self.host, self.port, self.log_path)
         while time.monotonic() < deadline:
-            if self.proc is not None and self.proc.poll() is not None:
-                code = self.proc.returncode
+            proc = self.proc  # once: a stop() on another thread may clear it
+            if proc is not None and proc.poll() is not None:
+                code = proc.returncode
                 self._cleanup_group()
                 raise self._start_failed(f"inference server exited with code {code} during start-up")
             state, detail = self.probe(timeout=2.0)
@@ -439,29 +440,27 @@ class VLLMServer:
         return "\n".join(lines[-n:])
 
     # ------------------------------------------------------------------ internals
-    def _signal_group(self, sig: int) -> None:
-        if self.proc is None:
-            return
+    def _signal_group(self, sig: int) -> bool:
+        """Signal the server's process group (pgid == pid: it leads its own session); False when it is gone.
+        Reads `self.proc` once: a stop() on another thread may clear it meanwhile."""
+        proc = self.proc
+        if proc is None:
+            return False
         try:
-            os.killpg(self.proc.pid, sig)  # pgid == pid: the server leads its own session
+            os.killpg(proc.pid, sig)
         except ProcessLookupError:
-            pass
+            return False
+        return True
 
     def _cleanup_group(self) -> None:
         # vLLM's children (engine core, workers) may outlive the API server if it died hard: kill the group.
-        if self.proc is None:
-            return
-        try:
-            os.killpg(self.proc.pid, 0)
-        except ProcessLookupError:
+        if not self._signal_group(0):
             return
         self._signal_group(signal.SIGTERM)
         self._signal_group(signal.SIGCONT)
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline:
-            try:
-                os.killpg(self.proc.pid, 0)
-            except ProcessLookupError:
+            if not self._signal_group(0):
                 return
             time.sleep(0.1)
         self._signal_group(signal.SIGKILL)
