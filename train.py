@@ -184,14 +184,6 @@ def train(cfg: DictConfig, run_dir: Path) -> list[float]:
             del trainer  # the stack holds trainer.close until it runs, then nothing keeps the trainer
 
 
-def rollout_batches(cfg: DictConfig, start_step: int, start_batch: int | None) -> tuple[int, int]:
-    """(first rollout batch of this session, rollout batches of the run): what a data source counts (its `step`,
-    run-api's step), where a batch trains train.ppo_epochs x train.mini_batches optimizer steps."""
-    updates_per_batch = cfg.train.ppo_epochs * cfg.train.mini_batches
-    first = start_batch if start_batch is not None else start_step // updates_per_batch
-    return first, cfg.train.steps // updates_per_batch
-
-
 def build_data(cfg: DictConfig):
     """The run's data pipeline (rank 0); with `train.max_staleness >= 1` a local one is wrapped in the asynchronous
     producer (grpo.pipeline.rollout_queue). k = 0 never builds the producer: the synchronous loop, unchanged. A
@@ -306,7 +298,7 @@ def build_trainer(cfg, run_dir, model_dir, tokenizer, sync, loss_fn, data, evalu
     from grpo.sync.base import SyncContext
     from grpo.trainer import distributed
     from grpo.trainer.checkpoint import CheckpointManager
-    from grpo.trainer.loop import GRPOTrainer
+    from grpo.trainer.loop import GRPOTrainer, rollout_batches
     from grpo.trainer.metrics import MetricsLogger, NullMetrics
     from grpo.trainer.optim import build_optimizer, build_scheduler
 
@@ -328,7 +320,7 @@ def build_trainer(cfg, run_dir, model_dir, tokenizer, sync, loss_fn, data, evalu
         start_batch = state.get("batch")
         source.load_state_dict(state.get("data", {}))
         log.info("resumed from %s at step %d", resume_ckpt, start_step)
-    first_batch, total_batches = rollout_batches(cfg, start_step, start_batch)
+    first_batch, total_batches = rollout_batches(cfg.train, start_step, start_batch)
     if data is not None:
         data.setup(PipelineContext(
             tokenizer=tokenizer, endpoint=sync.endpoint, batch_size=cfg.train.micro_batch_size * cfg.train.grad_accum,

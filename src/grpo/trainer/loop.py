@@ -107,6 +107,19 @@ def out_of_memory_advice(batch: PreparedBatch, step: int, device: torch.device) 
     )
 
 
+def updates_per_batch(train_cfg: Any) -> int:
+    """Optimizer steps per rollout batch: `train.ppo_epochs` passes x `train.mini_batches` mini-batches."""
+    return int(train_cfg.ppo_epochs) * int(train_cfg.mini_batches)
+
+
+def rollout_batches(train_cfg: Any, start_step: int, start_batch: Optional[int]) -> tuple[int, int]:
+    """(the first rollout batch of this session, the rollout batches of the run): what a data source counts (its
+    `step`, run-api's step). `start_batch` is the checkpoint's own count; older checkpoints have only the step."""
+    per_batch = updates_per_batch(train_cfg)
+    first = start_step // per_batch if start_batch is None else start_batch
+    return first, int(train_cfg.steps) // per_batch
+
+
 class GRPOTrainer:
     """Runs `train.steps` optimizer steps; each step pulls a batch, computes the GRPO loss, steps and syncs."""
 
@@ -143,7 +156,7 @@ class GRPOTrainer:
         self.device = device
         self.step = start_step
         # Rollout batches done (the data source's index); a run resumes at a batch boundary.
-        self.batch_number = start_step // self.updates_per_batch if start_batch is None else start_batch
+        self.batch_number = rollout_batches(train_cfg, start_step, start_batch)[0]
         # pi_old of the PPO ratio: recomputed by one extra forward per rollout batch (loss.old_logprobs).
         self.recompute_old = getattr(loss_fn, "old_logprobs", "rollout") == "recompute"
         # Under torchrun (FSDP2) the ranks' roles; None in a single process.
@@ -170,7 +183,7 @@ class GRPOTrainer:
     @property
     def updates_per_batch(self) -> int:
         """Optimizer steps per rollout batch: `train.ppo_epochs` passes x `train.mini_batches` mini-batches."""
-        return int(self.cfg.ppo_epochs) * int(self.cfg.mini_batches)
+        return updates_per_batch(self.cfg)
 
     def fit(self) -> list[float]:
         """Train until `train.steps` optimizer steps; returns the mean reward of every rollout batch (for sweeps)."""
