@@ -3,6 +3,7 @@ device_memory.json (with the release of device memory between multirun jobs)."""
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import gc
 import json
@@ -14,7 +15,7 @@ import time
 import traceback
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 import torch
 from hydra.experimental.callback import Callback
@@ -272,14 +273,25 @@ class RunDirGuard(Callback):
     ran. train.py checks each job too, but only after Hydra has written the job's `.hydra/` (config, overrides) into
     its dir, over the earlier run's own record."""
 
-    def on_run_start(self, config: Any, **kwargs: Any) -> None:  # noqa: ARG002
-        """Exit 1 with the ConfigError's message, before Hydra writes anything into the run dir."""
+    @staticmethod
+    @contextlib.contextmanager
+    def _checking(config: Any) -> Iterator[None]:
+        """Hydra's config set (the run and sweep dirs' interpolations read it; run_job sets it again), and a
+        ConfigError raised inside turned into its one-line message and exit 1."""
         from hydra.core.hydra_config import HydraConfig
 
+        HydraConfig.instance().set_config(config)
+        try:
+            yield
+        except ConfigError as e:
+            print(f"ConfigError: {e}", file=sys.stderr)
+            raise SystemExit(1) from None
+
+    def on_run_start(self, config: Any, **kwargs: Any) -> None:  # noqa: ARG002
+        """Exit 1 with the ConfigError's message, before Hydra writes anything into the run dir."""
         from grpo.config.validate import check_resume_has_steps_left, check_run_dir_unused
 
-        HydraConfig.instance().set_config(config)  # the run dir's interpolations read it (run_job sets it again)
-        try:
+        with self._checking(config):
             check_run_dir_unused(config, Path(config.hydra.run.dir))
             if config.train.resume is not None and Path(config.train.resume).exists():
                 # The default run dir of a resume is train.resume: a checkpoint given there would get .hydra/.
@@ -287,20 +299,11 @@ class RunDirGuard(Callback):
             check_resume_identity(config)
             if int(os.environ.get("RANK", "0")) == 0:  # torchrun: rank 0 owns the run dir
                 lock_run_dir(Path(config.hydra.run.dir))
-        except ConfigError as e:
-            print(f"ConfigError: {e}", file=sys.stderr)
-            raise SystemExit(1) from None
 
     def on_multirun_start(self, config: Any, **kwargs: Any) -> None:  # noqa: ARG002
         """Exit 1 before the first job when the sweep dir holds jobs that already ran (`check_sweep_dir_unused`)."""
-        from hydra.core.hydra_config import HydraConfig
-
         from grpo.config.validate import check_sweep_dir_unused
 
-        HydraConfig.instance().set_config(config)  # the sweep dir's interpolations may read it
-        try:
+        with self._checking(config):
             check_sweep_dir_unused(Path(config.hydra.sweep.dir))
-        except ConfigError as e:
-            print(f"ConfigError: {e}", file=sys.stderr)
-            raise SystemExit(1) from None
 

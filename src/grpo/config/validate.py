@@ -56,15 +56,17 @@ def check_run_dir(run_dir: Path) -> None:
         )
 
 
-def held_run(run_dir: Path) -> str:
-    """What of an earlier run `run_dir` holds ("metrics.jsonl with rows, checkpoints up to step_000010"), or ""."""
+def held_run(run_dir: Path) -> tuple[str, Path | None]:
+    """What of an earlier run `run_dir` holds ("metrics.jsonl with rows, checkpoints up to step_000010", or ""), and
+    its latest complete checkpoint (None when it has none)."""
     from grpo.trainer.checkpoint import CheckpointManager
 
     metrics = run_dir / "metrics.jsonl"
     has_rows = metrics.exists() and metrics.stat().st_size > 0
     latest = CheckpointManager(run_dir).latest()
-    return ", ".join(x for x in (f"{metrics.name} with rows" if has_rows else "",
+    held = ", ".join(x for x in (f"{metrics.name} with rows" if has_rows else "",
                                  f"checkpoints up to {latest.name}" if latest is not None else "") if x)
+    return held, latest
 
 
 def check_sweep_dir_unused(sweep_dir: Path) -> None:
@@ -74,7 +76,7 @@ def check_sweep_dir_unused(sweep_dir: Path) -> None:
         return
     candidates = {p.parent for p in sweep_dir.rglob("metrics.jsonl")}
     candidates |= {p.parent for p in sweep_dir.rglob("checkpoints") if p.is_dir()}
-    held = sorted(str(d.relative_to(sweep_dir)) for d in candidates if held_run(d))
+    held = sorted(str(d.relative_to(sweep_dir)) for d in candidates if held_run(d)[0])
     if held:
         shown = ", ".join(held[:5]) + (f" and {len(held) - 5} more" if len(held) > 5 else "")
         raise ConfigError(
@@ -89,13 +91,11 @@ def check_run_dir_unused(cfg: DictConfig, run_dir: Path) -> None:
     resume = cfg.train.resume
     if resume is not None and Path(resume).resolve() == run_dir.resolve():
         return
-    held = held_run(run_dir)
+    held, latest = held_run(run_dir)
     if not held:
         return
-    from grpo.trainer.checkpoint import CheckpointManager
-
     # Without a checkpoint there is nothing to continue: train.resume would refuse it in turn.
-    go_on = (f"continue that run with train.resume={run_dir}, or " if CheckpointManager(run_dir).latest() is not None
+    go_on = (f"continue that run with train.resume={run_dir}, or " if latest is not None
              else "it has no checkpoint to continue from; ")
     raise ConfigError(
         f"run dir {run_dir} already holds a run ({held}), which this run would overwrite; {go_on}start a new one in "
