@@ -150,6 +150,31 @@ def test_async_rollouts_with_recompute_and_tis_cap_or_rollout_logprobs_pass(tmp_
     _validate(["train.max_staleness=2", "data=atropos", "train.stale_policy=drop"], tmp_path)
 
 
+@pytest.mark.parametrize(
+    "overrides, needle",
+    [
+        (["loss.tis_cap=2.0"], "leave loss.tis_cap null"),
+        (["train.max_staleness=1"], "use train.max_staleness=0"),
+        (["mode.sync_every=2"], "use mode.sync_every=1"),
+        (["train.ppo_epochs=2", "train.steps=4"], "set loss.old_logprobs=recompute"),
+        (["loss.kl_coef=0.1"], "set loss.kl_coef=0"),
+    ],
+)
+def test_rollouts_without_log_probs_refuse_what_needs_them(tmp_path, overrides, needle):
+    # Each of these would train with a ratio of exactly 1 (or a KL of 0) without a word.
+    with pytest.raises(ConfigError) as e:
+        _validate(["data.rollout_logprobs=false", *overrides], tmp_path)
+    assert "data.rollout_logprobs=false trains each rollout as on-policy" in str(e.value) and needle in str(e.value)
+    _validate(overrides, tmp_path)  # the same settings with the sampler's log-probs are fine
+
+
+def test_rollouts_without_log_probs_pass_where_they_are_exact(tmp_path):
+    _validate(["data.rollout_logprobs=false"], tmp_path)
+    # Several updates per batch: exact with pi_old recomputed by the trainer.
+    _validate(["data.rollout_logprobs=false", "train.ppo_epochs=2", "train.steps=4", "loss.old_logprobs=recompute"],
+              tmp_path)
+
+
 def test_worker_in_engine_process_needs_one_worker(tmp_path, monkeypatch):
     # conf/server/cpu.yaml turns it on; a tensor-parallel server needs vLLM's worker processes.
     with pytest.raises(ConfigError, match="set server.worker_in_engine_process=false"):

@@ -148,6 +148,39 @@ def test_seeded_sampling_repeats_the_step_and_unseeded_does_not(vllm_url, tokeni
 
 
 @pytest.mark.vllm
+def test_rollouts_without_log_probs_sample_the_same_tokens_and_train_as_on_policy(vllm_url, tokenizer):
+    import torch
+
+    from grpo.pipeline.batch import prepare_batch
+    from grpo.trainer.loss import GRPOLoss
+
+    def step_0(rollout_logprobs: bool) -> list:
+        pipe = _pipeline("local_digits", prompts_per_step=2, group_size=4, max_new_tokens=12,
+                         rollout_logprobs=rollout_logprobs)
+        pipe.setup(_ctx(tokenizer, vllm_url, batch_size=8))
+        try:
+            return pipe.next_groups(0)
+        finally:
+            pipe.close()
+
+    with_lp, without = step_0(True), step_0(False)
+    # Seeded: the log-probs change nothing of what is sampled, and the scores follow the tokens.
+    assert [g.tokens for g in without] == [g.tokens for g in with_lp]
+    assert [g.scores for g in without] == [g.scores for g in with_lp]
+    assert all(lp is None for g in without for lp in g.inference_logprobs)
+    assert all(lp is not None for g in with_lp for lp in g.inference_logprobs)
+    batch = prepare_batch(without, max_seq_len=512, micro_batch_size=8, pad_token_id=tokenizer.pad_token_id,
+                          vocab_size=len(tokenizer))
+    assert batch.metrics["data/missing_logprobs"] == 8
+    mb = batch.micro_batches[0]
+    assert bool(torch.isnan(mb.inference_logprobs[mb.loss_mask > 0]).all())
+    # The loss then takes pi_old = its own log-probs: the ratio is exactly 1 at every token, as TRL's one update.
+    logprobs = torch.randn(mb.loss_mask.shape, requires_grad=True).clamp(max=0)
+    _, m = GRPOLoss()(logprobs, mb.inference_logprobs, mb.advantages, mb.loss_mask, with_metrics=True)
+    assert m["grpo/mean_ratio"] == 1.0 and m["grpo/logprob_diff"] == 0.0 and m["grpo/clipped_fraction"] == 0.0
+
+
+@pytest.mark.vllm
 def test_gsm8k_groups_and_length_cap(vllm_url, tokenizer):
     from grpo.pipeline.batch import prepare_batch
 

@@ -99,6 +99,24 @@ def test_generate_answers_the_same_from_vllms_flat_log_prob_layout(vllm_server):
 
 
 @pytest.mark.vllm
+def test_generate_gives_log_probs_unless_asked_for_none(vllm_server):
+    """Atropos' clients read log-probs without always asking (absent = 0); an explicit null asks for none, and the
+    sampled tokens are the same (seeded) with each sample's "logprobs" null."""
+    import requests
+
+    from grpo.inference.client import parse_generate_response
+
+    body = dict(prompt={"prompt_token_ids": [10, 20, 30, 40]}, n=3, max_tokens=6, temperature=1.0, seed=11)
+    absent, null = (requests.post(vllm_server.url + "/generate", json={**body, **extra}, timeout=60).json()
+                    for extra in ({}, {"logprobs": None}))  # fmt: skip
+    assert null["token_ids"] == absent["token_ids"]
+    assert null["logprobs"] == [None, None, None]
+    assert [len(p) for p in absent["logprobs"]] == [len(t) for t in absent["token_ids"]]
+    completions = parse_generate_response(null)
+    assert [c.token_ids for c in completions] == absent["token_ids"] and all(c.logprobs is None for c in completions)
+
+
+@pytest.mark.vllm
 def test_seeded_generate_reproduces_and_gives_every_sample_its_own_stream(vllm_server):
     from grpo.inference.client import InferenceClient
 

@@ -104,12 +104,14 @@ PY
     # $3 = sequences per micro-batch (16: x 4 accumulated, 64: one micro-batch) on both sides.
     impl=${2:-shared_vllm} mb=${3:-16}
     if [ "$impl" = trl ]; then
-      python3 bench/gpu/trl_step.py --preset qwen3b --steps 10 --micro-batch "$mb" --optim "${TRL_OPTIM:-adamw_torch}" \
+      python3 bench/gpu/trl_step.py --preset qwen3b --steps "${STEPS:-10}" --micro-batch "$mb" --optim "${TRL_OPTIM:-adamw_torch}" \
         ${TRL_ARGS:-} --out "$out/whole_step_trl_mb$mb.json" \
         2>&1 | grep -vE "INFO|DEBUG|it/s\]" | tail -15
     elif [ "$impl" = experiment ]; then  # the same recipe as experiments/qwen3b_whole_step.yaml, as a user runs it
+      # shellcheck disable=SC2086  # EXTRA: space-separated overrides (e.g. data.rollout_logprobs=true)
       python3 train.py experiment=qwen3b_whole_step model.offline=qwen3b logging.progress_bar=false \
-        hydra.run.dir="$out/whole_step/experiment_qwen3b_whole_step" 2>&1 | grep -vE "INFO|DEBUG" | tail -15
+        train.steps="${STEPS:-10}" ${EXTRA:-} hydra.run.dir="$out/whole_step/experiment_qwen3b_whole_step${TAG:-}" \
+        2>&1 | grep -vE "INFO|DEBUG" | tail -15
       summarise "$out/whole_step" | tee "$out/whole_step_experiment.jsonl"
     else
       python3 train.py "${common[@]}" "${big[@]}" eval=off train.steps=10 mode="$impl" optimizer=adamw \

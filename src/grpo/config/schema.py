@@ -308,6 +308,9 @@ class LocalDataConfig:
     top_p: float = 1.0
     # Per-request sampling seeds (a re-run draws the same rollouts); false samples from the engine's own stream.
     seeded_sampling: bool = True
+    # vLLM's log-prob of each sampled token (pi_old with loss.old_logprobs=rollout, TIS, grpo/logprob_diff); false
+    # trains the rollouts as on-policy (pi_old = the trainer's own log-probs), for one update per synced batch.
+    rollout_logprobs: bool = True
 
 
 # ---------------------------------------------------------------- evaluation (conf/eval/)

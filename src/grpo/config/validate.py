@@ -13,7 +13,7 @@ from hydra.utils import get_class
 from omegaconf import DictConfig
 
 from grpo.inference.process import parallel_sizes
-from grpo.options import ConfigError, instantiation_cause
+from grpo.options import ConfigError, instantiation_cause, option
 
 __all__ = ["ConfigError", "check_run_dir", "validate"]
 
@@ -132,6 +132,7 @@ def validate(cfg: DictConfig, run_dir: Path | None = None) -> None:
     check_train(cfg)
     check_data(cfg, info.choices.get("experiment"))
     check_async(cfg)
+    check_rollout_logprobs(cfg)
     check_logging(cfg)
     if run_dir is not None:
         check_run_dir(run_dir)
@@ -412,6 +413,34 @@ def check_data(cfg: DictConfig, experiment: str | None = None) -> None:
             + (f" (experiment={experiment} sets the batch for its own data; '~experiment' gives the bare config)"
                if experiment else "")
         )
+
+
+def check_rollout_logprobs(cfg: DictConfig) -> None:
+    """`data.rollout_logprobs=false` trains every rollout as on-policy (pi_old = the trainer's own log-probs): exact
+    only when a batch gets one update from the weights that sampled it. Each setting that trains off that policy, or
+    reads the sampler's log-probs, would otherwise be silently wrong: the ratio is 1 and the clip never acts."""
+    if cfg.data.get("rollout_logprobs", True) is not False:
+        return
+    loss, train = cfg.loss, cfg.train
+    updates = train.ppo_epochs * train.mini_batches
+    needs = [
+        (loss.get("tis_cap") is not None, f"loss.tis_cap={loss.get('tis_cap')} weights tokens by pi_old / vLLM's "
+         "sampling probability", "leave loss.tis_cap null"),
+        (train.max_staleness > 0, f"train.max_staleness={train.max_staleness} trains on batches sampled by older "
+         "weights", "use train.max_staleness=0"),
+        (option(cfg.mode, "sync_every", 1) > 1, f"mode.sync_every={option(cfg.mode, 'sync_every', 1)} samples "
+         "batches with weights up to that many updates old", "use mode.sync_every=1"),
+        (updates > 1 and loss.get("old_logprobs", "rollout") == "rollout", f"{updates} updates per batch "
+         "(train.ppo_epochs x train.mini_batches) take pi_old from the rollout", "set loss.old_logprobs=recompute"),
+        (float(loss.get("kl_coef", 0.0)) > 0, f"loss.kl_coef={loss.get('kl_coef')} penalises the distance to the "
+         "rollout policy", "set loss.kl_coef=0"),
+    ]
+    for wrong, what, fix in needs:
+        if wrong:
+            raise ConfigError(
+                f"data.rollout_logprobs=false trains each rollout as on-policy, but {what}, which needs vLLM's "
+                f"log-probs: {fix}, or keep data.rollout_logprobs=true"
+            )
 
 
 def check_async_source(cfg: DictConfig) -> None:

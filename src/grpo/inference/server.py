@@ -126,8 +126,10 @@ async def handle_generate(request) -> dict:
     else:
         raise ValueError("'prompt' must be a string, a list of token ids or {'prompt_token_ids': [...]}")
     check_generate_request(prompt_ids, body.get("max_tokens"), await model_limits(engine))
-    # Atropos always asks for logprobs; default them on so the response always has the full shape.
-    if body.get("logprobs") is None:
+    # Atropos' clients read log-probs without always asking for them: absent means 0 (the sampled token's). An
+    # explicit null asks for none, as in vLLM (the trainer's on-policy rollouts and evaluations need none: vLLM then
+    # skips their work on every decode step); each sample's "logprobs" is then null and "token_ids" carries it.
+    if "logprobs" not in body:
         body["logprobs"] = 0
     # vLLM's flat layout keeps a request's log-probs in a few lists instead of a dict and a Logprob object per token
     # per step: less work in the API process on every decode step (the response is the same).
@@ -148,7 +150,8 @@ async def handle_generate(request) -> dict:
         "text": [o.text for o in outputs],
         "prompt_token_ids": prompt_ids,
         "token_ids": [list(o.token_ids) for o in outputs],
-        "logprobs": [_sample_logprobs(o.token_ids, o.logprobs) for o in outputs],
+        "logprobs": [_sample_logprobs(o.token_ids, o.logprobs) if params.logprobs is not None else None
+                     for o in outputs],
         "finish_reasons": [o.finish_reason for o in outputs],
         "weight_version": version,
         "last_weight_version": _upper_version(state),

@@ -196,8 +196,8 @@ class Evaluator:
         client = self._client_for(endpoint.base_url)
         longest = max(len(x) for x in self.prompt_ids)
         max_tokens = max(1, min(self.max_new_tokens, self.ctx.max_seq_len - longest))
-        # _score decodes the token ids itself: the server need not detokenize.
-        common = dict(max_tokens=max_tokens, top_p=self.top_p, model=endpoint.model, detokenize=False)
+        # _score decodes the token ids itself: the server need not detokenize, nor compute log-probs.
+        common = dict(max_tokens=max_tokens, top_p=self.top_p, model=endpoint.model, detokenize=False, logprobs=False)
         # Greedy and sampled requests each send the whole eval set at once; the client bounds the concurrency.
         greedy = client.generate(self.prompt_ids, n=1, temperature=0.0, **common)
         sampled = client.generate(self.prompt_ids, n=self.n, temperature=self.temperature, seed=self.seed, **common)

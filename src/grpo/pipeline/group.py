@@ -66,10 +66,11 @@ class Group:
 
     @classmethod
     def sampled(
-        cls, prompt: list[int], completions: list[list[int]], logprobs: list[list[float]], scores: list[float],
+        cls, prompt: list[int], completions: list[list[int]], logprobs: list[Optional[list[float]]], scores: list[float],
         temperature: float, weight_version: Optional[int] = None,
     ) -> "Group":
-        """A group of completions of `prompt` sampled at `temperature`, with their rollout log-probs."""
+        """A group of completions of `prompt` sampled at `temperature`, with their rollout log-probs (None for a
+        completion sampled without them: the loss trains it as on-policy)."""
         n = len(completions)
         return cls(
             tokens=[prompt + list(c) for c in completions],
@@ -77,7 +78,7 @@ class Group:
             scores=[float(s) for s in scores],
             advantages=[None] * n,
             # The prompt positions carry no log-prob; 1.0 there as Atropos sends (never read: no loss there).
-            inference_logprobs=[[1.0] * len(prompt) + [float(x) for x in lp] for lp in logprobs],
+            inference_logprobs=[None if lp is None else [1.0] * len(prompt) + [float(x) for x in lp] for lp in logprobs],
             ref_logprobs=[None] * n,
             temperatures=[float(temperature)] * n,
             zero_advantage=[False] * n,

@@ -107,6 +107,7 @@ class LocalRolloutPipeline(DataPipeline):
         temperature: float = 1.0,
         top_p: float = 1.0,
         seeded_sampling: bool = True,
+        rollout_logprobs: bool = True,
     ) -> None:
         if prompts_per_step < 1 or group_size < 1 or max_new_tokens < 1:
             raise ValueError(
@@ -131,6 +132,7 @@ class LocalRolloutPipeline(DataPipeline):
         self.temperature = float(temperature)
         self.top_p = float(top_p)
         self.seeded_sampling = bool(seeded_sampling)
+        self.rollout_logprobs = bool(rollout_logprobs)
         self.ctx: Optional[PipelineContext] = None
         self.client: Any = None
         self._client_url: Optional[str] = None
@@ -189,7 +191,7 @@ class LocalRolloutPipeline(DataPipeline):
             endpoint = ctx.endpoint()  # inside the gate: a restart it waited for may have moved the server
             outs = self._client(endpoint.base_url).generate(
                 ids, n=self.group_size, max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p,
-                model=endpoint.model, detokenize=False, **self._sampling_seed(step),
+                model=endpoint.model, detokenize=False, logprobs=self.rollout_logprobs, **self._sampling_seed(step),
             )
         gen_s = time.monotonic() - t0
         scorer = _Scorer(self.rewards, ctx.tokenizer)
@@ -220,7 +222,10 @@ class LocalRolloutPipeline(DataPipeline):
         if len(completions) != self.group_size:
             raise RuntimeError(f"inference server returned {len(completions)} completions, asked for {self.group_size}")
         for c in completions:
-            if len(c.logprobs) != len(c.token_ids):
+            if (c.logprobs is None) == self.rollout_logprobs:
+                raise RuntimeError(f"inference server at {self._client_url} returned log-probs "
+                                   f"{'without' if self.rollout_logprobs else 'though not'} being asked for them")
+            if c.logprobs is not None and len(c.logprobs) != len(c.token_ids):
                 raise RuntimeError(f"inference server returned {len(c.logprobs)} log-probs for {len(c.token_ids)} tokens")
             if c.weight_version < 0 or c.last_weight_version < c.weight_version:
                 raise RuntimeError(
