@@ -509,6 +509,25 @@ def test_a_checkpoint_given_as_train_resume_gets_nothing_written_into_it(tmp_pat
     assert sorted(p.name for p in ckpt.iterdir()) == [COMPLETE, "trainer_state.json"]
 
 
+def test_a_resume_path_that_does_not_exist_is_refused_before_hydra_creates_it(tmp_path):
+    """A resume's default run dir is train.resume: before, a mistyped path, or a checkpoint that the run had since
+    pruned (train.keep_checkpoints), was created with .hydra/, train.log and .grpo.lock in it, and then refused as
+    having 'no complete checkpoint under checkpoints/'."""
+    run = tmp_path / "old"
+    (run / "checkpoints" / "step_000040").mkdir(parents=True)
+    pruned = run / "checkpoints" / "step_000004"
+    out = subprocess.run([sys.executable, str(REPO / "train.py"), "~experiment", f"train.resume={pruned}"],
+                         capture_output=True, text=True, cwd=REPO, timeout=120)
+    assert out.returncode == 1, out.stderr[-2000:]
+    assert (f"ConfigError: train.resume={pruned} does not exist (a run keeps only its last train.keep_checkpoints "
+            f"checkpoints); train.resume takes the run dir, and the run goes on from its latest complete checkpoint: "
+            f"train.resume={run}") in out.stderr, out.stderr[-2000:]
+    assert not pruned.exists()
+    typo = tmp_path / "no_such_run"
+    with pytest.raises(ConfigError, match=re.escape(f"train.resume={typo} does not exist; give the run dir")):
+        _validate([f"train.resume={typo}", f"hydra.run.dir={tmp_path}/run"], tmp_path / "run")
+
+
 @pytest.mark.parametrize("mode", ["none", "lora_only", "lora_restart"])
 def test_sync_every_below_1_is_a_config_error_of_the_mode(tmp_path, mode):
     """mode.sync_every=0 was the strategy constructor's ValueError inside Hydra's 'Error executing job ... Error in

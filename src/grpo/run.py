@@ -268,10 +268,10 @@ def unlock_run_dir() -> None:
 
 class RunDirGuard(Callback):
     """Hydra callback (conf/train.yaml, hydra.callbacks): before a single run's job starts, refuse a run dir that
-    holds another run (`check_run_dir_unused`), a resume dir without a checkpoint or steps left, and a resume of
-    another model, mode or data (`check_resume_identity`); before a sweep's first job, a sweep dir whose jobs already
-    ran. train.py checks each job too, but only after Hydra has written the job's `.hydra/` (config, overrides) into
-    its dir, over the earlier run's own record."""
+    holds another run (`check_run_dir_unused`), a resume path that does not exist, a resume dir without a checkpoint
+    or steps left, and a resume of another model, mode or data (`check_resume_identity`); before a sweep's first
+    job, a sweep dir whose jobs already ran. train.py checks each job too, but only after Hydra has written the job's
+    `.hydra/` (config, overrides) into its dir, over the earlier run's own record."""
 
     @staticmethod
     @contextlib.contextmanager
@@ -289,13 +289,14 @@ class RunDirGuard(Callback):
 
     def on_run_start(self, config: Any, **kwargs: Any) -> None:  # noqa: ARG002
         """Exit 1 with the ConfigError's message, before Hydra writes anything into the run dir."""
-        from grpo.config.validate import check_resume_has_steps_left, check_run_dir_unused
+        from grpo.config.validate import check_resume_exists, check_resume_has_steps_left, check_run_dir_unused
 
         with self._checking(config):
+            # The default run dir of a resume is train.resume: a missing path would be created, a checkpoint given
+            # there would get .hydra/.
+            check_resume_exists(config)
             check_run_dir_unused(config, Path(config.hydra.run.dir))
-            if config.train.resume is not None and Path(config.train.resume).exists():
-                # The default run dir of a resume is train.resume: a checkpoint given there would get .hydra/.
-                check_resume_has_steps_left(config)
+            check_resume_has_steps_left(config)
             check_resume_identity(config)
             if int(os.environ.get("RANK", "0")) == 0:  # torchrun: rank 0 owns the run dir
                 lock_run_dir(Path(config.hydra.run.dir))

@@ -296,9 +296,25 @@ def check_train(cfg: DictConfig) -> None:
     budget = cfg.train.max_tokens_per_micro_batch
     if budget is not None and budget < 1:
         raise ConfigError(f"train.max_tokens_per_micro_batch must be >= 1 (null = micro_batch_size rows), got {budget}")
-    if cfg.train.resume is not None and not Path(cfg.train.resume).exists():
-        raise ConfigError(f"train.resume={cfg.train.resume} does not exist")
+    check_resume_exists(cfg)
     check_resume_has_steps_left(cfg)
+
+
+def check_resume_exists(cfg: DictConfig) -> None:
+    """`train.resume` names an existing path. Run by `grpo.run.RunDirGuard` before Hydra creates the run dir: a
+    resume's default run dir is train.resume, so a mistyped or pruned path was created (.hydra/, train.log) and then
+    refused as having 'no complete checkpoint'. A checkpoint that no longer exists (train.keep_checkpoints prunes
+    older ones) gets its run dir named."""
+    resume = cfg.train.resume
+    if resume is None or Path(resume).exists():
+        return
+    path = Path(resume)
+    if path.parent.name == "checkpoints" and path.parent.parent.is_dir():
+        raise ConfigError(f"train.resume={resume} does not exist (a run keeps only its last train.keep_checkpoints "
+                          f"checkpoints); train.resume takes the run dir, and the run goes on from its latest "
+                          f"complete checkpoint: train.resume={path.parent.parent}")
+    raise ConfigError(f"train.resume={resume} does not exist; give the run dir of the run to continue (its last "
+                      "line says 'run dir: ...')")
 
 
 def check_train_counts(train: DictConfig) -> None:
