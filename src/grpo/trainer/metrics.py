@@ -104,7 +104,7 @@ class MetricsLogger:
     """Writes one JSON line per optimizer step to <run_dir>/metrics.jsonl and mirrors it to wandb and a bar."""
 
     def __init__(self, run_dir: Path, logging_cfg: DictConfig, full_cfg: DictConfig, total_steps: int, start_step: int,
-                 resumed_from: Optional[Path] = None):
+                 resumed_from: Optional[Path] = None, name: str = "grpo"):
         self.path = run_dir / "metrics.jsonl"
         self.run_dir = run_dir
         earlier = Path(resumed_from) / "metrics.jsonl" if resumed_from is not None else None
@@ -124,6 +124,7 @@ class MetricsLogger:
             self._wandb = wandb.init(
                 project=logging_cfg.wandb_project,
                 entity=logging_cfg.wandb_entity,
+                name=name,
                 dir=str(run_dir),
                 mode=mode,
                 config=OmegaConf.to_container(full_cfg, resolve=True),
@@ -135,7 +136,7 @@ class MetricsLogger:
         if logging_cfg.progress_bar:
             from tqdm.auto import tqdm
 
-            self._bar = tqdm(total=total_steps, initial=start_step, desc="grpo", unit="step", dynamic_ncols=True)
+            self._bar = tqdm(total=total_steps, initial=start_step, desc=name, unit="step", dynamic_ncols=True)
 
     def log(self, metrics: dict[str, Any]) -> None:
         """Record one optimizer step; `metrics` must contain `step`."""
