@@ -436,6 +436,19 @@ def test_loop_counts_out_of_range_are_config_errors_before_the_server_starts(tmp
         _validate([override], tmp_path)
 
 
+def test_an_unknown_offline_preset_is_a_config_error_naming_the_nearest(tmp_path):
+    """Before, model.offline=tiny_qwen2 (the model option's spelling) passed start-up and was the model builder's
+    ValueError traceback, whose list of presets left out warm-arith."""
+    with pytest.raises(ConfigError, match=re.escape("model.offline=tiny_qwen2 is not an offline model preset (those "
+                                                    "are tiny-llama, tiny-qwen2, hermes8b, qwen14b, qwen3b, warm-arith)"
+                                                    "; did you mean model.offline=tiny-qwen2?")):
+        _validate(["~experiment", "model.offline=tiny_qwen2"], tmp_path)
+    with pytest.raises(ConfigError, match=re.escape("did you mean model.offline=warm-arith?")):
+        _validate(["model.offline=warm_arith"], tmp_path)
+    _validate(["model.offline=warm-arith"], tmp_path)
+    _validate(["~experiment", "model.offline=tiny-llama"], tmp_path)
+
+
 def test_a_local_model_whose_block_count_differs_from_model_num_layers_is_refused(tmp_path):
     """Before, model.name=<a 6-block model> with model.num_layers left at 4 trained blocks 0-3 only under layers=all
     (embeddings and head frozen too), silently."""

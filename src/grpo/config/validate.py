@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import difflib
 import importlib
 import os
 import shutil
@@ -195,6 +196,7 @@ def check_model(cfg: DictConfig) -> None:
         raise ConfigError("model.attn_implementation=flex_attention needs a CUDA trainer (PyTorch's FlexAttention "
                           "has no backward pass on CPU); use sdpa, null or varlen (packed rows per sequence) on this machine")
     if cfg.model.offline is not None:
+        check_offline_preset(str(cfg.model.offline))
         return
     name = cfg.model.name
     looks_local = name.startswith(("/", ".", "~")) or os.path.isabs(name)
@@ -220,6 +222,21 @@ def check_model(cfg: DictConfig) -> None:
         # Without this the hub client retries for about a minute and ends in a traceback.
         raise ConfigError(f"model.name={name} is a hub id, not in the local Hugging Face cache, and the hub "
                           f"({where}) cannot be reached from here; {instead}, or fix the network (HF_ENDPOINT, proxy)")
+
+
+def check_offline_preset(preset: str) -> None:
+    """`model.offline` names a preset the model builder knows; else its ValueError was a traceback after the run's
+    start-up lines. The model options' own names (`tiny_qwen2`, `warm_arith`) are the natural misspelling."""
+    from grpo.models.tiny import offline_presets
+    from grpo.models.warmstart import WARMSTART_PRESETS
+
+    known = [*offline_presets(), *sorted(WARMSTART_PRESETS)]
+    if preset in known:
+        return
+    close = difflib.get_close_matches(preset.replace("_", "-"), known, n=1)
+    hint = f"; did you mean model.offline={close[0]}?" if close else ""
+    raise ConfigError(f"model.offline={preset} is not an offline model preset (those are {', '.join(known)}){hint} "
+                      "(model.offline=null loads model.name instead)")
 
 
 def _hub_cached_config(name: str) -> Path | None:
