@@ -560,11 +560,17 @@ def test_a_misspelt_key_is_named_with_the_nearest_key_before_hydra_composes(tmp_
     dirs = [REPO / "conf", mine]
     for arg, where, fix in [("optimzer.lr=1", "optimzer", "optimizer.lr=1"), ("train.stepz=3", "train.stepz", "train.steps=3"),
                             ("server.prot=9000", "server.prot", "server.port=9000"), ("nme=x", "nme", "name=x"),
-                            ("logging.tensorbord=true", "logging.tensorbord", "logging.tensorboard=true")]:
+                            ("logging.tensorbord=true", "logging.tensorbord", "logging.tensorboard=true"),
+                            # Hydra advised +eval.evry=2: eval's options all build on EvalConfig, typed Any at the root
+                            ("eval.evry=2", "eval.evry", "eval.every=2")]:
         with pytest.raises(ConfigError, match=re.escape(f"{arg}: the config has no key {where}; did you mean {fix}?")):
             check_group_option_names([arg], dirs)
     # Real keys, keys under a node whose schema depends on the option (optimizer, data, ...), Hydra's own keys, a
     # group of your config dir, +/~ forms (checked after composing) and a sweep's values pass through.
     check_group_option_names(["-m", "train.steps=3,6", "loss.clip_eps=0.1", "optimizer.betas=[0.9,0.99]",
                               "data.task.path=x", "mode.sync_every=2", "hydra.run.dir=/x", "hydra/launcher=basic",
-                              "mygroup.key=1", "+optimzer.lr=1", "~experiment", "--cfg", "job", "name=x"], dirs)
+                              "mygroup.key=1", "+optimzer.lr=1", "~experiment", "--cfg", "job", "name=x",
+                              "eval.every=2", "eval.task._target_=x"], dirs)
+    # A config dir of the user's with eval options of its own (another evaluator's keys): left to Hydra.
+    (mine / "eval").mkdir()
+    check_group_option_names(["eval.evry=2"], dirs)

@@ -175,12 +175,15 @@ def check_group_option_names(args: Sequence[str], config_dirs: Sequence[Path]) -
 
 def check_override_key(key: str, value: str, config_dirs: Sequence[Path]) -> None:
     """`key=value` (no `+`) sets a key the config has: its first part is a top-level key or a group of a config
-    dir, and under a node of a fixed schema (train, model, server, ...) the next part is one of its fields. Hydra's
-    own error for a misspelt key (`optimzer.lr=1`) advises `+optimzer.lr=1`, which adds a key nothing reads."""
+    dir, and under a node of a fixed schema (train, model, server, eval, ...) the next part is one of its fields.
+    Hydra's own error for a misspelt key (`optimzer.lr=1`) advises `+optimzer.lr=1`, which adds a key nothing reads."""
     import typing
 
-    from grpo.config.schema import RootConfig
+    from grpo.config.schema import EvalConfig, RootConfig
 
+    # Groups typed Any in RootConfig whose shipped options all build on one schema: checked against it unless a
+    # config dir of the user's adds options to the group (which may build on another).
+    shared = {"eval": EvalConfig}
     parts = key.split(".")
     if "/" in key or not all(parts):  # hydra/launcher=..., or not a dotted key
         return
@@ -201,6 +204,8 @@ def check_override_key(key: str, value: str, config_dirs: Sequence[Path]) -> Non
             raise ConfigError(f"{key}={value}: the config has no key {where}; {hint}(python train.py --cfg job prints "
                               "every key; +key=... would add a key nothing reads)")
         schema = hints[part]
+        if depth == 0 and part in shared and not any((c / part).is_dir() for c in config_dirs[1:]):
+            schema = shared[part]
 
 
 def _group_options(group: str) -> list[str]:
