@@ -574,3 +574,21 @@ def test_a_misspelt_key_is_named_with_the_nearest_key_before_hydra_composes(tmp_
     # A config dir of the user's with eval options of its own (another evaluator's keys): left to Hydra.
     (mine / "eval").mkdir()
     check_group_option_names(["eval.evry=2"], dirs)
+
+
+def test_a_group_the_defaults_choose_given_with_plus_says_to_drop_the_plus(tmp_path):
+    """`+experiment=cpu_tiny_none` (the form other Hydra projects use for experiments) got Hydra's "Multiple values
+    for experiment. To override a value use 'override experiment: cpu_tiny_none'", YAML syntax for a command line."""
+    from grpo.config.checks import check_group_option_names
+
+    mine = tmp_path / "conf"
+    (mine / "mygroup").mkdir(parents=True)
+    (mine / "mygroup" / "x.yaml").write_text("{}\n")
+    dirs = [REPO / "conf", mine]
+    for arg, fix in [("+experiment=cpu_tiny_none", "experiment=cpu_tiny_none"), ("+sweep=lr", "sweep=lr"),
+                     ("+model=tiny_llama", "model=tiny_llama")]:
+        with pytest.raises(ConfigError, match=re.escape(f"{arg}: the config's defaults (conf/train.yaml) already "
+                                                        f"choose an option of {fix.split('=')[0]}") + ".*"
+                                              + re.escape(f"pick this one without the +: {fix}")):
+            check_group_option_names([arg], dirs)
+    check_group_option_names(["+mygroup=x", "experiment=cpu_tiny_none", "+optimzer.lr=1"], dirs)  # a group to add

@@ -156,9 +156,15 @@ def check_group_option_names(args: Sequence[str], config_dirs: Sequence[Path]) -
     `<group>/`), and each `key=value` a key the config has (`check_override_key`). Checked before Hydra composes:
     Hydra's own error for a typo (`optimizer=adamW`) lists the schema entries beside the options and its search
     path, with no suggestion."""
+    chosen = _default_groups(config_dirs[0] / "train.yaml") if config_dirs else set()
     for arg in args:
         key, sep, value = arg.lstrip("+").partition("=")
         dirs = [d / key for d in config_dirs if key and (d / key).is_dir()] if sep and not arg.startswith("-") else []
+        if dirs and arg.startswith("+") and not arg.startswith("++") and key in chosen:
+            # Hydra: "Multiple values for experiment. To override a value use 'override experiment: ...'" (YAML
+            # syntax, no command line); `+experiment=x` is the usual form in other Hydra projects.
+            raise ConfigError(f"{arg}: the config's defaults (conf/train.yaml) already choose an option of {key}, "
+                              f"and + cannot add a second; pick this one without the +: {key}={value}")
         if not dirs and sep and not arg.startswith(("-", "+", "~")):
             check_override_key(key, value, config_dirs)
         if not dirs or any(c in value for c in "()[]{}$"):  # not a group of ours, or a sweep's function syntax
@@ -171,6 +177,14 @@ def check_group_option_names(args: Sequence[str], config_dirs: Sequence[Path]) -
             hint = f"did you mean {key}={close[0]}? " if close else ""
             raise ConfigError(f"{key}={choice} is not one of the {key} options; {hint}choose one of {', '.join(options)} "
                               "(python train.py --help lists every group)")
+
+
+def _default_groups(primary: Path) -> set[str]:
+    """The groups the primary config's defaults list chooses (`- model: tiny_qwen2`, `- sweep: null`, ...)."""
+    if not primary.is_file():
+        return set()
+    defaults = OmegaConf.load(primary).get("defaults") or []
+    return {str(k).removeprefix("override ") for d in defaults if OmegaConf.is_dict(d) for k in d.keys()}
 
 
 def check_override_key(key: str, value: str, config_dirs: Sequence[Path]) -> None:
