@@ -493,6 +493,22 @@ def test_a_group_option_typo_is_named_with_the_nearest_option(tmp_path):
         check_group_option_names(["loss=grpo,dapo2"], dirs)
 
 
+def test_an_option_of_a_config_dir_left_out_names_the_config_dir_to_add(tmp_path, monkeypatch):
+    """`python train.py experiment=my_task` (the README's own task, without its --config-dir) listed the shipped
+    experiments only: nothing said that my_task is in examples/my_task/conf or that --config-dir adds it."""
+    from grpo.config.checks import check_group_option_names
+
+    (tmp_path / "examples" / "my_task" / "conf" / "experiment").mkdir(parents=True)
+    (tmp_path / "examples" / "my_task" / "conf" / "experiment" / "my_task.yaml").write_text("")
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ConfigError, match=re.escape(
+            "experiment=my_task is not one of the experiment options; examples/my_task/conf/experiment/my_task.yaml "
+            "has it, but the config is not searched there: add --config-dir examples/my_task/conf; otherwise choose")):
+        check_group_option_names(["experiment=my_task"], [REPO / "conf"])
+    check_group_option_names(["experiment=my_task", "--config-dir", "examples/my_task/conf"],
+                             [REPO / "conf", Path("examples/my_task/conf")])
+
+
 def test_a_refused_run_leaves_the_held_runs_hydra_record_as_it_was(tmp_path):
     """The run-dir check runs as a Hydra callback before the job starts: before, the refused command's config and
     overrides had already replaced the earlier run's .hydra/ (what `--config-path <run>/.hydra` reruns)."""

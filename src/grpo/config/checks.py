@@ -174,9 +174,20 @@ def check_group_option_names(args: Sequence[str], config_dirs: Sequence[Path]) -
             if choice in ("", "null") or choice in options or choice.endswith("_schema"):  # schemas: checked later
                 continue
             close = difflib.get_close_matches(choice, options, n=1)
-            hint = f"did you mean {key}={close[0]}? " if close else ""
+            hint = f"did you mean {key}={close[0]}? " if close else _config_dir_hint(key, choice)
             raise ConfigError(f"{key}={choice} is not one of the {key} options; {hint}choose one of {', '.join(options)} "
                               "(python train.py --help lists every group)")
+
+
+def _config_dir_hint(group: str, option: str) -> str:
+    """Where `<group>/<option>.yaml` lies below the working directory (up to 3 levels: examples/my_task/conf), said
+    as the --config-dir that adds it: the README's own task runs with one, and leaving it out is an easy slip."""
+    for depth in range(4):
+        found = sorted(Path().glob("/".join(["*"] * depth + [group, f"{option}.yaml"])))
+        if found:
+            return (f"{found[0]} has it, but the config is not searched there: add --config-dir "
+                    f"{found[0].parent.parent}; otherwise ")
+    return ""
 
 
 def _default_groups(primary: Path) -> set[str]:
