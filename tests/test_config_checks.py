@@ -608,3 +608,13 @@ def test_a_group_the_defaults_choose_given_with_plus_says_to_drop_the_plus(tmp_p
                                               + re.escape(f"pick this one without the +: {fix}")):
             check_group_option_names([arg], dirs)
     check_group_option_names(["+mygroup=x", "experiment=cpu_tiny_none", "+optimzer.lr=1"], dirs)  # a group to add
+
+
+def test_a_memory_share_that_vllm_would_ignore_is_refused(tmp_path):
+    """Before, server.gpu_memory_utilization=0.3 on server=cpu (the Atropos trainer's --gpu-memory-utilization) was
+    passed to vLLM beside server.kv_cache_gb's --kv-cache-memory-bytes, which makes vLLM ignore it: silently."""
+    with pytest.raises(ConfigError, match=re.escape("server.gpu_memory_utilization=0.3 would be ignored: "
+                                                    "server.kv_cache_gb=1.0 sizes vLLM's KV cache")):
+        _validate(["server.gpu_memory_utilization=0.3"], tmp_path)
+    _validate(["server.gpu_memory_utilization=0.3", "server.kv_cache_gb=null"], tmp_path)
+    _validate(["hydra.mode=MULTIRUN", "server.gpu_memory_utilization=0.3"], tmp_path)  # a sweep's common setting

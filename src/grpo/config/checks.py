@@ -287,6 +287,20 @@ def check_async_settings_used(cfg: DictConfig, info: HydraInfo) -> None:
                           "train.stale_policy=drop, or drop train.rollout_queue")
 
 
+def check_memory_share_used(cfg: DictConfig, info: HydraInfo) -> None:
+    """`server.gpu_memory_utilization` on the command line while `server.kv_cache_gb` sizes the KV cache (server=cpu
+    sets it): vLLM ignores the share whenever --kv-cache-memory-bytes is given, so the setting would be silently
+    ignored. Not in a sweep, whose settings are common to its jobs (`-m server=cpu,gpu ...`)."""
+    given = [o for o in info.overrides if o.lstrip("+~").split("=", 1)[0] == "server.gpu_memory_utilization"]
+    kv_cache_gb = cfg.server.get("kv_cache_gb")
+    if given and kv_cache_gb is not None and not info.multirun:
+        raise ConfigError(
+            f"{given[0]} would be ignored: server.kv_cache_gb={kv_cache_gb} sizes vLLM's KV cache (server=cpu sets "
+            "it), and vLLM then ignores the share; set the size with server.kv_cache_gb=<GiB>, or add "
+            "server.kv_cache_gb=null to size the cache by the share"
+        )
+
+
 def check_model_files(model_cfg: DictConfig) -> None:
     """A local model directory must hold a model (config.json and weights), not fail later in the tokenizer."""
     if model_cfg.offline:
