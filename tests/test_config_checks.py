@@ -618,3 +618,17 @@ def test_a_memory_share_that_vllm_would_ignore_is_refused(tmp_path):
         _validate(["server.gpu_memory_utilization=0.3"], tmp_path)
     _validate(["server.gpu_memory_utilization=0.3", "server.kv_cache_gb=null"], tmp_path)
     _validate(["hydra.mode=MULTIRUN", "server.gpu_memory_utilization=0.3"], tmp_path)  # a sweep's common setting
+
+
+@pytest.mark.parametrize("override, needle", [
+    ("mode=lora_restart", "mode=lora_restart restarts the vLLM server at every sync, so it cannot use a server started "
+                          "elsewhere (server.external_url=http://127.0.0.1:9); use mode=lora_only"),
+    ("mode.reload=restart", "mode.reload=restart restarts the vLLM server at every sync, so it cannot use a server "
+                            "started elsewhere (server.external_url=http://127.0.0.1:9); use mode.reload=inplace"),
+])
+def test_a_mode_that_restarts_the_server_refuses_an_external_one(tmp_path, override, needle):
+    """Before, mode=lora_restart with server.external_url was a RuntimeError traceback once the model was built, and
+    mode.reload=restart one at the first sync, after a step had trained."""
+    with pytest.raises(ConfigError, match=re.escape(needle)):
+        _validate(["~experiment", override, "server.external_url=http://127.0.0.1:9"], tmp_path)
+    _validate(["~experiment", "mode=lora_only", "server.external_url=http://127.0.0.1:9"], tmp_path)
