@@ -632,3 +632,15 @@ def test_a_mode_that_restarts_the_server_refuses_an_external_one(tmp_path, overr
     with pytest.raises(ConfigError, match=re.escape(needle)):
         _validate(["~experiment", override, "server.external_url=http://127.0.0.1:9"], tmp_path)
     _validate(["~experiment", "mode=lora_only", "server.external_url=http://127.0.0.1:9"], tmp_path)
+
+
+def test_a_clip_range_that_cannot_bind_is_refused_not_ignored(tmp_path):
+    """Before, `python train.py loss.clip_eps=0.1` and `loss.clip_eps=0.3` trained alike (measured: the same rewards
+    and losses): with one update per rollout batch at the weights that sampled it the ratio is 1 and the clip never
+    binds. The README's sweep example varied it so, over 12 jobs."""
+    with pytest.raises(ConfigError, match=re.escape("loss.clip_eps=0.1 cannot act in this run: each rollout batch gets "
+                                                    "one optimizer step, at the weights that sampled it")):
+        _validate(["loss.clip_eps=0.1"], tmp_path)
+    for moving in (["train.ppo_epochs=2"], ["train.max_staleness=1"], ["mode.sync_every=2"],
+                   ["~experiment", "data=atropos"], ["hydra.mode=MULTIRUN"]):
+        _validate([*moving, "loss.clip_eps=0.1"], tmp_path)

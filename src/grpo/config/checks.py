@@ -287,6 +287,29 @@ def check_async_settings_used(cfg: DictConfig, info: HydraInfo) -> None:
                           "train.stale_policy=drop, or drop train.rollout_queue")
 
 
+def check_clip_can_act(cfg: DictConfig, info: HydraInfo) -> None:
+    """`loss.clip_eps` / `loss.clip_eps_high` on the command line of a run where the policy never moves between
+    sampling and update (one optimizer step per rollout batch, synchronous, synced every batch, local data): the
+    PPO ratio is 1 up to numerics, so the clip never binds and the setting would be silently ignored (two such
+    runs differing only in it train alike). Not in a sweep, whose settings are common to its jobs
+    (`-m train.ppo_epochs=1,2 loss.clip_eps=0.1,0.2`)."""
+    from hydra.utils import get_class
+
+    given = [o for o in info.overrides if o.lstrip("+~").split("=", 1)[0] in ("loss.clip_eps", "loss.clip_eps_high")]
+    if not given or info.multirun:
+        return
+    train = cfg.train
+    moves = (train.ppo_epochs * train.mini_batches > 1 or train.max_staleness > 0
+             or int(cfg.mode.get("sync_every", 1)) > 1 or get_class(cfg.data._target_).asynchronous_source)
+    if not moves:
+        raise ConfigError(
+            f"{' '.join(given)} cannot act in this run: each rollout batch gets one optimizer step, at the weights "
+            "that sampled it (train.ppo_epochs x train.mini_batches = 1, train.max_staleness=0, mode.sync_every=1), "
+            "so the PPO ratio stays 1 and the clip never binds (README 'Several updates per rollout batch'); for the "
+            "clip to act add e.g. train.ppo_epochs=2 train.mini_batches=2 (or train.max_staleness=1), else drop it"
+        )
+
+
 def check_memory_share_used(cfg: DictConfig, info: HydraInfo) -> None:
     """`server.gpu_memory_utilization` on the command line while `server.kv_cache_gb` sizes the KV cache (server=cpu
     sets it): vLLM ignores the share whenever --kv-cache-memory-bytes is given, so the setting would be silently

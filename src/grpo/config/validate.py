@@ -125,6 +125,7 @@ def validate(cfg: DictConfig, run_dir: Path | None = None) -> None:
     check_layers(cfg)
     check_optimizer(cfg)
     check_loss(cfg)
+    checks.check_clip_can_act(cfg, info)  # after the loss's own range checks
     sync_cls = get_class(cfg.mode._target_)
     sync_cls.check_config(cfg, cuda=_cuda_available(), world_size=int(os.environ.get("WORLD_SIZE", "1")))
     if cfg.train.device == "cuda" and not _cuda_available():
