@@ -241,7 +241,7 @@ def test_a_local_pipeline_too_small_for_the_batch_stops_before_the_server(tmp_pa
     with pytest.raises(ConfigError, match=r"data.prompts_per_step x data.group_size = \d+ sequences per step, fewer "
                                           r"than the \d+ of train.micro_batch_size x train.grad_accum; raise"):
         _validate(["data.group_size=2", f"hydra.run.dir={tmp_path}/run"], tmp_path / "run")
-    _validate(["data.group_size=2", "train.micro_batch_size=4", "train.grad_accum=1", f"hydra.run.dir={tmp_path}/r2"],
+    _validate(["data.group_size=2", "train.micro_batch_size=16", f"hydra.run.dir={tmp_path}/r2"],
               tmp_path / "r2")
 
 
@@ -644,3 +644,17 @@ def test_a_clip_range_that_cannot_bind_is_refused_not_ignored(tmp_path):
     for moving in (["train.ppo_epochs=2"], ["train.max_staleness=1"], ["mode.sync_every=2"],
                    ["~experiment", "data=atropos"], ["hydra.mode=MULTIRUN"]):
         _validate([*moving, "loss.clip_eps=0.1"], tmp_path)
+
+
+def test_a_grad_accum_that_local_data_would_ignore_is_refused(tmp_path):
+    """Before, `python train.py train.grad_accum=1` (the Atropos trainer's --gradient-accumulation-steps) trained as
+    grad_accum=2 did: the local pipeline's 128 sequences per step, in 2 micro-batches of 64 (measured:
+    batch/micro_batches 2, data/sequences 128), silently."""
+    with pytest.raises(ConfigError, match=re.escape(
+            "train.grad_accum=1 would be ignored: each step trains all 128 sequences the data generates "
+            "(data.prompts_per_step x data.group_size), in micro-batches of train.micro_batch_size=64 (2 of them)")):
+        _validate(["train.grad_accum=1"], tmp_path)
+    _validate(["train.grad_accum=2"], tmp_path)
+    _validate(["train.micro_batch_size=32", "train.grad_accum=4"], tmp_path)
+    _validate(["~experiment", "data=atropos", "train.grad_accum=1"], tmp_path)  # run-api packs that many sequences
+    _validate(["hydra.mode=MULTIRUN", "train.grad_accum=1"], tmp_path)

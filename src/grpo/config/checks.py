@@ -310,6 +310,30 @@ def check_clip_can_act(cfg: DictConfig, info: HydraInfo) -> None:
         )
 
 
+def check_grad_accum_used(cfg: DictConfig, info: HydraInfo) -> None:
+    """`train.grad_accum` on the command line of a local-data run whose steps generate more sequences than
+    micro_batch_size x grad_accum: the trainer trains every sequence the pipeline generates, in micro-batches of
+    train.micro_batch_size, so the setting (the Atropos trainer's --gradient-accumulation-steps) would be silently
+    ignored. Not in a sweep, whose settings are common to its jobs."""
+    from hydra.utils import get_class
+
+    from grpo.pipeline.local import LocalRolloutPipeline
+
+    given = [o for o in info.overrides if o.lstrip("+~").split("=", 1)[0] == "train.grad_accum"]
+    if not given or info.multirun or not issubclass(get_class(cfg.data._target_), LocalRolloutPipeline):
+        return
+    per_step = int(cfg.data.prompts_per_step) * int(cfg.data.group_size)
+    micro, accum = cfg.train.micro_batch_size, cfg.train.grad_accum
+    if per_step > micro * accum:
+        raise ConfigError(
+            f"{given[0]} would be ignored: each step trains all {per_step} sequences the data generates "
+            f"(data.prompts_per_step x data.group_size), in micro-batches of train.micro_batch_size={micro} "
+            f"({-(-per_step // micro)} of them), not {micro} x {accum} = {micro * accum}; to train fewer sequences "
+            "per step lower data.prompts_per_step or data.group_size, for smaller micro-batches lower "
+            "train.micro_batch_size"
+        )
+
+
 def check_memory_share_used(cfg: DictConfig, info: HydraInfo) -> None:
     """`server.gpu_memory_utilization` on the command line while `server.kv_cache_gb` sizes the KV cache (server=cpu
     sets it): vLLM ignores the share whenever --kv-cache-memory-bytes is given, so the setting would be silently

@@ -121,6 +121,7 @@ def validate(cfg: DictConfig, run_dir: Path | None = None) -> None:
     checks.check_lora_given_with_a_lora_mode(cfg, info)
     checks.check_async_settings_used(cfg, info)
     checks.check_memory_share_used(cfg, info)
+    checks.check_grad_accum_used(cfg, info)
     checks.check_model_files(cfg.model)
     check_layers(cfg)
     check_optimizer(cfg)
