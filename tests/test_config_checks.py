@@ -658,3 +658,18 @@ def test_a_grad_accum_that_local_data_would_ignore_is_refused(tmp_path):
     _validate(["train.micro_batch_size=32", "train.grad_accum=4"], tmp_path)
     _validate(["~experiment", "data=atropos", "train.grad_accum=1"], tmp_path)  # run-api packs that many sequences
     _validate(["hydra.mode=MULTIRUN", "train.grad_accum=1"], tmp_path)
+
+
+def test_eval_settings_of_a_run_that_does_not_evaluate_are_refused(tmp_path):
+    """Before, `data=atropos eval.every=5` (no eval.task: the evaluator is never built) and `eval=off eval.k=2` ran
+    without an evaluation and said nothing of the setting."""
+    with pytest.raises(ConfigError, match=re.escape("eval.every=5 would be ignored: this run does not evaluate, as "
+                                                    "the training data (data=atropos) has no task to evaluate; to "
+                                                    "evaluate name one: +eval.task._target_=")):
+        _validate(["~experiment", "data=atropos", "eval.every=5"], tmp_path)
+    with pytest.raises(ConfigError, match=re.escape("eval.k=2 would be ignored: this run does not evaluate, as "
+                                                    "eval.enabled=false (eval=off)")):
+        _validate(["eval=off", "eval.k=2"], tmp_path)
+    _validate(["eval=off"], tmp_path)
+    _validate(["eval.every=5"], tmp_path)
+    _validate(["hydra.mode=MULTIRUN", "eval=off", "eval.every=5"], tmp_path)

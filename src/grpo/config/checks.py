@@ -334,6 +334,23 @@ def check_grad_accum_used(cfg: DictConfig, info: HydraInfo) -> None:
         )
 
 
+def check_eval_settings_used(cfg: DictConfig, info: HydraInfo) -> None:
+    """`eval.*` on the command line of a run that does not evaluate (eval=off, or data=atropos without eval.task):
+    the evaluator is never built, so `eval.every=5` would be silently ignored. Not in a sweep."""
+    from grpo.pipeline.evaluation import ATROPOS_EVAL_EXAMPLE, eval_enabled
+
+    given = [o for o in info.overrides if o.lstrip("+~").split("=", 1)[0].split(".", 1)[0] == "eval"
+             and "." in o.split("=", 1)[0] and not o.lstrip("+~").startswith(("eval.enabled=", "eval.task"))]
+    if not given or info.multirun or eval_enabled(cfg.eval, cfg.data):
+        return
+    if cfg.eval.get("enabled") is False:
+        why, fix = "eval.enabled=false (eval=off)", "drop eval=off (or set eval.enabled=true)"
+    else:
+        why, fix = "the training data (data=atropos) has no task to evaluate", f"name one: {ATROPOS_EVAL_EXAMPLE}"
+    raise ConfigError(f"{' '.join(given)} would be ignored: this run does not evaluate, as {why}; to evaluate {fix}, "
+                      "else drop the eval settings")
+
+
 def check_memory_share_used(cfg: DictConfig, info: HydraInfo) -> None:
     """`server.gpu_memory_utilization` on the command line while `server.kv_cache_gb` sizes the KV cache (server=cpu
     sets it): vLLM ignores the share whenever --kv-cache-memory-bytes is given, so the setting would be silently
