@@ -673,3 +673,11 @@ def test_eval_settings_of_a_run_that_does_not_evaluate_are_refused(tmp_path):
     _validate(["eval=off"], tmp_path)
     _validate(["eval.every=5"], tmp_path)
     _validate(["hydra.mode=MULTIRUN", "eval=off", "eval.every=5"], tmp_path)
+
+
+def test_wandb_settings_without_wandb_logging_are_refused(tmp_path):
+    """Before, `logging.wandb_project=myproj` (the Atropos trainer's --wandb-project) ran with W&B off, silently."""
+    with pytest.raises(ConfigError, match=re.escape("logging.wandb_project=myproj would be ignored: W&B logging is "
+                                                    "off; add logging.wandb=true")):
+        _validate(["logging.wandb_project=myproj"], tmp_path)
+    _validate(["logging.wandb=true", "logging.wandb_project=myproj"], tmp_path)

@@ -351,6 +351,16 @@ def check_eval_settings_used(cfg: DictConfig, info: HydraInfo) -> None:
                       "else drop the eval settings")
 
 
+def check_wandb_settings_used(cfg: DictConfig, info: HydraInfo) -> None:
+    """`logging.wandb_project` / `wandb_entity` on the command line without `logging.wandb=true`: nothing is sent to
+    W&B and the settings would be silently ignored (the Atropos trainer's --wandb-project implied its logging)."""
+    given = [o for o in info.overrides
+             if o.lstrip("+~").split("=", 1)[0] in ("logging.wandb_project", "logging.wandb_entity")]
+    if given and not cfg.logging.wandb and not info.multirun:
+        raise ConfigError(f"{' '.join(given)} would be ignored: W&B logging is off; add logging.wandb=true (offline "
+                          "unless WANDB_API_KEY is set), else drop it")
+
+
 def check_memory_share_used(cfg: DictConfig, info: HydraInfo) -> None:
     """`server.gpu_memory_utilization` on the command line while `server.kv_cache_gb` sizes the KV cache (server=cpu
     sets it): vLLM ignores the share whenever --kv-cache-memory-bytes is given, so the setting would be silently
