@@ -162,9 +162,21 @@ def done_message(run_dir: Path) -> str:
     return "; ".join(parts) + f".\n  run dir: {run_dir} (summary: python -m grpo.report {run_dir})"
 
 
+# The metrics keys without a `<group>/` prefix (every other key has one: reward/mean, grpo/kl, eval/accuracy, ...).
+PLAIN_METRIC_KEYS = ("loss", "grad_norm", "lr", "step", "batch", "epoch")
+# summary.json's figures, which are not metrics keys; the default objective (null) is the first.
+SUMMARY_FIGURES = ("last10_reward_mean", "first10_reward_mean", "best_reward")
+
+
 def check_objective(key: str | None, eval_enabled: bool, eval_metrics: Sequence[str] = ()) -> None:
-    """Start-up check of `train.objective`: an `eval/` key needs the evaluator on and must be one it logs (a typo
+    """Start-up check of `train.objective`: an `eval/` key needs the evaluator on and must be one it logs, and a key
+    without a `<group>/` prefix must be one of the few plain ones (a typo, or summary.json's last10_reward_mean,
     would otherwise surface only after the whole run, when the objective is read)."""
+    if key is not None and "/" not in key and key not in PLAIN_METRIC_KEYS:
+        hint = (f"{key} is a figure of summary.json, not a metrics key; the default train.objective=null is "
+                "last10_reward_mean" if key in SUMMARY_FIGURES else
+                f"metrics keys are {', '.join(PLAIN_METRIC_KEYS)} or <group>/<name> (reward/mean, eval/accuracy, ...)")
+        raise ConfigError(f"train.objective={key} is not a metrics key: {hint}")
     if key is None or not key.startswith("eval/"):
         return
     if not eval_enabled:
