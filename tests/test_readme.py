@@ -195,3 +195,22 @@ def test_the_readme_rerun_command_reruns_a_resumed_run_from_scratch(tmp_path):
     with initialize_config_dir(config_dir=str(run / ".hydra"), version_base="1.3"):
         cfg = compose(config_name="config", overrides=overrides)
     validate(cfg, tmp_path / "rerun")  # a fresh run of that config: nothing to refuse
+
+
+def test_the_readme_layer_index_examples_compose_as_a_shell_passes_them():
+    """README's `layers.indices="0-3,28-31"` reached Hydra without its quotes (the shell drops them), and Hydra read
+    the comma as a sweep: 'Ambiguous value for argument'."""
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    from grpo.config import register_configs
+
+    row = next(line for line in README.read_text().splitlines() if line.startswith("| `layers` |"))
+    examples = [span for span in re.findall(r"`([^`]+)`", row) if "layers.indices=" in span]
+    assert len(examples) == 2, row
+    register_configs()
+    for example in examples:
+        GlobalHydra.instance().clear()
+        with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
+            cfg = compose(config_name="train", overrides=shlex.split(example))
+        assert cfg.layers.indices in ("20-31", "0-3,28-31"), example
