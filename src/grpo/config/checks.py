@@ -287,6 +287,11 @@ def check_async_settings_used(cfg: DictConfig, info: HydraInfo) -> None:
                           "train.stale_policy=drop, or drop train.rollout_queue")
 
 
+def _given(info: HydraInfo, *keys: str) -> list[str]:
+    """The command-line overrides (`key=value`, `+key=value`) of these keys."""
+    return [o for o in info.overrides if o.lstrip("+~").split("=", 1)[0] in keys]
+
+
 def check_clip_can_act(cfg: DictConfig, info: HydraInfo) -> None:
     """`loss.clip_eps` / `loss.clip_eps_high` on the command line of a run where the policy never moves between
     sampling and update (one optimizer step per rollout batch, synchronous, synced every batch, local data): the
@@ -295,7 +300,7 @@ def check_clip_can_act(cfg: DictConfig, info: HydraInfo) -> None:
     (`-m train.ppo_epochs=1,2 loss.clip_eps=0.1,0.2`)."""
     from hydra.utils import get_class
 
-    given = [o for o in info.overrides if o.lstrip("+~").split("=", 1)[0] in ("loss.clip_eps", "loss.clip_eps_high")]
+    given = _given(info, "loss.clip_eps", "loss.clip_eps_high")
     if not given or info.multirun:
         return
     train = cfg.train
@@ -319,7 +324,7 @@ def check_grad_accum_used(cfg: DictConfig, info: HydraInfo) -> None:
 
     from grpo.pipeline.local import LocalRolloutPipeline
 
-    given = [o for o in info.overrides if o.lstrip("+~").split("=", 1)[0] == "train.grad_accum"]
+    given = _given(info, "train.grad_accum")
     if not given or info.multirun or not issubclass(get_class(cfg.data._target_), LocalRolloutPipeline):
         return
     per_step = int(cfg.data.prompts_per_step) * int(cfg.data.group_size)
@@ -339,8 +344,8 @@ def check_eval_settings_used(cfg: DictConfig, info: HydraInfo) -> None:
     the evaluator is never built, so `eval.every=5` would be silently ignored. Not in a sweep."""
     from grpo.pipeline.evaluation import ATROPOS_EVAL_EXAMPLE, eval_enabled
 
-    given = [o for o in info.overrides if o.lstrip("+~").split("=", 1)[0].split(".", 1)[0] == "eval"
-             and "." in o.split("=", 1)[0] and not o.lstrip("+~").startswith(("eval.enabled=", "eval.task"))]
+    given = [o for o in info.overrides if o.lstrip("+~").startswith("eval.")
+             and not o.lstrip("+~").startswith(("eval.enabled=", "eval.task"))]
     if not given or info.multirun or eval_enabled(cfg.eval, cfg.data):
         return
     if cfg.eval.get("enabled") is False:
@@ -354,8 +359,7 @@ def check_eval_settings_used(cfg: DictConfig, info: HydraInfo) -> None:
 def check_wandb_settings_used(cfg: DictConfig, info: HydraInfo) -> None:
     """`logging.wandb_project` / `wandb_entity` on the command line without `logging.wandb=true`: nothing is sent to
     W&B and the settings would be silently ignored (the Atropos trainer's --wandb-project implied its logging)."""
-    given = [o for o in info.overrides
-             if o.lstrip("+~").split("=", 1)[0] in ("logging.wandb_project", "logging.wandb_entity")]
+    given = _given(info, "logging.wandb_project", "logging.wandb_entity")
     if given and not cfg.logging.wandb and not info.multirun:
         raise ConfigError(f"{' '.join(given)} would be ignored: W&B logging is off; add logging.wandb=true (offline "
                           "unless WANDB_API_KEY is set), else drop it")
@@ -365,7 +369,7 @@ def check_memory_share_used(cfg: DictConfig, info: HydraInfo) -> None:
     """`server.gpu_memory_utilization` on the command line while `server.kv_cache_gb` sizes the KV cache (server=cpu
     sets it): vLLM ignores the share whenever --kv-cache-memory-bytes is given, so the setting would be silently
     ignored. Not in a sweep, whose settings are common to its jobs (`-m server=cpu,gpu ...`)."""
-    given = [o for o in info.overrides if o.lstrip("+~").split("=", 1)[0] == "server.gpu_memory_utilization"]
+    given = _given(info, "server.gpu_memory_utilization")
     kv_cache_gb = cfg.server.get("kv_cache_gb")
     if given and kv_cache_gb is not None and not info.multirun:
         raise ConfigError(
