@@ -247,7 +247,8 @@ def test_curves_draw_the_reward_of_a_run_with_several_updates_per_batch(tmp_path
 
     from grpo.trainer.metrics import plot_curves
 
-    rows = [{"step": s, "loss": 0.1 * s, **({"reward/mean": 0.5 + s / 100} if s % 4 == 1 else {})} for s in range(1, 13)]
+    rows = [{"step": s, "loss": 0.1 * s, **({"reward/mean": 0.5 + s / 100} if s % 4 == 1 else {})}
+            for s in range(1, 13)]
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     drawn: list[tuple[list, list]] = []
     plot = matplotlib.axes.Axes.plot

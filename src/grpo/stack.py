@@ -215,8 +215,9 @@ def _plan(args: argparse.Namespace, overrides: list[str]) -> dict[str, Any]:
 
     log_dir = args.log_dir or Path("outputs") / "stack" / time.strftime("%Y-%m-%d_%H-%M-%S")
     log_dir.mkdir(parents=True, exist_ok=True)
-    return {"argv": list(getattr(args, "argv", [])), "train_py": train_py, "api_port": api_port, "api_url": api_url, "server_url": server_url, "cfg": cfg,
-            "overrides": overrides, "model_dir": resolve_model_dir(cfg.model), "log_dir": log_dir}
+    return {"argv": list(getattr(args, "argv", [])), "train_py": train_py, "api_port": api_port, "api_url": api_url,
+            "server_url": server_url, "cfg": cfg, "overrides": overrides, "model_dir": resolve_model_dir(cfg.model),
+            "log_dir": log_dir}
 
 
 def _env_command(args: argparse.Namespace, plan: dict[str, Any]) -> list[str]:

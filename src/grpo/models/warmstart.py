@@ -298,7 +298,8 @@ def main(argv: list[str] | None = None) -> None:
         known = sorted(WARMSTART_PRESETS)
         close = difflib.get_close_matches(args.preset.replace("_", "-"), known, n=1)
         parser.error(f"unknown preset {args.preset!r}" + (f"; did you mean {close[0]}?" if close else "")
-                     + f" (presets: {', '.join(known)}; model=warm_arith is the train.py option that builds warm-arith)")
+                     + f" (presets: {', '.join(known)}; model=warm_arith is the train.py option that builds "
+                     "warm-arith)")
     t0 = time.monotonic()
     path = build_warmstart_dir(args.preset, seed=args.seed, out_dir=args.out)
     meta = read_metadata(path)
