@@ -658,6 +658,8 @@ def test_a_grad_accum_that_local_data_would_ignore_is_refused(tmp_path):
     _validate(["train.micro_batch_size=32", "train.grad_accum=4"], tmp_path)
     _validate(["~experiment", "data=atropos", "train.grad_accum=1"], tmp_path)  # run-api packs that many sequences
     _validate(["hydra.mode=MULTIRUN", "train.grad_accum=1"], tmp_path)
+    # A data source whose module does not import is left to its build, which names the package to install.
+    _validate(["~experiment", "data=atropos", "data._target_=no.such.Pipeline", "train.grad_accum=1"], tmp_path)
 
 
 def test_eval_settings_of_a_run_that_does_not_evaluate_are_refused(tmp_path):

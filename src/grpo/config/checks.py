@@ -287,6 +287,17 @@ def check_async_settings_used(cfg: DictConfig, info: HydraInfo) -> None:
                           "train.stale_policy=drop, or drop train.rollout_queue")
 
 
+def _data_class(cfg: DictConfig) -> Any:
+    """The data source's class, or None when its module does not import (an optional package missing: building the
+    source says what to install)."""
+    from hydra.utils import get_class
+
+    try:
+        return get_class(cfg.data._target_)
+    except Exception:
+        return None
+
+
 def _given(info: HydraInfo, *keys: str) -> list[str]:
     """The command-line overrides (`key=value`, `+key=value`) of these keys."""
     return [o for o in info.overrides if o.lstrip("+~").split("=", 1)[0] in keys]
@@ -298,14 +309,13 @@ def check_clip_can_act(cfg: DictConfig, info: HydraInfo) -> None:
     PPO ratio is 1 up to numerics, so the clip never binds and the setting would be silently ignored (two such
     runs differing only in it train alike). Not in a sweep, whose settings are common to its jobs
     (`-m train.ppo_epochs=1,2 loss.clip_eps=0.1,0.2`)."""
-    from hydra.utils import get_class
-
     given = _given(info, "loss.clip_eps", "loss.clip_eps_high")
-    if not given or info.multirun:
+    data_class = _data_class(cfg)
+    if not given or info.multirun or data_class is None:
         return
     train = cfg.train
     moves = (train.ppo_epochs * train.mini_batches > 1 or train.max_staleness > 0
-             or int(cfg.mode.get("sync_every", 1)) > 1 or get_class(cfg.data._target_).asynchronous_source)
+             or int(cfg.mode.get("sync_every", 1)) > 1 or data_class.asynchronous_source)
     if not moves:
         raise ConfigError(
             f"{' '.join(given)} cannot act in this run: each rollout batch gets one optimizer step, at the weights "
@@ -320,12 +330,11 @@ def check_grad_accum_used(cfg: DictConfig, info: HydraInfo) -> None:
     micro_batch_size x grad_accum: the trainer trains every sequence the pipeline generates, in micro-batches of
     train.micro_batch_size, so the setting (the Atropos trainer's --gradient-accumulation-steps) would be silently
     ignored. Not in a sweep, whose settings are common to its jobs."""
-    from hydra.utils import get_class
-
     from grpo.pipeline.local import LocalRolloutPipeline
 
     given = _given(info, "train.grad_accum")
-    if not given or info.multirun or not issubclass(get_class(cfg.data._target_), LocalRolloutPipeline):
+    data_class = _data_class(cfg)
+    if not given or info.multirun or data_class is None or not issubclass(data_class, LocalRolloutPipeline):
         return
     per_step = int(cfg.data.prompts_per_step) * int(cfg.data.group_size)
     micro, accum = cfg.train.micro_batch_size, cfg.train.grad_accum
