@@ -144,7 +144,7 @@ def train(cfg: DictConfig, run_dir: Path) -> list[float]:
     rank0 = dist_info is None or dist_info.is_rank0
     model_dir = model_directory(cfg, dist_info)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    log.info("run dir %s | model %s | device %s", run_dir, model_dir, device)
+    log.info("run %s | run dir %s | model %s | device %s", cfg.name, run_dir, model_dir, device)
     resume_ckpt = resume_checkpoint(cfg)
     sync = build_sync(cfg, rank0, resume_ckpt)
     loss_fn = instantiate(cfg.loss)
@@ -341,7 +341,7 @@ def build_trainer(cfg, run_dir, model_dir, tokenizer, sync, loss_fn, data, evalu
     # this one is another), so metrics, curves.png and grpo.report show the whole run.
     metrics = MetricsLogger(run_dir, cfg.logging, cfg, cfg.train.steps, start_step,
                             resumed_from=Path(cfg.train.resume) if resume_ckpt is not None else None,
-                            ) if data is not None else NullMetrics()
+                            name=cfg.name) if data is not None else NullMetrics()
     trainer = GRPOTrainer(
         train_cfg=cfg.train, model=model, tokenizer=tokenizer, optimizer=optimizer, scheduler=scheduler,
         loss_fn=loss_fn, pipeline=source, sync=sync, checkpoints=checkpoints, metrics=metrics, device=device,

@@ -182,6 +182,17 @@ def test_warmstart_cache_key_follows_the_task_data(monkeypatch):
         warmstart.warmstart_path("warm-nothing")
 
 
+def test_warmstart_command_names_the_preset_for_a_misspelt_one(capsys):
+    """Before, `python -m grpo.models.warmstart warm_arith` (the model option's spelling) ended in a ValueError
+    traceback."""
+    from grpo.models import warmstart
+
+    with pytest.raises(SystemExit) as stop:
+        warmstart.main(["warm_arith"])
+    assert stop.value.code == 2
+    assert "error: unknown preset 'warm_arith'; did you mean warm-arith?" in capsys.readouterr().err
+
+
 @pytest.mark.slow  # builds the warm-start model on a fresh cache (2-4 min on 2 cores): outside CI's 30-minute budget
 def test_warmstart_loads_in_transformers_at_its_stated_accuracy(warm_arith_dir):
     import torch

@@ -499,3 +499,20 @@ def test_a_run_api_restarted_mid_run_is_registered_again_at_the_trainer_step_and
         assert pipe.last_metrics["data/reregistrations"] == 1
     finally:
         _stop(proc)
+
+
+def test_a_long_wait_for_a_batch_says_so_while_it_waits(run_api, tmp_path, caplog, monkeypatch):
+    """Before, the trainer said nothing after 'registered with run-api' until data.max_wait_s (10 minutes) ran out,
+    e.g. under `python -m grpo.stack --task gsm8k`, whose environment pushes no usable group on a random model."""
+    import logging
+
+    from grpo.pipeline import atropos
+
+    monkeypatch.setattr(atropos, "WAIT_REPORT_FIRST_S", 0.2)  # the 30 s of a run, shortened
+    pipe = AtroposPipeline(url=run_api, poll_interval_s=0.05, max_wait_s=1.0, max_retries=1)
+    pipe.setup(_ctx(tmp_path))
+    with caplog.at_level(logging.INFO, logger="grpo.pipeline.atropos"), pytest.raises(AtroposTimeoutError):
+        pipe.next_groups(0)
+    waits = [r.getMessage() for r in caplog.records if r.getMessage().startswith("waiting for a batch")]
+    assert waits and f"waiting for a batch from run-api at {run_api}: " in waits[0]
+    assert "of data.max_wait_s=1; is an environment running and pushing /scored_data?" in waits[0]

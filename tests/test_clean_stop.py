@@ -38,6 +38,19 @@ def test_resume_command_keeps_program_config_flags_and_quotes_overrides(tmp_path
     assert config_flags(["train.py", "a=1"]) == []
 
 
+def test_a_trainer_started_by_grpo_stack_names_the_stack_command_to_resume(tmp_path, monkeypatch):
+    """Under `python -m grpo.stack`, the stop block gave the trainer's own command (train.py data=atropos
+    data.url=<the stack's run-api, stopped with it> server.port=...), whose run-api was gone: following it failed."""
+    from grpo.stop import LAUNCHER_ENV
+
+    run = tmp_path / "run"
+    monkeypatch.setenv(LAUNCHER_ENV, f"python -m grpo.stack --task gsm8k train.steps=3 hydra.run.dir={run}")
+    trainer = ["/x/train.py", "~experiment", "train.steps=3", "data=atropos", "data.url=http://127.0.0.1:4242"]
+    assert shlex.split(command(trainer, trainer[1:], run)) == [
+        "python", "-m", "grpo.stack", "--task", "gsm8k", "train.steps=3", f"train.resume={run}", f"hydra.run.dir={run}"]
+    assert command(trainer, trainer[1:]) == "python -m grpo.stack --task gsm8k train.steps=3"
+
+
 @pytest.mark.vllm
 def test_sigterm_prints_the_stop_block_writes_curves_and_the_command_resumes(tmp_path):
     """A SIGTERM in generation (a rollout request in flight) of a run with a server of its own: the run stops the

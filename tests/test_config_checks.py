@@ -266,7 +266,7 @@ def test_a_local_pipeline_too_small_for_the_batch_stops_before_the_server(tmp_pa
     with pytest.raises(ConfigError, match=r"data.prompts_per_step x data.group_size = \d+ sequences per step, fewer "
                                           r"than the \d+ of train.micro_batch_size x train.grad_accum; raise"):
         _validate(["data.group_size=2", f"hydra.run.dir={tmp_path}/run"], tmp_path / "run")
-    _validate(["data.group_size=2", "train.micro_batch_size=4", "train.grad_accum=1", f"hydra.run.dir={tmp_path}/r2"],
+    _validate(["data.group_size=2", "train.micro_batch_size=16", f"hydra.run.dir={tmp_path}/r2"],
               tmp_path / "r2")
 
 
@@ -461,6 +461,19 @@ def test_loop_counts_out_of_range_are_config_errors_before_the_server_starts(tmp
         _validate([override], tmp_path)
 
 
+def test_an_unknown_offline_preset_is_a_config_error_naming_the_nearest(tmp_path):
+    """Before, model.offline=tiny_qwen2 (the model option's spelling) passed start-up and was the model builder's
+    ValueError traceback, whose list of presets left out warm-arith."""
+    with pytest.raises(ConfigError, match=re.escape("model.offline=tiny_qwen2 is not an offline model preset (those "
+                                                    "are tiny-llama, tiny-qwen2, hermes8b, qwen14b, qwen3b, warm-arith)"
+                                                    "; did you mean model.offline=tiny-qwen2?")):
+        _validate(["~experiment", "model.offline=tiny_qwen2"], tmp_path)
+    with pytest.raises(ConfigError, match=re.escape("did you mean model.offline=warm-arith?")):
+        _validate(["model.offline=warm_arith"], tmp_path)
+    _validate(["model.offline=warm-arith"], tmp_path)
+    _validate(["~experiment", "model.offline=tiny-llama"], tmp_path)
+
+
 def test_a_local_model_whose_block_count_differs_from_model_num_layers_is_refused(tmp_path):
     """Before, model.name=<a 6-block model> with model.num_layers left at 4 trained blocks 0-3 only under layers=all
     (embeddings and head frozen too), silently."""
@@ -505,6 +518,22 @@ def test_a_group_option_typo_is_named_with_the_nearest_option(tmp_path):
         check_group_option_names(["loss=grpo,dapo2"], dirs)
 
 
+def test_an_option_of_a_config_dir_left_out_names_the_config_dir_to_add(tmp_path, monkeypatch):
+    """`python train.py experiment=my_task` (the README's own task, without its --config-dir) listed the shipped
+    experiments only: nothing said that my_task is in examples/my_task/conf or that --config-dir adds it."""
+    from grpo.config.checks import check_group_option_names
+
+    (tmp_path / "examples" / "my_task" / "conf" / "experiment").mkdir(parents=True)
+    (tmp_path / "examples" / "my_task" / "conf" / "experiment" / "my_task.yaml").write_text("")
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ConfigError, match=re.escape(
+            "experiment=my_task is not one of the experiment options; examples/my_task/conf/experiment/my_task.yaml "
+            "has it, but the config is not searched there: add --config-dir examples/my_task/conf; otherwise choose")):
+        check_group_option_names(["experiment=my_task"], [REPO / "conf"])
+    check_group_option_names(["experiment=my_task", "--config-dir", "examples/my_task/conf"],
+                             [REPO / "conf", Path("examples/my_task/conf")])
+
+
 def test_a_refused_run_leaves_the_held_runs_hydra_record_as_it_was(tmp_path):
     """The run-dir check runs as a Hydra callback before the job starts: before, the refused command's config and
     overrides had already replaced the earlier run's .hydra/ (what `--config-path <run>/.hydra` reruns)."""
@@ -534,6 +563,25 @@ def test_a_checkpoint_given_as_train_resume_gets_nothing_written_into_it(tmp_pat
     assert sorted(p.name for p in ckpt.iterdir()) == [COMPLETE, "trainer_state.json"]
 
 
+def test_a_resume_path_that_does_not_exist_is_refused_before_hydra_creates_it(tmp_path):
+    """A resume's default run dir is train.resume: before, a mistyped path, or a checkpoint that the run had since
+    pruned (train.keep_checkpoints), was created with .hydra/, train.log and .grpo.lock in it, and then refused as
+    having 'no complete checkpoint under checkpoints/'."""
+    run = tmp_path / "old"
+    (run / "checkpoints" / "step_000040").mkdir(parents=True)
+    pruned = run / "checkpoints" / "step_000004"
+    out = subprocess.run([sys.executable, str(REPO / "train.py"), "~experiment", f"train.resume={pruned}"],
+                         capture_output=True, text=True, cwd=REPO, timeout=120)
+    assert out.returncode == 1, out.stderr[-2000:]
+    assert (f"ConfigError: train.resume={pruned} does not exist (a run keeps only its last train.keep_checkpoints "
+            f"checkpoints); train.resume takes the run dir, and the run goes on from its latest complete checkpoint: "
+            f"train.resume={run}") in out.stderr, out.stderr[-2000:]
+    assert not pruned.exists()
+    typo = tmp_path / "no_such_run"
+    with pytest.raises(ConfigError, match=re.escape(f"train.resume={typo} does not exist; give the run dir")):
+        _validate([f"train.resume={typo}", f"hydra.run.dir={tmp_path}/run"], tmp_path / "run")
+
+
 @pytest.mark.parametrize("mode", ["none", "lora_only", "lora_restart"])
 def test_sync_every_below_1_is_a_config_error_of_the_mode(tmp_path, mode):
     """mode.sync_every=0 was the strategy constructor's ValueError inside Hydra's 'Error executing job ... Error in
@@ -553,11 +601,110 @@ def test_a_misspelt_key_is_named_with_the_nearest_key_before_hydra_composes(tmp_
     dirs = [REPO / "conf", mine]
     for arg, where, fix in [("optimzer.lr=1", "optimzer", "optimizer.lr=1"), ("train.stepz=3", "train.stepz", "train.steps=3"),
                             ("server.prot=9000", "server.prot", "server.port=9000"), ("nme=x", "nme", "name=x"),
-                            ("logging.tensorbord=true", "logging.tensorbord", "logging.tensorboard=true")]:
+                            ("logging.tensorbord=true", "logging.tensorbord", "logging.tensorboard=true"),
+                            # Hydra advised +eval.evry=2: eval's options all build on EvalConfig, typed Any at the root
+                            ("eval.evry=2", "eval.evry", "eval.every=2")]:
         with pytest.raises(ConfigError, match=re.escape(f"{arg}: the config has no key {where}; did you mean {fix}?")):
             check_group_option_names([arg], dirs)
     # Real keys, keys under a node whose schema depends on the option (optimizer, data, ...), Hydra's own keys, a
     # group of your config dir, +/~ forms (checked after composing) and a sweep's values pass through.
     check_group_option_names(["-m", "train.steps=3,6", "loss.clip_eps=0.1", "optimizer.betas=[0.9,0.99]",
                               "data.task.path=x", "mode.sync_every=2", "hydra.run.dir=/x", "hydra/launcher=basic",
-                              "mygroup.key=1", "+optimzer.lr=1", "~experiment", "--cfg", "job", "name=x"], dirs)
+                              "mygroup.key=1", "+optimzer.lr=1", "~experiment", "--cfg", "job", "name=x",
+                              "eval.every=2", "eval.task._target_=x"], dirs)
+    # A config dir of the user's with eval options of its own (another evaluator's keys): left to Hydra.
+    (mine / "eval").mkdir()
+    check_group_option_names(["eval.evry=2"], dirs)
+
+
+def test_a_group_the_defaults_choose_given_with_plus_says_to_drop_the_plus(tmp_path):
+    """`+experiment=cpu_tiny_none` (the form other Hydra projects use for experiments) got Hydra's "Multiple values
+    for experiment. To override a value use 'override experiment: cpu_tiny_none'", YAML syntax for a command line."""
+    from grpo.config.checks import check_group_option_names
+
+    mine = tmp_path / "conf"
+    (mine / "mygroup").mkdir(parents=True)
+    (mine / "mygroup" / "x.yaml").write_text("{}\n")
+    dirs = [REPO / "conf", mine]
+    for arg, fix in [("+experiment=cpu_tiny_none", "experiment=cpu_tiny_none"), ("+sweep=lr", "sweep=lr"),
+                     ("+model=tiny_llama", "model=tiny_llama")]:
+        with pytest.raises(ConfigError, match=re.escape(f"{arg}: the config's defaults (conf/train.yaml) already "
+                                                        f"choose an option of {fix.split('=')[0]}") + ".*"
+                                              + re.escape(f"pick this one without the +: {fix}")):
+            check_group_option_names([arg], dirs)
+    check_group_option_names(["+mygroup=x", "experiment=cpu_tiny_none", "+optimzer.lr=1"], dirs)  # a group to add
+
+
+def test_a_memory_share_that_vllm_would_ignore_is_refused(tmp_path):
+    """Before, server.gpu_memory_utilization=0.3 on server=cpu (the Atropos trainer's --gpu-memory-utilization) was
+    passed to vLLM beside server.kv_cache_gb's --kv-cache-memory-bytes, which makes vLLM ignore it: silently."""
+    with pytest.raises(ConfigError, match=re.escape("server.gpu_memory_utilization=0.3 would be ignored: "
+                                                    "server.kv_cache_gb=1.0 sizes vLLM's KV cache")):
+        _validate(["server.gpu_memory_utilization=0.3"], tmp_path)
+    _validate(["server.gpu_memory_utilization=0.3", "server.kv_cache_gb=null"], tmp_path)
+    _validate(["hydra.mode=MULTIRUN", "server.gpu_memory_utilization=0.3"], tmp_path)  # a sweep's common setting
+
+
+@pytest.mark.parametrize("override, needle", [
+    ("mode=lora_restart", "mode=lora_restart restarts the vLLM server at every sync, so it cannot use a server started "
+                          "elsewhere (server.external_url=http://127.0.0.1:9); use mode=lora_only"),
+    ("mode.reload=restart", "mode.reload=restart restarts the vLLM server at every sync, so it cannot use a server "
+                            "started elsewhere (server.external_url=http://127.0.0.1:9); use mode.reload=inplace"),
+])
+def test_a_mode_that_restarts_the_server_refuses_an_external_one(tmp_path, override, needle):
+    """Before, mode=lora_restart with server.external_url was a RuntimeError traceback once the model was built, and
+    mode.reload=restart one at the first sync, after a step had trained."""
+    with pytest.raises(ConfigError, match=re.escape(needle)):
+        _validate(["~experiment", override, "server.external_url=http://127.0.0.1:9"], tmp_path)
+    _validate(["~experiment", "mode=lora_only", "server.external_url=http://127.0.0.1:9"], tmp_path)
+
+
+def test_a_clip_range_that_cannot_bind_is_refused_not_ignored(tmp_path):
+    """Before, `python train.py loss.clip_eps=0.1` and `loss.clip_eps=0.3` trained alike (measured: the same rewards
+    and losses): with one update per rollout batch at the weights that sampled it the ratio is 1 and the clip never
+    binds. The README's sweep example varied it so, over 12 jobs."""
+    with pytest.raises(ConfigError, match=re.escape("loss.clip_eps=0.1 cannot act in this run: each rollout batch gets "
+                                                    "one optimizer step, at the weights that sampled it")):
+        _validate(["loss.clip_eps=0.1"], tmp_path)
+    for moving in (["train.ppo_epochs=2"], ["train.max_staleness=1"], ["mode.sync_every=2"],
+                   ["~experiment", "data=atropos"], ["hydra.mode=MULTIRUN"]):
+        _validate([*moving, "loss.clip_eps=0.1"], tmp_path)
+
+
+def test_a_grad_accum_that_local_data_would_ignore_is_refused(tmp_path):
+    """Before, `python train.py train.grad_accum=1` (the Atropos trainer's --gradient-accumulation-steps) trained as
+    grad_accum=2 did: the local pipeline's 128 sequences per step, in 2 micro-batches of 64 (measured:
+    batch/micro_batches 2, data/sequences 128), silently."""
+    with pytest.raises(ConfigError, match=re.escape(
+            "train.grad_accum=1 would be ignored: each step trains all 128 sequences the data generates "
+            "(data.prompts_per_step x data.group_size), in micro-batches of train.micro_batch_size=64 (2 of them)")):
+        _validate(["train.grad_accum=1"], tmp_path)
+    _validate(["train.grad_accum=2"], tmp_path)
+    _validate(["train.micro_batch_size=32", "train.grad_accum=4"], tmp_path)
+    _validate(["~experiment", "data=atropos", "train.grad_accum=1"], tmp_path)  # run-api packs that many sequences
+    _validate(["hydra.mode=MULTIRUN", "train.grad_accum=1"], tmp_path)
+    # A data source whose module does not import is left to its build, which names the package to install.
+    _validate(["~experiment", "data=atropos", "data._target_=no.such.Pipeline", "train.grad_accum=1"], tmp_path)
+
+
+def test_eval_settings_of_a_run_that_does_not_evaluate_are_refused(tmp_path):
+    """Before, `data=atropos eval.every=5` (no eval.task: the evaluator is never built) and `eval=off eval.k=2` ran
+    without an evaluation and said nothing of the setting."""
+    with pytest.raises(ConfigError, match=re.escape("eval.every=5 would be ignored: this run does not evaluate, as "
+                                                    "the training data (data=atropos) has no task to evaluate; to "
+                                                    "evaluate name one: +eval.task._target_=")):
+        _validate(["~experiment", "data=atropos", "eval.every=5"], tmp_path)
+    with pytest.raises(ConfigError, match=re.escape("eval.k=2 would be ignored: this run does not evaluate, as "
+                                                    "eval.enabled=false (eval=off)")):
+        _validate(["eval=off", "eval.k=2"], tmp_path)
+    _validate(["eval=off"], tmp_path)
+    _validate(["eval.every=5"], tmp_path)
+    _validate(["hydra.mode=MULTIRUN", "eval=off", "eval.every=5"], tmp_path)
+
+
+def test_wandb_settings_without_wandb_logging_are_refused(tmp_path):
+    """Before, `logging.wandb_project=myproj` (the Atropos trainer's --wandb-project) ran with W&B off, silently."""
+    with pytest.raises(ConfigError, match=re.escape("logging.wandb_project=myproj would be ignored: W&B logging is "
+                                                    "off; add logging.wandb=true")):
+        _validate(["logging.wandb_project=myproj"], tmp_path)
+    _validate(["logging.wandb=true", "logging.wandb_project=myproj"], tmp_path)

@@ -7,6 +7,7 @@ import itertools
 import json
 import logging
 import random
+import re
 from pathlib import Path
 
 import pytest
@@ -318,6 +319,14 @@ def test_an_objective_that_names_no_metric_is_a_config_error_at_start_up_not_aft
     with pytest.raises(ConfigError, match="eval is off"):
         check_objective("eval/accuracy", False, Evaluator.metric_names)
     check_objective("grpo/kl", True, Evaluator.metric_names)  # a training metric: known only once logged
+    # README calls the default objective last10_reward_mean; named so, the whole run trained before it failed.
+    with pytest.raises(ConfigError, match=re.escape("train.objective=last10_reward_mean is not a metrics key: "
+                                                    "last10_reward_mean is a figure of summary.json, not a metrics "
+                                                    "key; the default train.objective=null is last10_reward_mean")):
+        check_objective("last10_reward_mean", True, Evaluator.metric_names)
+    with pytest.raises(ConfigError, match="train.objective=reward is not a metrics key: metrics keys are loss, "):
+        check_objective("reward", True, Evaluator.metric_names)
+    check_objective("loss", True, Evaluator.metric_names)
     (tmp_path / "metrics.jsonl").write_text(json.dumps({"step": 1, "grpo/kl": 0.1}) + "\n")
     with pytest.raises(ConfigError, match=r"no row of .* has this key \(the run itself completed\); did you mean "
                                           r"grpo/kl\?"):

@@ -154,3 +154,28 @@ def test_the_example_task_trains_two_steps_with_the_real_engine(tmp_path, train_
         assert 0.0 <= r["reward/characters"] <= 1.0 and 0.0 <= r["reward/exact"] <= 1.0
         assert r["reward/weighted"] == pytest.approx(r["reward/characters"] + 0.5 * r["reward/exact"], abs=1e-6)
     assert json.loads((run / "summary.json").read_text())["status"] == "completed"
+
+
+def test_the_readme_template_example_gives_prompts_with_a_newline(tmp_path):
+    """README's `data.task.template="Question: {prompt}\\nAnswer:"` was a Hydra parse error as a shell passes it (the
+    shell drops the double quotes, and Hydra reads the braces as a dict); quoted for Hydra, `\\n` reached the task as
+    a backslash and an n, and every prompt read 'Question: ...\\nAnswer:' on one line."""
+    import re
+    import shlex
+
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    from grpo.config import register_configs
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    example = re.search(r"`('data\.task\.template=[^`]*)`", readme).group(1)
+    register_configs()
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=str(Path(__file__).resolve().parents[1] / "conf"), version_base="1.3"):
+        cfg = compose(config_name="train", overrides=["~experiment", "data=prompt_file", "data.task.path=x",
+                                                      *shlex.split(example)])
+    task = PromptFileTask(str(write_jsonl(tmp_path / "p.jsonl", ROWS)), prompt_column="q",
+                          template=cfg.data.task.template)
+    assert task.sample(random.Random("s"), 1)[0].text.startswith("Question: question ")
+    assert {p.text.split("\n")[1] for p in task.sample(random.Random("s"), 5)} == {"Answer:"}

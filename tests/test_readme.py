@@ -167,3 +167,50 @@ def test_readme_command_runs_as_written(argv, example_run):
     else:
         assert "usage" in (out.stdout + out.stderr).lower() or "== configuration groups ==" in out.stdout.lower(), \
             out.stdout[:500]
+
+
+def test_the_readme_rerun_command_reruns_a_resumed_run_from_scratch(tmp_path):
+    """The rerun command loads the run's .hydra/config.yaml; a run that was ever resumed has train.resume=<itself>
+    there, so as first written ('rerun exactly that config', no train.resume=null) it stopped with 'nothing left to
+    train' for a completed run (and would have resumed an unfinished one)."""
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    from grpo.config import register_configs, validate
+    from grpo.trainer.checkpoint import COMPLETE
+
+    argv = next(c for c in CASES if "--config-path" in c)
+    overrides = argv[argv.index("--config-name") + 2:]
+    run = tmp_path / "run"
+    ckpt = run / "checkpoints" / "step_000002"
+    ckpt.mkdir(parents=True)
+    (ckpt / "trainer_state.json").write_text('{"step": 2}')
+    (ckpt / COMPLETE).write_text("")
+    job = subprocess.run([sys.executable, "train.py", "~experiment", "train.steps=2", f"train.resume={run}", "--cfg",
+                          "job"], cwd=REPO, capture_output=True, text=True, timeout=120, check=True)
+    (run / ".hydra").mkdir()
+    (run / ".hydra" / "config.yaml").write_text(job.stdout)  # what the resumed session left there
+    register_configs()
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=str(run / ".hydra"), version_base="1.3"):
+        cfg = compose(config_name="config", overrides=overrides)
+    validate(cfg, tmp_path / "rerun")  # a fresh run of that config: nothing to refuse
+
+
+def test_the_readme_layer_index_examples_compose_as_a_shell_passes_them():
+    """README's `layers.indices="0-3,28-31"` reached Hydra without its quotes (the shell drops them), and Hydra read
+    the comma as a sweep: 'Ambiguous value for argument'."""
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    from grpo.config import register_configs
+
+    row = next(line for line in README.read_text().splitlines() if line.startswith("| `layers` |"))
+    examples = [span for span in re.findall(r"`([^`]+)`", row) if "layers.indices=" in span]
+    assert len(examples) == 2, row
+    register_configs()
+    for example in examples:
+        GlobalHydra.instance().clear()
+        with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
+            cfg = compose(config_name="train", overrides=shlex.split(example))
+        assert cfg.layers.indices in ("20-31", "0-3,28-31"), example

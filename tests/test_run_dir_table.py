@@ -32,3 +32,23 @@ def test_the_wandb_and_tensorboard_sinks_write_only_what_the_readme_table_names(
     written = {p.name for p in tmp_path.iterdir()}
     assert {"metrics.jsonl", "wandb", "tensorboard"} <= written
     assert written <= readme_run_dir_names()
+
+
+def test_the_run_name_labels_the_progress_bar_and_names_the_wandb_run(tmp_path, monkeypatch, capsys):
+    """Before, `name=my_lr_test` (documented as shown in logs and the run dir) was read by nothing: the bar said
+    'grpo' and the W&B run got a random name."""
+    import wandb
+
+    from grpo.trainer.metrics import MetricsLogger
+
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    cfg = OmegaConf.create({"wandb": True, "wandb_project": "grpo-test", "wandb_entity": None, "tensorboard": False,
+                            "progress_bar": True})
+    logger = MetricsLogger(tmp_path, cfg, OmegaConf.create({}), total_steps=1, start_step=0, name="my_lr_test")
+    try:
+        assert wandb.run is not None and wandb.run.name == "my_lr_test"
+        logger.log({"step": 1, "reward/mean": 0.5, "loss": 0.1})
+    finally:
+        logger.close()
+    assert "my_lr_test: 100%" in capsys.readouterr().err

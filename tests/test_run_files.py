@@ -238,3 +238,26 @@ def test_the_report_of_a_sweep_with_a_torn_summary_or_metrics_file_names_it_and_
     report = json.loads((tmp_path / "report.json").read_text())
     assert [(r["job"], r["status"], r["steps"]) for r in report] == [("0", "completed", 2), ("1", "unreadable", 2),
                                                                     ("2", "unreadable", 0)]
+
+
+def test_curves_draw_the_reward_of_a_run_with_several_updates_per_batch(tmp_path, monkeypatch):
+    """With train.ppo_epochs x train.mini_batches = 4 reward/mean is on each rollout batch's first row only; the
+    curve was drawn through NaN gaps, so its points stood alone and curves.png's reward panel was empty."""
+    import matplotlib.axes
+
+    from grpo.trainer.metrics import plot_curves
+
+    rows = [{"step": s, "loss": 0.1 * s, **({"reward/mean": 0.5 + s / 100} if s % 4 == 1 else {})}
+            for s in range(1, 13)]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    drawn: list[tuple[list, list]] = []
+    plot = matplotlib.axes.Axes.plot
+
+    def recording_plot(ax, xs, ys, *args, **kwargs):  # what each line is given, then the real plot
+        drawn.append((list(xs), list(ys)))
+        return plot(ax, xs, ys, *args, **kwargs)
+
+    monkeypatch.setattr(matplotlib.axes.Axes, "plot", recording_plot)
+    plot_curves(tmp_path / "metrics.jsonl", tmp_path / "curves.png")
+    assert drawn[0] == ([1, 5, 9], [0.51, 0.55, 0.59])  # the reward panel: one connected line
+    assert drawn[1][0] == list(range(1, 13))  # the loss panel: every step

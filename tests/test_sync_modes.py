@@ -213,3 +213,22 @@ def test_a_model_the_strategy_builds_gets_the_same_training_set_up(tiny_qwen2_di
     ids = torch.tensor([SEQ])
     model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
     assert len(calls) == (2 if checkpointing else 1)
+
+
+def test_an_external_server_that_does_not_answer_is_a_config_error(tmp_path):
+    """Before, server.external_url=<nothing there> was a RuntimeError traceback (Hydra's 'Error executing job')."""
+    import socket
+
+    from omegaconf import OmegaConf
+
+    from grpo.options import ConfigError
+    from grpo.sync.base import SyncContext
+    from grpo.sync.checkpoint_restart import CheckpointRestartSync
+
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        url = f"http://127.0.0.1:{s.getsockname()[1]}"
+    ctx = SyncContext(run_dir=tmp_path, model_dir=tmp_path, server_cfg=OmegaConf.create({"external_url": url}))
+    with pytest.raises(ConfigError, match=f"server.external_url={url} does not answer /health: start that server "
+                                          "first"):
+        CheckpointRestartSync().launch(ctx)

@@ -162,9 +162,21 @@ def done_message(run_dir: Path) -> str:
     return "; ".join(parts) + f".\n  run dir: {run_dir} (summary: python -m grpo.report {run_dir})"
 
 
+# The metrics keys without a `<group>/` prefix (every other key has one: reward/mean, grpo/kl, eval/accuracy, ...).
+PLAIN_METRIC_KEYS = ("loss", "grad_norm", "lr", "step", "batch", "epoch")
+# summary.json's figures, which are not metrics keys; the default objective (null) is the first.
+SUMMARY_FIGURES = ("last10_reward_mean", "first10_reward_mean", "best_reward")
+
+
 def check_objective(key: str | None, eval_enabled: bool, eval_metrics: Sequence[str] = ()) -> None:
-    """Start-up check of `train.objective`: an `eval/` key needs the evaluator on and must be one it logs (a typo
+    """Start-up check of `train.objective`: an `eval/` key needs the evaluator on and must be one it logs, and a key
+    without a `<group>/` prefix must be one of the few plain ones (a typo, or summary.json's last10_reward_mean,
     would otherwise surface only after the whole run, when the objective is read)."""
+    if key is not None and "/" not in key and key not in PLAIN_METRIC_KEYS:
+        hint = (f"{key} is a figure of summary.json, not a metrics key; the default train.objective=null is "
+                "last10_reward_mean" if key in SUMMARY_FIGURES else
+                f"metrics keys are {', '.join(PLAIN_METRIC_KEYS)} or <group>/<name> (reward/mean, eval/accuracy, ...)")
+        raise ConfigError(f"train.objective={key} is not a metrics key: {hint}")
     if key is None or not key.startswith("eval/"):
         return
     if not eval_enabled:
@@ -268,10 +280,10 @@ def unlock_run_dir() -> None:
 
 class RunDirGuard(Callback):
     """Hydra callback (conf/train.yaml, hydra.callbacks): before a single run's job starts, refuse a run dir that
-    holds another run (`check_run_dir_unused`), a resume dir without a checkpoint or steps left, and a resume of
-    another model, mode or data (`check_resume_identity`); before a sweep's first job, a sweep dir whose jobs already
-    ran. train.py checks each job too, but only after Hydra has written the job's `.hydra/` (config, overrides) into
-    its dir, over the earlier run's own record."""
+    holds another run (`check_run_dir_unused`), a resume path that does not exist, a resume dir without a checkpoint
+    or steps left, and a resume of another model, mode or data (`check_resume_identity`); before a sweep's first
+    job, a sweep dir whose jobs already ran. train.py checks each job too, but only after Hydra has written the job's
+    `.hydra/` (config, overrides) into its dir, over the earlier run's own record."""
 
     @staticmethod
     @contextlib.contextmanager
@@ -289,13 +301,14 @@ class RunDirGuard(Callback):
 
     def on_run_start(self, config: Any, **kwargs: Any) -> None:  # noqa: ARG002
         """Exit 1 with the ConfigError's message, before Hydra writes anything into the run dir."""
-        from grpo.config.validate import check_resume_has_steps_left, check_run_dir_unused
+        from grpo.config.validate import check_resume_exists, check_resume_has_steps_left, check_run_dir_unused
 
         with self._checking(config):
+            # The default run dir of a resume is train.resume: a missing path would be created, a checkpoint given
+            # there would get .hydra/.
+            check_resume_exists(config)
             check_run_dir_unused(config, Path(config.hydra.run.dir))
-            if config.train.resume is not None and Path(config.train.resume).exists():
-                # The default run dir of a resume is train.resume: a checkpoint given there would get .hydra/.
-                check_resume_has_steps_left(config)
+            check_resume_has_steps_left(config)
             check_resume_identity(config)
             if int(os.environ.get("RANK", "0")) == 0:  # torchrun: rank 0 owns the run dir
                 lock_run_dir(Path(config.hydra.run.dir))

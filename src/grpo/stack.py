@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import shlex
 import signal
 import socket
 import subprocess
@@ -25,6 +26,8 @@ from pathlib import Path
 from typing import Any, Optional
 
 import requests
+
+from grpo.stop import LAUNCHER_ENV
 
 log = logging.getLogger("grpo.stack")
 
@@ -212,8 +215,9 @@ def _plan(args: argparse.Namespace, overrides: list[str]) -> dict[str, Any]:
 
     log_dir = args.log_dir or Path("outputs") / "stack" / time.strftime("%Y-%m-%d_%H-%M-%S")
     log_dir.mkdir(parents=True, exist_ok=True)
-    return {"train_py": train_py, "api_port": api_port, "api_url": api_url, "server_url": server_url, "cfg": cfg,
-            "overrides": overrides, "model_dir": resolve_model_dir(cfg.model), "log_dir": log_dir}
+    return {"argv": list(getattr(args, "argv", [])), "train_py": train_py, "api_port": api_port, "api_url": api_url,
+            "server_url": server_url, "cfg": cfg, "overrides": overrides, "model_dir": resolve_model_dir(cfg.model),
+            "log_dir": log_dir}
 
 
 def _env_command(args: argparse.Namespace, plan: dict[str, Any]) -> list[str]:
@@ -245,7 +249,9 @@ def _start(args: argparse.Namespace, plan: dict[str, Any], children: dict[str, C
         plan["log_dir"] / "run-api.log",
     )
     _wait_http(f"{plan['api_url']}/status", [children["run-api"]], args.startup_timeout, "run-api")
-    children["trainer"] = Child("trainer", [sys.executable, str(plan["train_py"]), *plan["overrides"]], None)
+    # The trainer's stop block repeats the stack's command, not the trainer's (whose run-api URL dies with the stack).
+    env = {**os.environ, LAUNCHER_ENV: shlex.join(["python", "-m", "grpo.stack", *plan["argv"]])}
+    children["trainer"] = Child("trainer", [sys.executable, str(plan["train_py"]), *plan["overrides"]], None, env=env)
     _wait_http(f"{plan['server_url']}/health", list(children.values()), args.startup_timeout, "the inference server")
     children["env"] = Child("environment", _env_command(args, plan), plan["log_dir"] / "env.log")
     log.info("stack up: run-api %s, inference server %s; logs in %s", plan["api_url"], plan["server_url"],
@@ -270,6 +276,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     """Start run-api, the trainer and an environment; stop all three when the trainer ends or on Ctrl-C."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     args, overrides = parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)  # as the user gave it, for the stop block
     plan = _plan(args, overrides)
     children: dict[str, Child] = {}
     old = {s: signal.signal(s, _interrupt) for s in (signal.SIGINT, signal.SIGTERM)}

@@ -17,6 +17,9 @@ from typing import Any, Optional, Sequence, TextIO
 
 # Command-line flags of a Hydra app that select the config and so belong in the resume command too.
 _CONFIG_FLAGS = ("--config-dir", "-cd", "--config-path", "-cp", "--config-name", "-cn")
+# Set by a launcher that starts train.py with overrides of its own (python -m grpo.stack: run-api's URL, a server
+# port): the user's command line, which the stop block repeats instead of the trainer's (whose run-api is gone).
+LAUNCHER_ENV = "GRPO_LAUNCHER_COMMAND"
 
 
 @dataclass(frozen=True)
@@ -90,11 +93,15 @@ def config_flags(argv: Sequence[str]) -> list[str]:
 
 
 def command(argv: Sequence[str], overrides: Sequence[str], run_dir: Optional[Path] = None) -> str:
-    """The command line that repeats this run's config; with `run_dir`, continuing it in place from its checkpoint."""
+    """The command line that repeats this run's config; with `run_dir`, continuing it in place from its checkpoint.
+    Under a launcher (LAUNCHER_ENV), the launcher's command line with the same two overrides."""
     drop = ("train.resume=", "hydra.run.dir=")
-    kept = [o for o in overrides if not o.startswith(drop)]
-    if run_dir is not None:
-        kept += [f"train.resume={run_dir}", f"hydra.run.dir={run_dir}"]
+    resume = [f"train.resume={run_dir}", f"hydra.run.dir={run_dir}"] if run_dir is not None else []
+    launcher = os.environ.get(LAUNCHER_ENV)
+    if launcher:
+        words = [w for w in shlex.split(launcher) if not w.startswith(drop)]
+        return shlex.join([*words, *resume])
+    kept = [o for o in overrides if not o.startswith(drop)] + resume
     return " ".join([program(argv), *map(shlex.quote, config_flags(argv)), *map(shlex.quote, kept)])
 
 

@@ -156,9 +156,15 @@ def check_group_option_names(args: Sequence[str], config_dirs: Sequence[Path]) -
     `<group>/`), and each `key=value` a key the config has (`check_override_key`). Checked before Hydra composes:
     Hydra's own error for a typo (`optimizer=adamW`) lists the schema entries beside the options and its search
     path, with no suggestion."""
+    chosen = _default_groups(config_dirs[0] / "train.yaml") if config_dirs else set()
     for arg in args:
         key, sep, value = arg.lstrip("+").partition("=")
         dirs = [d / key for d in config_dirs if key and (d / key).is_dir()] if sep and not arg.startswith("-") else []
+        if dirs and arg.startswith("+") and not arg.startswith("++") and key in chosen:
+            # Hydra: "Multiple values for experiment. To override a value use 'override experiment: ...'" (YAML
+            # syntax, no command line); `+experiment=x` is the usual form in other Hydra projects.
+            raise ConfigError(f"{arg}: the config's defaults (conf/train.yaml) already choose an option of {key}, "
+                              f"and + cannot add a second; pick this one without the +: {key}={value}")
         if not dirs and sep and not arg.startswith(("-", "+", "~")):
             check_override_key(key, value, config_dirs)
         if not dirs or any(c in value for c in "()[]{}$"):  # not a group of ours, or a sweep's function syntax
@@ -168,19 +174,41 @@ def check_group_option_names(args: Sequence[str], config_dirs: Sequence[Path]) -
             if choice in ("", "null") or choice in options or choice.endswith("_schema"):  # schemas: checked later
                 continue
             close = difflib.get_close_matches(choice, options, n=1)
-            hint = f"did you mean {key}={close[0]}? " if close else ""
+            hint = f"did you mean {key}={close[0]}? " if close else _config_dir_hint(key, choice)
             raise ConfigError(f"{key}={choice} is not one of the {key} options; {hint}choose one of {', '.join(options)} "
                               "(python train.py --help lists every group)")
 
 
+def _config_dir_hint(group: str, option: str) -> str:
+    """Where `<group>/<option>.yaml` lies below the working directory (up to 3 levels: examples/my_task/conf), said
+    as the --config-dir that adds it: the README's own task runs with one, and leaving it out is an easy slip."""
+    for depth in range(4):
+        found = sorted(Path().glob("/".join(["*"] * depth + [group, f"{option}.yaml"])))
+        if found:
+            return (f"{found[0]} has it, but the config is not searched there: add --config-dir "
+                    f"{found[0].parent.parent}; otherwise ")
+    return ""
+
+
+def _default_groups(primary: Path) -> set[str]:
+    """The groups the primary config's defaults list chooses (`- model: tiny_qwen2`, `- sweep: null`, ...)."""
+    if not primary.is_file():
+        return set()
+    defaults = OmegaConf.load(primary).get("defaults") or []
+    return {str(k).removeprefix("override ") for d in defaults if OmegaConf.is_dict(d) for k in d.keys()}
+
+
 def check_override_key(key: str, value: str, config_dirs: Sequence[Path]) -> None:
     """`key=value` (no `+`) sets a key the config has: its first part is a top-level key or a group of a config
-    dir, and under a node of a fixed schema (train, model, server, ...) the next part is one of its fields. Hydra's
-    own error for a misspelt key (`optimzer.lr=1`) advises `+optimzer.lr=1`, which adds a key nothing reads."""
+    dir, and under a node of a fixed schema (train, model, server, eval, ...) the next part is one of its fields.
+    Hydra's own error for a misspelt key (`optimzer.lr=1`) advises `+optimzer.lr=1`, which adds a key nothing reads."""
     import typing
 
-    from grpo.config.schema import RootConfig
+    from grpo.config.schema import EvalConfig, RootConfig
 
+    # Groups typed Any in RootConfig whose shipped options all build on one schema: checked against it unless a
+    # config dir of the user's adds options to the group (which may build on another).
+    shared = {"eval": EvalConfig}
     parts = key.split(".")
     if "/" in key or not all(parts):  # hydra/launcher=..., or not a dotted key
         return
@@ -201,6 +229,8 @@ def check_override_key(key: str, value: str, config_dirs: Sequence[Path]) -> Non
             raise ConfigError(f"{key}={value}: the config has no key {where}; {hint}(python train.py --cfg job prints "
                               "every key; +key=... would add a key nothing reads)")
         schema = hints[part]
+        if depth == 0 and part in shared and not any((c / part).is_dir() for c in config_dirs[1:]):
+            schema = shared[part]
 
 
 def _group_options(group: str) -> list[str]:
@@ -255,6 +285,107 @@ def check_async_settings_used(cfg: DictConfig, info: HydraInfo) -> None:
         raise ConfigError(f"train.rollout_queue={train.rollout_queue} bounds the queue of stale_policy=drop only (with "
                           f"wait the producer runs at most max_staleness={train.max_staleness} batches ahead); set "
                           "train.stale_policy=drop, or drop train.rollout_queue")
+
+
+def _data_class(cfg: DictConfig) -> Any:
+    """The data source's class, or None when its module does not import (an optional package missing: building the
+    source says what to install)."""
+    from hydra.utils import get_class
+
+    try:
+        return get_class(cfg.data._target_)
+    except Exception:
+        return None
+
+
+def _given(info: HydraInfo, *keys: str) -> list[str]:
+    """The command-line overrides (`key=value`, `+key=value`) of these keys."""
+    return [o for o in info.overrides if o.lstrip("+~").split("=", 1)[0] in keys]
+
+
+def check_clip_can_act(cfg: DictConfig, info: HydraInfo) -> None:
+    """`loss.clip_eps` / `loss.clip_eps_high` on the command line of a run where the policy never moves between
+    sampling and update (one optimizer step per rollout batch, synchronous, synced every batch, local data): the
+    PPO ratio is 1 up to numerics, so the clip never binds and the setting would be silently ignored (two such
+    runs differing only in it train alike). Not in a sweep, whose settings are common to its jobs
+    (`-m train.ppo_epochs=1,2 loss.clip_eps=0.1,0.2`)."""
+    given = _given(info, "loss.clip_eps", "loss.clip_eps_high")
+    data_class = _data_class(cfg)
+    if not given or info.multirun or data_class is None:
+        return
+    train = cfg.train
+    moves = (train.ppo_epochs * train.mini_batches > 1 or train.max_staleness > 0
+             or int(cfg.mode.get("sync_every", 1)) > 1 or data_class.asynchronous_source)
+    if not moves:
+        raise ConfigError(
+            f"{' '.join(given)} cannot act in this run: each rollout batch gets one optimizer step, at the weights "
+            "that sampled it (train.ppo_epochs x train.mini_batches = 1, train.max_staleness=0, mode.sync_every=1), "
+            "so the PPO ratio stays 1 and the clip never binds (README 'Several updates per rollout batch'); for the "
+            "clip to act add e.g. train.ppo_epochs=2 train.mini_batches=2 (or train.max_staleness=1), else drop it"
+        )
+
+
+def check_grad_accum_used(cfg: DictConfig, info: HydraInfo) -> None:
+    """`train.grad_accum` on the command line of a local-data run whose steps generate more sequences than
+    micro_batch_size x grad_accum: the trainer trains every sequence the pipeline generates, in micro-batches of
+    train.micro_batch_size, so the setting (the Atropos trainer's --gradient-accumulation-steps) would be silently
+    ignored. Not in a sweep, whose settings are common to its jobs."""
+    from grpo.pipeline.local import LocalRolloutPipeline
+
+    given = _given(info, "train.grad_accum")
+    data_class = _data_class(cfg)
+    if not given or info.multirun or data_class is None or not issubclass(data_class, LocalRolloutPipeline):
+        return
+    per_step = int(cfg.data.prompts_per_step) * int(cfg.data.group_size)
+    micro, accum = cfg.train.micro_batch_size, cfg.train.grad_accum
+    if per_step > micro * accum:
+        raise ConfigError(
+            f"{given[0]} would be ignored: each step trains all {per_step} sequences the data generates "
+            f"(data.prompts_per_step x data.group_size), in micro-batches of train.micro_batch_size={micro} "
+            f"({-(-per_step // micro)} of them), not {micro} x {accum} = {micro * accum}; to train fewer sequences "
+            "per step lower data.prompts_per_step or data.group_size, for smaller micro-batches lower "
+            "train.micro_batch_size"
+        )
+
+
+def check_eval_settings_used(cfg: DictConfig, info: HydraInfo) -> None:
+    """`eval.*` on the command line of a run that does not evaluate (eval=off, or data=atropos without eval.task):
+    the evaluator is never built, so `eval.every=5` would be silently ignored. Not in a sweep."""
+    from grpo.pipeline.evaluation import ATROPOS_EVAL_EXAMPLE, eval_enabled
+
+    given = [o for o in info.overrides if o.lstrip("+~").startswith("eval.")
+             and not o.lstrip("+~").startswith(("eval.enabled=", "eval.task"))]
+    if not given or info.multirun or eval_enabled(cfg.eval, cfg.data):
+        return
+    if cfg.eval.get("enabled") is False:
+        why, fix = "eval.enabled=false (eval=off)", "drop eval=off (or set eval.enabled=true)"
+    else:
+        why, fix = "the training data (data=atropos) has no task to evaluate", f"name one: {ATROPOS_EVAL_EXAMPLE}"
+    raise ConfigError(f"{' '.join(given)} would be ignored: this run does not evaluate, as {why}; to evaluate {fix}, "
+                      "else drop the eval settings")
+
+
+def check_wandb_settings_used(cfg: DictConfig, info: HydraInfo) -> None:
+    """`logging.wandb_project` / `wandb_entity` on the command line without `logging.wandb=true`: nothing is sent to
+    W&B and the settings would be silently ignored (the Atropos trainer's --wandb-project implied its logging)."""
+    given = _given(info, "logging.wandb_project", "logging.wandb_entity")
+    if given and not cfg.logging.wandb and not info.multirun:
+        raise ConfigError(f"{' '.join(given)} would be ignored: W&B logging is off; add logging.wandb=true (offline "
+                          "unless WANDB_API_KEY is set), else drop it")
+
+
+def check_memory_share_used(cfg: DictConfig, info: HydraInfo) -> None:
+    """`server.gpu_memory_utilization` on the command line while `server.kv_cache_gb` sizes the KV cache (server=cpu
+    sets it): vLLM ignores the share whenever --kv-cache-memory-bytes is given, so the setting would be silently
+    ignored. Not in a sweep, whose settings are common to its jobs (`-m server=cpu,gpu ...`)."""
+    given = _given(info, "server.gpu_memory_utilization")
+    kv_cache_gb = cfg.server.get("kv_cache_gb")
+    if given and kv_cache_gb is not None and not info.multirun:
+        raise ConfigError(
+            f"{given[0]} would be ignored: server.kv_cache_gb={kv_cache_gb} sizes vLLM's KV cache (server=cpu sets "
+            "it), and vLLM then ignores the share; set the size with server.kv_cache_gb=<GiB>, or add "
+            "server.kv_cache_gb=null to size the cache by the share"
+        )
 
 
 def check_model_files(model_cfg: DictConfig) -> None:

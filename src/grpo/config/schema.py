@@ -418,7 +418,7 @@ class RootConfig:
     eval: Any = MISSING
     train: TrainConfig = field(default_factory=TrainConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
-    # Free-form name shown in logs and run dirs.
+    # Run name: labels the progress bar and train.log's start-up line, and names the W&B run (logging.wandb).
     name: str = "grpo"
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import difflib
 import importlib
 import os
 import shutil
@@ -119,10 +120,15 @@ def validate(cfg: DictConfig, run_dir: Path | None = None) -> None:
     checks.check_model_source(cfg.model, info)
     checks.check_lora_given_with_a_lora_mode(cfg, info)
     checks.check_async_settings_used(cfg, info)
+    checks.check_memory_share_used(cfg, info)
+    checks.check_grad_accum_used(cfg, info)
+    checks.check_eval_settings_used(cfg, info)
+    checks.check_wandb_settings_used(cfg, info)
     checks.check_model_files(cfg.model)
     check_layers(cfg)
     check_optimizer(cfg)
     check_loss(cfg)
+    checks.check_clip_can_act(cfg, info)  # after the loss's own range checks
     sync_cls = get_class(cfg.mode._target_)
     sync_cls.check_config(cfg, cuda=_cuda_available(), world_size=int(os.environ.get("WORLD_SIZE", "1")))
     if cfg.train.device == "cuda" and not _cuda_available():
@@ -196,6 +202,7 @@ def check_model(cfg: DictConfig) -> None:
         raise ConfigError("model.attn_implementation=flex_attention needs a CUDA trainer (PyTorch's FlexAttention "
                           "has no backward pass on CPU); use sdpa, null or varlen (packed rows per sequence) on this machine")
     if cfg.model.offline is not None:
+        check_offline_preset(str(cfg.model.offline))
         return
     name = cfg.model.name
     looks_local = name.startswith(("/", ".", "~")) or os.path.isabs(name)
@@ -221,6 +228,21 @@ def check_model(cfg: DictConfig) -> None:
         # Without this the hub client retries for about a minute and ends in a traceback.
         raise ConfigError(f"model.name={name} is a hub id, not in the local Hugging Face cache, and the hub "
                           f"({where}) cannot be reached from here; {instead}, or fix the network (HF_ENDPOINT, proxy)")
+
+
+def check_offline_preset(preset: str) -> None:
+    """`model.offline` names a preset the model builder knows; else its ValueError was a traceback after the run's
+    start-up lines. The model options' own names (`tiny_qwen2`, `warm_arith`) are the natural misspelling."""
+    from grpo.models.tiny import offline_presets
+    from grpo.models.warmstart import WARMSTART_PRESETS
+
+    known = [*offline_presets(), *sorted(WARMSTART_PRESETS)]
+    if preset in known:
+        return
+    close = difflib.get_close_matches(preset.replace("_", "-"), known, n=1)
+    hint = f"; did you mean model.offline={close[0]}?" if close else ""
+    raise ConfigError(f"model.offline={preset} is not an offline model preset (those are {', '.join(known)}){hint} "
+                      "(model.offline=null loads model.name instead)")
 
 
 def _hub_cached_config(name: str) -> Path | None:
@@ -297,9 +319,25 @@ def check_train(cfg: DictConfig) -> None:
     budget = cfg.train.max_tokens_per_micro_batch
     if budget is not None and budget < 1:
         raise ConfigError(f"train.max_tokens_per_micro_batch must be >= 1 (null = micro_batch_size rows), got {budget}")
-    if cfg.train.resume is not None and not Path(cfg.train.resume).exists():
-        raise ConfigError(f"train.resume={cfg.train.resume} does not exist")
+    check_resume_exists(cfg)
     check_resume_has_steps_left(cfg)
+
+
+def check_resume_exists(cfg: DictConfig) -> None:
+    """`train.resume` names an existing path. Run by `grpo.run.RunDirGuard` before Hydra creates the run dir: a
+    resume's default run dir is train.resume, so a mistyped or pruned path was created (.hydra/, train.log) and then
+    refused as having 'no complete checkpoint'. A checkpoint that no longer exists (train.keep_checkpoints prunes
+    older ones) gets its run dir named."""
+    resume = cfg.train.resume
+    if resume is None or Path(resume).exists():
+        return
+    path = Path(resume)
+    if path.parent.name == "checkpoints" and path.parent.parent.is_dir():
+        raise ConfigError(f"train.resume={resume} does not exist (a run keeps only its last train.keep_checkpoints "
+                          f"checkpoints); train.resume takes the run dir, and the run goes on from its latest "
+                          f"complete checkpoint: train.resume={path.parent.parent}")
+    raise ConfigError(f"train.resume={resume} does not exist; give the run dir of the run to continue (its last "
+                      "line says 'run dir: ...')")
 
 
 def check_train_counts(train: DictConfig) -> None:

@@ -22,6 +22,7 @@ directory and how long it took. Runs get it through ``model.offline=warm-arith``
 from __future__ import annotations
 
 import argparse
+import difflib
 import hashlib
 import json
 import logging
@@ -293,6 +294,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default=None, help="output directory (default: the cache)")
     args = parser.parse_args(argv)
+    if args.preset not in WARMSTART_PRESETS:  # else _preset's ValueError, a traceback, after the imports
+        known = sorted(WARMSTART_PRESETS)
+        close = difflib.get_close_matches(args.preset.replace("_", "-"), known, n=1)
+        parser.error(f"unknown preset {args.preset!r}" + (f"; did you mean {close[0]}?" if close else "")
+                     + f" (presets: {', '.join(known)}; model=warm_arith is the train.py option that builds "
+                     "warm-arith)")
     t0 = time.monotonic()
     path = build_warmstart_dir(args.preset, seed=args.seed, out_dir=args.out)
     meta = read_metadata(path)

@@ -31,6 +31,11 @@ __all__ = ["AtroposError", "AtroposPipeline", "AtroposTimeoutError", "MalformedG
 
 log = logging.getLogger(__name__)
 
+# A wait for run-api's batch says so after this many seconds, then at doubling gaps up to WAIT_REPORT_MAX_S: without
+# it the trainer was silent up to data.max_wait_s (10 minutes) while no environment pushed usable groups.
+WAIT_REPORT_FIRST_S = 30.0
+WAIT_REPORT_MAX_S = 120.0
+
 
 class AtroposError(DataSourceError):
     """run-api could not be reached or answered something unusable; the message names the URL."""
@@ -247,6 +252,8 @@ class AtroposPipeline(DataPipeline):
         self._retries = self._batch_errors = 0
         counts = {"data/dropped_malformed": 0, "data/dropped_too_long": 0, "async/dropped_groups": 0}
         interval, polls, reregistered = self.poll_interval_s, 0, False
+        gap = WAIT_REPORT_FIRST_S
+        next_report = start + gap
         while True:
             answer = self._request("GET", "/batch")
             polls += 1
@@ -281,23 +288,33 @@ class AtroposPipeline(DataPipeline):
                 # Every group of this batch was bad or stale; the server has moved on a step. Ask again at once.
                 interval = self.poll_interval_s
                 continue
+            if time.monotonic() >= next_report:
+                log.info("waiting for a batch from run-api at %s: %.0f s of data.max_wait_s=%g; %s", self.url, waited,
+                         self.max_wait_s, self._why_no_batch())
+                gap = min(2 * gap, WAIT_REPORT_MAX_S)
+                next_report += gap
             time.sleep(min(interval, max(self.max_wait_s - waited, 0.0)))
             interval = min(interval * 2, 8 * self.poll_interval_s)
+        self.step = step
+        self._record_fetch(counts, groups, current, time.monotonic() - start, polls, reregistered)
+        return groups
+
+    def _record_fetch(self, counts: dict[str, int], groups: list[Group], current: int, waited: float, polls: int,
+                      reregistered: bool) -> None:
+        """The fetch's `last_metrics` (and the run's totals of dropped groups)."""
         for k, v in counts.items():
             self.totals[k] += v
-        self.step = step
         self.last_metrics = {
             **{k: float(v) for k, v in counts.items()},
             **self._lag_metrics(groups, current),
             "async/dropped_groups_total": float(self.totals["async/dropped_groups"]),
             "data/groups": float(len(groups)),
-            "data/wait_seconds": time.monotonic() - start,
+            "data/wait_seconds": waited,
             "data/polls": float(polls),
             "data/retries": float(self._retries),
             "data/batch_server_errors": float(self._batch_errors),
             "data/reregistrations": float(reregistered),
         }
-        return groups
 
     def close(self) -> None:
         if self.session is not None:

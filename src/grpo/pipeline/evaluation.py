@@ -271,6 +271,18 @@ ATROPOS_EVAL_EXAMPLE = ("+eval.task._target_=grpo.pipeline.tasks.GSM8KTask +eval
                         "+eval.rewards.correct._target_=grpo.pipeline.rewards.MathAnswerReward")
 
 
+def eval_task(eval_cfg: Any, data_cfg: Any) -> Any:
+    """The task node evaluated: `eval.task`, else the training data's (None for data=atropos)."""
+    train_task = data_cfg.get("task") if hasattr(data_cfg, "get") else None
+    return eval_cfg.get("task") or train_task
+
+
+def eval_enabled(eval_cfg: Any, data_cfg: Any) -> bool:
+    """Whether the run evaluates: `eval.enabled`, or when null, whether there is a task to evaluate."""
+    enabled = eval_cfg.get("enabled")
+    return bool(eval_task(eval_cfg, data_cfg) is not None if enabled is None else enabled)
+
+
 def build_evaluator(eval_cfg: Any, data_cfg: Any) -> Optional[Evaluator]:
     """The run's evaluator from `cfg.eval`, or None when eval is off.
 
@@ -282,11 +294,8 @@ def build_evaluator(eval_cfg: Any, data_cfg: Any) -> Optional[Evaluator]:
     from hydra.utils import instantiate
 
     train_task = data_cfg.get("task") if hasattr(data_cfg, "get") else None
-    task = eval_cfg.get("task") or train_task
-    enabled = eval_cfg.get("enabled")
-    if enabled is None:
-        enabled = task is not None
-    if not enabled:
+    task = eval_task(eval_cfg, data_cfg)
+    if not eval_enabled(eval_cfg, data_cfg):
         return None
     if task is None:
         raise ValueError("eval.enabled=true but the training data (data=atropos) has no task to evaluate: name one "

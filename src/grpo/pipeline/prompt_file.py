@@ -97,7 +97,8 @@ def rows_to_prompts(rows: list[dict[str, Any]], source: str, prompt_column: str,
 class PromptFileTask(RowsTask):
     """Prompts (and optional reference answers) read from a JSONL file, a parquet file or a saved HF dataset.
 
-    Each prompt is rendered with `template` (`{prompt}` is replaced by the prompt column), then through the
+    Each prompt is rendered with `template` (`{prompt}` is replaced by the prompt column; `\\n` and `\\t` written as
+    two characters, as the command line gives them, are a newline and a tab), then through the
     tokenizer's chat template when `chat_template` is true. `sample` draws rows uniformly with replacement from the
     seeded `rng` the pipeline gives it, so a resumed run sees the same prompts. Held-out prompts for evaluation come
     from `eval_path` (another file) or `eval_split` (another split of a saved dataset dict at `path`).
@@ -117,6 +118,9 @@ class PromptFileTask(RowsTask):
     ) -> None:
         if "{prompt}" not in template:
             raise ValueError(f"PromptFileTask: template must contain '{{prompt}}', got {template!r}")
+        # Hydra's command line keeps `\n` and `\t` as two characters (a YAML "..." string turns them into the
+        # character): data.task.template='"Question: {prompt}\nAnswer:"' would put a backslash and an n in every prompt.
+        template = template.replace("\\n", "\n").replace("\\t", "\t")
         self.path = Path(path).expanduser()
         self.prompt_column, self.answer_column = prompt_column, answer_column
         self.format, self.template, self.chat_template = format, template, chat_template

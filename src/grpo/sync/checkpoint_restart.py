@@ -51,6 +51,10 @@ class CheckpointRestartSync(ServerSync):
         if reload not in RELOADS:
             raise ConfigError(f"mode.reload={reload} is not one of {', '.join(RELOADS)} (inplace: vLLM reloads the "
                               "saved weights in place; restart: it restarts on them every sync)")
+        if reload == "restart" and option(cfg.server, "external_url"):  # else a RuntimeError at the first sync
+            raise ConfigError(f"mode.reload=restart restarts the vLLM server at every sync, so it cannot use a server "
+                              f"started elsewhere (server.external_url={cfg.server.external_url}); use "
+                              "mode.reload=inplace, or drop server.external_url")
 
     def launch(self, ctx: SyncContext) -> None:
         self.served_dir = Path(ctx.resume_weights or ctx.model_dir)

@@ -7,9 +7,11 @@ server; lora_only avoids it by hot-swapping.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import torch.nn as nn
 
+from grpo.options import ConfigError, option
 from grpo.sync.base import SyncContext
 from grpo.sync.server_base import ServerSync
 from grpo.weights.hf_dir import save_model_weights
@@ -32,9 +34,15 @@ class LoraRestartSync(ServerSync):
         self.adapter_name = adapter_name
         self._adapter_dir: Path | None = None
 
+    @classmethod
+    def check_config(cls, cfg: Any, *, cuda: bool, world_size: int = 1) -> None:
+        super().check_config(cfg, cuda=cuda, world_size=world_size)
+        if option(cfg.server, "external_url"):  # else a RuntimeError traceback once the model was built
+            raise ConfigError(f"mode=lora_restart restarts the vLLM server at every sync, so it cannot use a server "
+                              f"started elsewhere (server.external_url={cfg.server.external_url}); use mode=lora_only "
+                              "(adapters hot-swapped into that server), or drop server.external_url")
+
     def launch(self, ctx: SyncContext) -> None:
-        if ctx.server_cfg is not None and getattr(ctx.server_cfg, "external_url", None):
-            raise RuntimeError("mode=lora_restart restarts the server, so it cannot use server.external_url")
         self._adapter_dir = Path(ctx.resume_weights) if ctx.resume_weights else None
         lora = {self.adapter_name: self._adapter_dir} if self._adapter_dir else None
         self._start_server(ctx, Path(ctx.model_dir), lora_modules=lora)

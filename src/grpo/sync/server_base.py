@@ -12,7 +12,7 @@ from typing import Callable, Mapping
 from grpo import faults
 from grpo.inference.client import InferenceClient, InferenceServerError, ServerUnreachable
 from grpo.inference.process import VLLMServer
-from grpo.options import option
+from grpo.options import ConfigError, option
 from grpo.sync.base import SyncContext, SyncStrategy
 
 log = logging.getLogger(__name__)
@@ -42,8 +42,9 @@ class ServerSync(SyncStrategy):
             self._external_url = external.rstrip("/").removesuffix("/v1")
             # A server started with a run token (GRPO_SERVER_TOKEN in its environment) needs it for weight calls.
             self.client = InferenceClient(self._external_url, token=os.environ.get("GRPO_SERVER_TOKEN"))
-            if not self.client.health():
-                raise RuntimeError(f"server.external_url {external} does not answer /health")
+            if not self.client.health():  # the user's URL: a message, not a traceback
+                raise ConfigError(f"server.external_url={external} does not answer /health: start that server first "
+                                  "(grpo-serve <vLLM args>), or drop server.external_url and the run starts its own")
             served = self.client.weight_version()
             if served != self.version:
                 # Rollouts carry the server's versions and the trainer compares them with its own (staleness):

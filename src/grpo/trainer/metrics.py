@@ -104,7 +104,7 @@ class MetricsLogger:
     """Writes one JSON line per optimizer step to <run_dir>/metrics.jsonl and mirrors it to wandb and a bar."""
 
     def __init__(self, run_dir: Path, logging_cfg: DictConfig, full_cfg: DictConfig, total_steps: int, start_step: int,
-                 resumed_from: Optional[Path] = None):
+                 resumed_from: Optional[Path] = None, name: str = "grpo"):
         self.path = run_dir / "metrics.jsonl"
         self.run_dir = run_dir
         earlier = Path(resumed_from) / "metrics.jsonl" if resumed_from is not None else None
@@ -124,6 +124,7 @@ class MetricsLogger:
             self._wandb = wandb.init(
                 project=logging_cfg.wandb_project,
                 entity=logging_cfg.wandb_entity,
+                name=name,
                 dir=str(run_dir),
                 mode=mode,
                 config=OmegaConf.to_container(full_cfg, resolve=True),
@@ -135,7 +136,7 @@ class MetricsLogger:
         if logging_cfg.progress_bar:
             from tqdm.auto import tqdm
 
-            self._bar = tqdm(total=total_steps, initial=start_step, desc="grpo", unit="step", dynamic_ncols=True)
+            self._bar = tqdm(total=total_steps, initial=start_step, desc=name, unit="step", dynamic_ncols=True)
 
     def log(self, metrics: dict[str, Any]) -> None:
         """Record one optimizer step; `metrics` must contain `step`."""
@@ -219,9 +220,11 @@ def plot_curves(metrics_path: Path, out_path: Path, title: str = "") -> Path:
     train_rows = [r for r in rows if r["step"] > 0]  # step 0 is the eval before training
     eval_rows = [r for r in rows if r.get("eval/accuracy") is not None]
     fig, axes = plt.subplots(1, 3 if eval_rows else 2, figsize=(15 if eval_rows else 10, 3.8))
-    steps = [r["step"] for r in train_rows]
     for ax, key in zip(axes, ("reward/mean", "loss")):
-        ax.plot(steps, [r.get(key) if r.get(key) is not None else float("nan") for r in train_rows], lw=1.5)
+        # Only the rows that have the key: with several updates per rollout batch reward/mean is on each batch's
+        # first row alone, and NaN gaps between such rows left single points that a line does not draw.
+        points = [(r["step"], r[key]) for r in train_rows if r.get(key) is not None]
+        ax.plot([x for x, _ in points], [y for _, y in points], lw=1.5, marker="o" if len(points) == 1 else None)
         ax.set_xlabel("optimizer step")
         ax.set_ylabel(key)
         ax.grid(alpha=0.3)
