@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import logging
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
@@ -16,6 +17,8 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 from grpo.config.validate import ConfigError
+
+log = logging.getLogger(__name__)
 
 # Files whose presence makes a directory a model: a config plus weights in any format transformers loads.
 MODEL_FILES = ("config.json",)
@@ -305,24 +308,33 @@ def _given(info: HydraInfo, *keys: str) -> list[str]:
 
 def check_clip_can_act(cfg: DictConfig, info: HydraInfo) -> None:
     """`loss.clip_eps` / `loss.clip_eps_high` on the command line of a run where the policy never moves between
-    sampling and update (one optimizer step per rollout batch, synchronous, synced every batch, local data): the
-    PPO ratio is 1 up to numerics, so the clip never binds and the setting would be silently ignored (two such
-    runs differing only in it train alike). Not in a sweep, whose settings are common to its jobs
+    sampling and update (one optimizer step per rollout batch, synchronous, synced every batch, local data). Where the
+    ratio the clip sees is then exactly 1 (pi_old recomputed, the proximal ratio of `loss.tis_cap`, or no rollout
+    log-probs) the setting would be silently ignored: refused. With the default pi_old (vLLM's log-probs) the ratio is
+    trainer/sampler and the clip acts only on their numerical mismatch (`grpo/logprob_diff`: ~1e-3 in float32, a few
+    percent in bf16): warned. Not in a sweep, whose settings are common to its jobs
     (`-m train.ppo_epochs=1,2 loss.clip_eps=0.1,0.2`)."""
-    given = _given(info, "loss.clip_eps", "loss.clip_eps_high")
-    data_class = _data_class(cfg)
-    if not given or info.multirun or data_class is None:
+    from hydra.utils import get_class
+
+    given = [o for o in info.overrides if o.lstrip("+~").split("=", 1)[0] in ("loss.clip_eps", "loss.clip_eps_high")]
+    if not given or info.multirun:
         return
-    train = cfg.train
+    train, loss = cfg.train, cfg.loss
     moves = (train.ppo_epochs * train.mini_batches > 1 or train.max_staleness > 0
-             or int(cfg.mode.get("sync_every", 1)) > 1 or data_class.asynchronous_source)
-    if not moves:
-        raise ConfigError(
-            f"{' '.join(given)} cannot act in this run: each rollout batch gets one optimizer step, at the weights "
-            "that sampled it (train.ppo_epochs x train.mini_batches = 1, train.max_staleness=0, mode.sync_every=1), "
-            "so the PPO ratio stays 1 and the clip never binds (README 'Several updates per rollout batch'); for the "
-            "clip to act add e.g. train.ppo_epochs=2 train.mini_batches=2 (or train.max_staleness=1), else drop it"
-        )
+             or int(cfg.mode.get("sync_every", 1)) > 1 or get_class(cfg.data._target_).asynchronous_source)
+    if moves:
+        return
+    why = (f"{' '.join(given)}: each rollout batch gets one optimizer step, at the weights that sampled it "
+           "(train.ppo_epochs x train.mini_batches = 1, train.max_staleness=0, mode.sync_every=1), so the policy does "
+           "not move before its update (README 'Several updates per rollout batch')")
+    act = ("for the clip to act add e.g. train.ppo_epochs=2 train.mini_batches=2 (or train.max_staleness=1), else "
+           "drop it")
+    exact = (cfg.data.get("rollout_logprobs", True) is False or loss.get("old_logprobs", "rollout") == "recompute"
+             or loss.get("tis_cap") is not None)
+    if exact:
+        raise ConfigError(f"{why}; the ratio the clip sees is exactly 1 here, so it never binds; {act}")
+    log.warning("%s; the clip sees only the trainer/vLLM numerical mismatch (grpo/logprob_diff) and rarely binds; %s",
+                why, act)
 
 
 def check_grad_accum_used(cfg: DictConfig, info: HydraInfo) -> None:
