@@ -17,6 +17,9 @@ metrics.jsonl):
                               producer thread, while the trainer trains the batch before
     kill_server_evaluating@<s>,...  SIGKILL it (pid from <run_dir>/logs/vllm.pid) as the evaluator sends its requests
                               after step <s> (0: the eval before training)
+    kill_server_syncing@<s>,...  SIGKILL it in the weight sync after step <s>, once the weights are written and
+                              before the server is asked to take them (file-based modes: none, lora_only,
+                              lora_restart)
 
 Example: GRPO_FAULT="nan_loss@3;sigterm@checkpoint_write:5".
 """
@@ -85,6 +88,12 @@ def kill_server_evaluating(step: int, pid_file) -> None:
     """Before the requests of the evaluation after step `step`: SIGKILL the server (a crash during an in-run
     evaluation) when GRPO_FAULT says kill_server_evaluating@<step>."""
     _kill_once("kill_server_evaluating", step, pid_file, "the evaluation after step")
+
+
+def kill_server_syncing(step: int, pid_file) -> None:
+    """In the sync after `step`, between writing the weights and handing them to the server: SIGKILL the server (a
+    crash during a sync) when GRPO_FAULT says kill_server_syncing@<step>."""
+    _kill_once("kill_server_syncing", step, pid_file, "the sync after step")
 
 
 def server_faults(step: int, pid: int | None) -> None:

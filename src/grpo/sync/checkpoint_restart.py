@@ -65,7 +65,7 @@ class CheckpointRestartSync(ServerSync):
 
     def sync(self, model: nn.Module, step: int) -> dict[str, float]:
         return self._save_and_load(
-            "served_weights", lambda d: save_full_weights(model, self.ctx.tokenizer, d), self._serve_weights
+            "served_weights", lambda d: save_full_weights(model, self.ctx.tokenizer, d), self._serve_weights, step
         )
 
     def _serve_weights(self, out: Path, version: int) -> dict[str, float]:
