@@ -24,6 +24,7 @@ import random
 import re
 import shutil
 import tempfile
+import zipfile
 from pathlib import Path
 from typing import Any, Optional
 
@@ -38,6 +39,7 @@ from grpo.weights.hf_dir import (
     os_error_of,
     publish_dir,
     read_safetensors,
+    safetensors_problem,
     save_model_weights,
     save_torch,
     write_model,
@@ -54,6 +56,38 @@ _STEP_RE = re.compile(r"^step_(\d+)$")
 def read_trainer_state(checkpoint: Path) -> dict:
     """A checkpoint's ``trainer_state.json``: ``step`` and the state its saver added (e.g. ``weight_version``)."""
     return json.loads((Path(checkpoint) / "trainer_state.json").read_text())
+
+
+def checkpoint_problems(checkpoint: Path) -> list[str]:
+    """What makes a complete checkpoint (``COMPLETE`` written) unusable: a file it needs that is missing or cut short
+    (a run dir copied in part, a file deleted to save space, a damaged disk). Reads headers and zip directories
+    only; an empty list when the checkpoint looks whole."""
+    checkpoint = Path(checkpoint)
+    problems = []
+    weights = sorted(checkpoint.glob("*.safetensors"))
+    if not weights:
+        problems.append("no model.safetensors or adapter_model.safetensors")
+    problems += [p for p in map(safetensors_problem, weights) if p is not None]
+    for index in checkpoint.glob("*.safetensors.index.json"):  # a model saved in shards names each of them
+        try:
+            shards = set(json.loads(index.read_text())["weight_map"].values())
+        except (OSError, ValueError, KeyError, AttributeError) as e:
+            problems.append(f"{index.name}: unreadable ({type(e).__name__}: {e})")
+            continue
+        problems += [f"no {name} (named in {index.name})" for name in sorted(shards)
+                     if not (checkpoint / name).exists()]
+    for name in ("optimizer.pt", "rng.pt", "scheduler.pt"):
+        path = checkpoint / name
+        if not path.exists():
+            if name != "scheduler.pt":  # optional: load() skips a missing one
+                problems.append(f"no {name}")
+        elif not zipfile.is_zipfile(path):  # torch.save writes a zip, whose directory is at the end
+            problems.append(f"{name}: not a whole torch file ({path.stat().st_size} bytes; cut short?)")
+    try:
+        read_trainer_state(checkpoint)["step"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        problems.append(f"trainer_state.json: unreadable ({type(e).__name__}: {e})")
+    return problems
 
 
 def _rng_state() -> dict:
