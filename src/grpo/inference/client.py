@@ -7,7 +7,7 @@ concurrent requests itself, so `generate` fans prompts out over a small thread p
 from __future__ import annotations
 
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Any
 
@@ -185,11 +185,35 @@ class InferenceClient:
             seed = {} if base_seed is None else {"seed": (int(base_seed) + i * n) % (2**63)}
             return self.generate_one(prompts[i], n, max_tokens, temperature, top_p, model, **seed, **sampling)
 
-        workers = min(self.max_concurrency, len(prompts))
-        if workers == 1:
-            return [one(i) for i in range(len(prompts))]
-        with ThreadPoolExecutor(max_workers=workers) as pool:
-            return list(pool.map(one, range(len(prompts))))
+        return self._while_healthy(one, len(prompts))
+
+    # While generation requests are out: how often /health is asked, and how long it may take to answer (as the
+    # trainer's health check before each step). A hung server (stopped, deadlocked) accepts the requests and never
+    # answers them: without this they waited for `timeout` (600 s) and each retry, and Ctrl-C waited with them.
+    health_every_s: float = 10.0
+    health_timeout_s: float = 10.0
+
+    def _while_healthy(self, one: Any, n: int) -> list[Any]:
+        """`[one(i) for i in range(n)]`, run concurrently; raises ServerUnreachable when the server stops answering
+        /health meanwhile. The requests left behind end when the server is restarted or stopped (their connection
+        closes) or at their timeout; nothing waits for them."""
+        pool = ThreadPoolExecutor(max_workers=min(self.max_concurrency, n))
+        try:
+            futures = [pool.submit(one, i) for i in range(n)]
+            while True:
+                done, pending = wait(futures, timeout=self.health_every_s, return_when=FIRST_EXCEPTION)
+                error = next((f.exception() for f in done if f.exception() is not None), None)
+                if error is not None:
+                    raise error
+                if not pending:
+                    return [f.result() for f in futures]
+                if not self.health(timeout=self.health_timeout_s):
+                    raise ServerUnreachable(
+                        f"inference server at {self.base_url} stopped answering /health (within "
+                        f"{self.health_timeout_s:g} s) while {len(pending)} of {n} generation requests were out: hung "
+                        "or dead")
+        finally:
+            pool.shutdown(wait=False, cancel_futures=True)
 
     def prompt_logprobs(self, tokens: list[int], model: str | None = None) -> list[float]:
         """Log-prob of tokens[i] given tokens[:i] for i = 1..len-1 (len(tokens) - 1 values), from the raw logits.
