@@ -92,3 +92,24 @@ def test_vllm_killed_during_a_lora_only_sync_is_restarted_with_the_adapter(tmp_p
     assert [r["server/restarts"] for r in table] == [0, 1, 1]
     assert CheckpointManager(run).latest().name == "step_000003"
     assert_clean(marker)
+
+
+@pytest.mark.vllm
+def test_vllm_killed_during_a_mode_none_sync_is_a_counted_bounded_restart(tmp_path):
+    """Before: the failed in-place reload fell back to a restart on the new weights, unsaid, uncounted
+    (server/restarts stayed 0) and unbounded (server.max_restarts=0 did not stop it). ~55 s: one vLLM start and one
+    restart."""
+    run = tmp_path / "run"
+    code, out, marker = train("train.steps=4", "train.checkpoint_every=1", "server.max_restarts=1",
+                              f"server.port={free_port()}", f"hydra.run.dir={run}", fault="kill_server_syncing@2,3")
+    assert code != 0, out[-3000:]
+    # Step 2's sync: restart 1 of 1 on the served weights, then the reload; step 3's: none left, the run stops.
+    assert "inference server exited; restart 1 of 1 on weight version 1" in out, out[-3000:]
+    assert "giving up after 1 restarts (server.max_restarts=1)" in out, out[-3000:]
+    table = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in table] == [1, 2, 3]  # step 3 was trained: its row is there
+    assert [r["server/restarts"] for r in table] == [0, 1, 1]
+    assert [r["sync/version"] for r in table] == [1, 2, 2] and table[1]["sync/inplace"] == 1.0
+    assert CheckpointManager(run).latest().name == "step_000002"
+    assert json.loads((run / "summary.json").read_text())["status"] == "failed"
+    assert_clean(marker)
