@@ -2,11 +2,12 @@
 answers. Before, each request waited for the client's 600 s timeout and its 3 retries (40 minutes) before the
 trainer's restart path saw an error, and Ctrl-C / SIGTERM waited with them (a run stopped by `timeout 150` was still
 there 10 minutes later). Now the client asks /health while its requests are out and gives up on a server that does
-not answer it."""
+not answer it; so does a sync's weight update (an in-place reload, an adapter swap)."""
 
 from __future__ import annotations
 
 import json
+import re
 import socket
 
 import pytest
@@ -27,13 +28,20 @@ def hung_server():
         yield f"http://127.0.0.1:{s.getsockname()[1]}"
 
 
-def test_generation_on_a_server_that_stops_answering_fails_on_its_health_not_the_request_timeout(hung_server):
+@pytest.mark.parametrize("call, what", [
+    (lambda c: c.generate([[1, 2], [3, 4], [5, 6]], n=2, max_tokens=4), "3 of 3 generation requests"),
+    (lambda c: c.reload_weights("/weights/v2", version=2), "1 of 1 requests (/grpo/reload_weights)"),  # mode=none
+    (lambda c: c.load_lora("policy-v2", "/adapters/v2"), "1 of 1 requests (/v1/load_lora_adapter)"),  # lora_only
+], ids=["generate", "reload_weights", "load_lora"])
+def test_a_call_on_a_server_that_stops_answering_fails_on_its_health_not_the_request_timeout(hung_server, call, what):
+    """Generation, and a sync's weight update (GRPO_FAULT=stop_server_syncing: the same wait, then the loop's
+    restart and second sync)."""
     client = InferenceClient(hung_server, timeout=30, retries=3)  # the requests alone: 4 x 30 s before an error
     client.health_every_s = client.health_timeout_s = 0.5
     try:
-        with pytest.raises(ServerUnreachable, match=r"stopped answering /health \(within 0.5 s\) while 3 of 3 "
-                                                    r"generation requests were out: hung or dead"):
-            client.generate([[1, 2], [3, 4], [5, 6]], n=2, max_tokens=4)
+        with pytest.raises(ServerUnreachable, match=re.escape(f"stopped answering /health (within 0.5 s) while {what} "
+                                                              "were out: hung or dead")):
+            call(client)
     finally:
         client.close()
 

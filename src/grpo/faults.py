@@ -20,7 +20,7 @@ metrics.jsonl):
                               after step <s> (0: the eval before training)
     kill_server_syncing@<s>,...  SIGKILL it in the weight sync after step <s>, once the weights are written and
                               before the server is asked to take them (file-based modes: none, lora_only,
-                              lora_restart)
+                              lora_restart); stop_server_syncing@<s> SIGSTOPs it there (a hang)
 
 Example: GRPO_FAULT="nan_loss@3;sigterm@checkpoint_write:5".
 """
@@ -96,6 +96,7 @@ def kill_server_syncing(step: int, pid_file) -> None:
     """In the sync after `step`, between writing the weights and handing them to the server: SIGKILL the server (a
     crash during a sync) when GRPO_FAULT says kill_server_syncing@<step>."""
     _kill_once("kill_server_syncing", step, pid_file, "the sync after step")
+    _kill_once("stop_server_syncing", step, pid_file, "the sync after step", signal.SIGSTOP)
 
 
 def server_faults(step: int, pid: int | None) -> None:
