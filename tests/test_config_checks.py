@@ -294,13 +294,25 @@ def test_a_local_pipeline_that_cannot_train_stops_before_the_server(override, ne
         build_data(cfg)
 
 
-def test_resuming_a_finished_run_says_how_to_go_on_instead_of_starting_a_server(tmp_path):
+def write_checkpoint(ckpt: Path, step: int) -> None:
+    """A complete checkpoint of `step` as a resume's start-up checks see one: its files there and whole (no weights
+    worth loading)."""
+    import torch
+    from safetensors.torch import save_file
+
     from grpo.trainer.checkpoint import COMPLETE
 
-    ckpt = tmp_path / "old" / "checkpoints" / "step_000004"
     ckpt.mkdir(parents=True)
-    (ckpt / "trainer_state.json").write_text(json.dumps({"step": 4}))
+    save_file({"w": torch.zeros(1)}, str(ckpt / "model.safetensors"))
+    for name in ("optimizer.pt", "rng.pt"):
+        torch.save({}, ckpt / name)
+    (ckpt / "trainer_state.json").write_text(json.dumps({"step": step}))
     (ckpt / COMPLETE).write_text("")
+
+
+def test_resuming_a_finished_run_says_how_to_go_on_instead_of_starting_a_server(tmp_path):
+    ckpt = tmp_path / "old" / "checkpoints" / "step_000004"
+    write_checkpoint(ckpt, 4)
     resume = f"train.resume={tmp_path / 'old'}"
     with pytest.raises(ConfigError, match=r"\(step_000004\) is at step 4, and train.steps=4, so there is nothing left "
                                           r"to train; to go on, raise train.steps \(e.g. train.steps=8"):
@@ -365,8 +377,6 @@ def test_a_mandatory_value_left_unset_is_named(tmp_path):
 
 def test_a_fresh_run_into_a_run_dir_holding_a_run_stops_instead_of_overwriting_it(tmp_path):
     """Before, a second `python train.py hydra.run.dir=X` truncated X's metrics.jsonl and replaced its checkpoints."""
-    from grpo.trainer.checkpoint import COMPLETE
-
     run = tmp_path / "run"
     _validate([f"hydra.run.dir={run}"], run)  # a new (or empty) dir is fine
     (run / "metrics.jsonl").write_text('{"step": 1}\n')
@@ -376,9 +386,7 @@ def test_a_fresh_run_into_a_run_dir_holding_a_run_stops_instead_of_overwriting_i
                                                     "from; start a new one in another dir")):
         _validate([f"hydra.run.dir={run}"], run)
     ckpt = run / "checkpoints" / "step_000004"
-    ckpt.mkdir(parents=True)
-    (ckpt / "trainer_state.json").write_text(json.dumps({"step": 4}))
-    (ckpt / COMPLETE).write_text("")
+    write_checkpoint(ckpt, 4)
     with pytest.raises(ConfigError, match=re.escape(f"(metrics.jsonl with rows, checkpoints up to step_000004), which "
                                                     f"this run would overwrite; continue that run with "
                                                     f"train.resume={run}, or start a new one in another dir")):
@@ -402,13 +410,9 @@ def test_a_sweep_option_without_multirun_is_refused_not_run_as_one_job(tmp_path)
 def test_a_resume_dir_without_a_checkpoint_says_what_to_give_instead(tmp_path):
     """Before, each failed in the run with a FileNotFoundError traceback ("has no complete checkpoint"), and a
     checkpoint given as train.resume got the run's .hydra/, train.log and summary.json written into it."""
-    from grpo.trainer.checkpoint import COMPLETE
-
     run = tmp_path / "old"
     ckpt = run / "checkpoints" / "step_000004"
-    ckpt.mkdir(parents=True)
-    (ckpt / "trainer_state.json").write_text(json.dumps({"step": 4}))
-    (ckpt / COMPLETE).write_text("")
+    write_checkpoint(ckpt, 4)
     for given in (ckpt, run / "checkpoints"):
         with pytest.raises(ConfigError, match=re.escape(f"train.resume={given} is inside a run's checkpoints/; "
                                                         f"train.resume takes the run dir, and the run goes on from "

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import json
 import os
+import re
 
 import pytest
 
+from conftest import REPO
 from grpo.run import RunSummary
 
 
@@ -114,6 +116,32 @@ def test_resuming_a_run_with_another_model_or_data_is_refused_naming_the_runs_co
         "data.task._target_=grpo.pipeline.tasks.DigitsTask, but this command composes model.name=warm-arith, "
         "model.offline=warm-arith, data.task._target_=grpo.pipeline.arithmetic.ArithmeticTask; resume with the run's "
         "own settings (its command was: ")
+
+
+@pytest.mark.parametrize("override, named", [
+    ("optimizer=adafactor", "optimizer._target_=torch.optim.AdamW"),
+    ("layers=first50", "layers.indices=all"),
+    ("lora.r=8", "lora.r=16"),
+], ids=["optimizer", "layers", "lora_rank"])
+def test_resuming_with_another_optimizer_layers_or_lora_shape_is_refused_before_the_server_starts(
+        tmp_path, override, named):
+    """Before: a resume with optimizer=adafactor failed at its first optimizer step (KeyError: 'beta1'), one with
+    layers=first50 in torch's load_state_dict ('a parameter group that doesn't match the size'), both after vLLM's
+    start-up, with a traceback naming no setting."""
+    from hydra import compose, initialize_config_dir
+
+    from grpo.config import register_configs
+    from grpo.options import ConfigError
+    from grpo.run import check_resume_identity, record_provenance
+
+    register_configs()
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
+        same = compose("train", overrides=["~experiment", "mode=lora_only", f"train.resume={tmp_path}"])
+        resume = compose("train", overrides=["~experiment", "mode=lora_only", f"train.resume={tmp_path}", override])
+    record_provenance(tmp_path, same)  # the run's own record (lora.target_modules, a list, in its JSON)
+    check_resume_identity(same)
+    with pytest.raises(ConfigError, match=f"was trained with {re.escape(named)}, but this command composes"):
+        check_resume_identity(resume)
 
 
 def test_a_second_trainer_in_a_run_dir_in_use_stops_naming_the_holder(tmp_path):

@@ -15,8 +15,12 @@ metrics.jsonl):
     kill_server_generating@<b>,...  SIGKILL it (pid from <run_dir>/logs/vllm.pid) as the local pipeline sends the
                               requests of rollout batch <b> (1-based); with train.max_staleness >= 1 that is the
                               producer thread, while the trainer trains the batch before
+    stop_server_generating@<b>,...  SIGSTOP it there instead (a server that hangs with the requests out)
     kill_server_evaluating@<s>,...  SIGKILL it (pid from <run_dir>/logs/vllm.pid) as the evaluator sends its requests
                               after step <s> (0: the eval before training)
+    kill_server_syncing@<s>,...  SIGKILL it in the weight sync after step <s>, once the weights are written and
+                              before the server is asked to take them (file-based modes: none, lora_only,
+                              lora_restart); stop_server_syncing@<s> SIGSTOPs it there (a hang)
 
 Example: GRPO_FAULT="nan_loss@3;sigterm@checkpoint_write:5".
 """
@@ -61,9 +65,9 @@ def point(phase: str, step: int) -> None:
 _fired: set[tuple[str, int]] = set()
 
 
-def _kill_once(kind: str, n: int, pid_file, where: str) -> None:
-    """SIGKILL the server whose process group is in `pid_file` when GRPO_FAULT says <kind>@<n>; once per process,
-    so a retry meets the restarted server."""
+def _kill_once(kind: str, n: int, pid_file, where: str, sig: int = signal.SIGKILL) -> None:
+    """Send `sig` to the server whose process group is in `pid_file` when GRPO_FAULT says <kind>@<n>; once per
+    process, so a retry meets the restarted server."""
     if not active(kind, n) or (kind, n) in _fired:
         return
     _fired.add((kind, n))
@@ -72,19 +76,27 @@ def _kill_once(kind: str, n: int, pid_file, where: str) -> None:
     except (OSError, ValueError):
         return
     log.warning("GRPO_FAULT: %s (pgid %d) at %s %d", kind, pid, where, n)
-    os.killpg(pid, signal.SIGKILL)
+    os.killpg(pid, sig)
 
 
 def kill_server_generating(batch: int, pid_file) -> None:
     """Before rollout batch `batch`'s (1-based) requests: SIGKILL the server (a crash during generation) when
-    GRPO_FAULT says kill_server_generating@<batch>."""
+    GRPO_FAULT says kill_server_generating@<batch>, SIGSTOP it (a hang) for stop_server_generating@<batch>."""
     _kill_once("kill_server_generating", batch, pid_file, "rollout batch")
+    _kill_once("stop_server_generating", batch, pid_file, "rollout batch", signal.SIGSTOP)
 
 
 def kill_server_evaluating(step: int, pid_file) -> None:
     """Before the requests of the evaluation after step `step`: SIGKILL the server (a crash during an in-run
     evaluation) when GRPO_FAULT says kill_server_evaluating@<step>."""
     _kill_once("kill_server_evaluating", step, pid_file, "the evaluation after step")
+
+
+def kill_server_syncing(step: int, pid_file) -> None:
+    """In the sync after `step`, between writing the weights and handing them to the server: SIGKILL the server (a
+    crash during a sync) when GRPO_FAULT says kill_server_syncing@<step>."""
+    _kill_once("kill_server_syncing", step, pid_file, "the sync after step")
+    _kill_once("stop_server_syncing", step, pid_file, "the sync after step", signal.SIGSTOP)
 
 
 def server_faults(step: int, pid: int | None) -> None:

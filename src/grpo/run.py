@@ -42,22 +42,27 @@ def git_commit(cwd: Path | None = None) -> str | None:
         return None
 
 
-# What a run is (its model, mode and data): a resume must compose the same (check_resume_identity).
+# What a run is (its model, mode and data) and what its checkpoints' state is shaped by (the optimizer class, the
+# trained layers, the LoRA adapter's shape): a resume must compose the same (check_resume_identity). Before the last
+# four were checked, a resume with another optimizer or layers failed after vLLM's start-up, in torch's
+# load_state_dict or the first optimizer step, with a traceback naming no setting.
 IDENTITY_KEYS = ("model.name", "model.offline", "model.num_layers", "mode._target_", "data._target_",
-                 "data.task._target_")
+                 "data.task._target_", "optimizer._target_", "layers.indices", "lora.r", "lora.target_modules")
 
 
 def run_identity(cfg: Any) -> dict[str, Any]:
-    """The IDENTITY_KEYS of a composed config (None where a key is absent)."""
+    """The IDENTITY_KEYS of a composed config (None where a key is absent; lists as lists)."""
     from omegaconf import OmegaConf
 
-    return {key: OmegaConf.select(cfg, key, default=None) for key in IDENTITY_KEYS}
+    values = {key: OmegaConf.select(cfg, key, default=None) for key in IDENTITY_KEYS}
+    return {key: OmegaConf.to_container(v) if OmegaConf.is_config(v) else v for key, v in values.items()}
 
 
 def check_resume_identity(cfg: Any) -> None:
     """`train.resume` of a run trained on another model, mode or data (e.g. resumed without the overrides it was
-    started with, so the default job composes) would continue it on those, silently: refuse, naming the keys and
-    the run's own command line (its provenance.json, read before this run rewrites it)."""
+    started with, so the default job composes) would continue it on those, silently; with another optimizer class,
+    layers or LoRA shape its checkpoint does not load: refuse (IDENTITY_KEYS), naming the keys and the run's own
+    command line (its provenance.json, read before this run rewrites it)."""
     resume = cfg.train.resume
     path = Path(resume) / "provenance.json" if resume is not None else None
     if path is None or not path.exists():
@@ -281,9 +286,10 @@ def unlock_run_dir() -> None:
 class RunDirGuard(Callback):
     """Hydra callback (conf/train.yaml, hydra.callbacks): before a single run's job starts, refuse a run dir that
     holds another run (`check_run_dir_unused`), a resume path that does not exist, a resume dir without a checkpoint
-    or steps left, and a resume of another model, mode or data (`check_resume_identity`); before a sweep's first
-    job, a sweep dir whose jobs already ran. train.py checks each job too, but only after Hydra has written the job's
-    `.hydra/` (config, overrides) into its dir, over the earlier run's own record."""
+    or steps left, and a resume of another model, mode, data, optimizer class, layers or LoRA shape
+    (`check_resume_identity`); before a sweep's first job, a sweep dir whose jobs already ran. train.py checks each
+    job too, but only after Hydra has written the job's `.hydra/` (config, overrides) into its dir, over the earlier
+    run's own record."""
 
     @staticmethod
     @contextlib.contextmanager

@@ -357,15 +357,17 @@ def check_resume_has_steps_left(cfg: DictConfig) -> None:
     """`train.resume` is a run dir with a complete checkpoint (else `raise_for_resume_dir`). Resuming a run whose latest
     checkpoint already holds `train.steps` steps would start the server and train nothing: say so, with the setting
     that continues it."""
-    from grpo.trainer.checkpoint import CheckpointManager, read_trainer_state
+    from grpo.trainer.checkpoint import CheckpointManager, checkpoint_problems, read_trainer_state
 
     if cfg.train.resume is None:
         return
-    latest = CheckpointManager(Path(cfg.train.resume), keep=cfg.train.keep_checkpoints).latest()
+    checkpoints = CheckpointManager(Path(cfg.train.resume), keep=cfg.train.keep_checkpoints)
+    latest = checkpoints.latest()
     if latest is None:
         raise_for_resume_dir(Path(cfg.train.resume))
-    if not (latest / "trainer_state.json").exists():
-        return
+    problems = checkpoint_problems(latest)
+    if problems:
+        raise_for_damaged_checkpoint(cfg.train.resume, latest, problems, checkpoints.checkpoints()[:-1])
     done = int(read_trainer_state(latest).get("step", 0))
     if done >= cfg.train.steps:
         raise ConfigError(
@@ -373,6 +375,19 @@ def check_resume_has_steps_left(cfg: DictConfig) -> None:
             f"train.steps={cfg.train.steps}, so there is nothing left to train; to go on, raise train.steps "
             f"(e.g. train.steps={done + cfg.train.steps}; it counts from the run's start)"
         )
+
+
+def raise_for_damaged_checkpoint(resume: str, latest: Path, problems: list[str], earlier: list[Path]) -> NoReturn:
+    """Raises for a latest checkpoint with files missing or cut short: before, vLLM failed its start-up on it (a
+    pydantic 'Unterminated string' for a cut-short model.safetensors) or the load a traceback. Not resumed from an
+    earlier checkpoint silently: the message says how to (move the damaged one aside)."""
+    if earlier:
+        fix = (f"move it aside (mv {latest} {latest}.damaged) to resume from {earlier[-1].name}, the checkpoint "
+               "before it")
+    else:
+        fix = "no earlier checkpoint is left, so start the run again without train.resume"
+    raise ConfigError(f"train.resume={resume}: its latest checkpoint {latest} is damaged ({'; '.join(problems)}); "
+                      f"{fix}")
 
 
 def raise_for_resume_dir(resume: Path) -> NoReturn:

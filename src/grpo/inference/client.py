@@ -7,7 +7,7 @@ concurrent requests itself, so `generate` fans prompts out over a small thread p
 from __future__ import annotations
 
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Any
 
@@ -130,6 +130,11 @@ class InferenceClient:
         r = self._request("POST", path, json=payload, timeout=timeout)
         return r.json() if r.content else None
 
+    def _watched_post(self, path: str, payload: dict) -> requests.Response:
+        """POST of a weight update (a sync's reload or adapter swap): given up on, like generation, when the server
+        stops answering /health meanwhile (its API answers /health while the engine reloads)."""
+        return self._while_healthy(lambda _: self._request("POST", path, json=payload), 1, f"requests ({path})")[0]
+
     # ------------------------------------------------------------------ health
     def health(self, timeout: float = 5.0) -> bool:
         """True when GET /health answers 200 (one attempt, no retries)."""
@@ -191,11 +196,34 @@ class InferenceClient:
             seed = {} if base_seed is None else {"seed": (int(base_seed) + i * n) % (2**63)}
             return self.generate_one(prompts[i], n, max_tokens, temperature, top_p, model, **seed, **sampling)
 
-        workers = min(self.max_concurrency, len(prompts))
-        if workers == 1:
-            return [one(i) for i in range(len(prompts))]
-        with ThreadPoolExecutor(max_workers=workers) as pool:
-            return list(pool.map(one, range(len(prompts))))
+        return self._while_healthy(one, len(prompts), "generation requests")
+
+    # While generation requests are out: how often /health is asked, and how long it may take to answer (as the
+    # trainer's health check before each step). A hung server (stopped, deadlocked) accepts the requests and never
+    # answers them: without this they waited for `timeout` (600 s) and each retry, and Ctrl-C waited with them.
+    health_every_s: float = 10.0
+    health_timeout_s: float = 10.0
+
+    def _while_healthy(self, one: Any, n: int, what: str) -> list[Any]:
+        """`[one(i) for i in range(n)]`, run concurrently; raises ServerUnreachable when the server stops answering
+        /health meanwhile. The requests left behind end when the server is restarted or stopped (their connection
+        closes) or at their timeout; nothing waits for them."""
+        pool = ThreadPoolExecutor(max_workers=min(self.max_concurrency, n))
+        try:
+            futures = [pool.submit(one, i) for i in range(n)]
+            while True:
+                done, pending = wait(futures, timeout=self.health_every_s, return_when=FIRST_EXCEPTION)
+                error = next((f.exception() for f in done if f.exception() is not None), None)
+                if error is not None:
+                    raise error
+                if not pending:
+                    return [f.result() for f in futures]
+                if not self.health(timeout=self.health_timeout_s):
+                    raise ServerUnreachable(
+                        f"inference server at {self.base_url} stopped answering /health (within "
+                        f"{self.health_timeout_s:g} s) while {len(pending)} of {n} {what} were out: hung or dead")
+        finally:
+            pool.shutdown(wait=False, cancel_futures=True)
 
     def prompt_logprobs(self, tokens: list[int], model: str | None = None) -> list[float]:
         """Log-prob of tokens[i] given tokens[:i] for i = 1..len-1 (len(tokens) - 1 values), from the raw logits.
@@ -239,11 +267,11 @@ class InferenceClient:
         payload: dict[str, Any] = {"lora_name": name, "lora_path": str(path)}
         if load_inplace:
             payload["load_inplace"] = True
-        self._request("POST", "/v1/load_lora_adapter", json=payload)
+        self._watched_post("/v1/load_lora_adapter", payload)
 
     def unload_lora(self, name: str) -> None:
         """Unload the adapter `name`."""
-        self._request("POST", "/v1/unload_lora_adapter", json={"lora_name": name})
+        self._watched_post("/v1/unload_lora_adapter", {"lora_name": name})
 
     # ------------------------------------------------------------------ grpo extensions (our server only)
     def weight_version(self) -> int:
@@ -256,14 +284,15 @@ class InferenceClient:
         payload: dict[str, Any] = {"weight_version": int(version)}
         if reset_prefix_cache:
             payload["reset_prefix_cache"] = True
-        self._post("/grpo/weight_version", payload)
+        self._watched_post("/grpo/weight_version", payload)
 
     def reload_weights(self, path: str, version: int | None = None) -> dict:
         """Reload full HF weights from `path` in place on every worker; bumps the served version."""
         payload: dict[str, Any] = {"path": str(path)}
         if version is not None:
             payload["weight_version"] = int(version)
-        return self._post("/grpo/reload_weights", payload)
+        r = self._watched_post("/grpo/reload_weights", payload)
+        return r.json() if r.content else None
 
     def pause(self) -> None:
         """Pause generation (in-flight requests wait) until resume()."""

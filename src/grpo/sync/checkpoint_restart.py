@@ -3,7 +3,8 @@
 The server stays up: the weights are reloaded in place on every vLLM worker (vLLM's layer-wise `reload_weights`
 through our worker extension and `collective_rpc`, ~0.03 s for the tiny model on CPU). Only when that is not
 possible (an external server without our endpoints, or a failed reload) does it fall back to restarting vLLM on the
-new directory, which leaves rollouts without a server for the whole start-up (~30 s here).
+new directory, which leaves rollouts without a server for the whole start-up (~30 s here). A server found dead or
+hung when the reload fails is a crash: restarted through the health check (counted, bounded), then reloaded.
 
 Under torchrun (FSDP2) only rank 0 holds this strategy; its sync gathers the full state dict, which the other
 ranks join through `grpo.sync.follower.FollowerSync` (`fsdp_gather = "state_dict"`), then rank 0 alone saves
@@ -12,6 +13,7 @@ and drives the server.
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +24,8 @@ from grpo.options import ConfigError, option
 from grpo.sync.base import SyncContext
 from grpo.sync.server_base import ServerSync
 from grpo.weights.params import save_full_weights
+
+log = logging.getLogger(__name__)
 
 # How vLLM takes the saved weights (mode.reload).
 RELOADS = ("inplace", "restart")
@@ -69,7 +73,7 @@ class CheckpointRestartSync(ServerSync):
 
     def sync(self, model: nn.Module, step: int) -> dict[str, float]:
         return self._save_and_load(
-            "served_weights", lambda d: save_full_weights(model, self.ctx.tokenizer, d), self._serve_weights
+            "served_weights", lambda d: save_full_weights(model, self.ctx.tokenizer, d), self._serve_weights, step
         )
 
     def _serve_weights(self, out: Path, version: int) -> dict[str, float]:
@@ -80,10 +84,17 @@ class CheckpointRestartSync(ServerSync):
                 # preempted by the prefix-cache reset and go on with the new weights (none is lost).
                 with self.stalling():
                     self.client.reload_weights(str(out), version=version)
-            except InferenceServerError:
+            except InferenceServerError as error:
                 if self.server is None:
                     raise  # nothing we can restart
-                method = "restart"
+                if self.check_health():
+                    # It died or hung: restarted on the served weights like any crash (counted in server/restarts,
+                    # bounded by server.max_restarts; before, restarted here unsaid and unbounded), then reloaded.
+                    with self.stalling():
+                        self.client.reload_weights(str(out), version=version)
+                else:
+                    log.warning("in-place reload of %s failed (%s); restarting vLLM on it", out, error)
+                    method = "restart"
         if method == "restart":
             if self.server is None:
                 raise RuntimeError("mode=none with reload=restart needs a server this trainer launched")

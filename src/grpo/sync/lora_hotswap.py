@@ -51,7 +51,7 @@ class LoraHotSwapSync(ServerSync):
             self.client.load_lora(self._current, str(self._current_dir))
 
     def sync(self, model: nn.Module, step: int) -> dict[str, float]:
-        return self._save_and_load("adapters", lambda d: save_adapter(model, d), self._swap_in)
+        return self._save_and_load("adapters", lambda d: save_adapter(model, d), self._swap_in, step)
 
     def _swap_in(self, out: Path, version: int) -> None:
         name = self._name(version)

@@ -53,7 +53,7 @@ class LoraRestartSync(ServerSync):
         return self.adapter_name if self._adapter_dir else None
 
     def sync(self, model: nn.Module, step: int) -> dict[str, float]:
-        return self._save_and_load("adapters", lambda d: save_adapter(model, d), self._serve_adapter)
+        return self._save_and_load("adapters", lambda d: save_adapter(model, d), self._serve_adapter, step)
 
     def _serve_adapter(self, out: Path, version: int) -> None:
         # The restart drains first: the rollouts in flight finish on the old server, new ones wait for the new one.

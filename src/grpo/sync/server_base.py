@@ -131,7 +131,8 @@ class ServerSync(SyncStrategy):
 
     # ------------------------------------------------------------------ weight directories
     def _save_and_load(
-        self, kind: str, save: Callable[[Path], Path], load: Callable[[Path, int], Mapping[str, float] | None]
+        self, kind: str, save: Callable[[Path], Path], load: Callable[[Path, int], Mapping[str, float] | None],
+        step: int,
     ) -> dict[str, float]:
         """One sync of a file-based mode: ``save`` the weights into ``<run_dir>/<kind>/v<next version>``, have the
         server ``load(dir, version)`` them, then advance the version. Returns the timings every such mode reports
@@ -140,6 +141,8 @@ class ServerSync(SyncStrategy):
         version = self.version + 1
         out = save(self._versioned_dir(kind, version))
         t_saved = time.perf_counter()
+        if self.server is not None:  # GRPO_FAULT (tests): the server dies while the sync runs
+            faults.kill_server_syncing(step, self.server.pid_path)
         extra = dict(load(out, version) or {})
         self.version = version
         t1 = time.perf_counter()

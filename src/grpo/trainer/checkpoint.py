@@ -19,10 +19,12 @@ Everything is written into a hidden temporary directory beside the final one, fs
 from __future__ import annotations
 
 import json
+import logging
 import random
 import re
 import shutil
 import tempfile
+import zipfile
 from pathlib import Path
 from typing import Any, Optional
 
@@ -37,12 +39,15 @@ from grpo.weights.hf_dir import (
     os_error_of,
     publish_dir,
     read_safetensors,
+    safetensors_problem,
     save_model_weights,
     save_torch,
     write_model,
 )
 
 __all__ = ["COMPLETE", "CheckpointManager", "CheckpointWriteError", "load_model_weights", "save_model_weights"]
+
+log = logging.getLogger(__name__)
 
 COMPLETE = "COMPLETE"
 _STEP_RE = re.compile(r"^step_(\d+)$")
@@ -51,6 +56,38 @@ _STEP_RE = re.compile(r"^step_(\d+)$")
 def read_trainer_state(checkpoint: Path) -> dict:
     """A checkpoint's ``trainer_state.json``: ``step`` and the state its saver added (e.g. ``weight_version``)."""
     return json.loads((Path(checkpoint) / "trainer_state.json").read_text())
+
+
+def checkpoint_problems(checkpoint: Path) -> list[str]:
+    """What makes a complete checkpoint (``COMPLETE`` written) unusable: a file it needs that is missing or cut short
+    (a run dir copied in part, a file deleted to save space, a damaged disk). Reads headers and zip directories
+    only; an empty list when the checkpoint looks whole."""
+    checkpoint = Path(checkpoint)
+    problems = []
+    weights = sorted(checkpoint.glob("*.safetensors"))
+    if not weights:
+        problems.append("no model.safetensors or adapter_model.safetensors")
+    problems += [p for p in map(safetensors_problem, weights) if p is not None]
+    for index in checkpoint.glob("*.safetensors.index.json"):  # a model saved in shards names each of them
+        try:
+            shards = set(json.loads(index.read_text())["weight_map"].values())
+        except (OSError, ValueError, KeyError, AttributeError) as e:
+            problems.append(f"{index.name}: unreadable ({type(e).__name__}: {e})")
+            continue
+        problems += [f"no {name} (named in {index.name})" for name in sorted(shards)
+                     if not (checkpoint / name).exists()]
+    for name in ("optimizer.pt", "rng.pt", "scheduler.pt"):
+        path = checkpoint / name
+        if not path.exists():
+            if name != "scheduler.pt":  # optional: load() skips a missing one
+                problems.append(f"no {name}")
+        elif not zipfile.is_zipfile(path):  # torch.save writes a zip, whose directory is at the end
+            problems.append(f"{name}: not a whole torch file ({path.stat().st_size} bytes; cut short?)")
+    try:
+        read_trainer_state(checkpoint)["step"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        problems.append(f"trainer_state.json: unreadable ({type(e).__name__}: {e})")
+    return problems
 
 
 def _rng_state() -> dict:
@@ -183,6 +220,7 @@ class CheckpointManager:
         if not (path / COMPLETE).exists():
             raise FileNotFoundError(f"{path} is not a complete checkpoint (no {COMPLETE} marker)")
         load_model_weights(model, path)
+        settings = optimizer_settings(optimizer) if optimizer is not None else []
         # Our own files; optimizer states of some optimizers (bitsandbytes) hold non-tensor objects.
         if optimizer is not None:
             optim_state = torch.load(path / "optimizer.pt", map_location="cpu", weights_only=False)
@@ -192,8 +230,13 @@ class CheckpointManager:
                 set_optimizer_state_dict(model, optimizer, optim_state, options=StateDictOptions(full_state_dict=True))
             else:
                 optimizer.load_state_dict(optim_state)
+        scheduler_state = None
         if scheduler is not None and (path / "scheduler.pt").exists():
-            scheduler.load_state_dict(torch.load(path / "scheduler.pt", weights_only=False))
+            scheduler_state = torch.load(path / "scheduler.pt", weights_only=False)
+        if optimizer is not None:
+            keep_optimizer_settings(optimizer, settings, scheduler_state, path)
+        if scheduler_state is not None:
+            scheduler.load_state_dict(scheduler_state)
         _set_rng_state(torch.load(path / "rng.pt", weights_only=False))
         return read_trainer_state(path)
 
@@ -269,7 +312,9 @@ class CheckpointManager:
         options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=False)
         set_model_state_dict(model, model_state, options=options)
         if optimizer is not None:
+            settings = optimizer_settings(optimizer)
             set_optimizer_state_dict(model, optimizer, optimizer_state, options=options)
+            keep_optimizer_settings(optimizer, settings, small["scheduler"], path)
         if scheduler is not None and small["scheduler"] is not None:
             scheduler.load_state_dict(small["scheduler"])
         rng = small["rng"]
@@ -300,6 +345,41 @@ def _read_checkpoint(
         "rng": torch.load(rng_ranks if rng_ranks.exists() else path / "rng.pt", weights_only=False),
     }
     return model_state, optimizer_state, small
+
+
+def optimizer_settings(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
+    """Each param group's hyperparameters as this run built them from its config (lr, betas, weight decay, ...;
+    `initial_lr`: the schedule's peak), without the parameters."""
+    return [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
+
+
+def keep_optimizer_settings(optimizer: torch.optim.Optimizer, settings: list[dict[str, Any]],
+                            scheduler_state: Optional[dict], path: Path) -> None:
+    """After a checkpoint's optimizer state is loaded: put back this run's `settings` (`optimizer_settings` before
+    the load). ``Optimizer.load_state_dict`` restores the checkpoint's hyperparameters with its moments, so a resume
+    with another optimizer.lr (or weight decay, betas) trained on the old ones while it logged the new. The moments
+    and step counts stay the checkpoint's; the learning rate keeps its point on the schedule, at the new peak
+    (`scheduler_state`, the checkpoint's LambdaLR state, is changed to match before it is loaded). Logs a change."""
+    changed = set()
+    for i, (group, mine) in enumerate(zip(optimizer.param_groups, settings)):
+        for key, value in mine.items():
+            if key not in ("lr", "initial_lr"):
+                if group.get(key) != value:
+                    changed.add(f"{key} {group.get(key)} -> {value}")
+                group[key] = value
+        peak_key = "initial_lr" if "initial_lr" in mine else "lr"  # the schedule's peak, or the rate itself
+        old_peak, new_peak = group.get(peak_key, group["lr"]), mine[peak_key]
+        if old_peak == new_peak:
+            continue
+        changed.add(f"lr {old_peak} -> {new_peak}")
+        group["lr"] = group["lr"] * new_peak / old_peak if old_peak else mine["lr"]
+        group[peak_key] = new_peak
+        if scheduler_state is not None:
+            scheduler_state["base_lrs"][i] = new_peak
+            scheduler_state["_last_lr"][i] = group["lr"]
+    if changed:
+        log.warning("resumed from %s with this run's optimizer settings, not the checkpoint's: %s (its moments carry "
+                    "over)", path, "; ".join(sorted(changed)))
 
 
 def _keyed_by_name(optimizer_state: dict) -> bool:

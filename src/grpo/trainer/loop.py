@@ -195,10 +195,9 @@ class GRPOTrainer:
         while self.step < self.cfg.steps:
             self.sync.prepare_step(self.step + 1)
             first = self.step
-            rows = self.train_batch()
-            failed: Optional[BaseException] = None
-            if self.evaluator is not None and any(self.evaluator.due(s, self.cfg.steps)
-                                                  for s in range(first + 1, self.step + 1)):
+            rows, failed = self.train_batch()
+            if failed is None and self.evaluator is not None and any(self.evaluator.due(s, self.cfg.steps)
+                                                                     for s in range(first + 1, self.step + 1)):
                 try:
                     rows[-1].update(self.evaluate(self.step))
                 except BaseException as error:  # the steps were trained (a SIGTERM too): their rows first, then raise
@@ -237,9 +236,11 @@ class GRPOTrainer:
         return save(self.step, self.model, self.tokenizer, self.optimizer, self.scheduler, state)
 
     # ------------------------------------------------------------------ one rollout batch, phase by phase
-    def train_batch(self) -> list[dict[str, Any]]:
+    def train_batch(self) -> tuple[list[dict[str, Any]], Optional[BaseException]]:
         """One rollout batch: fetch → (recompute pi_old) → per update: forward/backward → optimizer → then sync.
-        Returns one metrics row per optimizer step; the first carries the batch's data metrics, the last the sync's."""
+        Returns one metrics row per optimizer step (the first carries the batch's data metrics, the last the sync's)
+        and the error of a sync that failed (a SIGTERM in it too), which the caller raises once the rows are written:
+        the steps were trained."""
         t_start = time.perf_counter()
         batch = self.fetch_batch()
         t_data = time.perf_counter()
@@ -256,7 +257,12 @@ class GRPOTrainer:
             self.step += 1
         self.batch_number += 1
         t_sync = time.perf_counter()
-        sync_metrics = self.maybe_sync()
+        failed: Optional[BaseException] = None
+        try:
+            sync_metrics = self.maybe_sync()
+        except BaseException as error:
+            failed = error
+            sync_metrics = {"sync/seconds": math.nan, "sync/version": float(self.sync.version)}
         t_end = time.perf_counter()
         rows[0] = {"step": rows[0]["step"], **head, **rows[0]}
         rows[0]["time/data_seconds"] = t_data - t_start
@@ -273,7 +279,7 @@ class GRPOTrainer:
             row.update(process_stats())
         if math.isfinite(rows[0].get("reward/mean", math.nan)):  # a batch with no group has no reward
             self.rewards.append(float(rows[0]["reward/mean"]))
-        return rows
+        return rows, failed
 
     def plan(self, batch: PreparedBatch) -> list[tuple[int, PreparedBatch]]:
         """(epoch, mini-batch) of each of the rollout batch's updates; a batch with nothing to train on (every group
@@ -453,7 +459,16 @@ class GRPOTrainer:
         and after the last step. With the batch's generation stall (`sync/gen_stall_seconds`: the server could not
         generate because of weight updates, shared_vllm's optimizer-step pauses included; `sync/drain_seconds`)."""
         if self.batch_number % self.sync.sync_every == 0 or self.step == self.cfg.steps:
-            out = self.sync.sync(self.model, self.step)
+            try:
+                out = self.sync.sync(self.model, self.step)
+            except Exception as error:
+                # A server that died during the sync is restarted on the weights it served (bounded by
+                # server.max_restarts) and the sync runs again once, as for generation. Not under torchrun: the
+                # sync's gather is a collective the other ranks joined once.
+                if self.dist is not None or not self.sync.recover(error):
+                    raise
+                log.warning("step %d: the weight sync failed (%s); the server was restarted, syncing again", self.step, error)
+                out = self.sync.sync(self.model, self.step)
         else:
             out = {"sync/seconds": 0.0, "sync/version": float(self.sync.version)}
         return {**out, **self.sync.take_generation_stall()}

@@ -7,6 +7,7 @@ file-based sync modes (grpo.sync) both publish weights this way.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -174,6 +175,29 @@ def read_safetensors(directory: Path, stem: str) -> dict[str, torch.Tensor]:
     for f in files:
         sd.update(load_file(str(f)))
     return sd
+
+
+def safetensors_problem(path: Path) -> Optional[str]:
+    """Why the safetensors file `path` cannot be read whole (None when its header parses and its length is what the
+    header says): a file cut short (a copy or a disk that ran out) passes a name check and fails only inside vLLM's
+    start-up or the loader, with a message about an unterminated JSON string."""
+    size = path.stat().st_size
+    try:
+        with open(path, "rb") as f:
+            head = f.read(8)
+            n = int.from_bytes(head, "little") if len(head) == 8 else -1
+            header = json.loads(f.read(n)) if 0 <= n <= size - 8 else None
+    except (OSError, ValueError) as e:
+        return f"{path.name}: unreadable header ({e})"
+    if not isinstance(header, dict):
+        return f"{path.name}: cut short ({size} bytes, not even its header)"
+    ends = [t["data_offsets"][1] for k, t in header.items() if k != "__metadata__" and isinstance(t, dict)
+            and len(t.get("data_offsets", ())) == 2]
+    expected = 8 + n + max(ends, default=0)
+    if size != expected:
+        return f"{path.name}: {size} bytes where its header says {expected} (cut short)" if size < expected else (
+            f"{path.name}: {size} bytes where its header says {expected}")
+    return None
 
 
 def load_model_weights(model: nn.Module, directory: str | Path) -> None:
