@@ -314,14 +314,13 @@ def check_clip_can_act(cfg: DictConfig, info: HydraInfo) -> None:
     trainer/sampler and the clip acts only on their numerical mismatch (`grpo/logprob_diff`: ~1e-3 in float32, a few
     percent in bf16): warned. Not in a sweep, whose settings are common to its jobs
     (`-m train.ppo_epochs=1,2 loss.clip_eps=0.1,0.2`)."""
-    from hydra.utils import get_class
-
-    given = [o for o in info.overrides if o.lstrip("+~").split("=", 1)[0] in ("loss.clip_eps", "loss.clip_eps_high")]
-    if not given or info.multirun:
+    given = _given(info, "loss.clip_eps", "loss.clip_eps_high")
+    data_class = _data_class(cfg)
+    if not given or info.multirun or data_class is None:
         return
     train, loss = cfg.train, cfg.loss
     moves = (train.ppo_epochs * train.mini_batches > 1 or train.max_staleness > 0
-             or int(cfg.mode.get("sync_every", 1)) > 1 or get_class(cfg.data._target_).asynchronous_source)
+             or int(cfg.mode.get("sync_every", 1)) > 1 or data_class.asynchronous_source)
     if moves:
         return
     why = (f"{' '.join(given)}: each rollout batch gets one optimizer step, at the weights that sampled it "

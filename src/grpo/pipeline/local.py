@@ -223,8 +223,9 @@ class LocalRolloutPipeline(DataPipeline):
             raise RuntimeError(f"inference server returned {len(completions)} completions, asked for {self.group_size}")
         for c in completions:
             if (c.logprobs is None) == self.rollout_logprobs:
-                raise RuntimeError(f"inference server at {self._client_url} returned log-probs "
-                                   f"{'without' if self.rollout_logprobs else 'though not'} being asked for them")
+                raise RuntimeError(f"inference server at {self._client_url} returned "
+                                   f"{'no log-probs though' if self.rollout_logprobs else 'log-probs though not'} "
+                                   "asked for them (data.rollout_logprobs)")
             if c.logprobs is not None and len(c.logprobs) != len(c.token_ids):
                 raise RuntimeError(f"inference server returned {len(c.logprobs)} log-probs for {len(c.token_ids)} tokens")
             if c.weight_version < 0 or c.last_weight_version < c.weight_version:
