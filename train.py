@@ -268,6 +268,7 @@ def build_model(cfg: DictConfig, sync, sync_ctx, resume_ckpt: Path | None, devic
     else:  # the strategy's own model (shared_vllm's views of vLLM's tensors) gets the same training set-up
         model = prepare_for_training(model, cfg.model.gradient_checkpointing)
     set_attention(model, cfg.model.attn_implementation)
+    check_prefix_sharing_model(cfg, model)
     if cfg.train.padding_free and device.type == "cuda" and cfg.model.attn_implementation in (None, "sdpa", "eager"):
         # Measured on an H100 (docs/performance.md): 16k-token packed rows under SDPA ran at half the padded MFU.
         log.warning("train.padding_free with %s attention masks each packed row with an N x N block-diagonal mask "
@@ -287,6 +288,15 @@ def build_model(cfg: DictConfig, sync, sync_ctx, resume_ckpt: Path | None, devic
     log.info("model %s: %.2fM trainable parameters in layers %s", type(model).__name__, trainable / 1e6,
              cfg.layers.indices)
     return model
+
+
+def check_prefix_sharing_model(cfg: DictConfig, model: torch.nn.Module) -> None:
+    """`train.prefix_sharing` on a model whose attention the shared rows cannot express: ConfigError at start-up."""
+    from grpo.trainer.prefix import unsupported_reason
+
+    why = unsupported_reason(model) if cfg.train.prefix_sharing else None
+    if why is not None:
+        raise ConfigError(f"train.prefix_sharing: {why}; set train.prefix_sharing=false")
 
 
 def build_trainer(cfg, run_dir, model_dir, tokenizer, sync, loss_fn, data, evaluator, resume_ckpt, device, dist_info):

@@ -366,6 +366,9 @@ class TrainConfig:
     # Run each micro-batch's forward packed into one row without padding (position ids restart per sequence, attention
     # kept per sequence by transformers' packed-sequence masks); same log-probs and loss as the padded path.
     padding_free: bool = False
+    # Forward each distinct prompt of a micro-batch once, its completions attending to that one copy (4D mask on
+    # sdpa/eager/varlen); same log-probs, loss and gradients, fewer tokens forwarded (grpo.trainer.prefix).
+    prefix_sharing: bool = False
     # Micro-batches by a token budget (rows x longest row, or the sum of lengths with padding_free) instead of
     # micro_batch_size rows; null = row count. Normalisers are the update's, so loss and gradients are unchanged.
     max_tokens_per_micro_batch: Optional[int] = None

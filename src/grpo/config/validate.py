@@ -136,6 +136,7 @@ def validate(cfg: DictConfig, run_dir: Path | None = None) -> None:
     check_model(cfg)
     check_server(cfg, info.choices.get("server"))
     check_train(cfg)
+    check_prefix_sharing(cfg)
     check_data(cfg, info.choices.get("experiment"))
     check_async(cfg)
     check_rollout_logprobs(cfg)
@@ -321,6 +322,28 @@ def check_train(cfg: DictConfig) -> None:
         raise ConfigError(f"train.max_tokens_per_micro_batch must be >= 1 (null = micro_batch_size rows), got {budget}")
     check_resume_exists(cfg)
     check_resume_has_steps_left(cfg)
+
+
+# Attention kernels that take the shared rows' 4D mask as given (transformers' default is sdpa).
+PREFIX_SHARING_ATTENTION = (None, "sdpa", "eager", "varlen")
+
+
+def check_prefix_sharing(cfg: DictConfig) -> None:
+    """`train.prefix_sharing` needs an attention kernel that takes a 4D mask, one process (the FSDP2 log-prob path
+    forwards its own layout) and no `train.padding_free` (both lay out the rows)."""
+    if not cfg.train.get("prefix_sharing", False):
+        return
+    attn = cfg.model.attn_implementation
+    if attn not in PREFIX_SHARING_ATTENTION:
+        raise ConfigError(f"train.prefix_sharing needs an attention kernel that takes its 4D mask (sdpa, eager or "
+                          f"varlen); model.attn_implementation={attn} does not: set model.attn_implementation=sdpa "
+                          "or train.prefix_sharing=false")
+    if cfg.train.padding_free:
+        raise ConfigError("train.prefix_sharing lays out its own rows (one per prompt, no padding between "
+                          "sequences), so train.padding_free=true would be ignored: set train.padding_free=false")
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        raise ConfigError("train.prefix_sharing is single-process only (FSDP2's sharded log-prob path forwards the "
+                          "padded rows); set train.prefix_sharing=false under torchrun")
 
 
 def check_resume_exists(cfg: DictConfig) -> None:

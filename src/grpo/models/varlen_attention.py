@@ -10,6 +10,8 @@ Where it runs:
 - CUDA, bf16/fp16: the flash varlen kernel, forward and backward (GQA native: K/V keep their own head count).
 - elsewhere (CPU, float32): SDPA per sequence, the same result (tests check it against the padded path).
 - an unpacked batch (no boundaries given): SDPA with the padding mask, as transformers' ``sdpa`` would.
+- a 4D mask (``train.prefix_sharing``'s shared-prompt rows, ``grpo.trainer.prefix``): SDPA with that mask, on any
+  device (the flash varlen kernel has no such mask).
 
 The boundaries come as the keyword arguments transformers' attention functions already receive
 (``cu_seq_lens_q``, ``max_length_q``), passed by the trainer with the packed row; without them, a single row's
@@ -97,6 +99,10 @@ def varlen_attention_forward(
         raise ValueError("model.attn_implementation=varlen does not do sliding-window attention; use sdpa")
     if dropout:
         raise ValueError("model.attn_implementation=varlen has no attention dropout; set the model's to 0")
+    if attention_mask is not None and attention_mask.dim() == 4:  # a custom mask (train.prefix_sharing): as given
+        gqa = key.shape[1] != query.shape[1]
+        out = F.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask, scale=scaling, enable_gqa=gqa)
+        return out.transpose(1, 2), None
     if cu_seq_lens_q is None and query.shape[0] == 1 and attention_mask is None and position_ids is not None:
         cu_seq_lens_q, max_length_q = boundaries_from_positions(position_ids)
     if cu_seq_lens_q is None:

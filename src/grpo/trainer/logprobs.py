@@ -17,6 +17,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from grpo.trainer.batch import IGNORE_INDEX
+from grpo.trainer.prefix import shared_layout
 
 
 def _causal_lm(model: nn.Module) -> nn.Module:
@@ -82,16 +83,36 @@ def packed_boundaries(attention_mask: torch.Tensor) -> dict:
     return {"cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": longest, "max_length_k": longest}
 
 
+def shared_hidden(
+    decoder: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, labels: torch.Tensor
+) -> torch.Tensor:
+    """The decoder's last hidden states ``[B, T, H]`` with each prompt forwarded once (``grpo.trainer.prefix``):
+    the shared rows run under their 4D mask (taken as given by transformers' sdpa, eager and our varlen kernel),
+    then are gathered back to the padded layout; the gather's backward sums the completions' prompt gradients."""
+    layout = shared_layout(input_ids, attention_mask, labels)
+    dtype = decoder.get_input_embeddings().weight.dtype
+    hidden = decoder(input_ids=layout.input_ids, position_ids=layout.position_ids,
+                     attention_mask=layout.additive_mask(dtype), use_cache=False).last_hidden_state
+    flat = hidden.reshape(-1, hidden.shape[-1])
+    return flat.index_select(0, layout.index.reshape(-1)).view(*input_ids.shape, -1)
+
+
 def _final_hidden(
-    model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, packed: bool = False
+    model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, packed: bool = False,
+    labels: Optional[torch.Tensor] = None, shared: bool = False,
 ) -> tuple[torch.Tensor, nn.Module]:
     """The decoder's last hidden states ``[B, T, H]`` (no logits) and the head that maps them to the vocabulary.
 
     ``packed``: the decoder runs on the micro-batch packed into one row (``packed_inputs``), so no FLOP goes to
     padding; the hidden states are scattered back to ``[B, T, H]`` (zeros at padding, which carries no label), so
-    the log-probs and the loss downstream see the padded layout.
+    the log-probs and the loss downstream see the padded layout. ``shared`` (needs ``labels``, which mark where
+    each prompt ends): each distinct prompt is forwarded once (``shared_hidden``), the same ``[B, T, H]`` out.
     """
     decoder, head = backbone_and_head(model)
+    if shared:
+        if labels is None:
+            raise ValueError("prefix sharing needs the labels (they mark where each prompt ends)")
+        return shared_hidden(decoder, input_ids, attention_mask, labels), head
     if not packed:
         mask = causal_attention_mask(attention_mask)
         return decoder(input_ids=input_ids, attention_mask=mask, use_cache=False).last_hidden_state, head
@@ -256,10 +277,11 @@ def fused_token_loss(
     loss_of: Callable[[torch.Tensor], tuple[torch.Tensor, dict]],
     chunk_size: int = 512,
     packed: bool = False,
+    shared: bool = False,
 ) -> tuple[torch.Tensor, dict, torch.Tensor]:
     """``loss_of(token_logprobs(...))`` through ``fused_hidden_loss``: the same loss, metrics and gradients, with
     three matmuls per chunk of the output projection instead of four. Needs ``can_fuse(model, loss)``."""
-    hidden, head = _final_hidden(model, input_ids, attention_mask, packed)
+    hidden, head = _final_hidden(model, input_ids, attention_mask, packed, labels, shared)
     return fused_hidden_loss(hidden, head, labels, temperatures, loss_of, chunk_size)
 
 
@@ -317,14 +339,16 @@ def token_logprobs(
     temperatures: Optional[torch.Tensor] = None,
     chunk_size: int = 1024,
     packed: bool = False,
+    shared: bool = False,
 ) -> torch.Tensor:
     """``[B, T]`` float32 log-probs of ``labels`` under ``model`` at per-sequence ``temperatures`` (0 where IGNORE_INDEX).
 
     Logits are divided by the sequence's sampling temperature before the softmax, so the log-probs are those of the
     distribution the rollout was sampled from. Works for transformers CausalLMs and PEFT-wrapped ones. ``packed``
-    runs the decoder padding-free (``packed_inputs``); the result is the same ``[B, T]`` tensor.
+    runs the decoder padding-free (``packed_inputs``), ``shared`` with each prompt forwarded once
+    (``grpo.trainer.prefix``); either way the result is the same ``[B, T]`` tensor.
     """
-    hidden, head = _final_hidden(model, input_ids, attention_mask, packed)
+    hidden, head = _final_hidden(model, input_ids, attention_mask, packed, labels, shared)
     return hidden_logprobs(hidden, head, labels, temperatures, chunk_size)
 
 

@@ -20,6 +20,7 @@ from grpo.trainer.flops import ModelFlops, pad_fraction, peak_tflops, perf_metri
 from grpo.trainer.logprobs import can_fuse, fused_token_loss, token_logprobs
 from grpo.trainer.metrics import MetricsLogger, NullMetrics
 from grpo.trainer.minibatch import update_plan
+from grpo.trainer.prefix import shared_row_lengths
 
 log = logging.getLogger(__name__)
 
@@ -170,6 +171,8 @@ class GRPOTrainer:
         self.token_logprobs = logprob_fn or (lambda *batch, **kw: token_logprobs(model, *batch, **kw))
         # Padding-free forwards (each micro-batch packed into one row) and the token budget of a micro-batch.
         self.packed = bool(train_cfg.padding_free)
+        # Each distinct prompt of a micro-batch forwarded once, its completions attending to it (grpo.trainer.prefix).
+        self.shared = bool(getattr(train_cfg, "prefix_sharing", False))
         self.max_tokens = train_cfg.max_tokens_per_micro_batch
         self.flops, self.peak = model_flops(model), device_peak(model, device)
         self.rewards: list[float] = []
@@ -179,6 +182,12 @@ class GRPOTrainer:
         if device.type == "cuda":
             # Peaks are per run: a multirun's earlier jobs must not leak into this one's figures.
             torch.cuda.reset_peak_memory_stats(device)
+
+    @property
+    def layout(self) -> dict[str, bool]:
+        """The forward layout's keyword arguments of the log-prob functions (``shared`` only when on, so a custom
+        ``logprob_fn`` that predates it still works)."""
+        return {"packed": self.packed, "shared": True} if self.shared else {"packed": self.packed}
 
     @property
     def updates_per_batch(self) -> int:
@@ -324,10 +333,17 @@ class GRPOTrainer:
         }
 
     def perf(self, batch: PreparedBatch, seconds: float) -> dict[str, float]:
-        """`batch/pad_fraction` of the update's forward passes, and `perf/tflops` / `perf/mfu` of its model FLOPs
+        """`batch/pad_fraction` and `tokens/forwarded` of the update's forward passes (the shared rows' under
+        prefix sharing), and `perf/tflops` / `perf/mfu` of its model FLOPs
         (`grpo.trainer.flops`) over `seconds`, per device (the ranks share the FLOPs)."""
-        lengths = [mb.attention_mask.sum(dim=1).tolist() for mb in batch.micro_batches]
-        out = {"batch/pad_fraction": pad_fraction(lengths, self.packed), "batch/micro_batches": float(len(lengths))}
+        if self.shared:  # the rows actually forwarded: each prompt once (padded to the micro-batch's longest row)
+            lengths = [shared_row_lengths(mb.attention_mask, mb.labels, mb.input_ids) for mb in batch.micro_batches]
+        else:
+            lengths = [mb.attention_mask.sum(dim=1).tolist() for mb in batch.micro_batches]
+        out = {"batch/pad_fraction": pad_fraction(lengths, self.packed and not self.shared),
+               "batch/micro_batches": float(len(lengths)),
+               # Real tokens the decoder ran, padding excluded (each sequence's last token is never an input).
+               "tokens/forwarded": float(sum(sum(lens) for lens in lengths))}
         if self.flops is None:
             return out
         recompute = bool(getattr(self.model, "is_gradient_checkpointing", False))
@@ -342,7 +358,7 @@ class GRPOTrainer:
         for mb in batch.micro_batches:
             dev = mb.to(self.device)
             lp = self.token_logprobs(dev.input_ids, dev.attention_mask, dev.labels, dev.temperatures,
-                                     chunk_size=self.cfg.logprob_chunk, packed=self.packed)
+                                     chunk_size=self.cfg.logprob_chunk, **self.layout)
             mb.old_logprobs = lp.detach().to(mb.labels.device)
 
     def evaluate(self, step: int) -> dict[str, Any]:
@@ -417,12 +433,12 @@ class GRPOTrainer:
         if self.fused:
             loss, m, _ = fused_token_loss(
                 self.model, mb.input_ids, mb.attention_mask, mb.labels, mb.temperatures, loss_of,
-                chunk_size=self.cfg.logprob_chunk, packed=self.packed,
+                chunk_size=self.cfg.logprob_chunk, **self.layout,
             )
             return loss, m
         logprobs = self.token_logprobs(
             mb.input_ids, mb.attention_mask, mb.labels, mb.temperatures, chunk_size=self.cfg.logprob_chunk,
-            packed=self.packed,
+            **self.layout,
         )
         return loss_of(logprobs)
 
