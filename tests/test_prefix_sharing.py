@@ -5,6 +5,7 @@ refused where it cannot apply."""
 from __future__ import annotations
 
 import random
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -203,8 +204,30 @@ def test_prefix_sharing_refuses_padding_free_and_torchrun(monkeypatch):
     check_prefix_sharing(_cfg(prefix_sharing=False))  # off: nothing to check
 
 
+def test_validate_refuses_prefix_sharing_with_padding_free(tmp_path):
+    """The check runs in the start-up validation of the composed config (before any model loads)."""
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    from grpo.config import register_configs, validate
+
+    register_configs()
+    GlobalHydra.instance().clear()
+    conf = Path(__file__).resolve().parents[1] / "conf"
+    with initialize_config_dir(config_dir=str(conf), version_base="1.3"):
+        cfg = compose(config_name="train", overrides=["train.prefix_sharing=true", "train.padding_free=true"],
+                      return_hydra_config=True)
+        with pytest.raises(ConfigError, match="train.prefix_sharing lays out its own rows"):
+            validate(cfg, tmp_path / "run")
+
+
 def test_prefix_sharing_refuses_sliding_window_models(tiny_qwen2_dir):
     model = _model(tiny_qwen2_dir)
     assert prefix.unsupported_reason(model) is None
     model.config.use_sliding_window = True
     assert "sliding-window" in prefix.unsupported_reason(model)
+    from grpo.train import check_prefix_sharing_model  # what build_model calls after loading the model
+
+    with pytest.raises(ConfigError, match="sliding-window attention layers.*set train.prefix_sharing=false"):
+        check_prefix_sharing_model(_cfg(), model)
+    check_prefix_sharing_model(_cfg(prefix_sharing=False), model)
