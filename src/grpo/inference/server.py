@@ -132,11 +132,22 @@ def _sampling_params(body: dict[str, Any]) -> Any:
     return SamplingParams(**body)
 
 
+def _engine_input(prompt_ids: list[int]) -> dict[str, Any]:
+    """The engine's input for token ids: vLLM's rendered form where it has one (>= 0.30: `AsyncLLM.add_request` takes
+    it as is, in the event loop; a raw {"prompt_token_ids"} dict is rendered on its renderer's thread pool first, one
+    thread hop per request), else the raw form."""
+    try:
+        from vllm.inputs.engine import tokens_input
+    except ImportError:
+        return {"prompt_token_ids": prompt_ids}
+    return dict(tokens_input(prompt_ids))
+
+
 async def _final_output(engine: Any, prompt_ids: list[int], params: Any, lora: Any) -> Any:
     """The finished RequestOutput of one prompt (all its `n` samples)."""
     final = None
     async for out in engine.generate(
-        {"prompt_token_ids": prompt_ids}, params, f"grpo-gen-{uuid.uuid4().hex}", lora_request=lora
+        _engine_input(prompt_ids), params, f"grpo-gen-{uuid.uuid4().hex}", lora_request=lora
     ):
         final = out
     assert final is not None
