@@ -192,9 +192,10 @@ class InferenceClient:
         """`n` completions for each prompt; result[i] belongs to prompts[i].
 
         Prompts go out `prompts_per_request` at a time in batched /generate requests (concurrent when there are
-        several), so the server hands each batch to the engine at once: one step's prompts then share the engine's
-        steps, which one concurrent HTTP request per prompt (`prompts_per_request=0`) never quite achieved, at
-        0.06 s more per step of the skill task (bench/README.md). A `seed` in `sampling` is the call's base seed:
+        several), so the server hands each batch to the engine at once and one step's prompts share the engine's
+        steps. One concurrent HTTP request per prompt (`prompts_per_request=0`, Atropos' form) reaches the engine
+        over several of its steps: on the skill task's step 7-13 engine steps instead of 5.4, 0.095-0.114 s per call
+        instead of 0.080-0.082 (bench/generate_overhead.py, bench/README.md). A `seed` in `sampling` is the call's base seed:
         prompt i is sampled with `seed + i * n` (vLLM gives sample k of a request `seed + k`), so every sample of
         the call draws from its own random stream, the same in either form. One seed for every prompt would give
         sample k of each prompt the same draws: on a model whose next-token distribution barely depends on the

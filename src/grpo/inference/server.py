@@ -10,7 +10,9 @@ every other request to vLLM untouched:
   `atroposlib/envs/server_handling/vllm_server.py` sends and reads), plus ``weight_version`` (the version served
   when the request was admitted: at most that of any of its tokens) and ``last_weight_version`` (when it finished:
   at least that of any token; an in-place reload counts from the moment it starts). They differ when a sync landed
-  while the request ran.
+  while the request ran. Several prompts in one request, ``{"prompts": [...], ...}`` (`handle_generate_batch`, what
+  `InferenceClient.generate` sends), are handed to the engine at once and answered ``{"results": [...]}``, one
+  single-prompt answer per prompt.
 - ``GET|POST /grpo/weight_version``: the weight version served (rollouts carry it).
 - ``POST /grpo/reload_weights``: reload full HF weights from a directory in place (vLLM's worker
   `reload_weights`, wrapped by our worker extension, through `collective_rpc`), reset the prefix cache, bump the version.
