@@ -28,11 +28,18 @@ def hung_server():
         yield f"http://127.0.0.1:{s.getsockname()[1]}"
 
 
+def _per_prompt(client: InferenceClient) -> InferenceClient:
+    client.prompts_per_request = 0  # one request per prompt (Atropos' form)
+    return client
+
+
 @pytest.mark.parametrize("call, what", [
-    (lambda c: c.generate([[1, 2], [3, 4], [5, 6]], n=2, max_tokens=4), "3 of 3 generation requests"),
+    (lambda c: c.generate([[1, 2], [3, 4], [5, 6]], n=2, max_tokens=4),
+     "1 of 1 generation requests (3 prompts, up to 64 per request)"),
+    (lambda c: _per_prompt(c).generate([[1, 2], [3, 4], [5, 6]], n=2, max_tokens=4), "3 of 3 generation requests"),
     (lambda c: c.reload_weights("/weights/v2", version=2), "1 of 1 requests (/grpo/reload_weights)"),  # mode=none
     (lambda c: c.load_lora("policy-v2", "/adapters/v2"), "1 of 1 requests (/v1/load_lora_adapter)"),  # lora_only
-], ids=["generate", "reload_weights", "load_lora"])
+], ids=["generate", "generate_per_prompt", "reload_weights", "load_lora"])
 def test_a_call_on_a_server_that_stops_answering_fails_on_its_health_not_the_request_timeout(hung_server, call, what):
     """Generation, and a sync's weight update (GRPO_FAULT=stop_server_syncing: the same wait, then the loop's
     restart and second sync)."""

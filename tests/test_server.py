@@ -378,3 +378,58 @@ def test_keep_pause_freezes_a_running_request_and_resume_finishes_it_whole(vllm_
     finally:
         client.reload_weights(str(tiny_qwen2_dir), version=before)  # also drops KV computed with the test weights
         client.set_weight_version(before)
+
+
+@pytest.mark.vllm
+def test_batched_generate_gives_the_per_prompt_requests_seeded_samples(vllm_server):
+    """The client's batched /generate (all prompts handed to the engine at once) samples exactly what one request per
+    prompt (Atropos' form) samples for a seeded call: prompt i seeded base + i * n, sample k base + i * n + k, also
+    across requests of a split batch; and the versions of the batch are those of each answer."""
+    from grpo.inference.client import InferenceClient
+
+    prompts = [[10, 20, 30], [40, 50, 60, 70], [10, 20, 30], [5, 6]]
+    kw = dict(n=3, max_tokens=8, temperature=1.0, seed=77)
+    per_prompt, batched, split = (InferenceClient(vllm_server.url, prompts_per_request=size).generate(prompts, **kw)
+                                  for size in (0, 64, 3))  # fmt: skip
+    tokens = [[[c.token_ids for c in group] for group in run] for run in (per_prompt, batched, split)]
+    assert tokens[0] == tokens[1] == tokens[2]
+    assert tokens[0][0] != tokens[0][2]  # the same prompt at another index draws from other seeds
+    for a, b in zip(per_prompt, batched):
+        for x, y in zip(a, b):
+            assert x.finish_reason == y.finish_reason and len(y.logprobs) == len(y.token_ids)
+            assert max((abs(p - q) for p, q in zip(x.logprobs, y.logprobs)), default=0.0) < 1e-4
+    version = InferenceClient(vllm_server.url).weight_version()
+    assert {(c.weight_version, c.last_weight_version) for group in batched for c in group} == {(version, version)}
+    (none,) = InferenceClient(vllm_server.url).generate(prompts[:1], logprobs=False, **kw)
+    assert [c.token_ids for c in none] == tokens[0][0] and all(c.logprobs is None for c in none)
+
+
+@pytest.mark.vllm
+def test_batched_generate_answer_and_errors(vllm_server):
+    """{"prompts": [...]}: one answer per prompt in order, in the single form's shape, with the batch's versions; a bad
+    prompt or key is a 4xx naming it, and nothing of the batch is generated."""
+    url = vllm_server.url + "/generate"
+    body = {"prompts": [[1, 2, 3], {"prompt_token_ids": [4, 5]}], "n": 2, "max_tokens": 3, "seed": 5}
+    r = requests.post(url, json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    answer = r.json()
+    assert [res["prompt_token_ids"] for res in answer["results"]] == [[1, 2, 3], [4, 5]]
+    single = requests.post(url, json={"prompt": [4, 5], "n": 2, "max_tokens": 3, "seed": 5 + 1 * 2}, timeout=60).json()
+    assert answer["results"][1]["token_ids"] == single["token_ids"]
+    assert set(answer["results"][0]) == set(single)  # the same shape, Atropos' keys and the versions
+    assert answer["weight_version"] == answer["results"][0]["weight_version"] == single["weight_version"]
+    assert answer["last_weight_version"] >= answer["weight_version"]
+    for bad, status, reason in [
+        ({"prompts": [[1, 2], [1, 10_000_000]], "max_tokens": 2}, 400, "prompts[1]: token id(s) [10000000] out of"),
+        ({"prompts": [[1, 2], []], "max_tokens": 2}, 400, "prompts[1]: empty prompt"),
+        ({"prompts": [[1, 2], 3.5], "max_tokens": 2}, 400, "prompts[1]: 'prompt' must be"),
+        ({"prompts": [], "max_tokens": 2}, 400, "'prompts' must be a non-empty list"),
+        ({"prompts": [1, 2], "max_tokens": 2}, 400, "prompts[0]: 'prompt' must be"),
+        ({"prompts": [[1, 2]], "prompt": [1, 2]}, 400, "not both"),
+        ({"prompts": [[1, 2]], "max_tokens": 0}, 400, "prompts[0]: max_tokens must be >= 1"),
+        ({"prompts": [[1, 2]], "seed": "x"}, 400, "seed must be an integer"),
+        ({"prompts": [[1, 2]], "no_such_param": 1}, 400, "no_such_param"),
+        ({"prompts": [[1, 2]], "model": "nope"}, 404, "nope"),
+    ]:
+        r = requests.post(url, json=bad, timeout=60)
+        assert r.status_code == status and reason in r.json()["error"], (bad, r.status_code, r.text)

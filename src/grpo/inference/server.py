@@ -10,7 +10,9 @@ every other request to vLLM untouched:
   `atroposlib/envs/server_handling/vllm_server.py` sends and reads), plus ``weight_version`` (the version served
   when the request was admitted: at most that of any of its tokens) and ``last_weight_version`` (when it finished:
   at least that of any token; an in-place reload counts from the moment it starts). They differ when a sync landed
-  while the request ran.
+  while the request ran. Several prompts in one request, ``{"prompts": [...], ...}`` (`handle_generate_batch`, what
+  `InferenceClient.generate` sends), are handed to the engine at once and answered ``{"results": [...]}``, one
+  single-prompt answer per prompt.
 - ``GET|POST /grpo/weight_version``: the weight version served (rollouts carry it).
 - ``POST /grpo/reload_weights``: reload full HF weights from a directory in place (vLLM's worker
   `reload_weights`, wrapped by our worker extension, through `collective_rpc`), reset the prefix cache, bump the version.
@@ -34,6 +36,7 @@ distribution actually sampled from, i.e. after temperature, which is what the tr
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import sys
@@ -103,29 +106,22 @@ def _sample_logprobs(token_ids: Any, logprobs: Any) -> list[list[dict[int, float
     return out
 
 
-async def handle_generate(request) -> dict:
-    """POST /generate: {"prompt": {"prompt_token_ids": [...]} | str | [int], "n", "max_tokens", ...}."""
+def _prompt_ids(prompt: Any, engine: Any) -> list[int]:
+    """The token ids of one /generate prompt: a string (tokenized here), a list of ids or {"prompt_token_ids": [...]}."""
+    if isinstance(prompt, str):
+        return list(engine.get_tokenizer().encode(prompt))
+    if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
+        return [int(t) for t in prompt["prompt_token_ids"]]
+    if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
+        return prompt
+    raise ValueError("'prompt' must be a string, a list of token ids or {'prompt_token_ids': [...]}")
+
+
+def _sampling_params(body: dict[str, Any]) -> Any:
+    """vLLM SamplingParams of a /generate body (its sampling keys, the prompt and model already taken out)."""
     from vllm import SamplingParams
     from vllm.sampling_params import RequestOutputKind
 
-    state = _state(request)
-    engine = state.engine_client
-    body = await request.json()
-    if not isinstance(body, dict) or "prompt" not in body:
-        raise ValueError("body must be a JSON object with a 'prompt'")
-    prompt = body.pop("prompt")
-    body.pop("stream", None)  # Atropos never streams; answer once.
-    lora = await _lora_request(state, body.pop("model", None) or body.pop("lora", None))
-    if isinstance(prompt, str):
-        tokenizer = engine.get_tokenizer()
-        prompt_ids = list(tokenizer.encode(prompt))
-    elif isinstance(prompt, dict) and "prompt_token_ids" in prompt:
-        prompt_ids = [int(t) for t in prompt["prompt_token_ids"]]
-    elif isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
-        prompt_ids = prompt
-    else:
-        raise ValueError("'prompt' must be a string, a list of token ids or {'prompt_token_ids': [...]}")
-    check_generate_request(prompt_ids, body.get("max_tokens"), await model_limits(engine))
     # Atropos' clients read log-probs without always asking for them: absent means 0 (the sampled token's). An
     # explicit null asks for none, as in vLLM (the trainer's on-policy rollouts and evaluations need none: vLLM then
     # skips their work on every decode step); each sample's "logprobs" is then null and "token_ids" carries it.
@@ -135,16 +131,33 @@ async def handle_generate(request) -> dict:
     # per step: less work in the API process on every decode step (the response is the same).
     body.setdefault("flat_logprobs", True)
     body["output_kind"] = RequestOutputKind.FINAL_ONLY
-    params = SamplingParams(**body)
-    # Read before the request starts: the version the weights had when this batch was scheduled.
-    version = _version(state)
+    return SamplingParams(**body)
 
+
+def _engine_input(prompt_ids: list[int]) -> dict[str, Any]:
+    """The engine's input for token ids: vLLM's rendered form where it has one (>= 0.30: `AsyncLLM.add_request` takes
+    it as is, in the event loop; a raw {"prompt_token_ids"} dict is rendered on its renderer's thread pool first, one
+    thread hop per request), else the raw form."""
+    try:
+        from vllm.inputs.engine import tokens_input
+    except ImportError:
+        return {"prompt_token_ids": prompt_ids}
+    return dict(tokens_input(prompt_ids))
+
+
+async def _final_output(engine: Any, prompt_ids: list[int], params: Any, lora: Any) -> Any:
+    """The finished RequestOutput of one prompt (all its `n` samples)."""
     final = None
     async for out in engine.generate(
-        {"prompt_token_ids": prompt_ids}, params, f"grpo-gen-{uuid.uuid4().hex}", lora_request=lora
+        _engine_input(prompt_ids), params, f"grpo-gen-{uuid.uuid4().hex}", lora_request=lora
     ):
         final = out
     assert final is not None
+    return final
+
+
+def _prompt_response(prompt_ids: list[int], final: Any, params: Any, version: int, last_version: int) -> dict:
+    """The /generate answer for one prompt (the shape Atropos' VLLMServer reads, plus the weight versions)."""
     outputs = final.outputs
     resp: dict[str, Any] = {
         "text": [o.text for o in outputs],
@@ -154,11 +167,87 @@ async def handle_generate(request) -> dict:
                      for o in outputs],
         "finish_reasons": [o.finish_reason for o in outputs],
         "weight_version": version,
-        "last_weight_version": _upper_version(state),
+        "last_weight_version": last_version,
     }
     if params.prompt_logprobs is not None:
         resp["prompt_logprobs"] = prompt_topk(prompt_ids, final.prompt_logprobs or [], params.prompt_logprobs)
     return resp
+
+
+async def handle_generate(request) -> dict:
+    """POST /generate: {"prompt": {"prompt_token_ids": [...]} | str | [int], "n", "max_tokens", ...} (Atropos' shape),
+    or several prompts at once: {"prompts": [<prompt>, ...], ...} (`handle_generate_batch`)."""
+    state = _state(request)
+    engine = state.engine_client
+    body = await request.json()
+    if isinstance(body, dict) and "prompts" in body:
+        return await handle_generate_batch(state, body)
+    if not isinstance(body, dict) or "prompt" not in body:
+        raise ValueError("body must be a JSON object with a 'prompt' (or a 'prompts' list)")
+    prompt = body.pop("prompt")
+    body.pop("stream", None)  # Atropos never streams; answer once.
+    lora = await _lora_request(state, body.pop("model", None) or body.pop("lora", None))
+    prompt_ids = _prompt_ids(prompt, engine)
+    check_generate_request(prompt_ids, body.get("max_tokens"), await model_limits(engine))
+    params = _sampling_params(body)
+    # Read before the request starts: the version the weights had when this batch was scheduled.
+    version = _version(state)
+    final = await _final_output(engine, prompt_ids, params, lora)
+    return _prompt_response(prompt_ids, final, params, version, _upper_version(state))
+
+
+class PromptFailed(Exception):
+    """Generation of prompt `index` of a batched /generate failed with `cause` (answered with the cause's status)."""
+
+    def __init__(self, index: int, cause: BaseException) -> None:
+        super().__init__(f"prompts[{index}]: {type(cause).__name__}: {cause}")
+        self.index = index
+        self.cause = cause
+
+
+async def handle_generate_batch(state: Any, body: dict[str, Any]) -> dict:
+    """POST /generate with {"prompts": [...], <the single form's sampling keys>}: every prompt is checked first (a bad
+    one is a 400 naming its index), then all are handed to the engine before any is awaited, so they share engine
+    steps, as one request of the single form per prompt sent at once never quite does over HTTP.
+
+    `seed` is the base seed of the batch: prompt i is sampled with `seed + i * n` (sample k of it `seed + i * n + k`,
+    vLLM's rule for n > 1), what `InferenceClient.generate` gives prompt i through the single form. Answer:
+    {"results": [<the single form's answer for prompt i>, ...], "weight_version", "last_weight_version"} (the versions
+    at admission and at finish of the whole batch, also in every result)."""
+    engine = state.engine_client
+    prompts = body.pop("prompts")
+    if "prompt" in body:
+        raise BadRequest("give either 'prompt' (one) or 'prompts' (a list), not both")
+    if not isinstance(prompts, list) or not prompts:
+        raise BadRequest(f"'prompts' must be a non-empty list of prompts, got {type(prompts).__name__} {prompts!r:.80}")
+    body.pop("stream", None)
+    lora = await _lora_request(state, body.pop("model", None) or body.pop("lora", None))
+    limits = await model_limits(engine)
+    prompt_ids = []
+    for i, prompt in enumerate(prompts):
+        try:
+            ids = _prompt_ids(prompt, engine)
+            check_generate_request(ids, body.get("max_tokens"), limits)
+        except ValueError as e:
+            raise BadRequest(f"prompts[{i}]: {e}", getattr(e, "status", 400)) from e
+        prompt_ids.append(ids)
+    seed, n = body.pop("seed", None), body.get("n", 1)
+    if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool)):
+        raise BadRequest(f"seed must be an integer, got {seed!r}")
+    # One SamplingParams per prompt, built as the single form builds it (same checks; the seed as the client sets it).
+    per_prompt = [_sampling_params(dict(body) if seed is None else {**body, "seed": (seed + i * int(n)) % (2**63)})
+                  for i in range(len(prompt_ids))]
+    version = _version(state)
+    # Tasks, not awaited one by one: each adds its request to the engine at its first step, all before the engine
+    # has answered any.
+    tasks = [asyncio.ensure_future(_final_output(engine, ids, p, lora)) for ids, p in zip(prompt_ids, per_prompt)]
+    finals = await asyncio.gather(*tasks, return_exceptions=True)
+    failed = next(((i, f) for i, f in enumerate(finals) if isinstance(f, BaseException)), None)
+    if failed is not None:
+        raise PromptFailed(*failed)
+    last = _upper_version(state)
+    results = [_prompt_response(ids, f, p, version, last) for ids, f, p in zip(prompt_ids, finals, per_prompt)]
+    return {"results": results, "weight_version": version, "last_weight_version": last}
 
 
 def prompt_topk(prompt_ids: list[int], entries: list[Any], k: int) -> list[dict[int, float]]:
@@ -309,18 +398,8 @@ class GRPOMiddleware:
 
         try:
             body, status = await handler(Request(scope, receive)), 200
-        except BadRequest as e:  # the request itself is wrong: the client must change it, not retry
-            body, status = {"error": str(e)}, e.status
-        except (ValueError, TypeError, KeyError, json.JSONDecodeError) as e:
-            body, status = {"error": f"{type(e).__name__}: {e}"}, 400
-        except LookupError as e:
-            body, status = {"error": str(e)}, 404
-        except PermissionError as e:
-            body, status = {"error": str(e)}, 403
-        except Exception as e:  # the engine's own errors: report, keep serving
-            # vLLM's own request validation (not a ValueError in vLLM 0.32) is the client's fault, not the server's.
-            status = 400 if type(e).__name__ == "VLLMValidationError" else 500
-            body = {"error": f"{type(e).__name__}: {e}"}
+        except Exception as e:  # noqa: BLE001 - every error becomes an answer; the server keeps serving
+            body, status = error_answer(e)
         await _json(scope, receive, send, body, status)
 
     async def _verified_health(self, scope, receive, send, given: str) -> None:
@@ -340,6 +419,24 @@ class GRPOMiddleware:
             await send(message)
 
         await self.app(scope, receive, send_verified)
+
+
+def error_answer(e: Exception) -> tuple[dict, int]:
+    """The JSON body and HTTP status a handler's exception is answered with: 4xx for what the client must change
+    (it must not retry), 500 for the engine's own errors. A failed prompt of a batch (`PromptFailed`) gets its cause's
+    status, with a message that names the prompt."""
+    cause = e.cause if isinstance(e, PromptFailed) else e
+    message = str(e) if isinstance(e, PromptFailed) else f"{type(e).__name__}: {e}"
+    if isinstance(cause, BadRequest):  # the request itself is wrong: the client must change it, not retry
+        return {"error": str(e)}, cause.status
+    if isinstance(cause, (ValueError, TypeError, KeyError, json.JSONDecodeError)):
+        return {"error": message}, 400
+    if isinstance(cause, LookupError):
+        return {"error": str(e)}, 404
+    if isinstance(cause, PermissionError):
+        return {"error": str(e)}, 403
+    # vLLM's own request validation (not a ValueError in vLLM 0.32) is the client's fault, not the server's.
+    return {"error": message}, 400 if type(cause).__name__ == "VLLMValidationError" else 500
 
 
 async def _json(scope, receive, send, body: dict, status: int) -> None:
