@@ -6,12 +6,15 @@ concurrent requests itself, so `generate` fans prompts out over a small thread p
 
 from __future__ import annotations
 
+import logging
 import time
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Any
 
 import requests
+
+log = logging.getLogger(__name__)
 
 # What a grpo server without the batched /generate form answers it (HTTP 400): the client then sends one request per
 # prompt.
@@ -210,7 +213,10 @@ class InferenceClient:
             except InferenceServerError as e:
                 if OLD_SERVER_ANSWER not in str(e):
                     raise
-                self.prompts_per_request = 0  # a server without the batched form: one request per prompt from now on
+                # A server without the batched form (a grpo server older than it): one request per prompt from now on.
+                log.warning("inference server at %s has no batched /generate; sending one request per prompt",
+                            self.base_url)
+                self.prompts_per_request = 0
 
         def one(i: int) -> list[Completion]:
             seed = {} if base_seed is None else {"seed": (int(base_seed) + i * n) % (2**63)}
