@@ -140,6 +140,9 @@ def train(cfg: DictConfig, run_dir: Path) -> list[float]:
     from grpo.trainer.metrics import plot_curves
 
     torch.manual_seed(cfg.train.seed)
+    if cfg.train.torch_threads is not None:
+        torch.set_num_threads(int(cfg.train.torch_threads))
+        log.info("trainer torch threads: %d", torch.get_num_threads())
     dist_info, device = start_processes(cfg)
     rank0 = dist_info is None or dist_info.is_rank0
     model_dir = model_directory(cfg, dist_info)

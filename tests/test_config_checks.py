@@ -457,6 +457,7 @@ def test_lora_settings_with_a_full_fine_tuning_mode_are_refused_not_ignored(tmp_
     ("train.max_nonfinite_steps=0", "train.max_nonfinite_steps must be >= 1, got 0"),
     ("train.warmup_steps=-1", "train.warmup_steps must be >= 0, got -1"),
     ("train.max_grad_norm=0", "train.max_grad_norm must be > 0, or null for no gradient clipping; got 0.0"),
+    ("train.torch_threads=0", "train.torch_threads must be >= 1, or null for torch's default (one per core); got 0"),
 ])
 def test_loop_counts_out_of_range_are_config_errors_before_the_server_starts(tmp_path, override, needle):
     """Before, each passed start-up and failed in the run (checkpoint_every=0: ZeroDivisionError after the first

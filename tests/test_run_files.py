@@ -261,3 +261,30 @@ def test_curves_draw_the_reward_of_a_run_with_several_updates_per_batch(tmp_path
     plot_curves(tmp_path / "metrics.jsonl", tmp_path / "curves.png")
     assert drawn[0] == ([1, 5, 9], [0.51, 0.55, 0.59])  # the reward panel: one connected line
     assert drawn[1][0] == list(range(1, 13))  # the loss panel: every step
+
+
+@pytest.mark.parametrize("durable", [True, False])
+def test_served_weights_skip_the_fsyncs_and_stay_loadable(tiny_qwen2_dir, tmp_path, monkeypatch, durable):
+    """Weights written only to be served next (`durable=False`, a sync's save) are not fsynced; checkpoints and
+    other writes are. Either way the directory replaces an older one atomically and loads back the same tensors."""
+    import os
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from grpo.weights.hf_dir import save_model_weights
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_qwen2_dir, dtype=torch.float32)
+    out = tmp_path / "served_weights" / "v1"
+    save_model_weights(model, None, out)  # an older copy to replace
+    with torch.no_grad():
+        next(model.parameters()).add_(1.0)
+    synced = []
+    real_fsync = os.fsync
+    monkeypatch.setattr(os, "fsync", lambda fd: (synced.append(fd), real_fsync(fd)))
+    save_model_weights(model, None, out, durable=durable)
+    assert bool(synced) == durable
+    back = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+    for (name, a), (_, b) in zip(model.state_dict().items(), back.state_dict().items()):
+        assert torch.equal(a, b), name
+    assert sorted(p.name for p in out.parent.iterdir()) == ["v1"]  # no temporary or old dir left behind

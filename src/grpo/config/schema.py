@@ -391,6 +391,10 @@ class TrainConfig:
     stale_policy: StalePolicy = StalePolicy.wait
     # stale_policy=drop: rollout batches generated ahead of the trainer at most; null = max_staleness + 1.
     rollout_queue: Optional[int] = None
+    # Threads of the trainer's torch kernels; null = torch's default (one per core). On a CPU machine whose cores
+    # the local vLLM server shares, asynchronous rollouts want cores minus the server's threads (its engine decodes
+    # while the trainer trains; oversubscribed OpenMP threads wait on each other).
+    torch_threads: Optional[int] = None
 
 
 @dataclass

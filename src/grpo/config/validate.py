@@ -371,6 +371,9 @@ def check_train_counts(train: DictConfig) -> None:
     for key, low in at_least.items():
         if train[key] < low:
             raise ConfigError(f"train.{key} must be >= {low}, got {train[key]}")
+    threads = train.get("torch_threads")
+    if threads is not None and threads < 1:
+        raise ConfigError(f"train.torch_threads must be >= 1, or null for torch's default (one per core); got {threads}")
     if train.max_grad_norm is not None and train.max_grad_norm <= 0:
         raise ConfigError(f"train.max_grad_norm must be > 0, or null for no gradient clipping; got "
                           f"{train.max_grad_norm}")

@@ -72,8 +72,10 @@ class CheckpointRestartSync(ServerSync):
         self.server.restart(model=self.served_dir, weight_version=self.version)
 
     def sync(self, model: nn.Module, step: int) -> dict[str, float]:
+        # Not fsynced: served weights are rewritten from the trainer's at every sync (checkpoints are durable).
         return self._save_and_load(
-            "served_weights", lambda d: save_full_weights(model, self.ctx.tokenizer, d), self._serve_weights, step
+            "served_weights", lambda d: save_full_weights(model, self.ctx.tokenizer, d, durable=False),
+            self._serve_weights, step,
         )
 
     def _serve_weights(self, out: Path, version: int) -> dict[str, float]:

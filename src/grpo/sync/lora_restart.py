@@ -18,8 +18,9 @@ from grpo.weights.hf_dir import save_model_weights
 
 
 def save_adapter(model: nn.Module, out_dir: Path) -> Path:
-    """The PEFT adapter of `model` in `out_dir`, written atomically."""
-    return save_model_weights(model, None, out_dir)
+    """The PEFT adapter of `model` in `out_dir`, written atomically; not fsynced: adapters are rewritten from the
+    trainer's at every sync (checkpoints are durable)."""
+    return save_model_weights(model, None, out_dir, durable=False)
 
 
 class LoraRestartSync(ServerSync):

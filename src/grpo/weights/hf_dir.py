@@ -84,16 +84,19 @@ def fsync_tree(root: Path) -> None:
         fsync_dir(Path(dirpath))
 
 
-def publish_dir(tmp: Path, final: Path) -> None:
-    """Rename a finished ``tmp`` onto ``final`` (replacing an older one), durably."""
-    fsync_tree(tmp)
+def publish_dir(tmp: Path, final: Path, durable: bool = True) -> None:
+    """Rename a finished ``tmp`` onto ``final`` (replacing an older one); ``durable``: flushed to disk first and after,
+    so the rename survives a crash."""
+    if durable:
+        fsync_tree(tmp)
     old = None
     if final.exists():
         # os.replace can't overwrite a non-empty directory: move the old one aside first, drop it afterwards.
         old = final.parent / f".old_{final.name}_{os.getpid()}"
         os.replace(final, old)
     os.replace(tmp, final)
-    fsync_dir(final.parent)
+    if durable:
+        fsync_dir(final.parent)
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
 
@@ -141,16 +144,19 @@ def write_model(model: nn.Module, tokenizer: Any, out: Path, state_dict: dict | 
 
 
 def save_model_weights(
-    model: nn.Module, tokenizer: Any, out_dir: str | Path, state_dict: dict[str, torch.Tensor] | None = None
+    model: nn.Module, tokenizer: Any, out_dir: str | Path, state_dict: dict[str, torch.Tensor] | None = None,
+    durable: bool = True,
 ) -> Path:
     """Write ``model`` (HF format, or the adapter of a PEFT model) and ``tokenizer`` to ``out_dir`` atomically.
-    ``state_dict``: the full tensors to write instead of the module's own (an FSDP2 model's gathered weights)."""
+    ``state_dict``: the full tensors to write instead of the module's own (an FSDP2 model's gathered weights).
+    ``durable=False`` skips the fsyncs: for weights written only to be served next (a sync writes them again from the
+    trainer's own, and a checkpoint holds its own durable copy), 4 of the 11 ms a sync's save took on CPU."""
     final = Path(out_dir)
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".tmp_{final.name}_", dir=final.parent))
     try:
         write_model(model, tokenizer, tmp, state_dict)
-        publish_dir(tmp, final)
+        publish_dir(tmp, final, durable)
     except Exception as e:
         shutil.rmtree(tmp, ignore_errors=True)
         os_error = os_error_of(e)

@@ -56,10 +56,11 @@ def full_state_dicts(
     return model_state, get_optimizer_state_dict(model, optimizer, options=options)
 
 
-def save_full_weights(model: nn.Module, tokenizer: Any, out_dir: Any) -> Any:
-    """HF-format weights of `model` in `out_dir`, written atomically. For an FSDP2 model the full weights are
-    gathered first: a collective, which every rank joins (the others get nothing to write)."""
+def save_full_weights(model: nn.Module, tokenizer: Any, out_dir: Any, durable: bool = True) -> Any:
+    """HF-format weights of `model` in `out_dir`, written atomically (`durable`: fsynced, see
+    `save_model_weights`). For an FSDP2 model the full weights are gathered first: a collective, which every rank
+    joins (the others get nothing to write)."""
     from grpo.weights.hf_dir import save_model_weights
 
     state_dict = full_state_dict(model) if is_sharded(model) else None
-    return save_model_weights(model, tokenizer, out_dir, state_dict)
+    return save_model_weights(model, tokenizer, out_dir, state_dict, durable=durable)
