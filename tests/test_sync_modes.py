@@ -98,6 +98,63 @@ def test_mode_none_reloads_in_place(tmp_path, tiny_qwen2_dir):
 
 
 @pytest.mark.vllm
+def test_mode_none_background_reload_lands_before_generation_and_a_failed_one_is_redone(tmp_path, tiny_qwen2_dir):
+    """mode.reload=background: sync() returns once the weights are saved (the version already the new one); a
+    request sent through endpoint() from another thread (the rollout producer) waits for the reload, so it samples
+    the new weights under the new version; a reload that fails is redone when the trainer's thread settles it."""
+    import threading
+
+    from transformers import AutoModelForCausalLM
+
+    from grpo.inference.client import InferenceServerError
+    from grpo.sync.checkpoint_restart import CheckpointRestartSync
+
+    sync = CheckpointRestartSync(reload="background")
+    sync.launch(make_ctx(tmp_path, tiny_qwen2_dir, enforce_eager=True))
+    try:
+        model = AutoModelForCausalLM.from_pretrained(tiny_qwen2_dir, dtype=torch.float32)
+        optimizer_step(model, 1e-3)
+        metrics = sync.sync(model, 1)
+        assert sync.version == metrics["sync/version"] == 1 and metrics["sync/reload_wait_seconds"] == 0.0
+        seen = {}
+
+        def producer() -> None:  # what the rollout producer does: endpoint(), then sample at once
+            endpoint = sync.endpoint()
+            (gen,) = sync.client.generate([SEQ[:4]], n=1, max_tokens=3, model=endpoint.model)
+            seen["version"] = gen[0].weight_version
+
+        thread = threading.Thread(target=producer)
+        thread.start()
+        thread.join(60)
+        assert seen["version"] == 1  # admitted on the reloaded weights, never on version 0's
+        sync.settle()
+        server = torch.tensor(sync.client.prompt_logprobs(SEQ, model=sync.served_model))
+        assert (server - trainer_logprobs(model)).abs().max() < 1e-4
+
+        # The next reload fails once (the server said no): the trainer's next settle redoes it in place.
+        optimizer_step(model, 1e-3)
+        real_reload, calls = sync.client.reload_weights, []
+
+        def failing_once(path, version=None):
+            calls.append(path)
+            if len(calls) == 1:
+                raise InferenceServerError("reload refused (test)")
+            return real_reload(path, version=version)
+
+        sync.client.reload_weights = failing_once
+        metrics = sync.sync(model, 2)
+        sync.endpoint()  # on the trainer's thread (an evaluation): settles, redoing the failed reload
+        assert len(calls) == 2 and sync.version == 2
+        server = torch.tensor(sync.client.prompt_logprobs(SEQ, model=sync.served_model))
+        assert (server - trainer_logprobs(model)).abs().max() < 1e-4
+        assert sync.client.weight_version() == 2
+        sync.sync(model, 3)
+        assert sorted(p.name for p in (tmp_path / "served_weights").iterdir()) in (["v2", "v3"], ["v3"])
+    finally:
+        shutdown_and_check(sync)
+
+
+@pytest.mark.vllm
 def test_mode_lora_restart(tmp_path, tiny_qwen2_dir):
     from grpo.sync.lora_restart import LoraRestartSync
 

@@ -192,7 +192,8 @@ class CheckpointRestartSyncConfig:
 
     _target_: str = "grpo.sync.checkpoint_restart.CheckpointRestartSync"
     sync_every: int = 1
-    # inplace: vLLM reloads the saved weights in place (a restart when that fails); restart: always restart vLLM.
+    # inplace: vLLM reloads the saved weights in place (a restart when that fails); restart: always restart vLLM;
+    # background: inplace on a thread of its own, the trainer going on meanwhile (generation waits for it).
     reload: str = "inplace"
 
 

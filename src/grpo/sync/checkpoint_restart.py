@@ -6,6 +6,13 @@ possible (an external server without our endpoints, or a failed reload) does it 
 new directory, which leaves rollouts without a server for the whole start-up (~30 s here). A server found dead or
 hung when the reload fails is a crash: restarted through the health check (counted, bounded), then reloaded.
 
+`reload=background` runs that in-place reload on a thread of its own: the sync returns once the weights are saved,
+and the trainer goes on with the next rollout batch (asynchronous rollouts, `train.max_staleness >= 1`) while vLLM
+loads them. Generation waits for the reload (`endpoint()` blocks until it has landed), so no request is admitted on
+weights older than the version the trainer reports; the next sync, an evaluation and the end of the run wait for it
+too, and a reload that failed is redone there, on the trainer's thread, through the path above (health check,
+restart).
+
 Under torchrun (FSDP2) only rank 0 holds this strategy; its sync gathers the full state dict, which the other
 ranks join through `grpo.sync.follower.FollowerSync` (`fsdp_gather = "state_dict"`), then rank 0 alone saves
 and drives the server.
@@ -14,12 +21,15 @@ and drives the server.
 from __future__ import annotations
 
 import logging
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import torch.nn as nn
 
-from grpo.inference.client import InferenceServerError
+from grpo.inference.client import Endpoint, InferenceServerError
 from grpo.options import ConfigError, option
 from grpo.sync.base import SyncContext
 from grpo.sync.server_base import ServerSync
@@ -28,7 +38,7 @@ from grpo.weights.params import save_full_weights
 log = logging.getLogger(__name__)
 
 # How vLLM takes the saved weights (mode.reload).
-RELOADS = ("inplace", "restart")
+RELOADS = ("inplace", "restart", "background")
 
 
 class CheckpointRestartSync(ServerSync):
@@ -44,9 +54,17 @@ class CheckpointRestartSync(ServerSync):
     def __init__(self, sync_every: int = 1, reload: str = "inplace") -> None:
         super().__init__(sync_every)
         if reload not in RELOADS:
-            raise ValueError(f"reload must be 'inplace' or 'restart', got {reload!r}")
+            raise ValueError(f"reload must be one of {RELOADS}, got {reload!r}")
         self.reload = reload
         self.served_dir: Path | None = None
+        # reload=background: the reload in flight (its directory, version and future) and its worker thread; the
+        # event is set when none is in flight. The thread that built the strategy (the trainer's) redoes a failed one.
+        self._pending: tuple[Path, int, Future] | None = None
+        self._landed = threading.Event()
+        self._landed.set()
+        self._reloader = ThreadPoolExecutor(1, thread_name_prefix="grpo-reload") if reload == "background" else None
+        self._owner = threading.get_ident()
+        self._last_reload_s = 0.0
 
     @classmethod
     def check_config(cls, cfg: Any, *, cuda: bool, world_size: int = 1) -> None:
@@ -54,7 +72,8 @@ class CheckpointRestartSync(ServerSync):
         reload = option(cfg.mode, "reload", "inplace")
         if reload not in RELOADS:
             raise ConfigError(f"mode.reload={reload} is not one of {', '.join(RELOADS)} (inplace: vLLM reloads the "
-                              "saved weights in place; restart: it restarts on them every sync)")
+                              "saved weights in place; restart: it restarts on them every sync; background: inplace on "
+                              "a thread of its own while the trainer goes on)")
         if reload == "restart" and option(cfg.server, "external_url"):  # else a RuntimeError at the first sync
             raise ConfigError(f"mode.reload=restart restarts the vLLM server at every sync, so it cannot use a server "
                               f"started elsewhere (server.external_url={cfg.server.external_url}); use "
@@ -72,14 +91,71 @@ class CheckpointRestartSync(ServerSync):
         self.server.restart(model=self.served_dir, weight_version=self.version)
 
     def sync(self, model: nn.Module, step: int) -> dict[str, float]:
+        background = self.reload == "background"
+        waited = self.settle()  # background: the previous reload lands (or is redone) before a new one starts
         # Not fsynced: served weights are rewritten from the trainer's at every sync (checkpoints are durable).
-        return self._save_and_load(
+        out = self._save_and_load(
             "served_weights", lambda d: save_full_weights(model, self.ctx.tokenizer, d, durable=False),
-            self._serve_weights, step,
+            self._reload_in_background if background else self._serve_weights, step,
         )
+        if not background:
+            return out
+        # sync/seconds: the trainer's own wait; the reload itself ran beside the previous batch's training.
+        return {**out, "sync/seconds": out["sync/seconds"] + waited, "sync/reload_wait_seconds": waited,
+                "sync/background_load_seconds": self._last_reload_s}
+
+    # ------------------------------------------------------------------ reload=background
+    def _reload_in_background(self, out: Path, version: int) -> dict[str, float]:
+        """Hand the in-place reload of `out` to the reload thread; a restart from now on serves `out` (the version
+        the trainer reports)."""
+        self.served_dir = out
+        self._landed.clear()
+        self._pending = (out, version, self._reloader.submit(self._timed_reload, out, version))
+        return {"sync/inplace": 1.0}
+
+    def _timed_reload(self, out: Path, version: int) -> float:
+        t0 = time.perf_counter()
+        try:
+            self.client.reload_weights(str(out), version=version)
+            return time.perf_counter() - t0
+        finally:
+            self._landed.set()
+
+    def settle(self) -> float:
+        """Wait for the background reload in flight; one that failed is redone here through the in-place path
+        (a dead or hung server is restarted, bounded). Returns the seconds waited; 0 when none is in flight."""
+        if self._pending is None:
+            return 0.0
+        out, version, future = self._pending
+        t0 = time.perf_counter()
+        try:
+            self._last_reload_s = future.result()
+            self.record_stall(self._last_reload_s)  # the engine ran the reload between its steps
+            self._prune("served_weights", keep={out})
+        except InferenceServerError as error:
+            log.warning("background reload of %s failed (%s); reloading it on the trainer's thread", out, error)
+            self._serve_weights(out, version)
+        finally:
+            self._pending = None
+        return time.perf_counter() - t0
+
+    def endpoint(self) -> Endpoint:
+        """The server to sample from, once the weights of the version it reports are loaded: generation waits for a
+        background reload in flight (on the trainer's own thread, an evaluation, it is settled: redone if it failed)."""
+        if threading.get_ident() == self._owner:
+            self.settle()
+        else:  # the producer's thread: set (no wait) unless a reload is in flight
+            self._landed.wait()
+        return super().endpoint()
+
+    def shutdown(self) -> None:
+        self._landed.wait(timeout=60)  # a background reload in flight ends before its server is stopped
+        if self._reloader is not None:
+            self._reloader.shutdown(wait=False, cancel_futures=True)
+        super().shutdown()
 
     def _serve_weights(self, out: Path, version: int) -> dict[str, float]:
-        method = self.reload
+        method = "restart" if self.reload == "restart" else "inplace"  # background redoes a failed reload in place
         if method == "inplace":
             try:
                 # The engine runs the reload between its steps: generation stalls that long; requests in flight are
