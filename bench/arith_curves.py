@@ -52,14 +52,20 @@ def read_run(run_dir: Path) -> dict:
         raise SystemExit(f"{run_dir}: no eval/accuracy rows in metrics.jsonl (was eval off?)")
     summary_path = run_dir / "summary.json"
     summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
-    seed = None
+    seed, variant = None, ""
     config = run_dir / ".hydra" / "config.yaml"
     if config.exists():
         import yaml
 
-        seed = yaml.safe_load(config.read_text()).get("train", {}).get("seed")
+        composed = yaml.safe_load(config.read_text())
+        seed = composed.get("train", {}).get("seed")
+        overrides = run_dir / ".hydra" / "overrides.yaml"
+        # The label names the experiment and the command's other overrides, so variants of ours tell apart.
+        given = [o for o in (yaml.safe_load(overrides.read_text()) if overrides.exists() else []) or []
+                 if not o.startswith(("train.seed=", "hydra.", "experiment="))]
+        variant = " ".join([str(composed.get("name", "")), *given]).strip()
     return {
-        "run": str(run_dir), "trainer": "ours", "seed": seed, "points": points, **_summary(points),
+        "run": str(run_dir), "trainer": "ours", "seed": seed, "variant": variant, "points": points, **_summary(points),
         "loop_seconds": points[-1]["seconds"], "train_seconds": points[-1]["train_seconds"],
         "eval_seconds_total": eval_total, "wall_seconds": summary.get("wall_seconds"),
     }
@@ -108,7 +114,9 @@ def time_to(run: dict, accuracy: float, axis: str) -> tuple[float | None, int | 
 
 
 def label(run: dict) -> str:
-    return f"{'TRL' if run['trainer'] == 'trl' else 'ours'} seed {run['seed']}"
+    if run["trainer"] == "trl":
+        return f"TRL seed {run['seed']}"
+    return f"ours {run['variant']} seed {run['seed']}" if run.get("variant") else f"ours seed {run['seed']}"
 
 
 def comparison(runs: list[dict], axis: str, at: list[float] | None) -> tuple[dict, str]:
