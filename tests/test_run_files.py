@@ -288,3 +288,22 @@ def test_served_weights_skip_the_fsyncs_and_stay_loadable(tiny_qwen2_dir, tmp_pa
     for (name, a), (_, b) in zip(model.state_dict().items(), back.state_dict().items()):
         assert torch.equal(a, b), name
     assert sorted(p.name for p in out.parent.iterdir()) == ["v1"]  # no temporary or old dir left behind
+
+
+def test_a_resume_keeps_each_earlier_sessions_record_in_order(tmp_path):
+    """Before, a resume in place wrote its .hydra/ and provenance.json over the earlier session's: the command and
+    config of the run's first session were gone. Now each is moved into sessions/NN/ first."""
+    from grpo.run import keep_earlier_session
+
+    run = tmp_path / "run"
+    run.mkdir()
+    assert keep_earlier_session(run) is None and not (run / "sessions").exists()  # a fresh dir: nothing to keep
+    for session in ("first", "second"):
+        (run / ".hydra").mkdir()
+        (run / ".hydra" / "config.yaml").write_text(session)
+        (run / "provenance.json").write_text(json.dumps({"argv": [session]}))
+        kept = keep_earlier_session(run)
+        assert not (run / ".hydra").exists() and not (run / "provenance.json").exists()
+    assert kept == run / "sessions" / "02"
+    assert (run / "sessions" / "01" / ".hydra" / "config.yaml").read_text() == "first"
+    assert json.loads((run / "sessions" / "02" / "provenance.json").read_text()) == {"argv": ["second"]}

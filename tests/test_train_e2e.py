@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 import time
@@ -89,9 +88,9 @@ def test_default_job_trains_checkpoints_resumes_and_its_saved_config_reproduces_
     assert (run_dir / ".hydra" / "config.yaml").exists() and (run_dir / "provenance.json").exists()
     complete = sorted(p.name for p in (run_dir / "checkpoints").iterdir() if (p / "COMPLETE").exists())
     assert complete == ["step_000001", "step_000002"]
-    # The run's saved config, kept before the resume below rewrites .hydra (rerun from it at the end).
-    saved = tmp_path / "saved_hydra"
-    shutil.copytree(run_dir / ".hydra", saved)
+    # The first session's record, as it was before the resume below (the resume moves it into sessions/01/).
+    first_config = (run_dir / ".hydra" / "config.yaml").read_text()
+    first_argv = json.loads((run_dir / "provenance.json").read_text())["argv"]
 
     # Resume in place: steps 3 and 4 follow, metrics keep steps 1-2. This run and the rerun below attach to the
     # session's server (a vLLM start-up each saved; the first run above started and stopped its own).
@@ -102,8 +101,14 @@ def test_default_job_trains_checkpoints_resumes_and_its_saved_config_reproduces_
     assert_clean(marker)
     resumed = metrics(run_dir)
     assert [r["step"] for r in resumed] == [1, 2, 3, 4]
+    # Each session's config and command stay with the run: the first in sessions/01/, the resume's at the top.
+    saved = run_dir / "sessions" / "01" / ".hydra"
+    assert (saved / "config.yaml").read_text() == first_config
+    assert json.loads((run_dir / "sessions" / "01" / "provenance.json").read_text())["argv"] == first_argv
+    assert f"train.resume={run_dir}" in (run_dir / ".hydra" / "overrides.yaml").read_text()
+    assert f"train.resume={run_dir}" in " ".join(json.loads((run_dir / "provenance.json").read_text())["argv"])
 
-    # `--config-path <run>/.hydra --config-name config` reruns exactly that config: the same first step.
+    # `--config-path <run>/sessions/01/.hydra --config-name config` reruns the first session: the same first step.
     again = tmp_path / "again"
     external, env = attach(train_server, tiny_qwen2_dir)
     out, _ = run_train("--config-path", str(saved), "--config-name", "config", external, f"hydra.run.dir={again}",

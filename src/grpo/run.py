@@ -247,6 +247,23 @@ def record_device_memory(run_dir: Path, before: dict[str, float], settle_s: floa
 _run_dir_lock: Any = None
 
 
+def keep_earlier_session(run_dir: Path) -> Path | None:
+    """Before a resume writes its own `.hydra/` and `provenance.json` into `run_dir`, move the earlier session's
+    into `run_dir/sessions/NN/` (01 the first session, then in order), so every session's config and command stay
+    with the run. Returns that dir, or None when there was nothing to keep."""
+    record = [p for p in (run_dir / ".hydra", run_dir / "provenance.json") if p.exists()]
+    if not record:
+        return None
+    sessions = run_dir / "sessions"
+    sessions.mkdir(exist_ok=True)
+    taken = [int(d.name) for d in sessions.iterdir() if d.is_dir() and d.name.isdigit()]
+    dest = sessions / f"{max(taken, default=0) + 1:02d}"
+    dest.mkdir()
+    for p in record:
+        p.rename(dest / p.name)
+    return dest
+
+
 def lock_run_dir(run_dir: Path) -> None:
     """Hold an exclusive lock on `<run_dir>/.grpo.lock` for the rest of this process. A second trainer in the same
     dir (a resume command run twice, a requeued job) would write the same metrics.jsonl and checkpoints: it gets a
@@ -317,7 +334,11 @@ class RunDirGuard(Callback):
             check_resume_has_steps_left(config)
             check_resume_identity(config)
             if int(os.environ.get("RANK", "0")) == 0:  # torchrun: rank 0 owns the run dir
-                lock_run_dir(Path(config.hydra.run.dir))
+                run_dir = Path(config.hydra.run.dir)
+                lock_run_dir(run_dir)
+                resume = config.train.resume
+                if resume is not None and Path(resume).resolve() == run_dir.resolve():
+                    keep_earlier_session(run_dir)  # before Hydra writes this session's .hydra/ over it
 
     def on_multirun_start(self, config: Any, **kwargs: Any) -> None:  # noqa: ARG002
         """Exit 1 before the first job when the sweep dir holds jobs that already ran (`check_sweep_dir_unused`)."""
