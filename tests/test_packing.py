@@ -135,7 +135,8 @@ class _Unused(BatchSource):
         raise AssertionError("not used")
 
 
-def _trainer(model, loss_fn, **train) -> GRPOTrainer:
+def update_trainer(model, loss_fn, **train) -> GRPOTrainer:
+    """A GRPOTrainer whose updates run on batches the test hands it (no data source, sync or optimizer movement)."""
     cfg = OmegaConf.structured(TrainConfig(steps=1, micro_batch_size=3, grad_accum=4, **train))
     sync = SimpleNamespace(version=0, prepare_step=lambda step: None)
     return GRPOTrainer(train_cfg=cfg, model=model, tokenizer=None, optimizer=torch.optim.SGD(model.parameters(), 0.0),
@@ -149,10 +150,10 @@ def test_token_budget_split_gives_the_fixed_split_loss_and_gradients(tiny_qwen2_
     model = _model(tiny_qwen2_dir)
     loss_fn = GRPOLoss(aggregation=aggregation, kl_coef=0.02)
     batch = prepare_batch(_groups(0), max_seq_len=64, micro_batch_size=3, pad_token_id=0)
-    fixed = _trainer(model, loss_fn)
+    fixed = update_trainer(model, loss_fn)
     loss_fixed, metrics_fixed = fixed.forward_backward(batch)
     grads_fixed = _grads(model)
-    budget = _trainer(model, loss_fn, max_tokens_per_micro_batch=40, padding_free=padding_free)
+    budget = update_trainer(model, loss_fn, max_tokens_per_micro_batch=40, padding_free=padding_free)
     (_, split), = budget.plan(batch)
     assert len(split.micro_batches) != len(batch.micro_batches)  # the budget did re-split the rows
     assert split.num_loss_tokens == batch.num_loss_tokens and split.num_sequences == batch.num_sequences
@@ -177,10 +178,10 @@ def test_token_budget_applies_to_mini_batches_too():
 def test_update_reports_pad_fraction_and_tflops(tiny_qwen2_dir):
     model = _model(tiny_qwen2_dir)
     batch = prepare_batch(_groups(2), max_seq_len=64, micro_batch_size=3, pad_token_id=0)
-    fixed = _trainer(model, GRPOLoss())
+    fixed = update_trainer(model, GRPOLoss())
     m = fixed.perf(batch, seconds=0.5)
     assert 0 < m["batch/pad_fraction"] < 1 and m["perf/tflops"] > 0 and math.isnan(m["perf/mfu"])  # CPU: no peak
-    packed = _trainer(model, GRPOLoss(), padding_free=True)
+    packed = update_trainer(model, GRPOLoss(), padding_free=True)
     assert packed.perf(batch, seconds=0.5)["batch/pad_fraction"] == 0.0
 
 
@@ -284,7 +285,7 @@ def test_out_of_memory_in_an_update_says_which_micro_batch_and_what_to_lower(tin
     batch = prepare_batch(_groups(3), max_seq_len=64, micro_batch_size=3, pad_token_id=0)
     longest = max(int(mb.attention_mask.sum(dim=1).max()) for mb in batch.micro_batches)
     with pytest.raises(TrainerOutOfMemoryError) as e:
-        _trainer(model, OutOfMemoryLoss()).update(batch)
+        update_trainer(model, OutOfMemoryLoss()).update(batch)
     msg = str(e.value)
     assert f"step 1: out of device memory in the forward/backward of micro-batches of up to 3 sequences x {longest} tokens" in msg
     for knob in ("train.micro_batch_size", "train.max_tokens_per_micro_batch", "model.gradient_checkpointing=true",

@@ -6,24 +6,21 @@ from __future__ import annotations
 
 import random
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import torch
 from omegaconf import OmegaConf
 
 from grpo.config import ConfigError
-from grpo.config.schema import TrainConfig
 from grpo.config.validate import check_prefix_sharing
 from grpo.pipeline.batch import prepare_batch
 from grpo.pipeline.group import Group
 from grpo.trainer import prefix
-from grpo.trainer.batch import IGNORE_INDEX, BatchSource
+from grpo.trainer.batch import IGNORE_INDEX
 from grpo.trainer.logprobs import token_logprobs
-from grpo.trainer.loop import GRPOTrainer
 from grpo.trainer.loss import GRPOLoss
-from grpo.trainer.metrics import NullMetrics
 from grpo.trainer.minibatch import split_mini_batches
+from test_packing import update_trainer
 
 
 def _model(model_dir):
@@ -49,19 +46,6 @@ def _grads(model):
     out = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
     model.zero_grad(set_to_none=True)
     return out
-
-
-class _Unused(BatchSource):
-    def next_batch(self, step):
-        raise AssertionError("not used")
-
-
-def _trainer(model, loss_fn, **train) -> GRPOTrainer:
-    cfg = OmegaConf.structured(TrainConfig(steps=1, micro_batch_size=3, grad_accum=4, **train))
-    sync = SimpleNamespace(version=0, prepare_step=lambda step: None)
-    return GRPOTrainer(train_cfg=cfg, model=model, tokenizer=None, optimizer=torch.optim.SGD(model.parameters(), 0.0),
-                       scheduler=None, loss_fn=loss_fn, pipeline=_Unused(), sync=sync, checkpoints=None,
-                       metrics=NullMetrics(), device=torch.device("cpu"))
 
 
 def _micro_batch():
@@ -145,7 +129,7 @@ def test_trainer_update_loss_and_gradients_equal_the_unshared_path(tiny_qwen2_di
     out = {}
     for shared in (False, True):
         batch = prepare_batch(_groups(0), max_seq_len=64, micro_batch_size=3, pad_token_id=0)
-        trainer = _trainer(model, loss_fn, fused_loss=fused, prefix_sharing=shared)
+        trainer = update_trainer(model, loss_fn, fused_loss=fused, prefix_sharing=shared)
         assert trainer.fused == fused
         trainer.recompute_old_logprobs(batch)
         loss, metrics = trainer.forward_backward(batch)
@@ -169,7 +153,7 @@ def test_mini_batches_that_split_groups_keep_loss_and_gradients(tiny_qwen2_dir):
     loss_fn = GRPOLoss(kl_coef=0.02)
     batch = prepare_batch(_groups(4, n_groups=4), max_seq_len=64, micro_batch_size=5, pad_token_id=0)
     minis = split_mini_batches(batch, 2, 5, random.Random(3))
-    trainers = {s: _trainer(model, loss_fn, prefix_sharing=s, mini_batches=2) for s in (False, True)}
+    trainers = {s: update_trainer(model, loss_fn, prefix_sharing=s, mini_batches=2) for s in (False, True)}
     rows = [len(prefix.shared_row_lengths(mb.attention_mask, mb.labels, mb.input_ids))
             for mini in minis for mb in mini.micro_batches]
     assert sum(rows) < batch.num_sequences  # some sequences did share a prompt after the shuffle

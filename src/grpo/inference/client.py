@@ -21,6 +21,16 @@ log = logging.getLogger(__name__)
 OLD_SERVER_ANSWER = "body must be a JSON object with a 'prompt'\""
 
 
+def sampling_payload(n: int, max_tokens: int, temperature: float, top_p: float, model: str | None, logprobs: bool,
+                     sampling: dict[str, Any]) -> dict[str, Any]:
+    """The sampling keys of a /generate body, single or batched (`logprobs=False` asks for none: null)."""
+    payload = {"logprobs": 0 if logprobs else None, "n": n, "max_tokens": max_tokens, "temperature": temperature,
+               "top_p": top_p, **sampling}
+    if model is not None:
+        payload["model"] = model
+    return payload
+
+
 class InferenceServerError(RuntimeError):
     """The server is unreachable after the retries, or answered with an error."""
 
@@ -169,17 +179,8 @@ class InferenceClient:
     ) -> list[Completion]:
         """`n` completions of one token-id prompt through POST /generate; `logprobs=False` asks for none (each
         Completion's `logprobs` is then None), which spares vLLM their work on every decode step."""
-        payload: dict[str, Any] = {
-            "prompt": {"prompt_token_ids": [int(t) for t in prompt]},
-            "logprobs": 0 if logprobs else None,
-            "n": n,
-            "max_tokens": max_tokens,
-            "temperature": temperature,
-            "top_p": top_p,
-            **sampling,
-        }
-        if model is not None:
-            payload["model"] = model
+        payload = {"prompt": {"prompt_token_ids": [int(t) for t in prompt]},
+                   **sampling_payload(n, max_tokens, temperature, top_p, model, logprobs, sampling)}
         return parse_generate_response(self._post("/generate", payload))
 
     def generate(
@@ -227,22 +228,16 @@ class InferenceClient:
     def _generate_batched(self, prompts: list[list[int]], n: int, max_tokens: int, temperature: float, top_p: float,
                           model: str | None, base_seed: int | None, sampling: dict[str, Any]) -> list[list[Completion]]:
         """`generate` through batched /generate requests of up to `prompts_per_request` prompts each."""
-        logprobs = sampling.get("logprobs", True)
         rest = {k: v for k, v in sampling.items() if k != "logprobs"}
+        common = sampling_payload(n, max_tokens, temperature, top_p, model, sampling.get("logprobs", True), rest)
         size = self.prompts_per_request
         starts = list(range(0, len(prompts), size))
 
         def batch(b: int) -> list[list[Completion]]:
             first = starts[b]
-            payload: dict[str, Any] = {
-                "prompts": [[int(t) for t in p] for p in prompts[first:first + size]],
-                "logprobs": 0 if logprobs else None,
-                "n": n, "max_tokens": max_tokens, "temperature": temperature, "top_p": top_p, **rest,
-            }  # fmt: skip
+            payload: dict[str, Any] = {"prompts": [[int(t) for t in p] for p in prompts[first:first + size]], **common}
             if base_seed is not None:
                 payload["seed"] = (int(base_seed) + first * n) % (2**63)  # the server adds i * n for its prompt i
-            if model is not None:
-                payload["model"] = model
             return [parse_generate_response(r) for r in self._post("/generate", payload)["results"]]
 
         what = f"generation requests ({len(prompts)} prompts, up to {size} per request)"

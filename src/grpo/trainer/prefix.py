@@ -60,21 +60,26 @@ def _groups(input_ids: torch.Tensor, lengths: list[int], prompts: list[int]) -> 
     return list(by_prompt.values())
 
 
+def _rows(input_ids: torch.Tensor, attention_mask: torch.Tensor, labels: torch.Tensor
+          ) -> tuple[list[int], list[int], list[list[int]], list[int]]:
+    """Each sequence's length and prompt length, the shared rows' sequences, and each row's tokens (a prompt once,
+    then its sequences' completions)."""
+    lengths = [int(n) for n in attention_mask.sum(1).tolist()]
+    prompts = prompt_lengths(attention_mask, labels)
+    groups = _groups(input_ids, lengths, prompts)
+    return lengths, prompts, groups, [prompts[g[0]] + sum(lengths[b] - prompts[b] for b in g) for g in groups]
+
+
 def shared_row_lengths(attention_mask: torch.Tensor, labels: torch.Tensor, input_ids: torch.Tensor) -> list[int]:
     """Tokens each shared row forwards (a prompt once, then its sequences' completions): what the FLOP count and
     the pad fraction see under prefix sharing."""
-    lengths = [int(n) for n in attention_mask.sum(1).tolist()]
-    prompts = prompt_lengths(attention_mask, labels)
-    return [prompts[g[0]] + sum(lengths[b] - prompts[b] for b in g) for g in _groups(input_ids, lengths, prompts)]
+    return _rows(input_ids, attention_mask, labels)[3]
 
 
 def shared_layout(input_ids: torch.Tensor, attention_mask: torch.Tensor, labels: torch.Tensor) -> SharedLayout:
     """The shared-prompt rows of a right-padded, causally shifted micro-batch (module docstring)."""
     B, T = input_ids.shape
-    lengths = [int(n) for n in attention_mask.sum(1).tolist()]
-    prompts = prompt_lengths(attention_mask, labels)
-    groups = _groups(input_ids, lengths, prompts)
-    rows = [prompts[g[0]] + sum(lengths[b] - prompts[b] for b in g) for g in groups]
+    lengths, prompts, groups, rows = _rows(input_ids, attention_mask, labels)
     R, S = max(len(groups), 1), max(rows, default=1)
     ids = input_ids.new_zeros(R, S)
     pos = torch.zeros(R, S, dtype=torch.long, device=input_ids.device)
