@@ -158,6 +158,7 @@ def test_async_rollouts_with_recompute_and_tis_cap_or_rollout_logprobs_pass(tmp_
         (["mode.sync_every=2"], "use mode.sync_every=1"),
         (["train.ppo_epochs=2", "train.steps=4"], "set loss.old_logprobs=recompute"),
         (["loss.kl_coef=0.1"], "set loss.kl_coef=0"),
+        (["mode=shared_vllm", "mode.in_flight_updates=true"], "set mode.in_flight_updates=false"),
     ],
 )
 def test_rollouts_without_log_probs_refuse_what_needs_them(tmp_path, overrides, needle):

@@ -192,14 +192,45 @@ def test_mode_lora_only_hot_swaps(tmp_path, tiny_qwen2_dir):
         shutdown_and_check(sync)
 
 
-def test_shared_vllm_fails_clearly_without_cuda(tmp_path, tiny_qwen2_dir):
+@pytest.mark.vllm
+def test_shared_vllm_on_the_cpu_trains_the_servers_own_memory_and_a_restart_keeps_it(tmp_path, tiny_qwen2_dir):
+    """mode=shared_vllm on vLLM's CPU backend: the trainer's parameters are views of the server's (one shared file
+    mapping, the server multiplying with them as they are), so an optimizer step changes what vLLM computes with no
+    weights sent; a crashed server is restarted on the trained weights, not the initial ones; shutdown removes the
+    mapping's file."""
+    import os
+    import signal
+
     from grpo.sync.shared_memory import SharedMemorySync
 
     if torch.cuda.is_available():
-        pytest.skip("this machine has CUDA")
-    assert SharedMemorySync.requires_cuda
-    with pytest.raises(RuntimeError, match="needs CUDA"):
-        SharedMemorySync().launch(make_ctx(tmp_path, tiny_qwen2_dir))
+        pytest.skip("this machine has CUDA (the CUDA IPC path runs on the GPU kit)")
+    sync = SharedMemorySync()
+    ctx = make_ctx(tmp_path, tiny_qwen2_dir)
+    sync.launch(ctx)
+    try:
+        model = sync.load_model(ctx)
+        shared = sync.shared_file
+        assert shared is not None and shared.exists()
+        before = trainer_logprobs(model)
+        sync.before_optimizer_step()
+        optimizer_step(model, lr=2e-2)
+        sync.after_optimizer_step()
+        # The server computes with the new weights before any sync: nothing was sent, it reads the same memory.
+        served = torch.tensor(sync.client.prompt_logprobs(SEQ))
+        assert (served - trainer_logprobs(model)).abs().max() < 1e-4
+        assert (served - before).abs().mean() > 1e-2
+        metrics = check_moves(sync, model, lr=2e-2, step=1)
+        assert metrics["sync/seconds"] < 5
+        trained = trainer_logprobs(model)
+        os.killpg(sync.server.pid, signal.SIGKILL)  # the server this test started
+        assert sync.check_health() is True  # restarted
+        served = torch.tensor(sync.client.prompt_logprobs(SEQ))
+        assert (served - trained).abs().max() < 1e-4, "the restarted server serves other weights than the trainer's"
+        check_moves(sync, model, lr=2e-2, step=2)  # and the trainer still trains the memory it serves
+    finally:
+        shutdown_and_check(sync)
+    assert not shared.exists()
 
 
 @pytest.mark.parametrize("preset", ["tiny-qwen2", "tiny-llama"])

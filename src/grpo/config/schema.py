@@ -215,10 +215,13 @@ class LoraHotSwapSyncConfig:
 
 @dataclass
 class SharedMemorySyncConfig:
-    """mode=shared_vllm: train views of vLLM's own CUDA tensors."""
+    """mode=shared_vllm: train views of vLLM's own tensors (CUDA IPC on a GPU, a shared file mapping on the CPU)."""
 
     _target_: str = "grpo.sync.shared_memory.SharedMemorySync"
     sync_every: int = 1
+    # Weights change under running generation: no pause around the optimizer step, no prefix-cache reset at the
+    # sync; a rollout may then be sampled from a mix of weights, its log-probs still the ones it was sampled with.
+    in_flight_updates: bool = False
 
 
 @dataclass
@@ -370,6 +373,10 @@ class TrainConfig:
     # Forward each distinct prompt of a micro-batch once, its completions attending to that one copy (4D mask on
     # sdpa/eager/varlen); same log-probs, loss and gradients, fewer tokens forwarded (grpo.trainer.prefix).
     prefix_sharing: bool = False
+    # Leave rows whose advantage is 0 everywhere out of the forward passes (normalisers kept): same loss and
+    # gradients for a loss without a KL term (refused otherwise); a GRPO group whose samples all score alike costs
+    # nothing to train on.
+    skip_zero_advantage: bool = False
     # Micro-batches by a token budget (rows x longest row, or the sum of lengths with padding_free) instead of
     # micro_batch_size rows; null = row count. Normalisers are the update's, so loss and gradients are unchanged.
     max_tokens_per_micro_batch: Optional[int] = None

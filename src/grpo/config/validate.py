@@ -513,6 +513,8 @@ def check_rollout_logprobs(cfg: DictConfig) -> None:
          "(train.ppo_epochs x train.mini_batches) take pi_old from the rollout", "set loss.old_logprobs=recompute"),
         (float(loss.get("kl_coef", 0.0)) > 0, f"loss.kl_coef={loss.get('kl_coef')} penalises the distance to the "
          "rollout policy", "set loss.kl_coef=0"),
+        (bool(option(cfg.mode, "in_flight_updates", False)), "mode.in_flight_updates=true samples rollouts from a "
+         "mix of weights", "set mode.in_flight_updates=false"),
     ]
     for wrong, what, fix in needs:
         if wrong:

@@ -347,9 +347,10 @@ class InferenceClient:
         """Resume generation after pause()."""
         self._post("/grpo/resume", {})
 
-    def rpc(self, method: str) -> list[Any]:
-        """Call worker-extension method `method` (a `grpo_*` name) on every vLLM worker; their results in order."""
-        return self._post("/grpo/rpc", {"method": method})["results"]
+    def rpc(self, method: str, **kwargs: Any) -> list[Any]:
+        """Call worker-extension method `method` (a `grpo_*` name) with `kwargs` (JSON values) on every vLLM
+        worker; their results in order."""
+        return self._post("/grpo/rpc", {"method": method, "kwargs": kwargs})["results"]
 
     def weight_transfer_init(self, info: dict, timeout: float | None = None) -> Any:
         """Have every worker join the NCCL weight-transfer group `info` describes (mode=broadcast). Blocks until

@@ -231,13 +231,15 @@ class VLLMServer:
         env[identity.TOKEN_ENV] = self.token
         # Read by grpo.inference.vllm_plugin in each vLLM process; unset keeps vLLM's own busy-loop.
         env.pop(vllm_plugin.ENV, None)
+        env.pop(vllm_plugin.PLAIN_GEMM_ENV, None)  # only a strategy that trains vLLM's memory asks for it (self.env)
         busy_loop_s = option(self.cfg, "busy_loop_s")
         if busy_loop_s is not None:
             env[vllm_plugin.ENV] = str(float(busy_loop_s))
-            # A VLLM_PLUGINS allow-list would otherwise leave the plugin, and so the cap, out.
-            if env.get("VLLM_PLUGINS") and vllm_plugin.PLUGIN_NAME not in env["VLLM_PLUGINS"].split(","):
-                env["VLLM_PLUGINS"] += "," + vllm_plugin.PLUGIN_NAME
         env.update(self.env)
+        # A VLLM_PLUGINS allow-list would otherwise leave the plugin, and so what it was asked to do, out.
+        asked = env.get(vllm_plugin.ENV) or env.get(vllm_plugin.PLAIN_GEMM_ENV)
+        if asked and env.get("VLLM_PLUGINS") and vllm_plugin.PLUGIN_NAME not in env["VLLM_PLUGINS"].split(","):
+            env["VLLM_PLUGINS"] += "," + vllm_plugin.PLUGIN_NAME
         return env
 
     # ------------------------------------------------------------------ lifecycle

@@ -61,6 +61,45 @@ class WeightSyncExtension:
         """Sum of |w| over all parameters: a cheap way to see that weights changed."""
         return float(sum(p.detach().float().abs().sum().item() for p in self._grpo_model().parameters()))
 
+    def grpo_share_cpu_params(self, path: str, create: bool) -> dict[str, Any]:
+        """Move every parameter into one shared file mapping at `path`, so another process on this host can map the
+        same memory (mode=shared_vllm on CPU). `create`: make the file and copy the loaded weights into it; else
+        adopt an existing file of the same layout as it is (a restarted server taking up the trainer's weights).
+
+        Returns ``{"path", "size", "params": {name: {"offset", "shape", "dtype"}}}`` (vLLM's names, fused layout,
+        byte offsets 64-aligned). Needs the plain CPU GEMMs of grpo.inference.vllm_plugin: vLLM's packed GEMMs
+        drop the weight parameters after loading and would never read the shared memory.
+        """
+        import os
+
+        import torch
+
+        params = list(self._grpo_model().named_parameters())
+        not_cpu = [n for n, p in params if p.device.type != "cpu"]
+        if not_cpu:
+            raise RuntimeError(f"parameters {not_cpu[:3]} are not on the CPU; shared CPU memory needs vLLM's CPU backend")
+        dropped = [n for n, p in params if p.numel() == 0]
+        if dropped:
+            raise RuntimeError(
+                f"vLLM dropped the weights of {dropped[:3]} after packing them for its CPU GEMMs: start the server "
+                "with GRPO_VLLM_CPU_PLAIN_GEMM=1 (mode=shared_vllm's launcher does) so its GEMMs read the parameters"
+            )
+        layout, size = {}, 0
+        for name, p in params:
+            size = -(-size // 64) * 64
+            layout[name] = {"offset": size, "shape": list(p.shape), "dtype": str(p.dtype).removeprefix("torch.")}
+            size += p.numel() * p.element_size()
+        if not create and os.path.getsize(path) != size:
+            raise RuntimeError(f"{path} holds {os.path.getsize(path)} bytes, this model's parameters {size}")
+        flat = torch.from_file(path, shared=True, size=size, dtype=torch.uint8)
+        for name, p in params:
+            start = layout[name]["offset"]
+            view = flat[start : start + p.numel() * p.element_size()].view(p.dtype).view(p.shape)
+            if create:
+                view.copy_(p.data)
+            p.data = view  # the Parameter object stays (its loaders and the layers' references keep working)
+        return {"path": path, "size": size, "params": layout}
+
     def grpo_export_ipc_handles(self) -> str:
         """CUDA IPC handles of every parameter, pickled and base64-encoded.
 

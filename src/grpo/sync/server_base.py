@@ -62,9 +62,14 @@ class ServerSync(SyncStrategy):
             # aliases in server.served_model_aliases (e.g. model.name) that Atropos environments may ask for.
             served_model_name=[str(ctx.model_dir), *(option(ctx.server_cfg, "served_model_aliases", None) or [])],
             weight_version=self.version,
+            env=self.server_environment(),
         )
         self.server.start()
         self.client = InferenceClient(self.server.url, token=self.server.token)  # token: weight-changing calls
+
+    def server_environment(self) -> dict[str, str]:
+        """Environment variables this strategy's server needs besides the launcher's own (none by default)."""
+        return {}
 
     @property
     def base_url(self) -> str:

@@ -1,31 +1,45 @@
-"""mode=shared_vllm: one copy of the weights, trained in place inside vLLM's own CUDA memory.
+"""mode=shared_vllm: one copy of the weights, trained in place inside vLLM's own memory.
 
-The server's worker extension exports CUDA IPC handles of every parameter; the trainer rebuilds those tensors
-(`torch.multiprocessing.reductions.rebuild_cuda_tensor`) and builds the Hugging Face model with each parameter a
-view into them, fused `qkv_proj` / `gate_up_proj` included (`grpo.sync.param_mapping`). Every HF parameter must be
-mapped; an unmapped one is an error, never zero-filled. Optimizer steps write in place, so a sync only bumps the
-version; generation is paused around the optimizer step so no forward pass reads half-updated weights.
+The trainer builds the Hugging Face model with each parameter a view into the served model's tensors, fused
+`qkv_proj` / `gate_up_proj` included (`grpo.sync.param_mapping`). Every HF parameter must be mapped; an unmapped one
+is an error, never zero-filled. Optimizer steps write in place, so a sync only bumps the version; generation is
+paused around the optimizer step so no forward pass reads half-updated weights. How the memory is shared:
 
-CUDA only: vLLM's CPU backend repacks weights for oneDNN at load time, so writes to the original tensors would
-never reach its kernels.
+- CUDA: the server's worker extension exports CUDA IPC handles of every parameter; the trainer rebuilds those
+  tensors (`torch.multiprocessing.reductions.rebuild_cuda_tensor`).
+- CPU (vLLM's CPU backend): the worker moves every parameter into one file mapping (`/dev/shm`, shared pages) that
+  the trainer maps too. vLLM's CPU GEMMs normally multiply with copies packed at load time; the server is started
+  with plain GEMMs on the parameters themselves (grpo.inference.vllm_plugin, `GRPO_VLLM_CPU_PLAIN_GEMM`). The file
+  outlives a crashed server, so a restarted one adopts it and serves the trained weights.
 """
 
 from __future__ import annotations
 
 import base64
+import logging
+import math
+import os
 import pickle
+import shutil
 import time
+import uuid
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn as nn
 
+from grpo.inference import vllm_plugin
 from grpo.inference.process import parallel_sizes
 from grpo.options import ConfigError
 from grpo.sync.base import SyncContext
 from grpo.sync.param_mapping import MappingError, build_views, plan_mapping
 from grpo.sync.server_base import ServerSync
+
+log = logging.getLogger(__name__)
+
+# Where the CPU weights' file mapping lives: shared memory pages, never written back to a disk.
+SHARED_MEMORY_DIR = Path("/dev/shm")
 
 
 def rebuild_meta_buffer_modules(model: nn.Module, config: Any, device: torch.device) -> None:
@@ -39,13 +53,31 @@ def rebuild_meta_buffer_modules(model: nn.Module, config: Any, device: torch.dev
                 setattr(parent, child, type(module)(config=config))
 
 
+def map_shared_file(info: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """The tensors a worker's `grpo_share_cpu_params` laid out in its file, mapped shared into this process."""
+    flat = torch.from_file(info["path"], shared=True, size=info["size"], dtype=torch.uint8)
+    tensors = {}
+    for name, entry in info["params"].items():
+        dtype = getattr(torch, entry["dtype"])
+        nbytes = math.prod(entry["shape"]) * dtype.itemsize
+        tensors[name] = flat[entry["offset"] : entry["offset"] + nbytes].view(dtype).view(entry["shape"])
+    return tensors
+
+
 class SharedMemorySync(ServerSync):
-    """Train views of vLLM's parameters (same host, CUDA); sync = version bump + prefix-cache reset."""
+    """Train views of vLLM's parameters (same host; CUDA IPC or a shared CPU file mapping); sync = version bump +
+    prefix-cache reset."""
 
     mode_name = "shared_vllm"
-    requires_cuda = True
     uses_lora = False
-    fsdp_refusal = "shared_vllm trains vLLM's own CUDA tensors in place, which FSDP2 cannot shard"
+    fsdp_refusal = "shared_vllm trains vLLM's own tensors in place, which FSDP2 cannot shard"
+
+    def __init__(self, sync_every: int = 1, in_flight_updates: bool = False) -> None:
+        super().__init__(sync_every)
+        # mode.in_flight_updates: weights change under running generation (no pause, no prefix-cache reset).
+        self.in_flight_updates = in_flight_updates
+        # CPU: the file mapping that holds the weights (the trainer's and the server's); None on CUDA.
+        self.shared_file: Path | None = None
 
     @classmethod
     def check_config(cls, cfg: Any, *, cuda: bool, world_size: int = 1) -> None:
@@ -59,20 +91,14 @@ class SharedMemorySync(ServerSync):
                 "mode=broadcast (trainer on its own GPU, weights sent to every vLLM rank by NCCL; set server.device) "
                 "or drop --tensor-parallel-size (tp=1) to keep mode=shared_vllm."
             )
-        if not cuda:
-            raise ConfigError(
-                "mode=shared_vllm shares CUDA memory with vLLM and needs a CUDA GPU; none is visible here. "
-                "Use mode=none, mode=lora_only or mode=lora_restart on this machine."
-            )
         super().check_config(cfg, cuda=cuda, world_size=world_size)
 
+    def server_environment(self) -> dict[str, str]:
+        # vLLM's CPU backend must multiply with the parameters the trainer writes, not copies packed at load time
+        # (CUDA kernels read the parameters anyway: the variable changes nothing there).
+        return {vllm_plugin.PLAIN_GEMM_ENV: "1"}
+
     def launch(self, ctx: SyncContext) -> None:
-        if not torch.cuda.is_available():
-            raise RuntimeError(
-                "mode=shared_vllm needs CUDA: the trainer trains views of vLLM's CUDA tensors through CUDA IPC, "
-                "and vLLM's CPU backend repacks its weights so they cannot be shared. Use mode=none, "
-                "mode=lora_restart or mode=lora_only on this machine."
-            )
         # Resuming: vLLM loads the checkpoint, so the shared copy starts from the trained weights.
         self._start_server(ctx, Path(ctx.resume_weights or ctx.model_dir))
 
@@ -80,13 +106,11 @@ class SharedMemorySync(ServerSync):
         """The HF model whose parameters are views into the server's tensors."""
         from transformers import AutoConfig, AutoModelForCausalLM
 
-        res = self.client.rpc("grpo_export_ipc_handles")
-        if len(res) != 1:
-            raise RuntimeError(f"shared_vllm supports one vLLM worker (tensor parallel 1), got {len(res)}")
-        handles = pickle.loads(base64.b64decode(res[0]))
-        from torch.multiprocessing.reductions import rebuild_cuda_tensor
-
-        vllm_tensors = {name: rebuild_cuda_tensor(*h["args"]) for name, h in handles.items()}
+        infos = self.client.rpc("grpo_param_info")
+        if len(infos) != 1:
+            raise RuntimeError(f"shared_vllm supports one vLLM worker (tensor parallel 1), got {len(infos)}")
+        devices = {p["device"].split(":")[0] for p in infos[0]}
+        vllm_tensors = self._share_cpu_params(infos[0]) if devices == {"cpu"} else self._open_cuda_params()
         config = AutoConfig.from_pretrained(ctx.model_dir)
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(config)
@@ -107,23 +131,75 @@ class SharedMemorySync(ServerSync):
             raise MappingError(f"unmapped tensors left on the meta device: {leftover}")
         return model
 
+    def _open_cuda_params(self) -> dict[str, torch.Tensor]:
+        from torch.multiprocessing.reductions import rebuild_cuda_tensor
+
+        handles = pickle.loads(base64.b64decode(self.client.rpc("grpo_export_ipc_handles")[0]))
+        return {name: rebuild_cuda_tensor(*h["args"]) for name, h in handles.items()}
+
+    def _share_cpu_params(self, param_info: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
+        """Have the server move its parameters into a new shared file mapping; map it here too."""
+        directory = SHARED_MEMORY_DIR if SHARED_MEMORY_DIR.is_dir() else Path(self.ctx.run_dir)
+        needed = sum(math.prod(p["shape"]) * getattr(torch, p["dtype"]).itemsize + 64 for p in param_info)
+        free = shutil.disk_usage(directory).free
+        if free < needed:
+            raise RuntimeError(
+                f"mode=shared_vllm on the CPU keeps the weights in {directory} ({needed / 2**30:.2f} GiB needed, "
+                f"{free / 2**30:.2f} GiB free there): enlarge it (a container: --shm-size) or use mode=none"
+            )
+        path = directory / f"grpo-shared-weights-{os.getpid()}-{uuid.uuid4().hex[:8]}.bin"
+        self.shared_file = path
+        info = self.client.rpc("grpo_share_cpu_params", path=str(path), create=True)[0]
+        log.info("shared_vllm: %.1f MiB of weights shared with vLLM's CPU worker through %s", info["size"] / 2**20,
+                 path)
+        return map_shared_file(info)
+
+    def _restart_current(self) -> None:
+        if self.shared_file is None:
+            raise RuntimeError(
+                "mode=shared_vllm on a GPU trains the server's own CUDA memory, which went with the dead server; "
+                "resume the run from its last checkpoint with train.resume=<run dir>"
+            )
+        # The file mapping outlived the server: the new one loads the initial weights, then adopts the file, which
+        # holds the trained ones. No rollout may reach it in between.
+        with self.gate.held():
+            super()._restart_current()
+            self.client.rpc("grpo_share_cpu_params", path=str(self.shared_file), create=False)
+            self.client.set_weight_version(self.version, reset_prefix_cache=True)
+
+    def shutdown(self) -> None:
+        try:
+            super().shutdown()
+        finally:
+            if self.shared_file is not None:
+                self.shared_file.unlink(missing_ok=True)  # the pages go once the trainer's views are gone too
+
     def before_optimizer_step(self) -> None:
         # "keep": in-flight requests freeze (not aborted) and continue after resume. Generation stalls for the
         # optimizer step only (timed into sync/gen_stall_seconds).
-        self._paused_at = time.perf_counter()
-        self.client.pause()
+        if not self.in_flight_updates:
+            self._paused_at = time.perf_counter()
+            self.client.pause()
 
     def after_optimizer_step(self) -> None:
+        if self.in_flight_updates:
+            return
         try:
-            torch.cuda.synchronize()  # the writes must land before vLLM reads again
+            if self.shared_file is None:
+                torch.cuda.synchronize()  # the writes must land before vLLM reads again
             self.client.resume()
         finally:
             self.record_stall(time.perf_counter() - self._paused_at)
 
     def sync(self, model: nn.Module, step: int) -> dict[str, float]:
         t0 = time.perf_counter()
-        torch.cuda.synchronize()
+        if self.shared_file is None:
+            torch.cuda.synchronize()
         self.version += 1
+        if self.in_flight_updates:
+            # Running requests and cached KV stay; the version labels the rollouts that start from now on.
+            self.client.set_weight_version(self.version)
+            return {"sync/seconds": time.perf_counter() - t0, "sync/version": float(self.version)}
         # KV blocks cached from older weights must not be reused (running requests are preempted and recomputed on
         # the new weights, not lost); the version tells rollouts what they ran on.
         with self.stalling():

@@ -12,6 +12,7 @@ import torch
 from omegaconf import DictConfig
 
 from grpo import faults
+from grpo.options import ConfigError
 from grpo.sync.base import SyncStrategy
 from grpo.trainer import distributed
 from grpo.trainer.batch import BatchSource, PreparedBatch, TrainBatch
@@ -19,7 +20,7 @@ from grpo.trainer.checkpoint import CheckpointManager
 from grpo.trainer.flops import ModelFlops, pad_fraction, peak_tflops, perf_metrics
 from grpo.trainer.logprobs import can_fuse, fused_token_loss, token_logprobs
 from grpo.trainer.metrics import MetricsLogger, NullMetrics
-from grpo.trainer.minibatch import update_plan
+from grpo.trainer.minibatch import update_plan, without_zero_advantage_rows
 from grpo.trainer.prefix import shared_row_lengths
 
 log = logging.getLogger(__name__)
@@ -173,6 +174,15 @@ class GRPOTrainer:
         self.packed = bool(train_cfg.padding_free)
         # Each distinct prompt of a micro-batch forwarded once, its completions attending to it (grpo.trainer.prefix).
         self.shared = bool(getattr(train_cfg, "prefix_sharing", False))
+        # Rows whose advantage is 0 everywhere left out of the forward passes (the loss must gain nothing from them).
+        self.skip_zero_advantage = bool(getattr(train_cfg, "skip_zero_advantage", False))
+        if self.skip_zero_advantage and not getattr(loss_fn, "zero_advantage_adds_nothing", False):
+            raise ConfigError(
+                "train.skip_zero_advantage=true leaves rows with advantage 0 out of the forward passes, which keeps "
+                f"the gradients only for a loss that gains nothing from them; {loss_fn!r} does (a KL penalty, or a "
+                "loss without a zero_advantage_adds_nothing property). Set loss.kl_coef=0 or "
+                "train.skip_zero_advantage=false"
+            )
         self.max_tokens = train_cfg.max_tokens_per_micro_batch
         self.flops, self.peak = model_flops(model), device_peak(model, device)
         self.rewards: list[float] = []
@@ -293,10 +303,15 @@ class GRPOTrainer:
     def plan(self, batch: PreparedBatch) -> list[tuple[int, PreparedBatch]]:
         """(epoch, mini-batch) of each of the rollout batch's updates; a batch with nothing to train on (every group
         dropped by the batcher) is not split: each of its updates is skipped."""
-        if batch.num_loss_tokens > 0:
-            return update_plan(batch, self.cfg.ppo_epochs, self.cfg.mini_batches, self.cfg.seed, self.batch_number,
-                               self.max_tokens, self.packed)
-        return [(epoch, batch) for epoch in range(self.cfg.ppo_epochs) for _ in range(self.cfg.mini_batches)]
+        if batch.num_loss_tokens == 0:
+            return [(epoch, batch) for epoch in range(self.cfg.ppo_epochs) for _ in range(self.cfg.mini_batches)]
+        plan = update_plan(batch, self.cfg.ppo_epochs, self.cfg.mini_batches, self.cfg.seed, self.batch_number,
+                           self.max_tokens, self.packed)
+        if not self.skip_zero_advantage:
+            return plan
+        # After the mini-batch split, so each update keeps its own normalisers and the gradients are unchanged.
+        return [(epoch, without_zero_advantage_rows(mini, mini.micro_batch_size, self.max_tokens, self.packed)[0])
+                for epoch, mini in plan]
 
     def skip_update(self) -> dict[str, Any]:
         """The row of an optimizer step with no token to train on: no forward, no optimizer or schedule step; its
@@ -328,6 +343,8 @@ class GRPOTrainer:
             "time/forward_backward_seconds": t_fwd - t0,
             "time/step_seconds": t_opt - t0,
             "tokens/trained": float(batch.num_loss_tokens),
+            # Rows of the update not forwarded (train.skip_zero_advantage: advantage 0 everywhere).
+            "batch/rows_left_out": float(batch.num_sequences - sum(mb.num_sequences for mb in batch.micro_batches)),
             "throughput/trained_tokens_per_s": batch.num_loss_tokens / max(t_opt - t0, 1e-9),
             **self.perf(batch, t_opt - t0),
         }
@@ -392,6 +409,7 @@ class GRPOTrainer:
         sums: dict[str, float] = {}
         loss_total = 0.0
         micro_batches, scale = [(mb, 1.0) for mb in batch.micro_batches], 1.0
+        forwarded_loss_tokens = sum(float(mb.loss_mask.sum()) for mb in batch.micro_batches)
         if self.dist is not None:
             mine, pad = distributed.rank_share(batch.micro_batches, self.dist.rank, self.dist.world_size)
             micro_batches = [(mb, 1.0) for mb in mine] + [(batch.micro_batches[0], 0.0)] * pad
@@ -406,8 +424,9 @@ class GRPOTrainer:
                 continue
             (loss * scale if scale != 1.0 else loss).backward()
             loss_total += float(loss.detach())
-            # Token-weighted average of the micro-batch metrics over the step.
-            w = float(mb.loss_mask.sum()) / max(batch.num_loss_tokens, 1)
+            # Token-weighted average of the micro-batch metrics over the tokens forwarded (all of the step's loss
+            # tokens unless train.skip_zero_advantage left rows out).
+            w = float(mb.loss_mask.sum()) / max(forwarded_loss_tokens, 1)
             for k, v in m.items():
                 sums[k] = sums.get(k, 0.0) + w * float(v)
         if self.dist is not None:

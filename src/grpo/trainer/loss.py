@@ -103,6 +103,12 @@ class GRPOLoss:
         self.max_tokens_norm = max_tokens_norm
         self.old_logprobs = old_logprobs
 
+    @property
+    def zero_advantage_adds_nothing(self) -> bool:
+        """True when a token whose advantage is 0 adds nothing to the loss or its gradient: every clip branch is a
+        multiple of the advantage, and only the KL penalty is not. `train.skip_zero_advantage` relies on it."""
+        return self.kl_coef == 0
+
     def __repr__(self) -> str:
         # What train.py logs at start-up: the settings, not an object address.
         fields = ("clip_eps", "clip_eps_high", "dual_clip", "tis_cap", "kl_coef", "kl_estimator", "aggregation",
