@@ -233,6 +233,39 @@ def test_shared_vllm_on_the_cpu_trains_the_servers_own_memory_and_a_restart_keep
     assert not shared.exists()
 
 
+@pytest.mark.parametrize("in_flight", [False, True])
+def test_shared_vllm_pauses_and_resets_unless_updates_are_in_flight(in_flight):
+    """What shared_vllm asks of the server around an optimizer step and at the sync: pause / resume and a prefix
+    cache reset by default; with mode.in_flight_updates=true only the version bump (generation never stops)."""
+    from grpo.sync.shared_memory import SharedMemorySync
+
+    calls = []
+
+    class Server:  # records the calls a real InferenceClient would send
+        def pause(self):
+            calls.append("pause")
+
+        def resume(self):
+            calls.append("resume")
+
+        def set_weight_version(self, version, reset_prefix_cache=False):
+            calls.append(("version", version, reset_prefix_cache))
+
+    sync = SharedMemorySync(in_flight_updates=in_flight)
+    sync.client, sync.shared_file = Server(), object()  # a CPU mapping: no CUDA synchronisation
+    sync.before_optimizer_step()
+    calls.append("optimizer step")
+    sync.after_optimizer_step()
+    metrics = sync.sync(torch.nn.Linear(1, 1), step=1)
+    if in_flight:
+        assert calls == ["optimizer step", ("version", 1, False)]
+        assert "sync/gen_stall_seconds" not in metrics and sync.take_generation_stall()["sync/gen_stall_seconds"] == 0
+    else:
+        assert calls == ["pause", "optimizer step", "resume", ("version", 1, True)]
+        assert sync.take_generation_stall()["sync/gen_stall_seconds"] > 0
+    assert metrics["sync/version"] == 1 == sync.version
+
+
 @pytest.mark.parametrize("preset", ["tiny-qwen2", "tiny-llama"])
 def test_shared_vllm_rebuilds_the_meta_rotary_buffers_on_the_device_without_a_deprecation_warning(preset):
     """shared_vllm builds the HF model on meta and points its parameters at vLLM's tensors; the rotary embedding's

@@ -47,6 +47,10 @@ def register() -> None:
 def keep_cpu_linear_weights() -> None:
     """Make vLLM's CPU linear layers multiply with their own weight parameter (``F.linear``), never a packed copy."""
     import torch.nn.functional as F
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():  # CUDA kernels read the parameters as they are anyway
+        return
     from vllm.model_executor.layers import utils
 
     packed_dispatch = utils.dispatch_cpu_unquantized_gemm
