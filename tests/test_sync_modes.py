@@ -233,6 +233,25 @@ def test_shared_vllm_on_the_cpu_trains_the_servers_own_memory_and_a_restart_keep
     assert not shared.exists()
 
 
+def test_shared_weight_files_of_dead_trainers_are_removed_and_live_ones_kept(tmp_path):
+    """A trainer killed with SIGKILL leaves its /dev/shm weight file behind; the next shared_vllm run on the CPU
+    deletes it, never the file of a trainer still running (nor a file that is not ours)."""
+    import os
+    import subprocess
+    import sys
+
+    from grpo.sync.shared_memory import SHARED_FILE_PREFIX, remove_orphaned_shared_files
+
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    dead = tmp_path / f"{SHARED_FILE_PREFIX}{int(gone.stdout)}-abcd1234.bin"
+    live = tmp_path / f"{SHARED_FILE_PREFIX}{os.getpid()}-abcd1234.bin"
+    other = tmp_path / "grpo-shared-weights-notapid.bin"
+    for path in (dead, live, other):
+        path.write_bytes(b"x")
+    assert remove_orphaned_shared_files(tmp_path) == [dead]
+    assert not dead.exists() and live.exists() and other.exists()
+
+
 @pytest.mark.parametrize("in_flight", [False, True])
 def test_shared_vllm_pauses_and_resets_unless_updates_are_in_flight(in_flight):
     """What shared_vllm asks of the server around an optimizer step and at the sync: pause / resume and a prefix

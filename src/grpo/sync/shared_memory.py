@@ -53,6 +53,23 @@ def rebuild_meta_buffer_modules(model: nn.Module, config: Any, device: torch.dev
                 setattr(parent, child, type(module)(config=config))
 
 
+# The mapping's file name: the trainer's pid first, so a file whose trainer is gone can be recognised.
+SHARED_FILE_PREFIX = "grpo-shared-weights-"
+
+
+def remove_orphaned_shared_files(directory: Path) -> list[Path]:
+    """Delete the weight files of shared_vllm runs whose trainer process no longer exists (a trainer killed with
+    SIGKILL never reaches its shutdown, and a file in /dev/shm holds memory until deleted). Returns those deleted."""
+    removed = []
+    for path in directory.glob(f"{SHARED_FILE_PREFIX}*.bin"):
+        pid = path.name.removeprefix(SHARED_FILE_PREFIX).split("-", 1)[0]
+        if not pid.isdigit() or Path(f"/proc/{pid}").exists():
+            continue
+        path.unlink(missing_ok=True)
+        removed.append(path)
+    return removed
+
+
 def map_shared_file(info: dict[str, Any]) -> dict[str, torch.Tensor]:
     """The tensors a worker's `grpo_share_cpu_params` laid out in its file, mapped shared into this process."""
     flat = torch.from_file(info["path"], shared=True, size=info["size"], dtype=torch.uint8)
@@ -147,7 +164,9 @@ class SharedMemorySync(ServerSync):
                 f"mode=shared_vllm on the CPU keeps the weights in {directory} ({needed / 2**30:.2f} GiB needed, "
                 f"{free / 2**30:.2f} GiB free there): enlarge it (a container: --shm-size) or use mode=none"
             )
-        path = directory / f"grpo-shared-weights-{os.getpid()}-{uuid.uuid4().hex[:8]}.bin"
+        for orphan in remove_orphaned_shared_files(directory):
+            log.info("shared_vllm: removed %s, left by a run whose trainer is gone", orphan)
+        path = directory / f"{SHARED_FILE_PREFIX}{os.getpid()}-{uuid.uuid4().hex[:8]}.bin"
         self.shared_file = path
         info = self.client.rpc("grpo_share_cpu_params", path=str(path), create=True)[0]
         log.info("shared_vllm: %.1f MiB of weights shared with vLLM's CPU worker through %s", info["size"] / 2**20,
