@@ -76,6 +76,7 @@ def main() -> None:
     server_cfg.port = args.port
     server_cfg.gpu_memory_utilization = args.gpu_memory_utilization
     server_cfg.max_model_len = 1024
+    server_cfg.served_model_aliases = []  # conf's default interpolates model.name, which this lone node lacks
     run_dir = Path(args.out).with_suffix("")
     run_dir.mkdir(parents=True, exist_ok=True)
     res["device_used_gb_before_server"] = device_used_gb()
