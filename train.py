@@ -27,6 +27,7 @@ from hydra.utils import get_class, instantiate
 from omegaconf import DictConfig
 
 from grpo.config import ConfigError, register_configs, validate
+from grpo.config.validate import check_server_fits_model
 from grpo.options import instantiation_cause
 from grpo.pipeline.base import DataSourceError
 from grpo.run import (
@@ -146,6 +147,7 @@ def train(cfg: DictConfig, run_dir: Path) -> list[float]:
     dist_info, device = start_processes(cfg)
     rank0 = dist_info is None or dist_info.is_rank0
     model_dir = model_directory(cfg, dist_info)
+    check_server_fits_model(cfg, model_dir)  # before vLLM spends its start-up finding out
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     log.info("run %s | run dir %s | model %s | device %s", cfg.name, run_dir, model_dir, device)
     resume_ckpt = resume_checkpoint(cfg)

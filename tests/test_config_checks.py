@@ -104,6 +104,17 @@ def test_cli_stops_before_any_model_loads(tmp_path, override, needle):
     assert not (tmp_path / "run" / "metrics.jsonl").exists() and not (tmp_path / "run" / "logs").exists()
 
 
+def test_a_server_context_longer_than_the_models_stops_before_vllm_starts(tmp_path):
+    """server=gpu's max_model_len (4096) with the tiny models (1024 positions): vLLM refused it only after its
+    start-up, with a pydantic traceback in its log; the run now says which key to set before launching it."""
+    out = subprocess.run([sys.executable, str(REPO / "train.py"), "~experiment", "server.max_model_len=4096",
+                          f"hydra.run.dir={tmp_path}/run"], capture_output=True, text=True, cwd=REPO, timeout=300)
+    assert out.returncode != 0
+    assert "server.max_model_len=4096 exceeds the model's max_position_embeddings=1024" in out.stderr
+    assert "set server.max_model_len=1024" in out.stderr and "Traceback" not in out.stderr
+    assert not (tmp_path / "run" / "logs" / "vllm.log").exists()
+
+
 def test_a_sweep_skips_a_job_whose_config_is_wrong_and_goes_on(tmp_path):
     out = subprocess.run([sys.executable, str(REPO / "train.py"), "-m", "model.attn_implementation=flex_attention,bogus",
                           f"hydra.sweep.dir={tmp_path}/sweep"],

@@ -270,6 +270,24 @@ def _hub_reachable(timeout_s: float = 3.0) -> tuple[bool, str]:
     return True, f"{host}:{port}"
 
 
+def check_server_fits_model(cfg: DictConfig, model_dir: str | Path) -> None:
+    """`server.max_model_len` within the model's `max_position_embeddings` (its config.json in `model_dir`, once the
+    model directory exists): vLLM refuses a longer one, but only after its start-up, with a traceback in its log.
+    `server=gpu`'s 4096 against the tiny models' 1024 was the first thing a GPU user of the default job met."""
+    import json
+
+    max_len = cfg.server.get("max_model_len")
+    try:
+        positions = json.loads((Path(model_dir) / "config.json").read_text()).get("max_position_embeddings")
+    except (OSError, ValueError):
+        return  # not a directory with a readable config: loading the model says what is wrong
+    if cfg.server.get("external_url") is None and max_len is not None and positions and max_len > positions:
+        raise ConfigError(
+            f"server.max_model_len={max_len} exceeds the model's max_position_embeddings={positions} "
+            f"({Path(model_dir) / 'config.json'}), which vLLM refuses: set server.max_model_len={positions} (or less)"
+        )
+
+
 def check_server(cfg: DictConfig, choice: str | None = None) -> None:
     """The server's port is free (or an external server is named), its knobs are in range, and `server=gpu`
     (`choice`, the server group's option) has a GPU to run on."""
