@@ -93,7 +93,7 @@ class SyncStrategy(ABC):
     mode_name: ClassVar[str] = "?"
     # True when the trainer trains a LoRA adapter instead of the full model.
     uses_lora: ClassVar[bool] = False
-    # True when the strategy only works with CUDA (shared_vllm).
+    # True when the strategy only works with CUDA (broadcast: NCCL).
     requires_cuda: ClassVar[bool] = False
     # How an FSDP2 trainer (torchrun) gathers full weights for this strategy's sync, which every rank joins:
     # "params" (one `full_tensor()` per parameter), "state_dict" (one full state dict on rank 0), or None when
