@@ -84,7 +84,8 @@ def test_a_batch_of_only_zero_advantage_rows_still_steps_the_optimizer(tiny_qwen
     model = _model(tiny_qwen2_dir)
     batch = prepare_batch(_groups([[1.0, 1.0, 1.0], [0.0, 0.0, 0.0]]), max_seq_len=64, micro_batch_size=3,
                           pad_token_id=0)
-    kept, left_out = without_zero_advantage_rows(batch, 3)
+    kept = without_zero_advantage_rows(batch, 3)
+    left_out = kept.num_sequences - sum(mb.num_sequences for mb in kept.micro_batches)
     assert left_out == 5 and kept.num_sequences == batch.num_sequences and kept.num_loss_tokens == batch.num_loss_tokens
     trainer = update_trainer(model, GRPOLoss(), skip_zero_advantage=True)
     (_, planned), = trainer.plan(batch)

@@ -218,9 +218,9 @@ class SharedMemorySync(ServerSync):
         if self.in_flight_updates:
             # Running requests and cached KV stay; the version labels the rollouts that start from now on.
             self.client.set_weight_version(self.version)
-            return {"sync/seconds": time.perf_counter() - t0, "sync/version": float(self.version)}
-        # KV blocks cached from older weights must not be reused (running requests are preempted and recomputed on
-        # the new weights, not lost); the version tells rollouts what they ran on.
-        with self.stalling():
-            self.client.set_weight_version(self.version, reset_prefix_cache=True)
+        else:
+            # KV blocks cached from older weights must not be reused (running requests are preempted and recomputed
+            # on the new weights, not lost); the version tells rollouts what they ran on.
+            with self.stalling():
+                self.client.set_weight_version(self.version, reset_prefix_cache=True)
         return {"sync/seconds": time.perf_counter() - t0, "sync/version": float(self.version)}

@@ -310,7 +310,7 @@ class GRPOTrainer:
         if not self.skip_zero_advantage:
             return plan
         # After the mini-batch split, so each update keeps its own normalisers and the gradients are unchanged.
-        return [(epoch, without_zero_advantage_rows(mini, mini.micro_batch_size, self.max_tokens, self.packed)[0])
+        return [(epoch, without_zero_advantage_rows(mini, mini.micro_batch_size, self.max_tokens, self.packed))
                 for epoch, mini in plan]
 
     def skip_update(self) -> dict[str, Any]:

@@ -106,8 +106,9 @@ def token_budget_split(batch: PreparedBatch, max_tokens: int, padding_free: bool
 
 def without_zero_advantage_rows(
     batch: PreparedBatch, micro_batch_size: int, max_tokens: Optional[int] = None, padding_free: bool = False,
-) -> tuple[PreparedBatch, int]:
-    """The same update without its rows whose advantage is 0 at every token, and how many were left out.
+) -> PreparedBatch:
+    """The same update without its rows whose advantage is 0 at every token (how many were left out:
+    `num_sequences` minus the rows of its micro-batches).
 
     For a loss where such a row adds nothing to the loss or its gradient (GRPO without KL: each term is a multiple of
     the advantage), the update is unchanged: normalisers stay the update's, kept rows keep their order (a group's
@@ -116,14 +117,11 @@ def without_zero_advantage_rows(
     """
     picks = [(m, r) for m, mb in enumerate(batch.micro_batches) for r in range(mb.num_sequences)
              if bool((mb.advantages[r] != 0).any())]
-    total = sum(mb.num_sequences for mb in batch.micro_batches)
-    if len(picks) == total:
-        return batch, 0
-    picks = picks or [(0, 0)]
-    micro = _micro_split(batch.micro_batches, picks, micro_batch_size, max_tokens, padding_free)
+    if len(picks) == sum(mb.num_sequences for mb in batch.micro_batches):
+        return batch
+    micro = _micro_split(batch.micro_batches, picks or [(0, 0)], micro_batch_size, max_tokens, padding_free)
     return PreparedBatch(micro_batches=micro, metrics=batch.metrics, num_loss_tokens=batch.num_loss_tokens,
-                         num_sequences=batch.num_sequences,
-                         max_completion_tokens=batch.max_completion_tokens), total - len(picks)
+                         num_sequences=batch.num_sequences, max_completion_tokens=batch.max_completion_tokens)
 
 
 def split_mini_batches(
