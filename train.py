@@ -203,7 +203,8 @@ def build_data(cfg: DictConfig):
     if cfg.train.max_staleness > 0 and not data.asynchronous_source:
         from grpo.pipeline.rollout_queue import AsyncRollouts
 
-        data = AsyncRollouts(data, cfg.train.max_staleness, str(cfg.train.stale_policy), cfg.train.rollout_queue)
+        data = AsyncRollouts(data, cfg.train.max_staleness, str(cfg.train.stale_policy), cfg.train.rollout_queue,
+                             cfg.train.rollout_batches_in_flight)
     return data
 
 

@@ -21,9 +21,9 @@ task"). Every setting is read from the same composed Hydra config as ours (``exp
 - generation: ``max_completion_length`` = ``data.max_new_tokens``, temperature, top_p 1, top_k 0, no chat template
   (raw ``"12+34="`` prompts); with transformers' ``generate`` (``use_vllm=False``, the default here; ``--vllm`` tries
   TRL's colocated vLLM, which does not run with the CPU engine installed here: README "Skill task");
-- optimizer: ours, handed to TRL (``optimizers=``): ``torch.optim.AdamW`` (lr, betas, eps, weight decay of
-  ``optimizer``) and our own ``LambdaLR`` (``grpo.trainer.optim.build_scheduler``: warm-up (k+1)/(w+1), then
-  constant), grad-norm clip ``train.max_grad_norm``;
+- optimizer: ours, handed to TRL (``optimizers=``): ``torch.optim.AdamW`` (lr, betas, eps, weight decay and
+  ``fused`` of ``optimizer``) and our own ``LambdaLR`` (``grpo.trainer.optim.build_scheduler``: warm-up
+  (k+1)/(w+1), then constant), grad-norm clip ``train.max_grad_norm``;
 - loss: ``beta=0`` (no KL, no reference model), ``epsilon`` = ``loss.clip_eps``, ``loss_type="dapo"`` (sum over the
   step's tokens / the step's token count = our ``token_mean``), ``scale_rewards="group"`` (our
   ``advantage_norm=group``), one update per batch (``num_iterations=1``).
@@ -206,8 +206,10 @@ def main(argv=None) -> dict:
 
     heldout_cb = HeldOut()
     opt = cfg.optimizer
+    # The same AdamW kernel as ours: optimizer.fused (null = torch's default).
+    fused = {} if opt.get("fused") is None else {"fused": bool(opt.fused)}
     optimizer = torch.optim.AdamW(model.parameters(), lr=float(opt.lr), betas=tuple(float(b) for b in opt.betas),
-                                  eps=float(opt.eps), weight_decay=float(opt.weight_decay))
+                                  eps=float(opt.eps), weight_decay=float(opt.weight_decay), **fused)
     scheduler = build_scheduler(optimizer, cfg.train.lr_schedule, int(cfg.train.warmup_steps), steps)
     if str(opt._target_) != "torch.optim.AdamW":
         raise SystemExit(f"optimizer {opt._target_}: this benchmark mirrors torch.optim.AdamW only")

@@ -57,8 +57,43 @@ class Scripted(DataPipeline):
         return groups
 
 
-def make(inner: Scripted, server: Server, k: int = 1, policy: str = "wait", queue=None) -> AsyncRollouts:
-    src = AsyncRollouts(inner, k, policy, queue)
+class ConcurrentScripted(Scripted):
+    """Scripted whose rollout_batch may run in several threads: it records how many run at once; batch `j` takes
+    `gen_s(j)` seconds, so later batches can finish first."""
+
+    concurrent_batches = True
+
+    def __init__(self, gen_s, fail: tuple[int, ...] = ()):
+        super().__init__(fail=fail)
+        self.gen_time = gen_s
+        self.lock = threading.Lock()
+        self.running = 0
+        self.most_running = 0
+        self.finished: list[int] = []
+
+    def rollout_batch(self, step: int):
+        with self.lock:
+            self.calls.append(step)
+            attempt = self.calls.count(step)
+            self.running += 1
+            self.most_running = max(self.most_running, self.running)
+            failing = step in self.fail
+            self.fail.discard(step)
+        first = self.ctx.endpoint().version
+        time.sleep(self.gen_time(step))
+        with self.lock:
+            self.running -= 1
+            self.finished.append(step)
+        if failing:
+            raise ServerUnreachable(f"batch {step}: connection refused")
+        g = Group.sampled([1, 2, step % 50 + 3], [[4, 5], [6, 7]], [[-0.5, -0.7], [-0.2, -0.9]], [0.0, 1.0], 1.0,
+                          weight_version=first)
+        g.last_weight_version = self.ctx.endpoint().version
+        return [g, g], {"data/index": float(step), "data/attempt": float(attempt)}
+
+
+def make(inner: Scripted, server: Server, k: int = 1, policy: str = "wait", queue=None, in_flight: int = 1) -> AsyncRollouts:
+    src = AsyncRollouts(inner, k, policy, queue, in_flight)
     src.setup(PipelineContext(
         tokenizer=None, endpoint=server.endpoint, batch_size=4, max_seq_len=64, run_dir=Path("/tmp"), total_steps=10,
         start_step=0, checkpoint_every=5, seed=0,
@@ -215,7 +250,7 @@ def test_k0_builds_the_synchronous_pipeline_and_k1_wraps_it():
     assert type(build_data(sync_cfg)) is LocalRolloutPipeline
     wrapped = build_data(async_cfg)
     assert isinstance(wrapped, AsyncRollouts) and type(wrapped.inner) is LocalRolloutPipeline
-    assert wrapped.capacity == 1 and wrapped._thread is None  # noqa: SLF001 - nothing runs before the first batch
+    assert wrapped.capacity == 1 and not wrapped._workers  # noqa: SLF001 - nothing runs before the first batch
 
 
 def test_generation_gate_drains_in_flight_requests_and_holds_new_ones():
@@ -268,3 +303,93 @@ def test_generation_gate_drains_in_flight_requests_and_holds_new_ones():
     with sync.stalling():  # an in-place change: timed, nothing drained
         time.sleep(0.05)
     assert sync.take_generation_stall()["sync/drain_seconds"] == 0.0
+
+
+def test_two_batches_in_flight_generate_at_once_and_are_taken_in_index_order_within_the_bound():
+    """rollout_batches_in_flight=2: two calls at the server at once; odd batches finish before the even one started
+    with them, yet the trainer gets 0, 1, 2, ... each batch's own metrics, lag <= k, counts that add up."""
+    server = Server()
+    inner = ConcurrentScripted(gen_s=lambda j: 0.12 if j % 2 == 0 else 0.03)
+    src = make(inner, server, k=2, in_flight=2)
+    try:
+        rows = train(src, server, 8, train_s=0.01)
+    finally:
+        src.close()
+    assert inner.most_running == 2
+    assert any(inner.finished[i] > inner.finished[i + 1] for i in range(len(inner.finished) - 1))  # out of order
+    assert [r["async/rollout_index"] for r in rows] == list(range(8))
+    assert [r["data/index"] for r in rows] == list(range(8))
+    assert all(r["async/staleness_max"] <= 2 for r in rows)
+    assert sum(r["async/dropped_groups"] for r in rows) == 0
+    assert all(counts_add_up(r) for r in rows)
+    assert inner.calls == sorted(set(inner.calls))  # each index claimed once, in order
+
+
+def test_one_batch_in_flight_never_runs_two_calls_at_once():
+    inner = ConcurrentScripted(gen_s=lambda j: 0.02)
+    src = make(inner, Server(), k=2)
+    try:
+        train(src, Server(), 5)
+    finally:
+        src.close()
+    assert inner.most_running == 1
+
+
+def test_an_error_with_two_in_flight_discards_the_batches_past_it_and_the_retry_regenerates_them_in_order():
+    """Batch 2 fails while batch 3 generates beside it: the trainer still gets 0 and 1, then batch 2's error; the
+    retry generates 2 and 3 again (batch 3 of the failed epoch is discarded, never trained), and counts add up."""
+    server = Server()
+    inner = ConcurrentScripted(gen_s=lambda j: 0.05 if j != 2 else 0.01, fail=(2,))
+    src = make(inner, server, k=2, in_flight=2)
+    try:
+        first = train(src, server, 2)
+        deadline = time.monotonic() + 5
+        while 3 not in inner.finished and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert 3 in inner.finished  # batch 3 of the failed epoch was generated...
+        with pytest.raises(ServerUnreachable):
+            src.next_batch(2)
+        rows = train(src, server, 3, start=2)
+    finally:
+        src.close()
+    assert [r["async/rollout_index"] for r in first + rows] == [0, 1, 2, 3, 4]
+    assert inner.calls.count(2) == 2 and inner.calls.count(3) == 2  # ...and generated again after the retry
+    assert [r["data/attempt"] for r in rows] == [2, 2, 1]  # what the trainer got of 2 and 3 is the retry's
+    assert all(counts_add_up(r) for r in rows)
+    assert rows[-1]["async/trained_groups"] == 10
+
+
+@pytest.mark.parametrize("k, policy, queue, in_flight, inner, message", [
+    (1, "wait", None, 2, ConcurrentScripted, "at most 1 rollout batches"),
+    (2, "drop", 1, 2, ConcurrentScripted, "at most 1 rollout batches"),
+    (2, "wait", None, 2, Scripted, "does one at a time"),
+    (2, "wait", None, 0, ConcurrentScripted, "must be >= 1"),
+])
+def test_batches_in_flight_beyond_the_queue_bound_or_a_one_at_a_time_pipeline_are_refused(k, policy, queue, in_flight,
+                                                                                          inner, message):
+    built = inner(gen_s=lambda j: 0.0) if inner is ConcurrentScripted else inner()
+    with pytest.raises(ValueError, match=message):
+        AsyncRollouts(built, k, policy, queue, in_flight)
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["train.rollout_batches_in_flight=2"], "acts only with asynchronous rollouts"),
+    (["train.max_staleness=1", "train.rollout_batches_in_flight=2"], "at most 1 rollout batches"),
+])
+def test_train_py_refuses_batches_in_flight_it_could_not_use(overrides, message):
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    from conftest import REPO
+    from grpo.config import register_configs
+    from grpo.config.checks import HydraInfo, check_async_settings_used
+    from grpo.config.validate import ConfigError, check_async
+
+    register_configs()
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
+        cfg = compose(config_name="train", overrides=overrides)
+
+    with pytest.raises(ConfigError, match=message):
+        check_async_settings_used(cfg, HydraInfo(choices={}, overrides=overrides))
+        check_async(cfg)

@@ -132,6 +132,43 @@ def test_digits_groups_through_vllm(vllm_url, tokenizer):
 
 
 @pytest.mark.vllm
+def test_rollout_batches_from_two_threads_at_once_keep_each_batch_its_own(vllm_url, tokenizer):
+    """rollout_batches_in_flight=2 calls rollout_batch from two threads: each batch holds its own step's prompts and
+    metrics, and each thread has its own client."""
+    import threading
+
+    pipe = _pipeline("local_digits", prompts_per_step=4, group_size=4, max_new_tokens=12)
+    pipe.setup(_ctx(tokenizer, vllm_url))
+    results: dict[int, tuple] = {}
+    clients: dict[int, object] = {}
+    start = threading.Barrier(2)
+
+    def generate(step: int) -> None:
+        start.wait()
+        results[step] = pipe.rollout_batch(step)
+        clients[step] = pipe._client(vllm_url)  # noqa: SLF001 - the client this thread generated with
+
+    threads = [threading.Thread(target=generate, args=(step,)) for step in (3, 4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    try:
+        assert sorted(results) == [3, 4]
+        assert clients[3] is not clients[4]
+        for step, (groups, metrics) in results.items():
+            prompts = pipe.prompts_for_step(step)
+            assert [tokenizer.decode(g.tokens[0][: g.masks[0].count(IGNORE_INDEX)]) for g in groups] == \
+                [p.text for p in prompts]
+            assert metrics["generation/seconds"] > 0
+            tokens = sum(len(t) - m.count(IGNORE_INDEX) for g in groups for t, m in zip(g.tokens, g.masks))
+            assert metrics["completion/mean_tokens"] == pytest.approx(tokens / 16)
+        assert pipe.step is None and pipe.last_metrics == {}  # rollout_batch leaves the pipeline's own record alone
+    finally:
+        pipe.close()
+
+
+@pytest.mark.vllm
 def test_seeded_sampling_repeats_the_step_and_unseeded_does_not(vllm_url, tokenizer):
     def tokens_of_step_0(seeded: bool) -> list:
         pipe = _pipeline("local_digits", prompts_per_step=2, group_size=4, max_new_tokens=12, seeded_sampling=seeded)

@@ -273,14 +273,15 @@ def check_lora_given_with_a_lora_mode(cfg: DictConfig, info: HydraInfo) -> None:
 
 
 def check_async_settings_used(cfg: DictConfig, info: HydraInfo) -> None:
-    """`train.stale_policy` and `train.rollout_queue` act only with asynchronous rollouts (`train.max_staleness >= 1`),
-    and `rollout_queue` only bounds stale_policy=drop's queue: otherwise they would be silently ignored. Not in a
-    sweep, whose settings are common to its jobs (`-m train.max_staleness=0,1 train.stale_policy=drop`)."""
+    """`train.stale_policy`, `train.rollout_queue` and `train.rollout_batches_in_flight` act only with asynchronous
+    rollouts (`train.max_staleness >= 1`), and `rollout_queue` only bounds stale_policy=drop's queue: otherwise they
+    would be silently ignored. Not in a sweep, whose settings are common to its jobs (`-m train.max_staleness=0,1
+    train.stale_policy=drop`)."""
     if info.multirun:
         return
     train = cfg.train
     if train.max_staleness == 0:
-        for key, default in (("stale_policy", "wait"), ("rollout_queue", None)):
+        for key, default in (("stale_policy", "wait"), ("rollout_queue", None), ("rollout_batches_in_flight", 1)):
             if train[key] != default:
                 raise ConfigError(f"train.{key}={train[key]} acts only with asynchronous rollouts; set "
                                   "train.max_staleness=k >= 1 (README 'Asynchronous rollouts'), or drop it")

@@ -465,6 +465,15 @@ def check_async(cfg: DictConfig) -> None:
     if cfg.train.rollout_queue is not None and cfg.train.rollout_queue < 1:
         raise ConfigError(f"train.rollout_queue must be >= 1 or null, got {cfg.train.rollout_queue}")
     check_async_source(cfg)
+    train = cfg.train
+    if train.rollout_batches_in_flight > 1:
+        from grpo.pipeline.rollout_queue import check_batches_in_flight
+
+        capacity = k if train.stale_policy == "wait" else (train.rollout_queue or k + 1)
+        try:
+            check_batches_in_flight(train.rollout_batches_in_flight, capacity, get_class(cfg.data._target_))
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
     if get_class(cfg.mode._target_).mode_name == "lora_only" and k > 1:
         raise ConfigError(
             f"train.max_staleness={k} with mode=lora_only: each sync unloads the adapter of two syncs before, which a "

@@ -68,6 +68,8 @@ class DataPipeline(BatchSource):
     # True when the groups are generated outside the trainer's loop, ahead of it (Atropos environments): such a
     # source applies `ctx.max_staleness` itself and is never wrapped in AsyncRollouts.
     asynchronous_source: ClassVar[bool] = False
+    # True when `rollout_batch` may run in several threads at once (AsyncRollouts' `rollout_batches_in_flight`).
+    concurrent_batches: ClassVar[bool] = False
 
     def preflight(self) -> None:
         """Checks that need neither the model nor the inference server, run before either starts: a remote source
@@ -81,15 +83,25 @@ class DataPipeline(BatchSource):
     def next_groups(self, step: int) -> list[Group]:
         """Groups for optimizer step `step`, at least `batch_size` sequences in all."""
 
+    def rollout_batch(self, step: int) -> tuple[list[Group], dict[str, float]]:
+        """next_groups(step) and that call's metrics, for a producer thread (AsyncRollouts). This default reads them
+        from `self`, so only one thread may call it at a time unless a subclass overrides it (`concurrent_batches`)."""
+        groups = self.next_groups(step)
+        return groups, self.metrics()
+
     def next_batch(self, step: int) -> PreparedBatch:
         """The step's groups as micro-batches shaped by `ctx.batch_shape`."""
+        return self.prepare(self.next_groups(step))
+
+    def prepare(self, groups: list[Group]) -> PreparedBatch:
+        """`groups` as micro-batches shaped by `ctx.batch_shape` (advantages, padding, checks)."""
         shape = self.ctx.batch_shape if self.ctx is not None else None
         if shape is None:
             raise RuntimeError(f"{type(self).__name__}.setup() got no batch_shape; it can only yield groups")
         if self.data_warnings is None:
             self.data_warnings = WarnOnce()
         return prepare_batch(
-            self.next_groups(step), advantage_norm=shape.advantage_norm, max_seq_len=shape.max_seq_len,
+            groups, advantage_norm=shape.advantage_norm, max_seq_len=shape.max_seq_len,
             micro_batch_size=shape.micro_batch_size, pad_token_id=shape.pad_token_id, vocab_size=shape.vocab_size,
             warn=self.data_warnings,
         )

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import random
+import threading
 import time
 from contextlib import nullcontext
 from pathlib import Path
@@ -95,7 +96,12 @@ class LocalRolloutPipeline(DataPipeline):
     The prompt stream is a pure function of (seed, step), so a resumed run sees exactly the prompts it would have
     seen. Each group carries the server's weight versions: `weight_version` when its requests were admitted (at most
     that of any token) and `last_weight_version` when they finished (at least that of any token).
+
+    `rollout_batch` may run in several threads at once (AsyncRollouts with `train.rollout_batches_in_flight` > 1):
+    each thread has its own HTTP client, and the tokenizer is used under a lock.
     """
+
+    concurrent_batches = True
 
     def __init__(
         self,
@@ -134,8 +140,11 @@ class LocalRolloutPipeline(DataPipeline):
         self.seeded_sampling = bool(seeded_sampling)
         self.rollout_logprobs = bool(rollout_logprobs)
         self.ctx: Optional[PipelineContext] = None
-        self.client: Any = None
-        self._client_url: Optional[str] = None
+        # One InferenceClient per thread that generates (a requests.Session is not meant to be shared), all closed by
+        # close(); the lock guards the list and the tokenizer (a Rust tokenizer may refuse concurrent use).
+        self._local = threading.local()
+        self._clients: list[Any] = []
+        self._lock = threading.Lock()
         self.step: Optional[int] = None
         self.last_metrics: dict[str, float] = {}
 
@@ -150,15 +159,19 @@ class LocalRolloutPipeline(DataPipeline):
         self.task.bind_tokenizer(ctx.tokenizer)
 
     def _client(self, url: str):
-        # The sync strategy may restart the server on another URL; follow it.
+        """This thread's client of the server at `url` (the sync strategy may restart the server on another URL)."""
         from grpo.inference.client import InferenceClient
 
-        if self.client is None or url != self._client_url:
-            if self.client is not None:
-                self.client.close()
-            self.client = InferenceClient(url)
-            self._client_url = url
-        return self.client
+        client = getattr(self._local, "client", None)
+        if client is None or client.base_url != url.rstrip("/").removesuffix("/v1"):
+            with self._lock:
+                if client is not None:
+                    client.close()
+                    self._clients.remove(client)
+                client = InferenceClient(url)
+                self._clients.append(client)
+            self._local.client = client
+        return client
 
     def prompts_for_step(self, step: int) -> list[Prompt]:
         """The prompts of optimizer step `step`: a pure function of (seed, step)."""
@@ -172,13 +185,21 @@ class LocalRolloutPipeline(DataPipeline):
         ctx = self.ctx
         prompts = self.prompts_for_step(step)
         # add_special_tokens=False: chat templates already carry their special tokens; plain prompts need none.
-        ids = [ctx.tokenizer.encode(p.text, add_special_tokens=False) for p in prompts]
+        with self._lock:
+            ids = [ctx.tokenizer.encode(p.text, add_special_tokens=False) for p in prompts]
         keep = [i for i, x in enumerate(ids) if 0 < len(x) < ctx.max_seq_len]
         if not keep:
             raise ValueError(f"every prompt of step {step} is empty or has >= max_seq_len={ctx.max_seq_len} tokens")
         return [prompts[i] for i in keep], [ids[i] for i in keep], len(ids) - len(keep)
 
     def next_groups(self, step: int) -> list[Group]:
+        groups, self.last_metrics = self.rollout_batch(step)
+        self.step = step
+        return groups
+
+    def rollout_batch(self, step: int) -> tuple[list[Group], dict[str, float]]:
+        """The groups of rollout batch `step` and its generation metrics; changes nothing on `self` (threads may call
+        it at once)."""
         ctx = self.ctx
         assert ctx is not None, "LocalRolloutPipeline.setup() was not called"
         prompts, ids, dropped_long = self._tokenized_prompts(step)
@@ -195,16 +216,16 @@ class LocalRolloutPipeline(DataPipeline):
             )
         gen_s = time.monotonic() - t0
         scorer = _Scorer(self.rewards, ctx.tokenizer)
-        groups = [self._group(prompt, prompt_ids, completions, scorer)
-                  for prompt, prompt_ids, completions in zip(prompts, ids, outs)]
-        self.step = step
-        self.last_metrics = {
+        with self._lock:
+            groups = [self._group(prompt, prompt_ids, completions, scorer, endpoint.base_url)
+                      for prompt, prompt_ids, completions in zip(prompts, ids, outs)]
+        metrics = {
             **scorer.metrics(),
             "generation/seconds": gen_s,
             "generation/tokens_per_s": scorer.tokens / gen_s if gen_s > 0 else 0.0,
             "data/dropped_prompts_too_long": float(dropped_long),
         }
-        return groups
+        return groups, metrics
 
     def _sampling_seed(self, step: int) -> dict[str, int]:
         """The step's base seed, or nothing when seeded_sampling is off.
@@ -218,19 +239,19 @@ class LocalRolloutPipeline(DataPipeline):
             return {}
         return {"seed": (self.ctx.seed * 1_000_003 + step) % (2**31)}
 
-    def _group(self, prompt: Prompt, prompt_ids: list[int], completions: list, scorer: "_Scorer") -> Group:
+    def _group(self, prompt: Prompt, prompt_ids: list[int], completions: list, scorer: "_Scorer", url: str) -> Group:
         if len(completions) != self.group_size:
             raise RuntimeError(f"inference server returned {len(completions)} completions, asked for {self.group_size}")
         for c in completions:
             if (c.logprobs is None) == self.rollout_logprobs:
-                raise RuntimeError(f"inference server at {self._client_url} returned "
+                raise RuntimeError(f"inference server at {url} returned "
                                    f"{'no log-probs though' if self.rollout_logprobs else 'log-probs though not'} "
                                    "asked for them (data.rollout_logprobs)")
             if c.logprobs is not None and len(c.logprobs) != len(c.token_ids):
                 raise RuntimeError(f"inference server returned {len(c.logprobs)} log-probs for {len(c.token_ids)} tokens")
             if c.weight_version < 0 or c.last_weight_version < c.weight_version:
                 raise RuntimeError(
-                    f"inference server at {self._client_url} reported weight versions {c.weight_version} .. "
+                    f"inference server at {url} reported weight versions {c.weight_version} .. "
                     f"{c.last_weight_version} for a completion; rollouts need grpo.inference.server's /generate, which "
                     "reports the version at admission and at finish"
                 )
@@ -245,9 +266,11 @@ class LocalRolloutPipeline(DataPipeline):
         return group
 
     def close(self) -> None:
-        if self.client is not None:
-            self.client.close()
-            self.client = None
+        with self._lock:
+            clients, self._clients = self._clients, []
+        for client in clients:
+            client.close()
+        self._local = threading.local()
 
 
 class _Scorer:

@@ -26,33 +26,47 @@ _PAD = {"input_ids": 0, "attention_mask": 0, "labels": IGNORE_INDEX, "loss_mask"
         "ref_logprobs": float("nan"), "advantages": 0.0, "old_logprobs": 0.0}
 
 
-def _row(t: torch.Tensor, i: int, length: int, pad: float) -> torch.Tensor:
-    row = t[i]
-    if row.dim() == 0 or row.shape[0] >= length:
-        return row[:length] if row.dim() else row
-    return torch.cat([row, row.new_full((length - row.shape[0],), pad)])
+def _fit(rows: torch.Tensor, length: int, pad: float) -> torch.Tensor:
+    """Rows cut or right-padded with `pad` to `length` positions."""
+    if rows.shape[1] >= length:
+        return rows[:, :length]
+    return torch.cat([rows, rows.new_full((rows.shape[0], length - rows.shape[1]), pad)], dim=1)
 
 
 def gather_rows(micro_batches: list[TrainBatch], picks: list[tuple[int, int]]) -> TrainBatch:
     """One micro-batch of the rows `picks` ((micro-batch index, row index) pairs), right-padded to the longest."""
-    length = max(int(micro_batches[m].attention_mask[r].sum()) for m, r in picks)
-    length = max(length, 1)
+    # The rows of each source micro-batch in one indexing op, then put back in the order of `picks`.
+    sources = sorted({m for m, _ in picks})
+    rows_of = {m: [r for mm, r in picks if mm == m] for m in sources}
+    starts, at = {}, 0
+    for m in sources:
+        starts[m], at = at, at + len(rows_of[m])
+    seen = dict.fromkeys(sources, 0)
+    order = []
+    for m, _ in picks:
+        order.append(starts[m] + seen[m])
+        seen[m] += 1
+    device = micro_batches[sources[0]].attention_mask.device
+    index = {m: torch.tensor(rows_of[m], dtype=torch.long, device=device) for m in sources}
+    lengths = [micro_batches[m].attention_mask[index[m]].sum(1) for m in sources]
+    length = max(int(max(x.max() for x in lengths)), 1)
+    permute = order != list(range(len(picks)))
     fields: dict[str, Optional[torch.Tensor]] = {}
     for name in TrainBatch.__dataclass_fields__:
-        sources = [getattr(micro_batches[m], name) for m, _ in picks]
-        if all(t is None for t in sources):
+        tensors = [getattr(micro_batches[m], name) for m in sources]
+        if all(t is None for t in tensors):
             fields[name] = None
             continue
-        rows = []
-        for (m, r), t in zip(picks, sources):
+        parts = []
+        for m, t in zip(sources, tensors):
             if t is None:  # this micro-batch has no such tensor (e.g. ref_logprobs): NaN = missing
-                shape_src = micro_batches[m].labels[r]
-                rows.append(shape_src.new_full((length,), float("nan"), dtype=torch.float32))
+                parts.append(torch.full((len(rows_of[m]), length), float("nan"), dtype=torch.float32, device=device))
             elif t.dim() == 1:  # per sequence: advantages [B], temperatures, scores
-                rows.append(t[r])
+                parts.append(t[index[m]])
             else:
-                rows.append(_row(t, r, length, _PAD.get(name, 0)))
-        fields[name] = torch.stack(rows)
+                parts.append(_fit(t[index[m]], length, _PAD.get(name, 0)))
+        out = torch.cat(parts) if len(parts) > 1 else parts[0]
+        fields[name] = out[torch.tensor(order, device=device)] if permute else out
     return TrainBatch(**fields)
 
 
@@ -115,8 +129,8 @@ def without_zero_advantage_rows(
     completions stay together for prefix sharing). One row stays when all are zero, so the optimizer still steps on
     zero gradients (AdamW moves on its momentum; a parameter without a gradient would not move at all).
     """
-    picks = [(m, r) for m, mb in enumerate(batch.micro_batches) for r in range(mb.num_sequences)
-             if bool((mb.advantages[r] != 0).any())]
+    picks = [(m, r) for m, mb in enumerate(batch.micro_batches)
+             for r in (mb.advantages != 0).reshape(mb.num_sequences, -1).any(1).nonzero().flatten().tolist()]
     if len(picks) == sum(mb.num_sequences for mb in batch.micro_batches):
         return batch
     micro = _micro_split(batch.micro_batches, picks or [(0, 0)], micro_batch_size, max_tokens, padding_free)

@@ -81,28 +81,53 @@ def shared_layout(input_ids: torch.Tensor, attention_mask: torch.Tensor, labels:
     B, T = input_ids.shape
     lengths, prompts, groups, rows = _rows(input_ids, attention_mask, labels)
     R, S = max(len(groups), 1), max(rows, default=1)
-    ids = input_ids.new_zeros(R, S)
-    pos = torch.zeros(R, S, dtype=torch.long, device=input_ids.device)
-    # Branch of each position: 0 = the prompt, k = the row's k-th completion, -1 = padding.
-    branch = torch.full((R, S), -1, dtype=torch.long, device=input_ids.device)
-    index = torch.zeros(B, T, dtype=torch.long, device=input_ids.device)
-    ar = torch.arange(T, device=input_ids.device)
+    device = input_ids.device
+    # Spans of the source sequences, in lists (a handful of tensor ops in all, not several per sequence): each
+    # sequence's prompt goes to its row's start (written once, by the group's first sequence) and its completion
+    # after its row's previous completions.
+    spans = _Spans()
     for r, g in enumerate(groups):
         p = prompts[g[0]]
-        ids[r, :p], pos[r, :p], branch[r, :p] = input_ids[g[0], :p], ar[:p], 0
-        index[g, :p] = r * S + ar[:p]
         at = p
         for k, b in enumerate(g, start=1):
+            spans.add(b, 0, p, r, 0, branch=0, writes=k == 1)
             n = lengths[b] - p
-            ids[r, at : at + n], pos[r, at : at + n] = input_ids[b, p : lengths[b]], ar[p : p + n]
-            branch[r, at : at + n] = k
-            index[b, p : lengths[b]] = r * S + at + torch.arange(n, device=input_ids.device)
+            spans.add(b, p, n, r, at, branch=k, writes=True)
             at += n
+    src_b, src_t, dst_r, dst_c, branch_of, writes = spans.positions(device)
+    index = torch.zeros(B, T, dtype=torch.long, device=device)
+    index[src_b, src_t] = dst_r * S + dst_c
+    src_b, src_t, dst_r, dst_c, branch_of = (x[writes] for x in (src_b, src_t, dst_r, dst_c, branch_of))
+    ids = input_ids.new_zeros(R, S)
+    ids[dst_r, dst_c] = input_ids[src_b, src_t]
+    pos = torch.zeros(R, S, dtype=torch.long, device=device)
+    pos[dst_r, dst_c] = src_t  # a completion token keeps its position in its own sequence
+    # Branch of each position: 0 = the prompt, k = the row's k-th completion, -1 = padding.
+    branch = torch.full((R, S), -1, dtype=torch.long, device=device)
+    branch[dst_r, dst_c] = branch_of
     bq, bk = branch[:, :, None], branch[:, None, :]
     allowed = (pos[:, None, :] <= pos[:, :, None]) & ((bk == 0) | (bk == bq)) & (bk >= 0)
     # A padding query attends to itself only: no softmax over an empty set (NaN), and no real query sees it.
-    allowed |= torch.eye(S, dtype=torch.bool, device=input_ids.device) & (bq < 0)
+    allowed |= torch.eye(S, dtype=torch.bool, device=device) & (bq < 0)
     return SharedLayout(ids, pos, allowed[:, None], index, rows)
+
+
+class _Spans:
+    """Runs of consecutive positions copied from a sequence into a shared row, expanded to per-position indices."""
+
+    def __init__(self) -> None:
+        self.cols: list[list[int]] = [[] for _ in range(7)]
+
+    def add(self, b: int, start: int, n: int, r: int, at: int, branch: int, writes: bool) -> None:
+        for col, value in zip(self.cols, (b, start, n, r, at, branch, int(writes))):
+            col.append(value)
+
+    def positions(self, device: torch.device) -> tuple[torch.Tensor, ...]:
+        """Per position: source sequence and token, destination row and column, branch, and whether it is written."""
+        b, start, n, r, at, branch, writes = (torch.tensor(c, dtype=torch.long, device=device) for c in self.cols)
+        span = torch.repeat_interleave(torch.arange(len(n), device=device), n)
+        offset = torch.arange(span.numel(), device=device) - torch.repeat_interleave(torch.cumsum(n, 0) - n, n)
+        return b[span], start[span] + offset, r[span], at[span] + offset, branch[span], writes[span].bool()
 
 
 def unsupported_reason(model: torch.nn.Module) -> str | None:
