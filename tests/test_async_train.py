@@ -67,6 +67,34 @@ def test_crash_mid_async_generation_recovers_sigterm_stops_and_resume_trains_eac
     assert json.loads((run / "summary.json").read_text())["status"] == "completed"
 
 
+def test_two_batches_in_flight_stop_and_resume_train_each_batch_once_in_order(tmp_path, train_server, tiny_qwen2_dir):
+    """train.rollout_batches_in_flight=2 (k=2) on the real server: two producer threads, batches trained in index
+    order with lag <= 2 and the counts adding up; SIGTERM in step 4 and the resume train every batch exactly once."""
+    run = tmp_path / "run"
+    two = ["train.max_staleness=2", "train.rollout_batches_in_flight=2", "train.steps=6", "train.checkpoint_every=2"]
+    external, env = attach(train_server, tiny_qwen2_dir)
+    code, out, marker = train(*two, external, f"hydra.run.dir={run}", fault="sigterm@optimizer_step:4", timeout=500,
+                              env=env)
+    assert code == 143, out[-4000:]
+    assert "Traceback" not in out, out[-4000:]
+    assert_clean(marker)
+    assert [r["async/rollout_index"] for r in metrics(run)] == [0, 1, 2]
+
+    external, env = attach(train_server, tiny_qwen2_dir)
+    code, out, marker = train(*two, external, f"hydra.run.dir={run}", f"train.resume={run}", timeout=500, env=env)
+    assert code == 0, out[-4000:]
+    assert_clean(marker)
+    rows = metrics(run)
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6]
+    assert [r["async/rollout_index"] for r in rows] == [0, 1, 2, 3, 4, 5]
+    for r in rows:
+        assert r["async/staleness_max"] <= 2 and r["async/queue_depth"] <= 2 and r["async/dropped_groups"] == 0, r
+        assert r["async/generated_groups"] == (r["async/trained_groups"] + r["async/dropped_groups_total"]
+                                               + r["async/queued_groups"]), r
+    # The producer runs two batches ahead: some batch after the resume is trained two syncs after it went out.
+    assert max(r["async/staleness_max"] for r in rows[2:]) == 2
+
+
 # lora_restart restarts vLLM at every sync (~2 min for 3 steps): slow, out of the default run; its drain is also
 # exercised by the crash test below, and lora_restart itself by tests/test_sync_modes.py.
 @pytest.mark.parametrize("mode, steps", [("none", 4), ("lora_only", 4),
