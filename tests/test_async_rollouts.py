@@ -370,26 +370,3 @@ def test_batches_in_flight_beyond_the_queue_bound_or_a_one_at_a_time_pipeline_ar
     built = inner(gen_s=lambda j: 0.0) if inner is ConcurrentScripted else inner()
     with pytest.raises(ValueError, match=message):
         AsyncRollouts(built, k, policy, queue, in_flight)
-
-
-@pytest.mark.parametrize("overrides, message", [
-    (["train.rollout_batches_in_flight=2"], "acts only with asynchronous rollouts"),
-    (["train.max_staleness=1", "train.rollout_batches_in_flight=2"], "at most 1 rollout batches"),
-])
-def test_train_py_refuses_batches_in_flight_it_could_not_use(overrides, message):
-    from hydra import compose, initialize_config_dir
-    from hydra.core.global_hydra import GlobalHydra
-
-    from conftest import REPO
-    from grpo.config import register_configs
-    from grpo.config.checks import HydraInfo, check_async_settings_used
-    from grpo.config.validate import ConfigError, check_async
-
-    register_configs()
-    GlobalHydra.instance().clear()
-    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
-        cfg = compose(config_name="train", overrides=overrides)
-
-    with pytest.raises(ConfigError, match=message):
-        check_async_settings_used(cfg, HydraInfo(choices={}, overrides=overrides))
-        check_async(cfg)

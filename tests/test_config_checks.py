@@ -146,6 +146,13 @@ def test_a_sweep_skips_a_job_whose_config_is_wrong_and_goes_on(tmp_path):
         (["train.stale_policy=drop"], "train.stale_policy=drop acts only with asynchronous rollouts"),
         (["train.rollout_queue=3"], "train.rollout_queue=3 acts only with asynchronous rollouts"),
         (["train.max_staleness=1", "train.rollout_queue=3"], "bounds the queue of stale_policy=drop only"),
+        # Several batches in flight: more than the queue bound lets run ahead, or a source that generates on its own.
+        (["train.rollout_batches_in_flight=2"], "train.rollout_batches_in_flight=2 acts only with asynchronous"),
+        (["train.max_staleness=1", "train.rollout_batches_in_flight=2"], "at most 1 rollout batches may be generated"),
+        (["train.max_staleness=2", "train.stale_policy=drop", "train.rollout_queue=1", "train.rollout_batches_in_flight=2"],
+         "at most 1 rollout batches may be generated"),
+        (["train.max_staleness=2", "data=atropos", "train.stale_policy=drop", "train.rollout_batches_in_flight=2"],
+         "train.rollout_batches_in_flight=2 has no effect with data=grpo.pipeline.atropos.AtroposPipeline"),
     ],
 )
 def test_async_rollout_settings_are_checked(tmp_path, overrides, needle):
@@ -157,6 +164,8 @@ def test_async_rollout_settings_are_checked(tmp_path, overrides, needle):
 def test_async_rollouts_with_recompute_and_tis_cap_or_rollout_logprobs_pass(tmp_path):
     _validate(["train.max_staleness=2", "loss.old_logprobs=recompute", "loss.tis_cap=2.0"], tmp_path)
     _validate(["train.max_staleness=1", "train.stale_policy=drop"], tmp_path)
+    _validate(["train.max_staleness=2", "train.rollout_batches_in_flight=2"], tmp_path)
+    _validate(["train.max_staleness=1", "train.stale_policy=drop", "train.rollout_batches_in_flight=2"], tmp_path)
     # Atropos generates on its own: k drops its older groups.
     _validate(["train.max_staleness=2", "data=atropos", "train.stale_policy=drop"], tmp_path)
 

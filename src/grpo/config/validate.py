@@ -571,6 +571,11 @@ def check_async_source(cfg: DictConfig) -> None:
                 f"train.rollout_queue={cfg.train.rollout_queue} has no effect with data={target} (run-api holds the "
                 "queue); leave it null"
             )
+        if cfg.train.rollout_batches_in_flight != 1:
+            raise ConfigError(
+                f"train.rollout_batches_in_flight={cfg.train.rollout_batches_in_flight} has no effect with "
+                f"data={target} (the environments generate on their own); leave it at 1"
+            )
         return
     if cls is None or not issubclass(cls, LocalRolloutPipeline):
         raise ConfigError(

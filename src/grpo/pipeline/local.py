@@ -162,16 +162,16 @@ class LocalRolloutPipeline(DataPipeline):
         """This thread's client of the server at `url` (the sync strategy may restart the server on another URL)."""
         from grpo.inference.client import InferenceClient
 
-        client = getattr(self._local, "client", None)
-        if client is None or client.base_url != url.rstrip("/").removesuffix("/v1"):
+        if getattr(self._local, "url", None) != url:
             with self._lock:
-                if client is not None:
-                    client.close()
-                    self._clients.remove(client)
-                client = InferenceClient(url)
-                self._clients.append(client)
-            self._local.client = client
-        return client
+                old = getattr(self._local, "client", None)
+                if old is not None:
+                    old.close()
+                    self._clients.remove(old)
+                self._local.client = InferenceClient(url)
+                self._clients.append(self._local.client)
+            self._local.url = url
+        return self._local.client
 
     def prompts_for_step(self, step: int) -> list[Prompt]:
         """The prompts of optimizer step `step`: a pure function of (seed, step)."""

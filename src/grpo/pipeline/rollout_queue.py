@@ -322,7 +322,7 @@ def check_batches_in_flight(batches_in_flight: int, capacity: int, inner: type) 
         raise ValueError(
             f"train.rollout_batches_in_flight={batches_in_flight} but at most {capacity} rollout batches may be "
             "generated ahead of the trainer (train.max_staleness with stale_policy=wait, train.rollout_queue with "
-            f"drop): the other threads would only wait; raise train.max_staleness or lower rollout_batches_in_flight")
+            "drop): the other threads would only wait; raise train.max_staleness or lower rollout_batches_in_flight")
     if batches_in_flight > 1 and not inner.concurrent_batches:
         raise ValueError(f"train.rollout_batches_in_flight={batches_in_flight} needs a data pipeline that generates "
                          f"several batches at once; {inner.__name__} does one at a time: set it to 1")
