@@ -205,6 +205,7 @@ def build_data(cfg: DictConfig):
 
         data = AsyncRollouts(data, cfg.train.max_staleness, str(cfg.train.stale_policy), cfg.train.rollout_queue,
                              cfg.train.rollout_batches_in_flight)
+        log.info("asynchronous rollouts: %r", data)
     return data
 
 

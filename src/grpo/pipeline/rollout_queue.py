@@ -126,6 +126,10 @@ class AsyncRollouts(DataPipeline):
         self.totals = {"generated": 0, "trained": 0, "dropped": 0}
         self.last_metrics: dict[str, float] = {}
 
+    def __repr__(self) -> str:
+        return (f"AsyncRollouts({type(self.inner).__name__}, max_staleness={self.max_staleness}, "
+                f"stale_policy={self.stale_policy}, capacity={self.capacity}, batches_in_flight={self.batches_in_flight})")
+
     # ------------------------------------------------------------------ DataPipeline
     def setup(self, ctx: PipelineContext) -> None:
         self.inner.setup(ctx)
