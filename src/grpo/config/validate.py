@@ -467,9 +467,9 @@ def check_async(cfg: DictConfig) -> None:
     check_async_source(cfg)
     train = cfg.train
     if train.rollout_batches_in_flight > 1:
-        from grpo.pipeline.rollout_queue import check_batches_in_flight
+        from grpo.pipeline.rollout_queue import check_batches_in_flight, queue_capacity
 
-        capacity = k if train.stale_policy == "wait" else (train.rollout_queue or k + 1)
+        capacity = queue_capacity(k, str(train.stale_policy), train.rollout_queue)
         try:
             check_batches_in_flight(train.rollout_batches_in_flight, capacity, get_class(cfg.data._target_))
         except ValueError as e:

@@ -105,10 +105,7 @@ class AsyncRollouts(DataPipeline):
         self.inner = inner
         self.max_staleness = int(max_staleness)
         self.stale_policy = stale_policy
-        if stale_policy == "wait":
-            self.capacity = self.max_staleness
-        else:
-            self.capacity = self.max_staleness + 1 if rollout_queue is None else int(rollout_queue)
+        self.capacity = queue_capacity(self.max_staleness, stale_policy, rollout_queue)
         if self.capacity < 1:
             raise ValueError(f"train.rollout_queue must be >= 1, got {rollout_queue}")
         check_batches_in_flight(batches_in_flight, self.capacity, type(inner))
@@ -316,6 +313,13 @@ class AsyncRollouts(DataPipeline):
             return self.prepare(groups)
         except Exception:  # noqa: BLE001 - the trainer prepares them again and gets the error in its own thread
             return None
+
+
+def queue_capacity(max_staleness: int, stale_policy: str, rollout_queue: Optional[int]) -> int:
+    """Rollout batches the producer may have generated and not yet handed over (module docstring, the queue bound)."""
+    if stale_policy == "wait":
+        return int(max_staleness)
+    return int(max_staleness) + 1 if rollout_queue is None else int(rollout_queue)
 
 
 def check_batches_in_flight(batches_in_flight: int, capacity: int, inner: type) -> None:

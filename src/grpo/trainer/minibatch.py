@@ -48,8 +48,7 @@ def gather_rows(micro_batches: list[TrainBatch], picks: list[tuple[int, int]]) -
         seen[m] += 1
     device = micro_batches[sources[0]].attention_mask.device
     index = {m: torch.tensor(rows_of[m], dtype=torch.long, device=device) for m in sources}
-    lengths = [micro_batches[m].attention_mask[index[m]].sum(1) for m in sources]
-    length = max(int(max(x.max() for x in lengths)), 1)
+    length = max(max(int(micro_batches[m].attention_mask[index[m]].sum(1).max()) for m in sources), 1)
     permute = order != list(range(len(picks)))
     fields: dict[str, Optional[torch.Tensor]] = {}
     for name in TrainBatch.__dataclass_fields__:
