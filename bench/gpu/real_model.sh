@@ -30,6 +30,7 @@ case "${1:-}" in
     echo "rc=$?"; tail -3 "$out/train_s$seed.log"
     cp $dir/metrics.jsonl "$out/metrics_s$seed.jsonl" 2>/dev/null
     cp $dir/summary.json "$out/summary_s$seed.json" 2>/dev/null
+    tail -c 3000 $dir/eval_samples.jsonl > "$out/eval_samples_s$seed.txt" 2>/dev/null
     cp $dir/logs/vllm.log "$out/vllm_s$seed.log" 2>/dev/null
     grep -h '"eval/accuracy"' $dir/metrics.jsonl | python3 -c "
 import json,sys
@@ -45,6 +46,7 @@ for l in sys.stdin:
     wait
     for lr in ${lrs//,/ }; do
       cp /tmp/runs/lr_$lr/metrics.jsonl "$out/metrics_lr_$lr.jsonl" 2>/dev/null
+      tail -c 3000 /tmp/runs/lr_$lr/eval_samples.jsonl > "$out/eval_samples_lr_$lr.txt" 2>/dev/null
       echo "lr $lr"; tail -2 "$out/lr_$lr.log"
       grep -h '"eval/accuracy"' /tmp/runs/lr_$lr/metrics.jsonl | python3 -c "
 import json,sys
