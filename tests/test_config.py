@@ -212,9 +212,9 @@ _OWN_SCHEMA = {
 
 def _differences(yaml_node, schema_node, where: str) -> list[str]:
     out = []
-    for key, value in yaml_node.items():
-        if key == "defaults":
-            continue
+    for key, value in yaml_node.items_ex(resolve=False):
+        if key == "defaults" or OmegaConf.is_interpolation(yaml_node, key):
+            continue  # an interpolation (optimizer.lr: ${model.lr}) takes another node's value, checked there
         default = OmegaConf.select(schema_node, key, throw_on_missing=False)
         if OmegaConf.is_missing(schema_node, key):
             continue  # no schema default to disagree with (e.g. model.name)

@@ -21,10 +21,13 @@ from grpo.trainer.optim import (
 REPO = Path(__file__).resolve().parents[1]
 
 
-def optimizer_cfg(name: str):
+def optimizer_cfg(name: str, model_lr: float = 1e-3):
+    """The optimizer option as a run composes it: its `lr: ${model.lr}` resolved against a model preset's lr."""
     cfg = OmegaConf.load(REPO / "conf" / "optimizer" / f"{name}.yaml")
     del cfg["defaults"]
-    return cfg
+    resolved = OmegaConf.merge({"model": {"lr": model_lr}, "optimizer": cfg})
+    OmegaConf.resolve(resolved)
+    return resolved.optimizer
 
 
 @pytest.fixture
