@@ -16,7 +16,8 @@ from typing import Any, Mapping, Sequence
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
-from grpo.config.validate import ConfigError
+from grpo.config.schema import EvalConfig, RootConfig
+from grpo.options import ConfigError
 
 log = logging.getLogger(__name__)
 
@@ -206,8 +207,6 @@ def check_override_key(key: str, value: str, config_dirs: Sequence[Path]) -> Non
     dir, and under a node of a fixed schema (train, model, server, eval, ...) the next part is one of its fields.
     Hydra's own error for a misspelt key (`optimzer.lr=1`) advises `+optimzer.lr=1`, which adds a key nothing reads."""
     import typing
-
-    from grpo.config.schema import EvalConfig, RootConfig
 
     # Groups typed Any in RootConfig whose shipped options all build on one schema: checked against it unless a
     # config dir of the user's adds options to the group (which may build on another).

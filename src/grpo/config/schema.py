@@ -14,6 +14,13 @@ from typing import Any, Optional
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, OmegaConf
 
+from grpo.algorithms.advantages import ADVANTAGE_ESTIMATORS
+from grpo.algorithms.aggregation import AGGREGATIONS
+from grpo.algorithms.kl import KL_ESTIMATORS
+from grpo.algorithms.policy import OldLogprobs
+from grpo.algorithms.schedules import LR_SCHEDULES
+from grpo.pipeline.rollout_queue import StalePolicy
+
 
 # ---------------------------------------------------------------- choices (a wrong value fails at composition)
 class DType(StrEnum):
@@ -25,51 +32,17 @@ class DType(StrEnum):
     float16 = "float16"
 
 
-class KLEstimator(StrEnum):
-    """Estimator of KL(pi || ref) per token (Schulman's k1, k2, k3)."""
-
-    k1 = "k1"
-    k2 = "k2"
-    k3 = "k3"
-
-
-class Aggregation(StrEnum):
-    """How per-token losses become one number (grpo.trainer.loss)."""
-
-    token_mean = "token_mean"
-    seq_mean_token_mean = "seq_mean_token_mean"
-    seq_mean_token_sum_norm = "seq_mean_token_sum_norm"
-
-
-class AdvantageNorm(StrEnum):
-    """How rewards become advantages when the data source sends none."""
-
-    group = "group"
-    batch = "batch"
-    none = "none"
-
-
-class LRSchedule(StrEnum):
-    """Learning-rate schedule after warmup."""
-
-    constant = "constant"
-    linear = "linear"
-    cosine = "cosine"
-
-
-class OldLogprobs(StrEnum):
-    """The pi_old of the PPO ratio: vLLM's rollout log-probs, or the trainer's own before the batch's first update."""
-
-    rollout = "rollout"
-    recompute = "recompute"
-
-
-class StalePolicy(StrEnum):
-    """Asynchronous rollouts: the generator waits so no group exceeds train.max_staleness, or runs ahead and the
-    trainer drops groups that did."""
-
-    wait = "wait"
-    drop = "drop"
+# The choice sets of the algorithms are their registries' names (grpo.algorithms), of the asynchronous producer its
+# enum (grpo.pipeline.rollout_queue): each written once, where the code that acts on it lives.
+KLEstimator = KL_ESTIMATORS.choices(
+    "KLEstimator", __name__, "Estimator of KL(pi || ref) per token (grpo.algorithms.kl).")
+Aggregation = AGGREGATIONS.choices(
+    "Aggregation", __name__, "How per-token losses become one number (grpo.algorithms.aggregation).")
+AdvantageNorm = ADVANTAGE_ESTIMATORS.choices(
+    "AdvantageNorm", __name__, "How rewards become advantages when the data source sends none "
+    "(grpo.algorithms.advantages).")
+LRSchedule = LR_SCHEDULES.choices(
+    "LRSchedule", __name__, "Learning-rate schedule after warmup (grpo.algorithms.schedules).")
 
 
 class Device(StrEnum):
@@ -150,7 +123,8 @@ class AdafactorConfig:
 # ---------------------------------------------------------------- loss
 @dataclass
 class LossConfig:
-    """GRPO clipped policy-gradient loss; see grpo.trainer.loss.GRPOLoss."""
+    """GRPO clipped policy-gradient loss; see grpo.trainer.loss.GRPOLoss. Each key is described in conf/loss/grpo.yaml,
+    the base of the other loss options."""
 
     _target_: str = "grpo.trainer.loss.GRPOLoss"
     clip_eps: float = 0.2
@@ -161,7 +135,6 @@ class LossConfig:
     kl_estimator: KLEstimator = KLEstimator.k3
     aggregation: Aggregation = Aggregation.token_mean
     max_tokens_norm: Optional[int] = None
-    # pi_old of the ratio: rollout (vLLM's log-probs) or recompute (one extra forward per rollout batch).
     old_logprobs: OldLogprobs = OldLogprobs.rollout
 
 

@@ -13,6 +13,7 @@ from typing import NoReturn
 from hydra.utils import get_class
 from omegaconf import DictConfig
 
+from grpo.config import checks
 from grpo.inference.process import parallel_sizes
 from grpo.options import ConfigError, instantiation_cause, option
 
@@ -109,8 +110,6 @@ def validate(cfg: DictConfig, run_dir: Path | None = None) -> None:
 
     Each component checks its own part where it lives (the sync strategy: `SyncStrategy.check_config`); what
     spans components or concerns the machine is checked here."""
-    from grpo.config import checks
-
     # Config that would otherwise be silently ignored (grpo.config.checks).
     checks.check_known_keys(cfg)
     info = checks.hydra_info(cfg)
@@ -213,9 +212,7 @@ def check_model(cfg: DictConfig) -> None:
         return
     cached_config = _hub_cached_config(name)
     if cached_config is not None:
-        from grpo.config.checks import check_layer_count
-
-        check_layer_count(cfg.model, cached_config)
+        checks.check_layer_count(cfg.model, cached_config)
         return
     from grpo.models.tiny import offline_presets
 

@@ -62,6 +62,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass, field
+from enum import StrEnum
 from typing import Optional
 
 from grpo.pipeline.base import DataPipeline, PipelineContext
@@ -71,7 +72,15 @@ from grpo.trainer.batch import PreparedBatch
 
 log = logging.getLogger(__name__)
 
-STALE_POLICIES = ("wait", "drop")
+
+class StalePolicy(StrEnum):
+    """``train.stale_policy``: the generator waits so no group exceeds ``train.max_staleness``, or runs ahead and the
+    trainer drops (counts) the groups that did."""
+
+    wait = "wait"
+    drop = "drop"
+
+
 # How long close() waits for the producer thread before leaving it (a daemon) to the server's shutdown.
 STOP_JOIN_S = 3.0
 # Poll interval of every wait (stop flag, producer liveness).
@@ -100,8 +109,8 @@ class AsyncRollouts(DataPipeline):
                  rollout_queue: Optional[int] = None, batches_in_flight: int = 1) -> None:
         if max_staleness < 1:
             raise ValueError(f"AsyncRollouts needs train.max_staleness >= 1 (0 is the synchronous loop), got {max_staleness}")
-        if stale_policy not in STALE_POLICIES:
-            raise ValueError(f"train.stale_policy must be one of {STALE_POLICIES}, got {stale_policy!r}")
+        if stale_policy not in StalePolicy.__members__:
+            raise ValueError(f"train.stale_policy must be one of {tuple(StalePolicy.__members__)}, got {stale_policy!r}")
         self.inner = inner
         self.max_staleness = int(max_staleness)
         self.stale_policy = stale_policy
