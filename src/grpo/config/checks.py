@@ -18,6 +18,8 @@ from omegaconf import DictConfig, OmegaConf
 
 from grpo.config.schema import EvalConfig, RootConfig
 from grpo.options import ConfigError
+from grpo.pipeline.evaluation import ATROPOS_EVAL_EXAMPLE, eval_enabled
+from grpo.pipeline.local import LocalRolloutPipeline
 
 log = logging.getLogger(__name__)
 
@@ -341,8 +343,6 @@ def check_grad_accum_used(cfg: DictConfig, info: HydraInfo) -> None:
     micro_batch_size x grad_accum: the trainer trains every sequence the pipeline generates, in micro-batches of
     train.micro_batch_size, so the setting (the Atropos trainer's --gradient-accumulation-steps) would be silently
     ignored. Not in a sweep, whose settings are common to its jobs."""
-    from grpo.pipeline.local import LocalRolloutPipeline
-
     given = _given(info, "train.grad_accum")
     data_class = _data_class(cfg)
     if not given or info.multirun or data_class is None or not issubclass(data_class, LocalRolloutPipeline):
@@ -362,8 +362,6 @@ def check_grad_accum_used(cfg: DictConfig, info: HydraInfo) -> None:
 def check_eval_settings_used(cfg: DictConfig, info: HydraInfo) -> None:
     """`eval.*` on the command line of a run that does not evaluate (eval=off, or data=atropos without eval.task):
     the evaluator is never built, so `eval.every=5` would be silently ignored. Not in a sweep."""
-    from grpo.pipeline.evaluation import ATROPOS_EVAL_EXAMPLE, eval_enabled
-
     given = [o for o in info.overrides if o.lstrip("+~").startswith("eval.")
              and not o.lstrip("+~").startswith(("eval.enabled=", "eval.task"))]
     if not given or info.multirun or eval_enabled(cfg.eval, cfg.data):

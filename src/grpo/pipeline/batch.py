@@ -211,10 +211,9 @@ def prepare_batch(
     - Groups arrive as `Group`s (validated by their pipeline) or as wire dicts, which `parse_group` validates here:
       a bad field raises ``BatchError`` naming the group and the field. An empty group is dropped
       (``data/dropped_groups``).
-    - Advantages: the server's ``advantages`` (per sequence or per token) when sent; else from ``scores`` within
-      the group by the estimator ``advantage_norm`` names in `grpo.algorithms.advantages` (``group``, ``batch``,
-      ``none``, or one registered there), or by ``advantage_norm`` itself when it is a function. Computed on the
-      whole group before too-long sequences are dropped, so the baseline sees every sample. A sequence's
+    - Advantages: the server's ``advantages`` (per sequence or per token) when sent; else from ``scores`` by the
+      estimator ``advantage_norm`` names in `grpo.algorithms.advantages` (or ``advantage_norm`` itself, a function),
+      on the whole group before too-long sequences are dropped, so the baseline sees every sample. A sequence's
       ``set_advantage_to_zero`` override zeroes its advantage.
     - Sequences longer than ``max_seq_len`` are dropped (``data/dropped_too_long``).
     - Null ``inference_logprobs`` (group or sequence) become NaN rows (``data/missing_logprobs`` counts them).
