@@ -16,10 +16,10 @@ from typing import Any, Mapping, Sequence
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
-from grpo.config.schema import EvalConfig, RootConfig
 from grpo.options import ConfigError
 from grpo.pipeline.evaluation import ATROPOS_EVAL_EXAMPLE, eval_enabled
 from grpo.pipeline.local import LocalRolloutPipeline
+from grpo.schema import EvalConfig, RootConfig
 
 log = logging.getLogger(__name__)
 

@@ -62,23 +62,15 @@ import logging
 import threading
 import time
 from dataclasses import dataclass, field
-from enum import StrEnum
 from typing import Optional
 
 from grpo.pipeline.base import DataPipeline, PipelineContext
 from grpo.pipeline.batch import WarnOnce
 from grpo.pipeline.group import Group
+from grpo.schema.train import StalePolicy
 from grpo.trainer.batch import PreparedBatch
 
 log = logging.getLogger(__name__)
-
-
-class StalePolicy(StrEnum):
-    """``train.stale_policy``: the generator waits so no group exceeds ``train.max_staleness``, or runs ahead and the
-    trainer drops (counts) the groups that did."""
-
-    wait = "wait"
-    drop = "drop"
 
 
 # How long close() waits for the producer thread before leaving it (a daemon) to the server's shutdown.
