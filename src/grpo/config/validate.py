@@ -16,6 +16,7 @@ from omegaconf import DictConfig
 from grpo.config import checks
 from grpo.inference.process import parallel_sizes
 from grpo.models.loading import ATTN_IMPLEMENTATIONS
+from grpo.models.packaged import PACKAGED_MODELS, PackagedModelMissing, gguf_path
 from grpo.models.tiny import offline_presets
 from grpo.models.warmstart import WARMSTART_PRESETS
 from grpo.options import ConfigError, instantiation_cause, option
@@ -230,7 +231,12 @@ def check_model(cfg: DictConfig) -> None:
 def check_offline_preset(preset: str) -> None:
     """`model.offline` names a preset the model builder knows; else its ValueError was a traceback after the run's
     start-up lines. The model options' own names (`tiny_qwen2`, `warm_arith`) are the natural misspelling."""
-    known = [*offline_presets(), *sorted(WARMSTART_PRESETS)]
+    known = [*offline_presets(), *sorted(WARMSTART_PRESETS), *sorted(PACKAGED_MODELS)]
+    if preset in PACKAGED_MODELS:
+        try:
+            gguf_path(preset)  # the package that carries it is installed: said before vLLM or the build starts
+        except PackagedModelMissing as e:
+            raise ConfigError(str(e)) from None
     if preset in known:
         return
     close = difflib.get_close_matches(preset.replace("_", "-"), known, n=1)

@@ -49,7 +49,8 @@ def canonical_key(expression: str) -> str:
 
 
 class ArithmeticTask(Task):
-    """Integer + / - expressions with `min_operands`..`max_operands` operands of `min_digits`..`max_digits` digits.
+    """Integer + / - expressions with `min_operands`..`max_operands` operands of `min_digits`..`max_digits` digits,
+    each operator drawn from `operators` ("+-", or "+" for sums only).
 
     Answer format (what `ArithmeticCorrectReward` and `ArithmeticFormatReward` accept): the completion is the
     result as a plain integer, e.g. ``132`` or ``-7``: no '+' sign, no leading zeros, whitespace around it allowed,
@@ -67,6 +68,7 @@ class ArithmeticTask(Task):
         min_digits: int = 2,
         heldout_size: int = 500,
         heldout_seed: int = 20261122,
+        operators: str = "+-",
     ) -> None:
         if not 2 <= min_operands <= max_operands <= 4:
             raise ValueError(f"ArithmeticTask needs 2 <= min_operands <= max_operands <= 4, got {min_operands}, {max_operands}")
@@ -74,6 +76,8 @@ class ArithmeticTask(Task):
             raise ValueError(f"ArithmeticTask.max_digits must be 1..3, got {max_digits}")
         if not 1 <= min_digits <= max_digits:
             raise ValueError(f"ArithmeticTask needs 1 <= min_digits <= max_digits, got {min_digits}, {max_digits}")
+        if not operators or set(operators) - set("+-"):
+            raise ValueError(f"ArithmeticTask.operators must be made of '+' and '-', got {operators!r}")
         if heldout_size < 1:
             raise ValueError(f"ArithmeticTask.heldout_size must be >= 1, got {heldout_size}")
         self.min_operands = min_operands
@@ -82,6 +86,7 @@ class ArithmeticTask(Task):
         self.min_digits = min_digits
         self.heldout_size = heldout_size
         self.heldout_seed = heldout_seed
+        self.operators = operators
         self._heldout = self._draw_heldout()
         self._heldout_keys = frozenset(canonical_key(p.text) for p in self._heldout)
 
@@ -89,7 +94,7 @@ class ArithmeticTask(Task):
         n = rng.randint(self.min_operands, self.max_operands)
         # Digits first, then the value: every digit count is equally common, so short (easy) operands are not rare.
         operands = [self._draw_operand(rng, rng.randint(self.min_digits, self.max_digits)) for _ in range(n)]
-        ops = [rng.choice("+-") for _ in range(n - 1)]
+        ops = [rng.choice(self.operators) for _ in range(n - 1)]
         text = str(operands[0])
         value = operands[0]
         for op, x in zip(ops, operands[1:]):

@@ -11,7 +11,8 @@ import random
 from pathlib import Path
 from typing import Any, Optional
 
-from grpo.pipeline.tasks import Prompt, RowsTask, read_jsonl
+from grpo.pipeline.hf_datasets import read_jsonl
+from grpo.pipeline.tasks import Prompt, RowsTask
 
 FORMATS = ("auto", "jsonl", "parquet", "hf_disk")
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 import re
+import threading
 
 from grpo.pipeline.tasks import Prompt
 
@@ -68,3 +69,58 @@ class AnswerFormatReward:
 
     def __call__(self, prompt: Prompt, completion: str) -> float:
         return 1.0 if _HASH_ANSWER.search(completion) or _BOXED.search(completion) else 0.0
+
+
+def _math_verify_timeouts() -> int | None:
+    """math-verify bounds parsing and comparison with SIGALRM, which only the main thread may set: rewards computed on
+    a producer thread (asynchronous rollouts) run without that bound (their inputs are short model completions)."""
+    return 5 if threading.current_thread() is threading.main_thread() else None
+
+
+class MathVerifyReward:
+    """1.0 when Hugging Face's `math-verify` finds the completion's answer equal to the prompt's, else 0.0.
+
+    It extracts the answer as the field's math environments do (a `\\boxed{}`, LaTeX or a plain expression, the last
+    one written) and compares mathematically: `1/2`, `0.5` and `\\boxed{\\frac12}` are the same answer.
+    """
+
+    def __init__(self) -> None:
+        try:
+            import math_verify
+        except ImportError:
+            raise ImportError("MathVerifyReward needs the math-verify package: pip install math-verify==0.9.0") from None
+        self._math_verify = math_verify
+        self._gold: dict[str, list] = {}
+
+    def _parse(self, text: str) -> list:
+        return self._math_verify.parse(text, parsing_timeout=_math_verify_timeouts())
+
+    def _gold_of(self, answer: str) -> list:
+        if answer not in self._gold:
+            self._gold[answer] = self._parse(answer)
+        return self._gold[answer]
+
+    def __call__(self, prompt: Prompt, completion: str) -> float:
+        if prompt.answer is None:
+            return 0.0
+        got = self._parse(completion)
+        if not got:
+            return 0.0
+        same = self._math_verify.verify(self._gold_of(prompt.answer), got, timeout_seconds=_math_verify_timeouts())
+        return 1.0 if same else 0.0
+
+    def parses(self, prompt: Prompt, completion: str) -> bool:  # noqa: ARG002
+        """Whether math-verify extracts any answer from the completion (the evaluator counts those it doesn't)."""
+        return bool(self._parse(completion))
+
+
+# A completion that is one number and nothing else ("132", " -7.", "1,024").
+_BARE_NUMBER = re.compile(r"\s*-?\d[\d,]*(?:\.\d+)?\.?\s*")
+
+
+class BareNumberReward:
+    """1.0 when the completion is one number and nothing else (right or wrong), else 0.0: the format a question that
+    says "reply with the number only" asks for. Keep its weight small; correctness dominates."""
+
+    def __call__(self, prompt: Prompt, completion: str) -> float:  # noqa: ARG002
+        return 1.0 if _BARE_NUMBER.fullmatch(completion) else 0.0

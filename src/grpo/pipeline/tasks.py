@@ -7,13 +7,14 @@ draw from global random state, so the same seed and step always give the same pr
 from __future__ import annotations
 
 import hashlib
-import json
 import random
 import re
 import string
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
+
+from grpo.pipeline.hf_datasets import load_rows
 
 MINI_GSM8K = Path(__file__).parent / "data" / "gsm8k_mini.jsonl"
 
@@ -22,21 +23,17 @@ GSM8K_INSTRUCTION = (
 )
 
 
-def read_jsonl(path: Path, who: str) -> list[tuple[int, dict[str, Any]]]:
-    """(line number, object) of every non-blank line of a JSONL file; ValueError naming `who`, the file and the line
-    when a line is not a JSON object."""
-    rows = []
-    for lineno, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{who}: {path}:{lineno} is not a JSON object ({e})") from e
-        if not isinstance(row, dict):
-            raise ValueError(f"{who}: {path}:{lineno} is a JSON {type(row).__name__}, not an object")
-        rows.append((lineno, row))
-    return rows
+def render_chat(tokenizer: Any, user: str, system_prompt: Optional[str] = None) -> str:
+    """`user` as the user turn of the tokenizer's chat template, ready for the assistant's answer. `system_prompt`:
+    None keeps the template's own default (some templates insert one, e.g. SmolLM2's), a string is the system turn.
+    A tokenizer without a chat template gets plain text (`system_prompt`, the question, then "Answer:")."""
+    if not getattr(tokenizer, "chat_template", None):
+        head = f"{system_prompt}\n\n" if system_prompt else ""
+        return f"{head}{user}\n\nAnswer:"
+    messages = [{"role": "user", "content": user}]
+    if system_prompt is not None:
+        messages.insert(0, {"role": "system", "content": system_prompt})
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
 
 
 @dataclass(frozen=True)
@@ -153,15 +150,18 @@ class RowsTask(Task):
 
 
 class GSM8KTask(RowsTask):
-    """Grade-school math from a JSONL file of `{"question", "answer"}` rows in GSM8K's format ("... #### 42").
+    """Grade-school math: rows of `{"question", "answer"}` in GSM8K's format ("... #### 42").
 
-    `path=None` uses the small offline set shipped with the package (written for this project, not GSM8K itself);
-    point `path` at GSM8K's own `train.jsonl`/`test.jsonl` for the real data set. With `chat_template=True` the
-    question is rendered through the tokenizer's chat template (plain text when the tokenizer has none).
+    `path` is a JSONL file, a directory written by `datasets`' `save_to_disk`, or a hub id (`openai/gsm8k`, with
+    `subset: main`) loaded through `datasets` when the hub is reachable (offline, the error says how to save it and
+    point `path` at the copy); `split` picks the split of a saved or hub data set. `path=None` uses the small offline
+    set shipped with the package (written for this project, not GSM8K itself). With `chat_template=True` the question
+    is rendered through the tokenizer's chat template (plain text when the tokenizer has none), after `system_prompt`
+    (None: the template's own default).
 
-    Held-out split (`eval_prompts`): the rows of `eval_path` (e.g. GSM8K's test.jsonl; an overlap with the training
-    file is an error), or else `eval_size` rows of `path` chosen by a hash of their question and removed from the
-    rows `sample` draws. `eval_size=0` and no `eval_path`: no split, every row trains.
+    Held-out split (`eval_prompts`): the rows of `eval_path` (its `eval_split`; e.g. GSM8K's test split; an overlap
+    with the training rows is an error), or else `eval_size` rows of `path` chosen by a hash of their question and
+    removed from the rows `sample` draws. `eval_size=0` and no `eval_path`: no split, every row trains.
     """
 
     def __init__(
@@ -170,29 +170,35 @@ class GSM8KTask(RowsTask):
         chat_template: bool = True,
         eval_path: Optional[str] = None,
         eval_size: int = 0,
+        system_prompt: Optional[str] = None,
+        subset: Optional[str] = None,
+        split: str = "train",
+        eval_split: str = "test",
     ) -> None:
-        self.path = Path(path).expanduser() if path else MINI_GSM8K
+        self.path = str(Path(path).expanduser()) if path and Path(path).expanduser().exists() else (path or str(MINI_GSM8K))
         self.chat_template = chat_template
+        self.system_prompt = system_prompt
+        self.subset = subset
         self.tokenizer: Any = None
         if eval_size < 0:
             raise ValueError(f"GSM8KTask.eval_size must be >= 0, got {eval_size}")
         # `rows` are what `sample` draws from; `eval_rows` the held-out split it never draws.
-        self.rows, self.eval_rows = self._split(self._load(self.path), eval_path, eval_size)
+        self.rows, self.eval_rows = self._split(self._load(self.path, split), eval_path, eval_size, eval_split)
 
     def _split(
-        self, rows: list[tuple[str, str]], eval_path: Optional[str], eval_size: int
+        self, rows: list[tuple[str, str]], eval_path: Optional[str], eval_size: int, eval_split: str
     ) -> tuple[list[tuple[str, str]], list[tuple[str, str]]]:
-        """Held-out rows: the file `eval_path` (its first `eval_size` rows; 0 = all), else `eval_size` rows of
+        """Held-out rows: those of `eval_path` (its first `eval_size` rows; 0 = all), else `eval_size` rows of
         `path` picked by a hash of their question (the same rows in every run) and removed from training."""
         if eval_path:
-            held = self._load(Path(eval_path).expanduser())
+            held = self._load(eval_path, eval_split)
             held = held[:eval_size] if eval_size else held
             train_questions = {q for q, _ in rows}
             overlap = sum(q in train_questions for q, _ in held)
             if overlap:
                 raise ValueError(
                     f"GSM8KTask: {overlap} of the {len(held)} eval questions in {eval_path} also appear in the "
-                    f"training file {self.path}; use a disjoint eval file (e.g. GSM8K's test.jsonl)"
+                    f"training rows of {self.path}; use a disjoint eval set (e.g. GSM8K's test split)"
                 )
             return rows, held
         if eval_size == 0:
@@ -209,22 +215,21 @@ class GSM8KTask(RowsTask):
         # A question repeated in the file stays on the held-out side in every copy.
         return [r for r in rows if r[0] not in held_questions], held
 
-    @staticmethod
-    def _load(path: Path) -> list[tuple[str, str]]:
-        if not path.is_file():
-            raise FileNotFoundError(f"GSM8KTask: no JSONL file at {path} (expected rows of {{question, answer}})")
+    def _load(self, source: str, split: str) -> list[tuple[str, str]]:
+        if not Path(source).expanduser().exists() and source.endswith(".jsonl"):
+            raise FileNotFoundError(f"GSM8KTask: no JSONL file at {source} (expected rows of {{question, answer}})")
         rows = []
-        for lineno, row in read_jsonl(path, "GSM8KTask"):
+        for where, row in load_rows(source, split, self.subset, who="GSM8KTask"):
             try:
                 question, answer = str(row["question"]), str(row["answer"])
             except KeyError as e:
-                raise ValueError(f"GSM8KTask: {path}:{lineno} is not a {{question, answer}} JSON row ({e})") from e
+                raise ValueError(f"GSM8KTask: {where} is not a {{question, answer}} row ({e})") from e
             final = gsm8k_final_answer(answer)
             if not re.fullmatch(r"-?\d+(\.\d+)?", final):
-                raise ValueError(f"GSM8KTask: {path}:{lineno} has no numeric final answer after '####': {answer!r}")
+                raise ValueError(f"GSM8KTask: {where} has no numeric final answer after '####': {answer!r}")
             rows.append((question, final))
         if not rows:
-            raise ValueError(f"GSM8KTask: {path} holds no rows")
+            raise ValueError(f"GSM8KTask: {source} holds no rows")
         return rows
 
     def bind_tokenizer(self, tokenizer: Any) -> None:
@@ -232,10 +237,8 @@ class GSM8KTask(RowsTask):
 
     def render(self, question: str) -> str:
         content = f"{GSM8K_INSTRUCTION}\n\n{question}"
-        if self.chat_template and self.tokenizer is not None and getattr(self.tokenizer, "chat_template", None):
-            return self.tokenizer.apply_chat_template(
-                [{"role": "user", "content": content}], tokenize=False, add_generation_prompt=True
-            )
+        if self.chat_template and self.tokenizer is not None:
+            return render_chat(self.tokenizer, content, self.system_prompt)
         return f"{content}\n\nAnswer:"
 
     def sample(self, rng: random.Random, n: int) -> list[Prompt]:

