@@ -167,6 +167,16 @@ def test_math_verify_grades_on_a_producer_thread_too():
     assert got == [1.0]
 
 
+def test_an_echoed_question_is_not_a_literal_answer():
+    """math-verify evaluates expressions: "13 - 73" is -60 to it. With literal_answer the value must be stated."""
+    literal, plain = MathVerifyReward(literal_answer=True), MathVerifyReward()
+    question = Prompt("What is 13 - 73?", "-60")
+    assert plain(question, "13 - 73") == 1.0
+    assert [literal(question, c) for c in ["13 - 73", "13 - 73 = -60", "-60", "The answer is $-60$.", "-61"]] == \
+        [0.0, 1.0, 1.0, 1.0, 0.0]
+    assert literal(Prompt("q", "1/2"), "\\boxed{\\frac12}") == 1.0
+
+
 def test_bare_number_format_reward():
     reward = BareNumberReward()
     assert [reward(Prompt("q", "5"), c) for c in ["132", " -7.", "1,024\n", "132 apples", "= 132", ""]] == \

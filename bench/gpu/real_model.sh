@@ -4,6 +4,7 @@
 #                                                      #   parts as .kit/g0, .kit/g1), then builds the model directory
 #   bash bench/gpu/real_model.sh baseline [variants]   # held-out greedy / pass@8 per task variant (bench/real_model_baseline.py)
 #   bash bench/gpu/real_model.sh train SEED [overrides] # python train.py experiment=smollm2_chat_arith_shared, one seed
+#   bash bench/gpu/real_model.sh lr_sweep 3e-6,1e-5,3e-5 [overrides]  # those runs at once on the one GPU
 # Results land in $OUT (or bench/results/gpu when OUT is unset), flat (only two folder levels come back).
 set -uo pipefail
 export VLLM_WORKER_MULTIPROC_METHOD=spawn VLLM_USE_FLASHINFER_SAMPLER=0 HF_HUB_OFFLINE=1 VLLM_NO_USAGE_STATS=1
@@ -29,10 +30,28 @@ case "${1:-}" in
     echo "rc=$?"; tail -3 "$out/train_s$seed.log"
     cp $dir/metrics.jsonl "$out/metrics_s$seed.jsonl" 2>/dev/null
     cp $dir/summary.json "$out/summary_s$seed.json" 2>/dev/null
+    tail -c 3000 $dir/eval_samples.jsonl > "$out/eval_samples_s$seed.txt" 2>/dev/null
     cp $dir/logs/vllm.log "$out/vllm_s$seed.log" 2>/dev/null
     grep -h '"eval/accuracy"' $dir/metrics.jsonl | python3 -c "
 import json,sys
 for l in sys.stdin:
     r=json.loads(l); print(r.get('step'), r.get('eval/accuracy'), r.get('eval/pass@k'), r.get('time/run_seconds'))" ;;
+  lr_sweep)  # several learning rates at once on the one GPU (timings shared, so only the accuracies count)
+    shift; lrs=${1:-3e-6,1e-5,3e-5}; shift || true
+    for lr in ${lrs//,/ }; do
+      dir=/tmp/runs/lr_$lr
+      python3 train.py experiment=smollm2_chat_arith_shared optimizer.lr=$lr logging.progress_bar=false \
+        server.gpu_memory_utilization=0.12 hydra.run.dir=$dir "$@" > "$out/lr_$lr.log" 2>&1 &
+    done
+    wait
+    for lr in ${lrs//,/ }; do
+      cp /tmp/runs/lr_$lr/metrics.jsonl "$out/metrics_lr_$lr.jsonl" 2>/dev/null
+      tail -c 3000 /tmp/runs/lr_$lr/eval_samples.jsonl > "$out/eval_samples_lr_$lr.txt" 2>/dev/null
+      echo "lr $lr"; tail -2 "$out/lr_$lr.log"
+      grep -h '"eval/accuracy"' /tmp/runs/lr_$lr/metrics.jsonl | python3 -c "
+import json,sys
+for l in sys.stdin:
+    r=json.loads(l); print(' ', r.get('step'), r.get('eval/accuracy'), r.get('eval/pass@k'), round(r.get('time/run_seconds') or 0))"
+    done ;;
   *) echo "usage: $0 setup|baseline|train SEED [overrides]"; exit 2 ;;
 esac

@@ -46,8 +46,6 @@ class ChatArithmeticTask(ArithmeticTask):
 
     def render(self, expression: str) -> str:
         """The prompt text the model continues for `expression` (``47+85=``)."""
-        if self.tokenizer is None:
-            raise RuntimeError("ChatArithmeticTask renders through the tokenizer's chat template: bind_tokenizer first")
         user = self.question.format(expression=spaced(expression))
         return render_chat(self.tokenizer, user, self.system_prompt)
 

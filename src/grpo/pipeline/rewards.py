@@ -77,6 +77,10 @@ def _math_verify_timeouts() -> int | None:
     return 5 if threading.current_thread() is threading.main_thread() else None
 
 
+# An answer stated as a value: an integer or decimal, or a fraction of two integers (a/b, \frac{a}{b}, \frac ab).
+_LITERAL = re.compile(r"-?(?:\d+(?:\.\d+)?|\d+/\d+|\\d?frac\{?\d+\}?\{?\d+\}?)")
+
+
 class MathVerifyReward:
     """1.0 when Hugging Face's `math-verify` finds the completion's answer equal to the prompt's, else 0.0.
 
@@ -84,7 +88,10 @@ class MathVerifyReward:
     one written) and compares mathematically: `1/2`, `0.5` and `\\boxed{\\frac12}` are the same answer.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, literal_answer: bool = False) -> None:
+        # True: the answer must be stated as a value ("-60", "1/2", "\\frac12"), not an expression that evaluates to
+        # it: math-verify would grade "13 - 73" right for "What is 13 - 73?", which a policy learns to echo.
+        self.literal_answer = literal_answer
         try:
             import math_verify
         except ImportError:
@@ -104,7 +111,7 @@ class MathVerifyReward:
         if prompt.answer is None:
             return 0.0
         got = self._parse(completion)
-        if not got:
+        if not got or (self.literal_answer and not _LITERAL.fullmatch(str(got[-1]).replace(" ", ""))):
             return 0.0
         same = self._math_verify.verify(self._gold_of(prompt.answer), got, timeout_seconds=_math_verify_timeouts())
         return 1.0 if same else 0.0
