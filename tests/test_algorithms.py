@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import math
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -121,3 +124,32 @@ def test_lr_schedules_run_from_one_to_their_end():
     assert ends["constant"] == (1.0, 1.0) and ends["linear"] == (1.0, 0.0)
     assert ends["cosine"][0] == 1.0 and ends["cosine"][1] == pytest.approx(0.0)
     assert LR_SCHEDULES.get("cosine", "k")(0.5) == pytest.approx(0.5)
+
+
+def test_an_estimator_registered_before_the_schema_is_a_config_choice(tmp_path):
+    """A user's own estimator by name: registered before `grpo.config.schema` is imported (a script that then runs
+    the Hydra app), `train.advantage_norm=<name>` composes and the batcher runs it."""
+    conf = Path(__file__).resolve().parents[1] / "conf"
+    script = f"""
+import torch
+from grpo.algorithms.advantages import ADVANTAGE_ESTIMATORS
+
+@ADVANTAGE_ESTIMATORS.register("best_gets_one")
+def best_gets_one(scores, batch_scores):
+    return (scores == scores.max()).to(scores.dtype)
+
+from hydra import compose, initialize_config_dir
+from grpo.config import register_configs
+from grpo.pipeline.batch import prepare_batch
+
+register_configs()
+with initialize_config_dir(config_dir={str(conf)!r}, version_base="1.3"):
+    cfg = compose("train", overrides=["~experiment", "train.advantage_norm=best_gets_one"])
+groups = [{{"tokens": [[1, 2, 3]] * 3, "masks": [[-100, 2, 3]] * 3, "scores": [0.0, 1.0, 2.0]}}]
+batch = prepare_batch(groups, advantage_norm=cfg.train.advantage_norm, max_seq_len=8, micro_batch_size=4,
+                      pad_token_id=0)
+print(batch.micro_batches[0].advantages.tolist())
+"""
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=tmp_path, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == "[0.0, 0.0, 1.0]"
