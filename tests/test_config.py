@@ -240,6 +240,17 @@ def test_every_yaml_default_equals_its_schema_default():
     assert not problems, "\n".join(problems)
 
 
+def test_a_loss_option_is_grpo_with_what_differs():
+    """conf/loss/dapo.yaml and dr_grpo.yaml build on grpo.yaml (`defaults: [grpo]`) and list only what differs: the
+    composed loss is grpo's with those keys changed, and the files hold nothing else."""
+    base = OmegaConf.to_container(_compose(["loss=grpo"]).loss)
+    for option, differs in {"dapo": {"clip_eps_high": 0.28}, "dr_grpo": {"aggregation": "seq_mean_token_sum_norm"}}.items():
+        composed = OmegaConf.to_container(_compose([f"loss={option}"]).loss)
+        assert {k: getattr(v, "value", v) for k, v in composed.items()} == {**base, **differs}, option
+        own = OmegaConf.to_container(OmegaConf.load(CONF / "loss" / f"{option}.yaml"))
+        assert own == {"defaults": ["grpo", "_self_"], **differs}, option
+
+
 @pytest.mark.parametrize("override,key", [
     ("train.advantage_norm=groupwise", "advantage_norm"), ("train.lr_schedule=step", "lr_schedule"),
     ("train.device=tpu", "device"), ("loss.aggregation=mean", "aggregation"), ("model.dtype=fp8", "dtype"),

@@ -16,7 +16,10 @@ from typing import Any, Mapping, Sequence
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
-from grpo.config.validate import ConfigError
+from grpo.options import ConfigError
+from grpo.pipeline.evaluation import ATROPOS_EVAL_EXAMPLE, eval_enabled
+from grpo.pipeline.local import LocalRolloutPipeline
+from grpo.schema import EvalConfig, RootConfig
 
 log = logging.getLogger(__name__)
 
@@ -207,8 +210,6 @@ def check_override_key(key: str, value: str, config_dirs: Sequence[Path]) -> Non
     Hydra's own error for a misspelt key (`optimzer.lr=1`) advises `+optimzer.lr=1`, which adds a key nothing reads."""
     import typing
 
-    from grpo.config.schema import EvalConfig, RootConfig
-
     # Groups typed Any in RootConfig whose shipped options all build on one schema: checked against it unless a
     # config dir of the user's adds options to the group (which may build on another).
     shared = {"eval": EvalConfig}
@@ -342,8 +343,6 @@ def check_grad_accum_used(cfg: DictConfig, info: HydraInfo) -> None:
     micro_batch_size x grad_accum: the trainer trains every sequence the pipeline generates, in micro-batches of
     train.micro_batch_size, so the setting (the Atropos trainer's --gradient-accumulation-steps) would be silently
     ignored. Not in a sweep, whose settings are common to its jobs."""
-    from grpo.pipeline.local import LocalRolloutPipeline
-
     given = _given(info, "train.grad_accum")
     data_class = _data_class(cfg)
     if not given or info.multirun or data_class is None or not issubclass(data_class, LocalRolloutPipeline):
@@ -363,8 +362,6 @@ def check_grad_accum_used(cfg: DictConfig, info: HydraInfo) -> None:
 def check_eval_settings_used(cfg: DictConfig, info: HydraInfo) -> None:
     """`eval.*` on the command line of a run that does not evaluate (eval=off, or data=atropos without eval.task):
     the evaluator is never built, so `eval.every=5` would be silently ignored. Not in a sweep."""
-    from grpo.pipeline.evaluation import ATROPOS_EVAL_EXAMPLE, eval_enabled
-
     given = [o for o in info.overrides if o.lstrip("+~").startswith("eval.")
              and not o.lstrip("+~").startswith(("eval.enabled=", "eval.task"))]
     if not given or info.multirun or eval_enabled(cfg.eval, cfg.data):

@@ -13,8 +13,19 @@ from typing import NoReturn
 from hydra.utils import get_class
 from omegaconf import DictConfig
 
+from grpo.config import checks
 from grpo.inference.process import parallel_sizes
+from grpo.models.loading import ATTN_IMPLEMENTATIONS
+from grpo.models.packaged import PACKAGED_MODELS, PackagedModelMissing, gguf_path
+from grpo.models.tiny import offline_presets
+from grpo.models.warmstart import WARMSTART_PRESETS
 from grpo.options import ConfigError, instantiation_cause, option
+from grpo.pipeline.local import LocalRolloutPipeline
+from grpo.pipeline.rollout_queue import check_batches_in_flight, queue_capacity
+from grpo.trainer.checkpoint import COMPLETE, CheckpointManager, checkpoint_problems, read_trainer_state
+from grpo.trainer.layers import resolve_layer_indices
+from grpo.trainer.metrics import tensorboard_writer_class
+from grpo.trainer.optim import build_optimizer
 
 __all__ = ["ConfigError", "check_run_dir", "validate"]
 
@@ -60,8 +71,6 @@ def check_run_dir(run_dir: Path) -> None:
 def held_run(run_dir: Path) -> tuple[str, Path | None]:
     """What of an earlier run `run_dir` holds ("metrics.jsonl with rows, checkpoints up to step_000010", or ""), and
     its latest complete checkpoint (None when it has none)."""
-    from grpo.trainer.checkpoint import CheckpointManager
-
     metrics = run_dir / "metrics.jsonl"
     has_rows = metrics.exists() and metrics.stat().st_size > 0
     latest = CheckpointManager(run_dir).latest()
@@ -109,8 +118,6 @@ def validate(cfg: DictConfig, run_dir: Path | None = None) -> None:
 
     Each component checks its own part where it lives (the sync strategy: `SyncStrategy.check_config`); what
     spans components or concerns the machine is checked here."""
-    from grpo.config import checks
-
     # Config that would otherwise be silently ignored (grpo.config.checks).
     checks.check_known_keys(cfg)
     info = checks.hydra_info(cfg)
@@ -148,8 +155,6 @@ def validate(cfg: DictConfig, run_dir: Path | None = None) -> None:
 
 def check_layers(cfg: DictConfig) -> None:
     """`layers.indices` resolves against the model's block count (the trainer's own parser decides)."""
-    from grpo.trainer.layers import resolve_layer_indices
-
     try:
         resolve_layer_indices(cfg.layers.indices, cfg.model.num_layers)
     except ValueError as e:
@@ -160,8 +165,6 @@ def check_optimizer(cfg: DictConfig) -> None:
     """The optimizer's package is importable, and it accepts its settings (torch checks lr, betas, eps and weight
     decay when built: built here on one parameter, so `optimizer.lr=-1` stops the run before the server starts)."""
     import torch
-
-    from grpo.trainer.optim import build_optimizer
 
     if cfg.optimizer._target_.startswith("bitsandbytes."):
         _check_importable(cfg.optimizer._target_, "optimizer", "Install it with `pip install bitsandbytes`, or choose optimizer=adamw.")
@@ -192,8 +195,6 @@ def check_loss(cfg: DictConfig) -> None:
 def check_model(cfg: DictConfig) -> None:
     """A known attention kernel (FlexAttention on a CUDA trainer only); a local `model.name` exists; a hub id not
     in the local cache is refused when the hub is off or cannot be reached."""
-    from grpo.models.loading import ATTN_IMPLEMENTATIONS
-
     attn = cfg.model.attn_implementation
     if attn is not None and attn not in ATTN_IMPLEMENTATIONS:
         raise ConfigError(f"model.attn_implementation={attn} is not one of {', '.join(ATTN_IMPLEMENTATIONS)} "
@@ -213,12 +214,8 @@ def check_model(cfg: DictConfig) -> None:
         return
     cached_config = _hub_cached_config(name)
     if cached_config is not None:
-        from grpo.config.checks import check_layer_count
-
-        check_layer_count(cfg.model, cached_config)
+        checks.check_layer_count(cfg.model, cached_config)
         return
-    from grpo.models.tiny import offline_presets
-
     instead = (f"point model.name at a local directory or set model.offline=<preset> for random weights of a known "
                f"shape ({', '.join(offline_presets())})")
     if os.environ.get("HF_HUB_OFFLINE") == "1":
@@ -234,10 +231,6 @@ def check_model(cfg: DictConfig) -> None:
 def check_offline_preset(preset: str) -> None:
     """`model.offline` names a preset the model builder knows; else its ValueError was a traceback after the run's
     start-up lines. The model options' own names (`tiny_qwen2`, `warm_arith`) are the natural misspelling."""
-    from grpo.models.packaged import PACKAGED_MODELS, PackagedModelMissing, gguf_path
-    from grpo.models.tiny import offline_presets
-    from grpo.models.warmstart import WARMSTART_PRESETS
-
     known = [*offline_presets(), *sorted(WARMSTART_PRESETS), *sorted(PACKAGED_MODELS)]
     if preset in PACKAGED_MODELS:
         try:
@@ -407,8 +400,6 @@ def check_resume_has_steps_left(cfg: DictConfig) -> None:
     """`train.resume` is a run dir with a complete checkpoint (else `raise_for_resume_dir`). Resuming a run whose latest
     checkpoint already holds `train.steps` steps would start the server and train nothing: say so, with the setting
     that continues it."""
-    from grpo.trainer.checkpoint import CheckpointManager, checkpoint_problems, read_trainer_state
-
     if cfg.train.resume is None:
         return
     checkpoints = CheckpointManager(Path(cfg.train.resume), keep=cfg.train.keep_checkpoints)
@@ -444,8 +435,6 @@ def raise_for_resume_dir(resume: Path) -> NoReturn:
     """Raises for a `train.resume` without a complete checkpoint under its checkpoints/, saying what to give instead:
     its run dir when it is a checkpoint or the checkpoints/ dir itself (a natural guess that failed in the run with
     a FileNotFoundError traceback)."""
-    from grpo.trainer.checkpoint import COMPLETE
-
     run_dir = None
     if (resume / COMPLETE).exists() or (resume / "trainer_state.json").exists():
         run_dir = resume.parent.parent
@@ -473,8 +462,6 @@ def check_async(cfg: DictConfig) -> None:
     check_async_source(cfg)
     train = cfg.train
     if train.rollout_batches_in_flight > 1:
-        from grpo.pipeline.rollout_queue import check_batches_in_flight, queue_capacity
-
         capacity = queue_capacity(k, str(train.stale_policy), train.rollout_queue)
         try:
             check_batches_in_flight(train.rollout_batches_in_flight, capacity, get_class(cfg.data._target_))
@@ -497,8 +484,6 @@ def check_async(cfg: DictConfig) -> None:
 def check_data(cfg: DictConfig, experiment: str | None = None) -> None:
     """A local rollout pipeline generates at least the sequences one rollout batch trains on (said here, before the
     server starts, rather than by the pipeline once it has), and its completion caps fit model.max_seq_len."""
-    from grpo.pipeline.local import LocalRolloutPipeline
-
     target = cfg.data.get("_target_")
     try:
         local = target is not None and issubclass(get_class(target), LocalRolloutPipeline)
@@ -560,8 +545,6 @@ def check_rollout_logprobs(cfg: DictConfig) -> None:
 def check_async_source(cfg: DictConfig) -> None:
     """k >= 1 needs a local pipeline (wrapped in the producer) or an asynchronous source (Atropos), which can only
     drop: the trainer cannot make its environments wait, and it has no queue of its own."""
-    from grpo.pipeline.local import LocalRolloutPipeline
-
     k = cfg.train.max_staleness
     target = cfg.data.get("_target_")
     cls = get_class(target) if target is not None else None
@@ -593,8 +576,6 @@ def check_async_source(cfg: DictConfig) -> None:
 def check_logging(cfg: DictConfig) -> None:
     """An optional logging sink's package is installed (say so before any model loads)."""
     if cfg.logging.get("tensorboard", False):
-        from grpo.trainer.metrics import tensorboard_writer_class
-
         try:
             tensorboard_writer_class()
         except ImportError as e:

@@ -6,10 +6,11 @@ from pathlib import Path
 from typing import Any, Optional
 
 import torch
-from omegaconf import DictConfig
+
+from grpo.schema.model import ModelConfig
 
 
-def resolve_model_dir(model_cfg: DictConfig) -> str:
+def resolve_model_dir(model_cfg: ModelConfig) -> str:
     """Local directory (offline presets are built on first use) or hub id of the initial weights."""
     if model_cfg.offline:
         from grpo.models.packaged import PACKAGED_MODELS, build_packaged_model_dir

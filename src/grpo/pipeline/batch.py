@@ -14,13 +14,12 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
+from grpo.algorithms.advantages import ADVANTAGE_ESTIMATORS, AdvantageEstimator
 from grpo.pipeline.group import Group, MalformedGroup, parse_group
 from grpo.trainer.batch import IGNORE_INDEX, PreparedBatch, TrainBatch
 
 log = logging.getLogger(__name__)
 
-ADVANTAGE_NORMS = ("group", "batch", "none")
-_STD_EPS = 1e-6
 # A log-probability is at most 0. A rollout log-prob above this at a completion token is impossible (the margin is
 # for float rounding): probabilities, or garbage such as 1e6, sent in the field's place.
 MAX_LOGPROB = 1e-3
@@ -129,21 +128,12 @@ def _parsed(gi: int, group: Group | dict, vocab_size: Optional[int]) -> Group:
         raise BatchError(gi, e.field, str(e).split(": ", 1)[-1]) from None
 
 
-def _group_advantages(seqs: list[_Seq], norm: str, batch_std: float) -> None:
+def _group_advantages(seqs: list[_Seq], estimator: AdvantageEstimator, batch_scores: torch.Tensor) -> None:
     """Fill ``advantage`` of the sequences that the server sent none for, from the group's scores."""
-    need = [s for s in seqs if s.advantage is None]
-    if not need:
+    if all(s.advantage is not None for s in seqs):
         return
     scores = torch.tensor([s.score for s in seqs], dtype=torch.float64)
-    centred = scores - scores.mean()
-    if norm == "group":
-        # Population std of the group: a group whose rewards all agree gets zero advantage, not a blow-up.
-        adv = centred / (scores.std(unbiased=False) + _STD_EPS)
-    elif norm == "batch":
-        adv = centred / (batch_std + _STD_EPS)
-    else:
-        adv = centred
-    for s, a in zip(seqs, adv.tolist()):
+    for s, a in zip(seqs, estimator(scores, batch_scores).tolist()):
         if s.advantage is None:
             s.advantage = a
 
@@ -209,7 +199,7 @@ def _collate(seqs: list[_Seq], pad_token_id: int, per_token_adv: bool) -> TrainB
 def prepare_batch(
     groups: Sequence[Group | dict],
     *,
-    advantage_norm: str = "group",
+    advantage_norm: str | AdvantageEstimator = "group",
     max_seq_len: int,
     micro_batch_size: int,
     pad_token_id: int,
@@ -221,11 +211,10 @@ def prepare_batch(
     - Groups arrive as `Group`s (validated by their pipeline) or as wire dicts, which `parse_group` validates here:
       a bad field raises ``BatchError`` naming the group and the field. An empty group is dropped
       (``data/dropped_groups``).
-    - Advantages: the server's ``advantages`` (per sequence or per token) when sent; else from ``scores`` within
-      the group: ``group`` = (r - mean) / (std + 1e-6), ``batch`` = (r - group mean) / (std of all rewards of the
-      batch + 1e-6), ``none`` = r - group mean (population std throughout). Computed on the whole group before
-      too-long sequences are dropped, so the baseline sees every sample. A sequence's ``set_advantage_to_zero``
-      override zeroes its advantage.
+    - Advantages: the server's ``advantages`` (per sequence or per token) when sent; else from ``scores`` by the
+      estimator ``advantage_norm`` names in `grpo.algorithms.advantages` (or ``advantage_norm`` itself, a function),
+      on the whole group before too-long sequences are dropped, so the baseline sees every sample. A sequence's
+      ``set_advantage_to_zero`` override zeroes its advantage.
     - Sequences longer than ``max_seq_len`` are dropped (``data/dropped_too_long``).
     - Null ``inference_logprobs`` (group or sequence) become NaN rows (``data/missing_logprobs`` counts them).
     - Degenerate data (``_screen``; each kind counted, and warned once through ``warn``, default once per process):
@@ -235,15 +224,14 @@ def prepare_batch(
       (``data/singleton_groups``) and groups whose advantages are all 0 (``data/zero_advantage_groups``, e.g. all
       scores equal) are kept, as GRPO trains on them (no policy gradient, but they count in the normalisers).
     """
-    if advantage_norm not in ADVANTAGE_NORMS:
-        raise ValueError(f"advantage_norm must be one of {ADVANTAGE_NORMS}, got {advantage_norm!r}")
+    estimator = ADVANTAGE_ESTIMATORS.resolve(advantage_norm, "advantage_norm")
     if micro_batch_size < 1:
         raise ValueError(f"micro_batch_size must be >= 1, got {micro_batch_size}")
     parsed = [(gi, _sequences(_parsed(gi, g, vocab_size))) for gi, g in enumerate(groups)]
     empty = sum(1 for _, seqs in parsed if not seqs)
     screened, degenerate = _screen([(gi, seqs) for gi, seqs in parsed if seqs], warn or _WARN_ONCE)
     all_scores = [s.score for seqs in screened for s in seqs]
-    kept, dropped = _kept_sequences(screened, advantage_norm, all_scores, max_seq_len)
+    kept, dropped = _kept_sequences(screened, estimator, all_scores, max_seq_len)
     emptied = dropped.pop("emptied")
     per_token_adv = any(isinstance(s.advantage, list) for s in kept)
     micro = [
@@ -271,16 +259,16 @@ def prepare_batch(
 
 
 def _kept_sequences(
-    parsed: list[list[_Seq]], advantage_norm: str, all_scores: list[float], max_seq_len: int
+    parsed: list[list[_Seq]], estimator: AdvantageEstimator, all_scores: list[float], max_seq_len: int
 ) -> tuple[list[_Seq], dict[str, int]]:
     """Advantages per group, then the sequences that fit ``max_seq_len`` and have a loss token: (kept, counts of
     too long sequences, sequences without a loss token, zero-advantage groups, and groups emptied)."""
-    batch_std = float(torch.tensor(all_scores, dtype=torch.float64).std(unbiased=False)) if all_scores else 0.0
+    batch_scores = torch.tensor(all_scores, dtype=torch.float64)
     kept: list[_Seq] = []
     counts = {"data/dropped_too_long": 0, "data/no_loss_token_sequences": 0, "data/zero_advantage_groups": 0,
               "emptied": 0}
     for seqs in parsed:
-        _group_advantages(seqs, advantage_norm, batch_std)
+        _group_advantages(seqs, estimator, batch_scores)
         group_kept = 0
         for s in seqs:
             if s.zero_adv:

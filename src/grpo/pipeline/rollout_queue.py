@@ -67,11 +67,12 @@ from typing import Optional
 from grpo.pipeline.base import DataPipeline, PipelineContext
 from grpo.pipeline.batch import WarnOnce
 from grpo.pipeline.group import Group
+from grpo.schema.train import StalePolicy
 from grpo.trainer.batch import PreparedBatch
 
 log = logging.getLogger(__name__)
 
-STALE_POLICIES = ("wait", "drop")
+
 # How long close() waits for the producer thread before leaving it (a daemon) to the server's shutdown.
 STOP_JOIN_S = 3.0
 # Poll interval of every wait (stop flag, producer liveness).
@@ -100,8 +101,8 @@ class AsyncRollouts(DataPipeline):
                  rollout_queue: Optional[int] = None, batches_in_flight: int = 1) -> None:
         if max_staleness < 1:
             raise ValueError(f"AsyncRollouts needs train.max_staleness >= 1 (0 is the synchronous loop), got {max_staleness}")
-        if stale_policy not in STALE_POLICIES:
-            raise ValueError(f"train.stale_policy must be one of {STALE_POLICIES}, got {stale_policy!r}")
+        if stale_policy not in StalePolicy.__members__:
+            raise ValueError(f"train.stale_policy must be one of {tuple(StalePolicy.__members__)}, got {stale_policy!r}")
         self.inner = inner
         self.max_staleness = int(max_staleness)
         self.stale_policy = stale_policy

@@ -33,6 +33,7 @@ import torch
 from torch import nn
 
 from grpo import faults
+from grpo.trainer import distributed
 from grpo.weights import params
 from grpo.weights.hf_dir import (
     load_model_weights,
@@ -254,8 +255,6 @@ class CheckpointManager:
         optimizer state (onto rank 0's CPU), rank 0 alone writes them in ``save``'s format, atomically, and prunes;
         it returns the checkpoint there and None elsewhere. It ends with a collective that carries rank 0's outcome,
         so no rank runs ahead of a checkpoint being written and a failed write raises on every rank."""
-        from grpo.trainer import distributed
-
         model_state, optimizer_state = params.full_state_dicts(model, optimizer)
         rng_states = distributed.gather_object(_rng_state())
         path, error = None, None
@@ -289,8 +288,6 @@ class CheckpointManager:
             set_model_state_dict,
             set_optimizer_state_dict,
         )
-
-        from grpo.trainer import distributed
 
         path = Path(path)
         model_state: dict = {}

@@ -33,6 +33,9 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from grpo.trainer.layers import find_blocks
+from grpo.trainer.logprobs import token_logprobs
+
 
 @dataclass(frozen=True)
 class DistInfo:
@@ -93,8 +96,6 @@ def shard_model(model: nn.Module, mp_dtype: torch.dtype | None = None) -> nn.Mod
     kwargs: dict[str, Any] = {}
     if mp_dtype is not None:
         kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=mp_dtype, reduce_dtype=torch.float32)
-    from grpo.trainer.layers import find_blocks
-
     for block in find_blocks(model)[1]:
         fully_shard(block, **kwargs)
     fully_shard(model, **kwargs)
@@ -112,8 +113,6 @@ def sharded_token_logprobs(model: nn.Module) -> Callable[..., torch.Tensor]:
     leave the root's parameters (embeddings, final norm, head) sharded. FSDP2 runs its hooks around a *method* of the
     module registered with `register_fsdp_forward_method`, so the computation becomes one, bound here once."""
     from torch.distributed.fsdp import register_fsdp_forward_method
-
-    from grpo.trainer.logprobs import token_logprobs
 
     if not hasattr(model, LOGPROBS_METHOD):
         setattr(model, LOGPROBS_METHOD, types.MethodType(lambda self, *a, **k: token_logprobs(self, *a, **k), model))

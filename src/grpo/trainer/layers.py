@@ -7,6 +7,8 @@ from typing import Any, Optional
 
 from torch import nn
 
+from grpo.schema.model import LoraConfig
+
 # Attribute paths of the block list in common architectures (Llama/Qwen2/Mistral first).
 _BLOCK_PATHS = ("model.layers", "model.model.layers", "transformer.h", "model.decoder.layers", "gpt_neox.layers")
 
@@ -114,7 +116,7 @@ def freeze_to_layers(model: nn.Module, indices: list[int]) -> int:
     return sum(p.numel() for p in model.parameters() if p.requires_grad)
 
 
-def apply_lora(model: nn.Module, lora_cfg: Any, indices: list[int], num_layers: Optional[int] = None):
+def apply_lora(model: nn.Module, lora_cfg: LoraConfig, indices: list[int], num_layers: Optional[int] = None):
     """Wrap ``model`` in a PEFT LoRA ``PeftModel`` (task CAUSAL_LM) on ``lora_cfg.target_modules``.
 
     ``lora_cfg`` has ``r``, ``alpha``, ``dropout``, ``target_modules``. When ``indices`` is not every block,

@@ -9,10 +9,10 @@ from pathlib import Path
 from typing import Any, Callable, Optional, Protocol
 
 import torch
-from omegaconf import DictConfig
 
 from grpo import faults
 from grpo.options import ConfigError
+from grpo.schema.train import TrainConfig
 from grpo.sync.base import SyncStrategy
 from grpo.trainer import distributed
 from grpo.trainer.batch import BatchSource, PreparedBatch, TrainBatch
@@ -109,12 +109,12 @@ def out_of_memory_advice(batch: PreparedBatch, step: int, device: torch.device) 
     )
 
 
-def updates_per_batch(train_cfg: Any) -> int:
+def updates_per_batch(train_cfg: TrainConfig) -> int:
     """Optimizer steps per rollout batch: `train.ppo_epochs` passes x `train.mini_batches` mini-batches."""
     return int(train_cfg.ppo_epochs) * int(train_cfg.mini_batches)
 
 
-def rollout_batches(train_cfg: Any, start_step: int, start_batch: Optional[int]) -> tuple[int, int]:
+def rollout_batches(train_cfg: TrainConfig, start_step: int, start_batch: Optional[int]) -> tuple[int, int]:
     """(the first rollout batch of this session, the rollout batches of the run): what a data source counts (its
     `step`, run-api's step). `start_batch` is the checkpoint's own count; older checkpoints have only the step."""
     per_batch = updates_per_batch(train_cfg)
@@ -128,7 +128,7 @@ class GRPOTrainer:
     def __init__(
         self,
         *,
-        train_cfg: DictConfig,
+        train_cfg: TrainConfig,
         model: torch.nn.Module,
         tokenizer: Any,
         optimizer: torch.optim.Optimizer,

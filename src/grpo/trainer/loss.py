@@ -9,7 +9,9 @@ and advantage ``A``:
     loss_t = -obj + kl_coef * KL_t
 
 The loss is then aggregated over tokens (see ``GRPOLoss``). With ``tis_cap`` set, the rollout/trainer mismatch is
-handled by truncated importance sampling instead of inside the PPO ratio (see ``GRPOLoss``).
+handled by truncated importance sampling instead of inside the PPO ratio (see ``GRPOLoss``). The clipped objective,
+the KL estimators and the aggregations are the registered functions of `grpo.algorithms`; this class chooses pi_old
+and the rollout log-probs, applies the TIS weights and reports the metrics.
 """
 
 from __future__ import annotations
@@ -18,12 +20,9 @@ from typing import Any, Optional
 
 import torch
 
-AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm")
-KL_ESTIMATORS = ("k1", "k2", "k3")
-OLD_LOGPROBS = ("rollout", "recompute")
-# exp() of a log-ratio beyond this overflows float32 gradients in the unclipped branch; beyond it the ratio is
-# saturated (gradient 0), which only happens for tokens far outside any trust region.
-_MAX_LOG_RATIO = 20.0
+from grpo.algorithms.aggregation import AGGREGATIONS, Totals
+from grpo.algorithms.kl import KL_ESTIMATORS
+from grpo.algorithms.policy import MAX_LOG_RATIO, POLICY_OBJECTIVES, ClipRange, OldLogprobs, ratio
 
 
 class GRPOLoss:
@@ -62,6 +61,8 @@ class GRPOLoss:
     # Every term is a function of one token's log-prob and constants (normalisers come from the mask or the
     # arguments), so the gradient at token i depends on logprobs[i] alone. The fused log-prob path relies on it.
     token_separable = True
+    # The registered policy objective (grpo.algorithms.policy) the ratio goes through.
+    objective = "ppo_clip"
 
     def __init__(
         self,
@@ -85,12 +86,10 @@ class GRPOLoss:
             raise ValueError(f"tis_cap must be > 0, got {tis_cap}")
         if kl_coef < 0:
             raise ValueError(f"kl_coef must be >= 0, got {kl_coef}")
-        if kl_estimator not in KL_ESTIMATORS:
-            raise ValueError(f"kl_estimator must be one of {KL_ESTIMATORS}, got {kl_estimator!r}")
-        if aggregation not in AGGREGATIONS:
-            raise ValueError(f"aggregation must be one of {AGGREGATIONS}, got {aggregation!r}")
-        if old_logprobs not in OLD_LOGPROBS:
-            raise ValueError(f"old_logprobs must be one of {OLD_LOGPROBS}, got {old_logprobs!r}")
+        self._kl_fn = KL_ESTIMATORS.get(kl_estimator, "kl_estimator")
+        self._aggregate_fn = AGGREGATIONS.get(aggregation, "aggregation")
+        if old_logprobs not in OldLogprobs.__members__:
+            raise ValueError(f"old_logprobs must be one of {tuple(OldLogprobs.__members__)}, got {old_logprobs!r}")
         if max_tokens_norm is not None and max_tokens_norm <= 0:
             raise ValueError(f"max_tokens_norm must be > 0, got {max_tokens_norm}")
         self.clip_eps = float(clip_eps)
@@ -102,6 +101,7 @@ class GRPOLoss:
         self.aggregation = aggregation
         self.max_tokens_norm = max_tokens_norm
         self.old_logprobs = old_logprobs
+        self._objective_fn = POLICY_OBJECTIVES.get(self.objective, "objective")
 
     @property
     def zero_advantage_adds_nothing(self) -> bool:
@@ -120,12 +120,7 @@ class GRPOLoss:
 
     def kl(self, logprobs: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
         """Per-token KL estimate of the policy from ``ref`` (same shape as ``logprobs``)."""
-        x = (ref - logprobs).clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)
-        if self.kl_estimator == "k1":
-            return -x
-        if self.kl_estimator == "k2":
-            return 0.5 * x * x
-        return torch.expm1(x) - x
+        return self._kl_fn((ref - logprobs).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO))
 
     def __call__(
         self,
@@ -165,7 +160,8 @@ class GRPOLoss:
         if adv.dim() == 1:
             adv = adv[:, None].expand_as(logprobs)
         r = self._ratios(logprobs, inference_logprobs, valid, old_logprobs)
-        obj, dual_active = self._clipped_objective(r["pg_ratio"], adv)
+        clip = ClipRange(self.clip_eps, self.clip_eps_high, self.dual_clip)
+        obj, r["pg_ratio"], dual_active = self._objective_fn(r["pg_log_ratio"], adv, mask, clip)
         if r["tis_w"] is not None:
             obj = obj * r["tis_w"]
         per_token = -obj
@@ -179,7 +175,8 @@ class GRPOLoss:
             per_token = per_token + self.kl_coef * kl
 
         per_token = per_token * mask  # zero (not NaN) at masked positions
-        loss = self._aggregate(per_token, mask, total_tokens, total_sequences, max_tokens)
+        max_tokens = self.max_tokens_norm if self.max_tokens_norm is not None else max_tokens
+        loss = self._aggregate_fn(per_token, mask, Totals(total_tokens, total_sequences, max_tokens))
         if not with_metrics:
             return loss, {}
         return loss, self._metrics(logprobs.detach(), r, adv, mask, valid, kl, dual_active)
@@ -188,40 +185,27 @@ class GRPOLoss:
         self, logprobs: torch.Tensor, inference_logprobs: torch.Tensor, valid: torch.Tensor,
         old_logprobs: Optional[torch.Tensor],
     ) -> dict[str, Any]:
-        """The rollout log-probs as used, the ratio to them, pi_old, the ratio the clip sees and the TIS weights."""
+        """The rollout log-probs as used, the ratio to them, pi_old, the log-ratio the clip sees and the TIS
+        weights."""
         lp_det = logprobs.detach()
         # Rollout log-probs: missing (NaN), non-finite or outside the loss mask → on-policy. Also keeps the prompt's
         # 1.0 placeholders and padding out of exp(), where an inf would turn 0 * inf into NaN gradients.
         inf = inference_logprobs.to(logprobs.dtype)
         rollout = torch.where(valid & torch.isfinite(inf), inf, lp_det)
-        ratio_det = torch.exp((logprobs - rollout).clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)).detach()
+        ratio_det = ratio(logprobs - rollout).detach()
         tis_src = tis_w = None
         if old_logprobs is not None:
             old = torch.where(valid, old_logprobs.to(logprobs.dtype), lp_det)
-            pg_ratio = torch.exp((logprobs - old).clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO))
-            tis_src = torch.exp((old - rollout).clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO))
+            tis_src = ratio(old - rollout)
         elif self.tis_cap is not None:
-            old = lp_det
+            old = lp_det  # proximal ratio: 1 in value, grad of logp
             tis_src = ratio_det
-            pg_ratio = torch.exp(logprobs - lp_det)  # proximal ratio: 1 in value, grad of logp
         else:
             old = rollout
-            pg_ratio = torch.exp((logprobs - rollout).clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO))
         if self.tis_cap is not None:
             tis_w = tis_src.clamp(max=self.tis_cap)
-        return {"rollout": rollout, "ratio": ratio_det, "old": old, "pg_ratio": pg_ratio, "tis_src": tis_src,
+        return {"rollout": rollout, "ratio": ratio_det, "old": old, "pg_log_ratio": logprobs - old, "tis_src": tis_src,
                 "tis_w": tis_w}
-
-    def _clipped_objective(self, pg_ratio: torch.Tensor, adv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """PPO's pessimistic clipped objective per token (with the dual clip's floor for A < 0)."""
-        lo, hi = 1.0 - self.clip_eps, 1.0 + self.clip_eps_high
-        obj = torch.minimum(pg_ratio * adv, pg_ratio.clamp(lo, hi) * adv)
-        dual_active = torch.zeros_like(adv, dtype=torch.bool)
-        if self.dual_clip is not None:
-            floor = self.dual_clip * adv
-            dual_active = (adv < 0) & (obj < floor)
-            obj = torch.where(adv < 0, torch.maximum(obj, floor), obj)
-        return obj, dual_active
 
     @torch.no_grad()
     def _metrics(
@@ -254,28 +238,3 @@ class GRPOLoss:
             metrics["grpo/tis_weight"] = float((r["tis_w"] * mask).sum() / n)
             metrics["grpo/tis_capped"] = float((valid & (r["tis_src"] > self.tis_cap)).sum() / n)
         return metrics
-
-    def _aggregate(
-        self,
-        per_token: torch.Tensor,
-        mask: torch.Tensor,
-        total_tokens: Optional[float],
-        total_sequences: Optional[float],
-        max_tokens: Optional[float],
-    ) -> torch.Tensor:
-        if self.aggregation == "token_mean":
-            denom = float(total_tokens) if total_tokens is not None else float(mask.sum())
-            return per_token.sum() / max(denom, 1.0)
-        seqs = float(total_sequences) if total_sequences is not None else float(per_token.shape[0])
-        seq_tokens = mask.sum(dim=1)
-        if self.aggregation == "seq_mean_token_mean":
-            per_seq = per_token.sum(dim=1) / seq_tokens.clamp(min=1)
-        else:
-            if self.max_tokens_norm is not None:
-                norm = float(self.max_tokens_norm)
-            elif max_tokens is not None:
-                norm = float(max_tokens)
-            else:
-                norm = float(seq_tokens.max()) if seq_tokens.numel() else 1.0
-            per_seq = per_token.sum(dim=1) / max(norm, 1.0)
-        return per_seq.sum() / max(seqs, 1.0)

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import importlib
 import logging
-import math
 from typing import Any
 
 import torch
@@ -17,9 +16,10 @@ from omegaconf import DictConfig, OmegaConf
 from torch import nn
 from torch.optim.lr_scheduler import LambdaLR
 
+from grpo.algorithms.schedules import LR_SCHEDULES
+
 log = logging.getLogger(__name__)
 
-SCHEDULES = ("constant", "linear", "cosine")
 # Where each optimizer's package comes from, for the error message.
 _INSTALL_HINTS = {
     "bitsandbytes": "pip install bitsandbytes (or choose optimizer=adamw / optimizer=adafactor)",
@@ -99,21 +99,17 @@ def build_optimizer(model: nn.Module, optimizer_cfg: Any) -> torch.optim.Optimiz
 
 def lr_lambda(step: int, schedule: str, warmup_steps: int, total_steps: int) -> float:
     """LR multiplier at ``step`` (0-based count of optimizer steps taken): linear warmup reaching 1 at
-    ``warmup_steps``, then constant, linear to 0 or cosine to 0 at ``total_steps``."""
+    ``warmup_steps``, then the registered schedule (`grpo.algorithms.schedules`: constant, linear to 0 or cosine to 0
+    at ``total_steps``)."""
     if warmup_steps > 0 and step < warmup_steps:
         return (step + 1) / (warmup_steps + 1)
-    if schedule == "constant":
-        return 1.0
     progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
-    if schedule == "linear":
-        return 1.0 - progress
-    return 0.5 * (1.0 + math.cos(math.pi * progress))
+    return LR_SCHEDULES.get(schedule, "train.lr_schedule")(progress)
 
 
 def build_scheduler(optimizer: torch.optim.Optimizer, schedule: str, warmup_steps: int, total_steps: int) -> LambdaLR:
     """A ``LambdaLR`` for ``constant`` / ``linear`` / ``cosine`` with linear warmup (see ``lr_lambda``)."""
-    if schedule not in SCHEDULES:
-        raise ValueError(f"lr schedule must be one of {SCHEDULES}, got {schedule!r}")
+    LR_SCHEDULES.get(schedule, "train.lr_schedule")  # an unknown name fails here, not at the first step
     if warmup_steps < 0 or total_steps < 1:
         raise ValueError(f"need warmup_steps >= 0 and total_steps >= 1, got {warmup_steps}, {total_steps}")
     if warmup_steps >= total_steps:

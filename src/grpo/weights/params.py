@@ -11,6 +11,8 @@ from typing import Any, Iterator
 import torch
 from torch import nn
 
+from grpo.weights.hf_dir import save_model_weights
+
 
 def is_sharded(model: nn.Module) -> bool:
     """True when `model` holds FSDP2 (DTensor) parameters, whose full values only a collective can read."""
@@ -60,7 +62,5 @@ def save_full_weights(model: nn.Module, tokenizer: Any, out_dir: Any, durable: b
     """HF-format weights of `model` in `out_dir`, written atomically (`durable`: fsynced, see
     `save_model_weights`). For an FSDP2 model the full weights are gathered first: a collective, which every rank
     joins (the others get nothing to write)."""
-    from grpo.weights.hf_dir import save_model_weights
-
     state_dict = full_state_dict(model) if is_sharded(model) else None
     return save_model_weights(model, tokenizer, out_dir, state_dict, durable=durable)

@@ -1,0 +1,13 @@
+"""Training algorithms as small functions on tensors, each kind behind a registry of names.
+
+- `advantages`: group scores → advantages (`train.advantage_norm`).
+- `policy`: the policy-gradient objective per token (PPO's clip), and the choice of pi_old.
+- `kl`: per-token KL estimators (`loss.kl_estimator`).
+- `aggregation`: per-token losses → one number (`loss.aggregation`).
+- `schedules`: learning-rate multipliers after warm-up (`train.lr_schedule`).
+
+Each registry's names are the only definition of its choice set: the typed config builds its enum from them, the
+components look the function up by the same name. A function registered under a new name before the config schema
+is imported (`grpo.config.schema`) becomes a choice of its config key. This package imports nothing of grpo but its
+registry, so every layer may use it.
+"""

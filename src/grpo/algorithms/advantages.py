@@ -1,0 +1,44 @@
+"""Advantage estimators: one group's scores → one advantage per sample (``train.advantage_norm`` names one).
+
+Each is ``fn(scores, batch_scores) -> advantages``: ``scores`` is the group's ``[G]`` float64 rewards,
+``batch_scores`` every reward of the optimizer step's batch ``[N]`` (for estimators that normalise across groups);
+the result is ``[G]``. The batcher (`grpo.pipeline.batch`) calls the estimator for each group whose data source sent
+no advantages. Register your own with ``@ADVANTAGE_ESTIMATORS.register("name")``, or pass the function itself to
+``prepare_batch(advantage_norm=...)``.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from grpo.algorithms.registry import Registry
+
+AdvantageEstimator = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+ADVANTAGE_ESTIMATORS: Registry[AdvantageEstimator] = Registry("advantage estimator")
+
+# Added to a standard deviation before dividing by it: a group whose rewards all agree gets advantage 0, not 0/0.
+STD_EPS = 1e-6
+
+
+def _population_std(scores: torch.Tensor) -> torch.Tensor:
+    return scores.std(unbiased=False)
+
+
+@ADVANTAGE_ESTIMATORS.register("group")
+def group_normalized(scores: torch.Tensor, batch_scores: torch.Tensor) -> torch.Tensor:
+    """GRPO: (r - group mean) / (population std of the group + 1e-6)."""
+    return (scores - scores.mean()) / (_population_std(scores) + STD_EPS)
+
+
+@ADVANTAGE_ESTIMATORS.register("batch")
+def batch_normalized(scores: torch.Tensor, batch_scores: torch.Tensor) -> torch.Tensor:
+    """(r - group mean) / (population std of every reward of the batch + 1e-6)."""
+    return (scores - scores.mean()) / (_population_std(batch_scores) + STD_EPS)
+
+
+@ADVANTAGE_ESTIMATORS.register("none")
+def group_centered(scores: torch.Tensor, batch_scores: torch.Tensor) -> torch.Tensor:
+    """r - group mean, unscaled (Dr. GRPO's advantage)."""
+    return scores - scores.mean()

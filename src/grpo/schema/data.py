@@ -1,0 +1,68 @@
+"""Schemas of the data and eval groups: where rollouts come from, and the held-out evaluation."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from omegaconf import MISSING
+
+
+@dataclass
+class AtroposDataConfig:
+    """data=atropos: batches from an Atropos run-api."""
+
+    _target_: str = "grpo.pipeline.atropos.AtroposPipeline"
+    url: str = "http://127.0.0.1:8000"
+    wandb_group: str = "grpo"
+    wandb_project: str = "grpo"
+    poll_interval_s: float = 0.5
+    max_wait_s: float = 600.0
+    max_retries: int = 5
+    # Seconds one HTTP request to run-api may take before it counts as failed (and is retried).
+    request_timeout_s: float = 60.0
+
+
+@dataclass
+class LocalDataConfig:
+    """data=local: built-in rollouts through the inference server."""
+
+    _target_: str = "grpo.pipeline.local.LocalRolloutPipeline"
+    task: Any = MISSING
+    rewards: dict[str, Any] = field(default_factory=dict)
+    prompts_per_step: int = 8
+    group_size: int = 8
+    max_new_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    # Per-request sampling seeds (a re-run draws the same rollouts); false samples from the engine's own stream.
+    seeded_sampling: bool = True
+    # vLLM's log-prob of each sampled token (pi_old with loss.old_logprobs=rollout, TIS, grpo/logprob_diff); false
+    # trains the rollouts as on-policy (pi_old = the trainer's own log-probs), for one update per synced batch.
+    rollout_logprobs: bool = True
+
+
+# ---------------------------------------------------------------- evaluation (conf/eval/)
+@dataclass
+class EvalConfig:
+    """Held-out evaluation inside the run; see grpo.pipeline.evaluation.Evaluator."""
+
+    _target_: str = "grpo.pipeline.evaluation.Evaluator"
+    # null = on when there is a task (local data or eval.task), off for data=atropos.
+    enabled: Optional[bool] = None
+    # null = data.task; rewards null = data.rewards; max_new_tokens null = data.max_new_tokens.
+    task: Any = None
+    rewards: Any = None
+    correct_reward: Optional[str] = None
+    correct_threshold: float = 1.0
+    before_train: bool = True
+    every: int = 10
+    at_end: bool = True
+    k: int = 4
+    samples_per_prompt: int = 8
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_new_tokens: Optional[int] = None
+    seed: int = 1234
+    max_concurrency: int = 16
+    samples_logged: int = 4

@@ -1,0 +1,37 @@
+"""Schema of the loss group (conf/loss/grpo.yaml describes each key)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from grpo.algorithms.aggregation import AGGREGATIONS
+from grpo.algorithms.kl import KL_ESTIMATORS
+from grpo.algorithms.policy import OldLogprobs
+
+# The choice sets are the registries' names (grpo.algorithms): each written once, where the code that acts on it
+# lives.
+KLEstimator = KL_ESTIMATORS.choices(
+    "KLEstimator", __name__, "Estimator of KL(pi || ref) per token (grpo.algorithms.kl).")
+Aggregation = AGGREGATIONS.choices(
+    "Aggregation", __name__, "How per-token losses become one number (grpo.algorithms.aggregation).")
+
+
+@dataclass
+class LossConfig:
+    """GRPO clipped policy-gradient loss; see grpo.trainer.loss.GRPOLoss. Each key is described in conf/loss/grpo.yaml,
+    the base of the other loss options."""
+
+    _target_: str = "grpo.trainer.loss.GRPOLoss"
+    clip_eps: float = 0.2
+    clip_eps_high: Optional[float] = None
+    dual_clip: Optional[float] = None
+    tis_cap: Optional[float] = None
+    kl_coef: float = 0.0
+    kl_estimator: KLEstimator = KLEstimator.k3
+    aggregation: Aggregation = Aggregation.token_mean
+    max_tokens_norm: Optional[int] = None
+    old_logprobs: OldLogprobs = OldLogprobs.rollout
+
+
+__all__ = ["Aggregation", "KLEstimator", "LossConfig", "OldLogprobs"]

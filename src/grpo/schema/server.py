@@ -1,0 +1,44 @@
+"""Schema of the server group: the vLLM inference server the trainer launches or attaches to."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+
+@dataclass
+class ServerConfig:
+    """The vLLM inference server the trainer launches (or attaches to)."""
+
+    host: str = "127.0.0.1"
+    # null = a free port picked at start-up (the run logs the URL); a fixed port for environments that must know it.
+    port: Optional[int] = None
+    # Attach to a server someone else started at this URL instead of launching one.
+    external_url: Optional[str] = None
+    # Share of device memory for weights + KV cache (on CPU: of host memory for the KV cache).
+    gpu_memory_utilization: float = 0.2
+    # KV cache size in GiB (vLLM --kv-cache-memory-bytes); when set, gpu_memory_utilization no longer sizes it. The
+    # CPU engine sizes its KV cache as that share of the first NUMA node's memory minus what the server process
+    # already holds, which differs between machines of the same RAM; an explicit size does not.
+    kv_cache_gb: Optional[float] = None
+    max_model_len: int = 2048
+    dtype: str = "auto"
+    # null = vLLM decides; true forces eager mode (slower decoding).
+    enforce_eager: Optional[bool] = None
+    # null = vLLM decides; false = --no-enable-chunked-prefill (server=cpu: vLLM 0.32's CPU engine dies on a seeded
+    # prompt split across steps).
+    chunked_prefill: Optional[bool] = None
+    max_lora_rank: int = 64
+    startup_timeout_s: float = 300.0
+    # Restarts allowed after a crash or a failed health check before the run stops.
+    max_restarts: int = 3
+    extra_args: list[str] = field(default_factory=list)
+    # CUDA device index for vLLM when trainer and server share a host.
+    device: Optional[int] = None
+    # Cap (seconds) on how long vLLM's worker busy-polls after each message before sleeping; null = vLLM's 1 s.
+    busy_loop_s: Optional[float] = None
+    # Other names the served base model answers to besides its directory (e.g. model.name, for Atropos envs).
+    served_model_aliases: list[str] = field(default_factory=list)
+    # Run vLLM's model worker inside its engine-core process: one process fewer to start and no inter-process hop
+    # per engine step. Needs a single worker (no tensor/pipeline/data parallel in extra_args).
+    worker_in_engine_process: bool = False

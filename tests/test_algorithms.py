@@ -1,0 +1,155 @@
+"""grpo.algorithms: the registries and the functions registered in them, on hand-made tensors."""
+
+from __future__ import annotations
+
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from grpo.algorithms.advantages import ADVANTAGE_ESTIMATORS
+from grpo.algorithms.aggregation import AGGREGATIONS, Totals
+from grpo.algorithms.kl import KL_ESTIMATORS
+from grpo.algorithms.policy import POLICY_OBJECTIVES, ClipRange
+from grpo.algorithms.registry import Registry
+from grpo.algorithms.schedules import LR_SCHEDULES
+from grpo.pipeline.batch import prepare_batch
+
+F64 = torch.float64
+
+
+def test_an_unknown_name_is_refused_naming_the_key_and_the_choices():
+    with pytest.raises(ValueError) as e:
+        ADVANTAGE_ESTIMATORS.get("rloo_typo", "train.advantage_norm")
+    assert "train.advantage_norm" in str(e.value) and "'group', 'batch', 'none'" in str(e.value)
+    assert "rloo_typo" in str(e.value)
+
+
+def test_a_taken_name_cannot_be_given_to_another_function():
+    registry: Registry = Registry("thing")
+    first = registry.register("a")(lambda x: x)
+    assert registry.register("a")(first) is first  # the same function again is harmless (a module re-imported)
+    with pytest.raises(ValueError, match="thing 'a' is already registered"):
+        registry.register("a")(lambda x: x + 1)
+
+
+def test_the_config_enum_is_the_registry_names():
+    from grpo.config import schema
+
+    assert [m.value for m in schema.AdvantageNorm] == list(ADVANTAGE_ESTIMATORS.names()) == ["group", "batch", "none"]
+    assert [m.value for m in schema.Aggregation] == list(AGGREGATIONS.names())
+    assert [m.value for m in schema.KLEstimator] == list(KL_ESTIMATORS.names()) == ["k1", "k2", "k3"]
+    assert [m.value for m in schema.LRSchedule] == list(LR_SCHEDULES.names())
+    assert schema.AdvantageNorm.__module__ == "grpo.schema.train"  # where pickle finds it
+
+
+def test_advantage_estimators_on_one_group():
+    scores = torch.tensor([1.0, 0.0, 0.0, 1.0], dtype=F64)
+    batch = torch.tensor([1.0, 0.0, 0.0, 1.0, 3.0, 3.0], dtype=F64)
+    group = ADVANTAGE_ESTIMATORS.get("group", "k")(scores, batch)
+    assert group.tolist() == pytest.approx([1.0, -1.0, -1.0, 1.0], abs=1e-5)  # population std 0.5
+    centered = ADVANTAGE_ESTIMATORS.get("none", "k")(scores, batch)
+    assert centered.tolist() == [0.5, -0.5, -0.5, 0.5]
+    by_batch = ADVANTAGE_ESTIMATORS.get("batch", "k")(scores, batch)
+    assert by_batch.tolist() == pytest.approx((centered / (batch.std(unbiased=False) + 1e-6)).tolist())
+    # A group whose rewards all agree carries no signal: advantage 0, not 0/0.
+    same = torch.full((4,), 0.7, dtype=F64)
+    assert ADVANTAGE_ESTIMATORS.get("group", "k")(same, batch).tolist() == [0.0] * 4
+
+
+def _groups():
+    return [{"tokens": [[1, 2, 3]] * 3, "masks": [[-100, 2, 3]] * 3, "scores": [0.0, 1.0, 2.0]}]
+
+
+def test_the_batcher_takes_a_users_own_estimator_as_a_function():
+    def best_gets_one(scores: torch.Tensor, batch_scores: torch.Tensor) -> torch.Tensor:
+        return (scores == scores.max()).to(scores.dtype)
+
+    batch = prepare_batch(_groups(), advantage_norm=best_gets_one, max_seq_len=8, micro_batch_size=4, pad_token_id=0)
+    assert batch.micro_batches[0].advantages.tolist() == [0.0, 0.0, 1.0]
+
+
+def test_the_batcher_takes_an_estimator_registered_by_name():
+    name = "test_rank_of_score"
+    if name not in ADVANTAGE_ESTIMATORS:
+        ADVANTAGE_ESTIMATORS.register(name)(lambda scores, batch_scores: scores.argsort().argsort().to(scores.dtype))
+    batch = prepare_batch(_groups(), advantage_norm=name, max_seq_len=8, micro_batch_size=4, pad_token_id=0)
+    assert batch.micro_batches[0].advantages.tolist() == [0.0, 1.0, 2.0]
+
+
+@pytest.mark.parametrize("name,expected", [("k1", lambda x: -x), ("k2", lambda x: x * x / 2),
+                                           ("k3", lambda x: math.exp(x) - 1 - x)])
+def test_kl_estimators(name, expected):
+    x = torch.tensor([-0.5, 0.0, 0.3], dtype=F64)
+    assert KL_ESTIMATORS.get(name, "k")(x).tolist() == pytest.approx([expected(v) for v in x.tolist()])
+
+
+def test_aggregations_with_and_without_step_totals():
+    per_token = torch.tensor([[1.0, 2.0, 0.0], [3.0, 0.0, 0.0]])
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0]])
+    agg = {n: AGGREGATIONS.get(n, "k") for n in AGGREGATIONS.names()}
+    assert float(agg["token_mean"](per_token, mask, Totals())) == pytest.approx(6 / 3)
+    assert float(agg["token_mean"](per_token, mask, Totals(tokens=6))) == pytest.approx(1.0)
+    assert float(agg["seq_mean_token_mean"](per_token, mask, Totals())) == pytest.approx((1.5 + 3) / 2)
+    assert float(agg["seq_mean_token_mean"](per_token, mask, Totals(sequences=4))) == pytest.approx((1.5 + 3) / 4)
+    # Dr. GRPO: every sequence's sum over the same length (the longest, 2; or a constant).
+    assert float(agg["seq_mean_token_sum_norm"](per_token, mask, Totals())) == pytest.approx((3 / 2 + 3 / 2) / 2)
+    assert float(agg["seq_mean_token_sum_norm"](per_token, mask, Totals(max_tokens=10))) == pytest.approx(0.3)
+
+
+def test_ppo_clip_drops_the_gradient_exactly_where_the_clip_binds():
+    # Ratios 1.5 (A > 0: clipped at 1.2), 0.5 (A < 0: clipped at 0.8), 1.1 (inside), 0.5 with A > 0 (min keeps r A).
+    log_ratio = torch.log(torch.tensor([[1.5, 0.5, 1.1, 0.5]], dtype=F64)).requires_grad_()
+    adv = torch.tensor([[1.0, -1.0, 1.0, 1.0]], dtype=F64)
+    out = POLICY_OBJECTIVES.get("ppo_clip", "k")(log_ratio, adv, torch.ones_like(adv), ClipRange(0.2, 0.2))
+    assert out.objective[0].tolist() == pytest.approx([1.2, -0.8, 1.1, 0.5])
+    out.objective.sum().backward()
+    assert [g != 0 for g in log_ratio.grad[0].tolist()] == [False, False, True, True]
+    assert not out.dual_clipped.any()
+
+
+def test_ppo_dual_clip_floors_a_negative_advantage():
+    log_ratio = torch.log(torch.tensor([[5.0, 5.0]], dtype=F64))
+    adv = torch.tensor([[-1.0, 1.0]], dtype=F64)
+    out = POLICY_OBJECTIVES.get("ppo_clip", "k")(log_ratio, adv, torch.ones_like(adv), ClipRange(0.2, 0.2, dual=3.0))
+    assert out.objective[0].tolist() == pytest.approx([-3.0, 1.2])
+    assert out.dual_clipped.tolist() == [[True, False]]
+
+
+def test_lr_schedules_run_from_one_to_their_end():
+    ends = {n: (LR_SCHEDULES.get(n, "k")(0.0), LR_SCHEDULES.get(n, "k")(1.0)) for n in LR_SCHEDULES.names()}
+    assert ends["constant"] == (1.0, 1.0) and ends["linear"] == (1.0, 0.0)
+    assert ends["cosine"][0] == 1.0 and ends["cosine"][1] == pytest.approx(0.0)
+    assert LR_SCHEDULES.get("cosine", "k")(0.5) == pytest.approx(0.5)
+
+
+def test_an_estimator_registered_before_the_schema_is_a_config_choice(tmp_path):
+    """A user's own estimator by name: registered before `grpo.config.schema` is imported (a script that then runs
+    the Hydra app), `train.advantage_norm=<name>` composes and the batcher runs it."""
+    conf = Path(__file__).resolve().parents[1] / "conf"
+    script = f"""
+import torch
+from grpo.algorithms.advantages import ADVANTAGE_ESTIMATORS
+
+@ADVANTAGE_ESTIMATORS.register("best_gets_one")
+def best_gets_one(scores, batch_scores):
+    return (scores == scores.max()).to(scores.dtype)
+
+from hydra import compose, initialize_config_dir
+from grpo.config import register_configs
+from grpo.pipeline.batch import prepare_batch
+
+register_configs()
+with initialize_config_dir(config_dir={str(conf)!r}, version_base="1.3"):
+    cfg = compose("train", overrides=["~experiment", "train.advantage_norm=best_gets_one"])
+groups = [{{"tokens": [[1, 2, 3]] * 3, "masks": [[-100, 2, 3]] * 3, "scores": [0.0, 1.0, 2.0]}}]
+batch = prepare_batch(groups, advantage_norm=cfg.train.advantage_norm, max_seq_len=8, micro_batch_size=4,
+                      pad_token_id=0)
+print(batch.micro_batches[0].advantages.tolist())
+"""
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=tmp_path, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == "[0.0, 0.0, 1.0]"
