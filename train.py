@@ -225,7 +225,7 @@ def model_directory(cfg: DictConfig, dist_info) -> str:
     while the other ranks wait."""
     import torch.distributed as tdist
 
-    from grpo.models.loading import resolve_model_dir
+    from grpo.recipes.initial_weights import resolve_model_dir
 
     if dist_info is not None and not dist_info.is_rank0:
         tdist.barrier()

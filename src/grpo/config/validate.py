@@ -235,7 +235,7 @@ def check_offline_preset(preset: str) -> None:
     """`model.offline` names a preset the model builder knows; else its ValueError was a traceback after the run's
     start-up lines. The model options' own names (`tiny_qwen2`, `warm_arith`) are the natural misspelling."""
     from grpo.models.tiny import offline_presets
-    from grpo.models.warmstart import WARMSTART_PRESETS
+    from grpo.recipes.warmstart import WARMSTART_PRESETS
 
     known = [*offline_presets(), *sorted(WARMSTART_PRESETS)]
     if preset in known:

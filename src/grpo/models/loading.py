@@ -1,26 +1,10 @@
-"""Where the weights come from, and loading them for training."""
+"""Loading the weights for training (where they come from: grpo.recipes.initial_weights)."""
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Optional
 
 import torch
-from omegaconf import DictConfig
-
-
-def resolve_model_dir(model_cfg: DictConfig) -> str:
-    """Local directory (offline presets are built on first use) or hub id of the initial weights."""
-    if model_cfg.offline:
-        from grpo.models.tiny import build_model_dir
-        from grpo.models.warmstart import WARMSTART_PRESETS, build_warmstart_dir
-
-        if model_cfg.offline in WARMSTART_PRESETS:  # a tiny model + supervised warm-up on a task (warm-arith)
-            return str(build_warmstart_dir(model_cfg.offline, seed=model_cfg.seed))
-
-        dtype = "float32" if model_cfg.offline.startswith("tiny") else "bfloat16"
-        return str(build_model_dir(model_cfg.offline, seed=model_cfg.seed, dtype=dtype))
-    return str(Path(model_cfg.name).expanduser()) if Path(model_cfg.name).expanduser().exists() else model_cfg.name
 
 
 def pick_device(name: str) -> torch.device:
