@@ -224,7 +224,7 @@ def test_shared_vllm_on_the_cpu_trains_the_servers_own_memory_and_a_restart_keep
         assert metrics["sync/seconds"] < 5
         trained = trainer_logprobs(model)
         os.killpg(sync.server.process.pid, signal.SIGKILL)  # the server this test started
-        assert sync.check_health() is True  # restarted
+        assert sync.server.check_health() is True  # restarted
         served = torch.tensor(sync.server.client.prompt_logprobs(SEQ))
         assert (served - trained).abs().max() < 1e-4, "the restarted server serves other weights than the trainer's"
         check_moves(sync, model, lr=2e-2, step=2)  # and the trainer still trains the memory it serves
