@@ -123,18 +123,34 @@ class InferenceServer:
 
     @property
     def process(self) -> VLLMServer | None:
-        """The replica's process; None when it was started elsewhere (or none is launched)."""
-        return self.replicas[0].process if len(self.replicas) == 1 else None
+        """The replica's process; None when it was started elsewhere or none is launched."""
+        return self.replica.process if self.replicas else None
+
+    @property
+    def external(self) -> bool:
+        """True when the server was started elsewhere (`server.external_url`): never restarted or stopped here."""
+        return any(replica.process is None for replica in self.replicas)
 
     def endpoint(self, model: str | None, version: int) -> Endpoint:
         """Where to sample `model` (None = the server's default) served at weight `version`."""
         return Endpoint(base_url=self.url, model=model, version=version)
 
+    def restart(self, *, weight_version: int, model: Path | None = None,
+                lora_modules: Mapping[str, Path] | None = None) -> None:
+        """Restart every replica on `model` and/or with `lora_modules` preloaded, reporting `weight_version` (a sync
+        whose weights load only at start-up). Replicas started elsewhere cannot be: RuntimeError."""
+        for replica in self.replicas:
+            if replica.process is None:
+                raise RuntimeError(f"the inference server at {replica.url} was started elsewhere "
+                                   "(server.external_url): this run cannot restart it")
+            replica.process.restart(model=model, lora_modules=lora_modules, weight_version=weight_version)
+
     # ------------------------------------------------------------------ health
     def prepare_step(self, step: int) -> None:
         """Before optimizer step `step` (1-based): make sure every replica is up (restart a dead one, bounded)."""
         # GRPO_FAULT (tests) kills or stops our server here, so the health check below must notice.
-        faults.server_faults(step, self.process.pid if self.process is not None else None)
+        for replica in self.replicas:
+            faults.server_faults(step, replica.process.pid if replica.process is not None else None)
         self.check_health()
 
     def check_health(self) -> bool:

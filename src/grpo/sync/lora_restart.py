@@ -58,6 +58,6 @@ class LoraRestartSync(SyncStrategy):
     def _serve_adapter(self, out: Path, version: int) -> None:
         # The restart drains first: the rollouts in flight finish on the old server, new ones wait for the new one.
         with self.stalling(drain=True):
-            self.server.process.restart(lora_modules={self.adapter_name: out}, weight_version=version)
+            self.server.restart(lora_modules={self.adapter_name: out}, weight_version=version)
         self._adapter_dir = out
         prune(self.ctx.run_dir, "adapters", keep={out})

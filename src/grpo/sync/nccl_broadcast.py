@@ -148,7 +148,7 @@ class NCCLBroadcastSync(SyncStrategy):
         engine = [] if any(a.split("=", 1)[0] == WEIGHT_TRANSFER_FLAG for a in extra) else [
             WEIGHT_TRANSFER_FLAG, WEIGHT_TRANSFER_CONFIG]
         self._start_server(ctx, Path(ctx.resume_weights or ctx.model_dir), extra_args=engine)
-        if self.server.process is None and ctx.resume_weights:
+        if self.server.external and ctx.resume_weights:
             self.server.client.reload_weights(str(ctx.resume_weights), version=self.version)
         self._init_group()
 

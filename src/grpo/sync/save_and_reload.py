@@ -83,7 +83,7 @@ class SaveAndReloadSync(SyncStrategy):
     def launch(self, ctx: SyncContext) -> None:
         self.served_dir = Path(ctx.resume_weights or ctx.model_dir)
         self._start_server(ctx, self.served_dir)
-        if self.server.process is None and ctx.resume_weights:
+        if self.server.external and ctx.resume_weights:
             # An attached server still serves whatever it had: load the checkpoint's weights into it.
             self.server.client.reload_weights(str(self.served_dir), version=self.version)
 
@@ -164,7 +164,7 @@ class SaveAndReloadSync(SyncStrategy):
                 with self.stalling():
                     self.server.client.reload_weights(str(out), version=version)
             except InferenceServerError as error:
-                if self.server.process is None:
+                if self.server.external:
                     raise  # nothing we can restart
                 if self.server.check_health():
                     # It died or hung: restarted on the served weights like any crash (counted in server/restarts,
@@ -175,11 +175,11 @@ class SaveAndReloadSync(SyncStrategy):
                     log.warning("in-place reload of %s failed (%s); restarting vLLM on it", out, error)
                     method = "restart"
         if method == "restart":
-            if self.server.process is None:
+            if self.server.external:
                 raise RuntimeError("mode=none with reload=restart needs a server this trainer launched")
             # The restart drains first: rollouts in flight finish on the old server, new ones wait for the new one.
             with self.stalling(drain=True):
-                self.server.process.restart(model=out, weight_version=version)
+                self.server.restart(model=out, weight_version=version)
         self.served_dir = out
         prune(self.ctx.run_dir, "served_weights", keep={out})
         return {"sync/inplace": float(method == "inplace")}
