@@ -224,7 +224,7 @@ def model_directory(cfg: DictConfig, dist_info) -> str:
     while the other ranks wait."""
     import torch.distributed as tdist
 
-    from grpo.models.loading import resolve_model_dir
+    from grpo.recipes.initial_weights import resolve_model_dir
 
     if dist_info is not None and not dist_info.is_rank0:
         tdist.barrier()
@@ -342,7 +342,7 @@ def build_trainer(cfg, run_dir, model_dir, tokenizer, sync, loss_fn, data, evalu
             tokenizer=tokenizer, endpoint=sync.endpoint, batch_size=cfg.train.micro_batch_size * cfg.train.grad_accum,
             max_seq_len=cfg.model.max_seq_len, run_dir=run_dir, total_steps=total_batches, start_step=first_batch,
             checkpoint_every=cfg.train.checkpoint_every, seed=cfg.train.seed, max_staleness=cfg.train.max_staleness,
-            generation_gate=sync.gate,
+            generation_gate=sync.server.gate,
             batch_shape=BatchShape(
                 micro_batch_size=cfg.train.micro_batch_size, max_seq_len=cfg.model.max_seq_len,
                 pad_token_id=tokenizer.pad_token_id, vocab_size=model.get_input_embeddings().num_embeddings,

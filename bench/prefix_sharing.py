@@ -4,7 +4,7 @@ clip + AdamW step) on a batch shaped like experiment=arith_grpo, and on a longer
     python bench/prefix_sharing.py [--rounds 8] [--threads 1 2] [--out bench/results/prefix_sharing.json]
 
 The real GRPOTrainer (``update``: the default fused loss, micro-batches of 64 rows, two per step) on the warm-start
-model of experiment=arith_grpo (``warm-arith``, built and cached by ``python -m grpo.models.warmstart``). Shapes
+model of experiment=arith_grpo (``warm-arith``, built and cached by ``python -m grpo.recipes.warmstart``). Shapes
 (groups of 8 completions):
 
 - arith: 16 prompts of 5-7 tokens, completions of 2-5 tokens (mean 3.5): ~1190 tokens a step, as the skill task.
@@ -76,8 +76,8 @@ def measure(shape: str, threads: int, rounds: int) -> dict:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from grpo.models.warmstart import build_warmstart_dir
     from grpo.pipeline.batch import prepare_batch
+    from grpo.recipes.warmstart import build_warmstart_dir
 
     torch.set_num_threads(threads)
     model = AutoModelForCausalLM.from_pretrained(build_warmstart_dir("warm-arith", progress=False), dtype=torch.float32)

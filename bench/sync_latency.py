@@ -27,16 +27,16 @@ SEQ = [5, 17, 99, 3, 42, 7, 8, 200, 11, 12, 64, 65, 66]
 
 
 def make_strategy(mode: str):
-    from grpo.sync.checkpoint_restart import CheckpointRestartSync
     from grpo.sync.lora_hotswap import LoraHotSwapSync
     from grpo.sync.lora_restart import LoraRestartSync
+    from grpo.sync.save_and_reload import SaveAndReloadSync
     from grpo.sync.shared_memory import SharedMemorySync
 
     return {
         "shared_vllm": SharedMemorySync,
         "shared_vllm_inflight": lambda: SharedMemorySync(in_flight_updates=True),
-        "none": lambda: CheckpointRestartSync(reload="inplace"),
-        "none_restart": lambda: CheckpointRestartSync(reload="restart"),
+        "none": lambda: SaveAndReloadSync(reload="inplace"),
+        "none_restart": lambda: SaveAndReloadSync(reload="restart"),
         "lora_restart": LoraRestartSync,
         "lora_only": LoraHotSwapSync,
     }[mode]()
@@ -68,7 +68,7 @@ def bench_mode(mode: str, model_dir: Path, syncs: int) -> dict:
                 optimizer_step(model, lr=2e-2 if sync.uses_lora else 1e-3)
                 sync.after_optimizer_step()
                 m = sync.sync(model, step)
-                server = torch.tensor(sync.client.prompt_logprobs(SEQ, model=sync.served_model))
+                server = torch.tensor(sync.server.client.prompt_logprobs(SEQ, model=sync.served_model))
                 m["check/abs_diff"] = (server - trainer_logprobs(model)).abs().mean().item()
                 rows.append(m)
                 print(f"{mode} sync {step}: {m['sync/seconds']:.3f}s  |server-trainer| {m['check/abs_diff']:.1e}",

@@ -7,7 +7,7 @@ Ours is ``python train.py experiment=arith_grpo train.seed=S``; ``bench/arith_cu
 task"). Every setting is read from the same composed Hydra config as ours (``experiment=arith_grpo``, plus any
 ``--override key=value``), so a change to the experiment moves both sides:
 
-- model: the cached warm-start directory of ``model=warm_arith`` (``grpo.models.warmstart.warmstart_path``; never
+- model: the cached warm-start directory of ``model=warm_arith`` (``grpo.recipes.warmstart.warmstart_path``; never
   rebuilt here), float32, full fine-tuning, on CPU;
 - prompts: exactly ours, step by step: optimizer step b (0-based) trains on
   ``ArithmeticTask.sample(random.Random(f"grpo-local:{seed}:{b}"), prompts_per_step)`` (what
@@ -31,7 +31,7 @@ task"). Every setting is read from the same composed Hydra config as ours (``exp
 `DIFFERENCES` lists what TRL does not let us match; the JSON carries it.
 
 Held-out evaluation (a ``TrainerCallback``): at step 0 (before the first generation) and every ``--eval-every``
-optimizer steps and after the last, greedy decoding with transformers (``grpo.models.warmstart.generate_answers``)
+optimizer steps and after the last, greedy decoding with transformers (``grpo.recipes.warmstart.generate_answers``)
 on the task's 500 ``eval_prompts()``, correct = our correctness reward (``data.rewards``' first) >= 1, the same
 token cap as our evaluator (``min(max_new_tokens, max_seq_len - longest prompt)``). Eval time is excluded from the
 time axis on both sides: each row has ``time/train_seconds`` (since ``on_train_begin``, eval excluded: the x axis),
@@ -90,12 +90,12 @@ def compose_ours(overrides: list[str]):
 
 def model_directory(cfg) -> Path:
     """The cached warm-start directory of ``model.offline`` (never built here: build it with
-    ``python -m grpo.models.warmstart warm-arith``)."""
-    from grpo.models.warmstart import warmstart_path
+    ``python -m grpo.recipes.warmstart warm-arith``)."""
+    from grpo.recipes.warmstart import warmstart_path
 
     path = warmstart_path(cfg.model.offline, int(cfg.model.seed))
     if not (path / "config.json").exists():
-        raise SystemExit(f"{path} is not built: run `python -m grpo.models.warmstart {cfg.model.offline}` first")
+        raise SystemExit(f"{path} is not built: run `python -m grpo.recipes.warmstart {cfg.model.offline}` first")
     return path
 
 
@@ -120,9 +120,9 @@ def main(argv=None) -> dict:
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from grpo.models.warmstart import generate_answers, score
     from grpo.pipeline.local import build_rewards
     from grpo.pipeline.tasks import Prompt
+    from grpo.recipes.warmstart import generate_answers, score
     from grpo.trainer.optim import build_scheduler
 
     cfg = compose_ours([f"train.seed={args.seed}", *args.override])

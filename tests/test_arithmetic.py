@@ -151,7 +151,7 @@ def test_data_config_builds_the_task_and_rewards():
     assert pipe.rewards["format"][1] < pipe.rewards["correct"][1]
     assert cfg.model.offline == "warm-arith"
     # The config's task is the one the warm-start preset trained on: same held-out set.
-    from grpo.models.warmstart import WARMSTART_PRESETS
+    from grpo.recipes.warmstart import WARMSTART_PRESETS
 
     preset_task = instantiate(WARMSTART_PRESETS["warm-arith"]["task"])
     assert preset_task.eval_prompts() == pipe.task.eval_prompts()
@@ -161,7 +161,7 @@ def test_data_config_builds_the_task_and_rewards():
 @pytest.fixture(scope="module")
 def warm_arith_dir():
     """The warm-start model (built once and cached by content hash: ~1-4 min on 2 CPU cores on a fresh cache)."""
-    from grpo.models.warmstart import build_warmstart_dir
+    from grpo.recipes.warmstart import build_warmstart_dir
 
     return build_warmstart_dir("warm-arith", seed=0, progress=False)
 
@@ -169,7 +169,7 @@ def warm_arith_dir():
 def test_warmstart_cache_key_follows_the_task_data(monkeypatch):
     import copy
 
-    from grpo.models import warmstart
+    from grpo.recipes import warmstart
 
     base = warmstart.warmstart_path("warm-arith")
     assert base == warmstart.warmstart_path("warm-arith")  # stable
@@ -183,9 +183,9 @@ def test_warmstart_cache_key_follows_the_task_data(monkeypatch):
 
 
 def test_warmstart_command_names_the_preset_for_a_misspelt_one(capsys):
-    """Before, `python -m grpo.models.warmstart warm_arith` (the model option's spelling) ended in a ValueError
+    """Before, `python -m grpo.recipes.warmstart warm_arith` (the model option's spelling) ended in a ValueError
     traceback."""
-    from grpo.models import warmstart
+    from grpo.recipes import warmstart
 
     with pytest.raises(SystemExit) as stop:
         warmstart.main(["warm_arith"])
@@ -198,7 +198,7 @@ def test_warmstart_loads_in_transformers_at_its_stated_accuracy(warm_arith_dir):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from grpo.models.warmstart import generate_answers, read_metadata
+    from grpo.recipes.warmstart import generate_answers, read_metadata
 
     for name in ("config.json", "model.safetensors", "tokenizer.json", "generation_config.json"):
         assert (warm_arith_dir / name).exists(), name
@@ -223,7 +223,7 @@ def test_warmstart_serves_in_vllm_at_its_stated_accuracy(warm_arith_dir, tmp_pat
     from conftest import server_cfg
     from grpo.inference.client import InferenceClient
     from grpo.inference.process import VLLMServer
-    from grpo.models.warmstart import read_metadata
+    from grpo.recipes.warmstart import read_metadata
 
     stated = read_metadata(warm_arith_dir)["heldout_greedy_accuracy"]
     tok = AutoTokenizer.from_pretrained(warm_arith_dir)

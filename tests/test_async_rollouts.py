@@ -275,7 +275,7 @@ def test_generation_gate_drains_in_flight_requests_and_holds_new_ones():
     in_flight, release = threading.Event(), threading.Event()
 
     def generate(name: str, hold: bool) -> None:
-        with sync.gate.generating():
+        with sync.server.gate.generating():
             events.append(f"{name} sent")
             if hold:
                 in_flight.set()
@@ -298,7 +298,7 @@ def test_generation_gate_drains_in_flight_requests_and_holds_new_ones():
     assert events == ["first sent", "first done", "restart", "restarted", "second sent", "second done"]
     stall = sync.take_generation_stall()
     assert stall["sync/drain_seconds"] >= 0.25 and stall["sync/gen_stall_seconds"] >= 0.2
-    assert sync.gate.waited_s >= 0.15
+    assert sync.server.gate.waited_s >= 0.15
     assert sync.take_generation_stall() == {"sync/gen_stall_seconds": 0.0, "sync/drain_seconds": 0.0}
     with sync.stalling():  # an in-place change: timed, nothing drained
         time.sleep(0.05)

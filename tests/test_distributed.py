@@ -220,7 +220,7 @@ def test_broadcast_layout_errors():
     with pytest.raises(ConfigError, match=">= 2"):  # torchrun with 2 trainer ranks: vLLM needs GPU 2+
         cls.check_config(_compose(["experiment=qwen3b_broadcast_2gpu"]), cuda=True, world_size=2)
     # torchrun (FSDP2): mode=none and mode=broadcast compose; LoRA modes and shared_vllm stop with what works.
-    get_class("grpo.sync.checkpoint_restart.CheckpointRestartSync").check_config(
+    get_class("grpo.sync.save_and_reload.SaveAndReloadSync").check_config(
         _compose(["mode=none"]), cuda=False, world_size=2)
     for mode in ("lora_only", "lora_restart", "shared_vllm"):
         cfg = _compose([f"mode={mode}"])

@@ -23,7 +23,7 @@ from test_train_e2e import assert_clean
 
 class DyingSync(_NoServer):
     """The server dies in the sync after `step` (its client's error, as train.py's strategies raise it); `recover`
-    restarts it while `restarts` are left, as ServerSync.recover does."""
+    restarts it while `restarts` are left, as SyncStrategy.recover (the server's) does."""
 
     def __init__(self, step: int, restarts: int, error: BaseException | None = None) -> None:
         super().__init__()

@@ -41,7 +41,7 @@ def lora_model(model_dir):
 
 def check_moves(sync, model, lr: float, step: int = 1) -> dict:
     """Server == trainer before; a step moves the trainer; after sync the server follows."""
-    client = sync.client
+    client = sync.server.client
     before_server = torch.tensor(client.prompt_logprobs(SEQ, model=sync.served_model))
     before = trainer_logprobs(model)
     assert (before_server - before).abs().max() < 1e-4
@@ -72,7 +72,7 @@ def make_ctx(tmp_path, model_dir, **cfg):
 
 
 def shutdown_and_check(sync) -> None:
-    pgid = sync.server.pid
+    pgid = sync.server.process.pid
     sync.shutdown()
     sync.shutdown()  # idempotent
     assert not process_group_alive(pgid), "a process of the server's group survived shutdown"
@@ -82,15 +82,15 @@ def shutdown_and_check(sync) -> None:
 def test_mode_none_reloads_in_place(tmp_path, tiny_qwen2_dir):
     from transformers import AutoModelForCausalLM
 
-    from grpo.sync.checkpoint_restart import CheckpointRestartSync
+    from grpo.sync.save_and_reload import SaveAndReloadSync
 
-    sync = CheckpointRestartSync()
+    sync = SaveAndReloadSync()
     sync.launch(make_ctx(tmp_path, tiny_qwen2_dir, enforce_eager=True))  # no torch.compile: ~12 s less start-up
     try:
-        pid = sync.server.pid
+        pid = sync.server.process.pid
         model = AutoModelForCausalLM.from_pretrained(tiny_qwen2_dir, dtype=torch.float32)
         metrics = check_moves(sync, model, lr=1e-3)
-        assert metrics["sync/inplace"] == 1.0 and sync.server.pid == pid  # no restart
+        assert metrics["sync/inplace"] == 1.0 and sync.server.process.pid == pid  # no restart
         check_moves(sync, model, lr=1e-3, step=2)
         assert sorted(p.name for p in (tmp_path / "served_weights").iterdir()) == ["v2"]
     finally:
@@ -107,9 +107,9 @@ def test_mode_none_background_reload_lands_before_generation_and_a_failed_one_is
     from transformers import AutoModelForCausalLM
 
     from grpo.inference.client import InferenceServerError
-    from grpo.sync.checkpoint_restart import CheckpointRestartSync
+    from grpo.sync.save_and_reload import SaveAndReloadSync
 
-    sync = CheckpointRestartSync(reload="background")
+    sync = SaveAndReloadSync(reload="background")
     sync.launch(make_ctx(tmp_path, tiny_qwen2_dir, enforce_eager=True))
     try:
         model = AutoModelForCausalLM.from_pretrained(tiny_qwen2_dir, dtype=torch.float32)
@@ -120,7 +120,7 @@ def test_mode_none_background_reload_lands_before_generation_and_a_failed_one_is
 
         def producer() -> None:  # what the rollout producer does: endpoint(), then sample at once
             endpoint = sync.endpoint()
-            (gen,) = sync.client.generate([SEQ[:4]], n=1, max_tokens=3, model=endpoint.model)
+            (gen,) = sync.server.client.generate([SEQ[:4]], n=1, max_tokens=3, model=endpoint.model)
             seen["version"] = gen[0].weight_version
 
         thread = threading.Thread(target=producer)
@@ -128,12 +128,12 @@ def test_mode_none_background_reload_lands_before_generation_and_a_failed_one_is
         thread.join(60)
         assert seen["version"] == 1  # admitted on the reloaded weights, never on version 0's
         sync.settle()
-        server = torch.tensor(sync.client.prompt_logprobs(SEQ, model=sync.served_model))
+        server = torch.tensor(sync.server.client.prompt_logprobs(SEQ, model=sync.served_model))
         assert (server - trainer_logprobs(model)).abs().max() < 1e-4
 
         # The next reload fails once (the server said no): the trainer's next settle redoes it in place.
         optimizer_step(model, 1e-3)
-        real_reload, calls = sync.client.reload_weights, []
+        real_reload, calls = sync.server.client.reload_weights, []
 
         def failing_once(path, version=None):
             calls.append(path)
@@ -141,13 +141,13 @@ def test_mode_none_background_reload_lands_before_generation_and_a_failed_one_is
                 raise InferenceServerError("reload refused (test)")
             return real_reload(path, version=version)
 
-        sync.client.reload_weights = failing_once
+        sync.server.client.reload_weights = failing_once
         metrics = sync.sync(model, 2)
         sync.endpoint()  # on the trainer's thread (an evaluation): settles, redoing the failed reload
         assert len(calls) == 2 and sync.version == 2
-        server = torch.tensor(sync.client.prompt_logprobs(SEQ, model=sync.served_model))
+        server = torch.tensor(sync.server.client.prompt_logprobs(SEQ, model=sync.served_model))
         assert (server - trainer_logprobs(model)).abs().max() < 1e-4
-        assert sync.client.weight_version() == 2
+        assert sync.server.client.weight_version() == 2
         sync.sync(model, 3)
         assert sorted(p.name for p in (tmp_path / "served_weights").iterdir()) in (["v2", "v3"], ["v3"])
     finally:
@@ -161,12 +161,12 @@ def test_mode_lora_restart(tmp_path, tiny_qwen2_dir):
     sync = LoraRestartSync()
     sync.launch(make_ctx(tmp_path, tiny_qwen2_dir))
     try:
-        old_pid = sync.server.pid
+        old_pid = sync.server.process.pid
         model = lora_model(tiny_qwen2_dir)
         check_moves(sync, model, lr=2e-2)
-        assert sync.served_model == "policy" and sync.server.pid != old_pid
+        assert sync.served_model == "policy" and sync.server.process.pid != old_pid
         assert not process_group_alive(old_pid)
-        assert "--enforce-eager" not in sync.server.command()
+        assert "--enforce-eager" not in sync.server.process.command()
     finally:
         shutdown_and_check(sync)
 
@@ -178,16 +178,16 @@ def test_mode_lora_only_hot_swaps(tmp_path, tiny_qwen2_dir):
     sync = LoraHotSwapSync()
     sync.launch(make_ctx(tmp_path, tiny_qwen2_dir))
     try:
-        pid = sync.server.pid
+        pid = sync.server.process.pid
         model = lora_model(tiny_qwen2_dir)
         assert sync.served_model is None  # fresh adapter == base model
         check_moves(sync, model, lr=2e-2, step=1)
         assert sync.served_model == "policy-v1"
         check_moves(sync, model, lr=2e-2, step=2)
         check_moves(sync, model, lr=2e-2, step=3)
-        served = sync.client.models()
+        served = sync.server.client.models()
         assert "policy-v3" in served and "policy-v2" in served and "policy-v1" not in served
-        assert sync.server.pid == pid and "--enforce-eager" not in sync.server.command()
+        assert sync.server.process.pid == pid and "--enforce-eager" not in sync.server.process.command()
     finally:
         shutdown_and_check(sync)
 
@@ -217,15 +217,15 @@ def test_shared_vllm_on_the_cpu_trains_the_servers_own_memory_and_a_restart_keep
         optimizer_step(model, lr=2e-2)
         sync.after_optimizer_step()
         # The server computes with the new weights before any sync: nothing was sent, it reads the same memory.
-        served = torch.tensor(sync.client.prompt_logprobs(SEQ))
+        served = torch.tensor(sync.server.client.prompt_logprobs(SEQ))
         assert (served - trainer_logprobs(model)).abs().max() < 1e-4
         assert (served - before).abs().mean() > 1e-2
         metrics = check_moves(sync, model, lr=2e-2, step=1)
         assert metrics["sync/seconds"] < 5
         trained = trainer_logprobs(model)
-        os.killpg(sync.server.pid, signal.SIGKILL)  # the server this test started
-        assert sync.check_health() is True  # restarted
-        served = torch.tensor(sync.client.prompt_logprobs(SEQ))
+        os.killpg(sync.server.process.pid, signal.SIGKILL)  # the server this test started
+        assert sync.server.check_health() is True  # restarted
+        served = torch.tensor(sync.server.client.prompt_logprobs(SEQ))
         assert (served - trained).abs().max() < 1e-4, "the restarted server serves other weights than the trainer's"
         check_moves(sync, model, lr=2e-2, step=2)  # and the trainer still trains the memory it serves
     finally:
@@ -256,6 +256,7 @@ def test_shared_weight_files_of_dead_trainers_are_removed_and_live_ones_kept(tmp
 def test_shared_vllm_pauses_and_resets_unless_updates_are_in_flight(in_flight):
     """What shared_vllm asks of the server around an optimizer step and at the sync: pause / resume and a prefix
     cache reset by default; with mode.in_flight_updates=true only the version bump (generation never stops)."""
+    from grpo.serving.server import Replica
     from grpo.sync.shared_memory import SharedMemorySync
 
     calls = []
@@ -271,7 +272,7 @@ def test_shared_vllm_pauses_and_resets_unless_updates_are_in_flight(in_flight):
             calls.append(("version", version, reset_prefix_cache))
 
     sync = SharedMemorySync(in_flight_updates=in_flight)
-    sync.client, sync.shared_file = Server(), object()  # a CPU mapping: no CUDA synchronisation
+    sync.server.replicas, sync.shared_file = [Replica(Server())], object()  # a CPU mapping: no CUDA synchronisation
     sync.before_optimizer_step()
     calls.append("optimizer step")
     sync.after_optimizer_step()
@@ -363,7 +364,7 @@ def test_an_external_server_that_does_not_answer_is_a_config_error(tmp_path):
 
     from grpo.options import ConfigError
     from grpo.sync.base import SyncContext
-    from grpo.sync.checkpoint_restart import CheckpointRestartSync
+    from grpo.sync.save_and_reload import SaveAndReloadSync
 
     with socket.socket() as s:  # a port nothing listens on
         s.bind(("127.0.0.1", 0))
@@ -371,4 +372,4 @@ def test_an_external_server_that_does_not_answer_is_a_config_error(tmp_path):
     ctx = SyncContext(run_dir=tmp_path, model_dir=tmp_path, server_cfg=OmegaConf.create({"external_url": url}))
     with pytest.raises(ConfigError, match=f"server.external_url={url} does not answer /health: start that server "
                                           "first"):
-        CheckpointRestartSync().launch(ctx)
+        SaveAndReloadSync().launch(ctx)

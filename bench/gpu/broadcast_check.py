@@ -78,7 +78,7 @@ def main() -> None:
         seq = torch.randint(0, min(vocab, 250) if tiny else 1000, (48,), generator=g).tolist()
 
         def gap() -> float:
-            served = torch.tensor(sync.client.prompt_logprobs(seq))
+            served = torch.tensor(sync.server.client.prompt_logprobs(seq))
             return float((trainer_logprobs(model, seq) - served).abs().mean())
 
         res["logprob_diff_start"] = gap()
@@ -96,7 +96,7 @@ def main() -> None:
             before = gap()
             m = sync.sync(model, r + 1)
             after = gap()
-            version = sync.client.weight_version()
+            version = sync.server.client.weight_version()
             rounds.append({"round": r + 1, "logprob_diff_before_sync": before, "logprob_diff_after_sync": after,
                            "served_version": version, **m})
             print(json.dumps(rounds[-1]), flush=True)
@@ -107,8 +107,8 @@ def main() -> None:
         res["gpu_memory_gb_trainer_peak"] = torch.cuda.max_memory_allocated(0) / 1024**3
     except BaseException as e:
         res["error"] = f"{type(e).__name__}: {e}"
-        if sync.server is not None:
-            res["vllm_log_tail"] = sync.server.log_tail(60)
+        if sync.server.process is not None:
+            res["vllm_log_tail"] = sync.server.process.log_tail(60)
         raise
     finally:
         sync.shutdown()

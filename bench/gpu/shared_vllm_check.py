@@ -97,7 +97,7 @@ def main() -> None:
         res["weights_gb"] = sum(p.numel() * p.element_size() for p in model.parameters()) / 1024**3
         res["nvidia_smi_after_attach"] = nvidia_smi()
 
-        client = InferenceClient(sync.base_url)
+        client = InferenceClient(sync.server.url)
         prompt = tok("The quick brown fox jumps over")["input_ids"]
         seq = prompt + tok(" the lazy dog 12345")["input_ids"]
 

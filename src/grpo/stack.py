@@ -211,7 +211,7 @@ def _plan(args: argparse.Namespace, overrides: list[str]) -> dict[str, Any]:
     if batch % args.group_size:
         raise SystemExit(f"--group-size {args.group_size} must divide the trainer's batch of {batch} sequences "
                          "(train.micro_batch_size x train.grad_accum): run-api packs whole groups")
-    from grpo.models.loading import resolve_model_dir
+    from grpo.recipes.initial_weights import resolve_model_dir
 
     log_dir = args.log_dir or Path("outputs") / "stack" / time.strftime("%Y-%m-%d_%H-%M-%S")
     log_dir.mkdir(parents=True, exist_ok=True)

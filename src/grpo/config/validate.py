@@ -18,10 +18,10 @@ from grpo.inference.process import parallel_sizes
 from grpo.models.loading import ATTN_IMPLEMENTATIONS
 from grpo.models.packaged import PACKAGED_MODELS, PackagedModelMissing, gguf_path
 from grpo.models.tiny import offline_presets
-from grpo.models.warmstart import WARMSTART_PRESETS
 from grpo.options import ConfigError, instantiation_cause, option
 from grpo.pipeline.local import LocalRolloutPipeline
 from grpo.pipeline.rollout_queue import check_batches_in_flight, queue_capacity
+from grpo.recipes.warmstart import WARMSTART_PRESETS
 from grpo.trainer.checkpoint import COMPLETE, CheckpointManager, checkpoint_problems, read_trainer_state
 from grpo.trainer.layers import resolve_layer_indices
 from grpo.trainer.metrics import tensorboard_writer_class

@@ -1,30 +1,12 @@
-"""Where the weights come from, and loading them for training."""
+"""Loading the weights for training (where they come from: grpo.recipes.initial_weights)."""
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any, Optional
 
 import torch
 
-from grpo.schema.model import ModelConfig
-
-
-def resolve_model_dir(model_cfg: ModelConfig) -> str:
-    """Local directory (offline presets are built on first use) or hub id of the initial weights."""
-    if model_cfg.offline:
-        from grpo.models.packaged import PACKAGED_MODELS, build_packaged_model_dir
-        from grpo.models.tiny import build_model_dir
-        from grpo.models.warmstart import WARMSTART_PRESETS, build_warmstart_dir
-
-        if model_cfg.offline in WARMSTART_PRESETS:  # a tiny model + supervised warm-up on a task (warm-arith)
-            return str(build_warmstart_dir(model_cfg.offline, seed=model_cfg.seed))
-        if model_cfg.offline in PACKAGED_MODELS:  # a real pretrained model shipped in a PyPI package
-            return str(build_packaged_model_dir(model_cfg.offline))
-
-        dtype = "float32" if model_cfg.offline.startswith("tiny") else "bfloat16"
-        return str(build_model_dir(model_cfg.offline, seed=model_cfg.seed, dtype=dtype))
-    return str(Path(model_cfg.name).expanduser()) if Path(model_cfg.name).expanduser().exists() else model_cfg.name
+from grpo.models.packaged import ensure_pad_token
 
 
 def pick_device(name: str) -> torch.device:
@@ -110,8 +92,6 @@ def load_tokenizer(model_dir: str) -> Any:
     """The model directory's tokenizer, with a pad token: many real tokenizers have none (Llama 3's; SmolLM2's as
     converted by some transformers versions), and batches need a filler id. Its eos token serves (logged)."""
     from transformers import AutoTokenizer
-
-    from grpo.models.packaged import ensure_pad_token
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     ensure_pad_token(tokenizer)

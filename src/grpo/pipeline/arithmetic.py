@@ -10,7 +10,7 @@ Prompt: the expression followed by '=', e.g. ``"47+85="``; the model continues w
 
 The held-out set (`eval_prompts()`) is a fixed list drawn from its own seed; the training sampler (`sample`)
 rejects every expression whose canonical key (the expression text without '=') is held out, so training, including
-the supervised warm-up of `grpo.models.warmstart`, never sees a held-out item.
+the supervised warm-up of `grpo.recipes.warmstart`, never sees a held-out item.
 """
 
 from __future__ import annotations
@@ -195,7 +195,7 @@ class CarelessTeacher:
     Why: a model imitating this teacher learns both procedures, and on items with a carry or a borrow it mostly
     follows the careless one (greedy accuracy starts low) while its samples contain the right answer often enough
     for GRPO to find and reinforce it. That is the situation RL fine-tuning is used for: a model that has seen the
-    skill done right, among worse habits, and a reward that tells them apart (grpo.models.warmstart).
+    skill done right, among worse habits, and a reward that tells them apart (grpo.recipes.warmstart).
     """
 
     def __init__(self, share: float) -> None:

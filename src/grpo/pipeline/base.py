@@ -10,7 +10,7 @@ from typing import Any, Callable, ClassVar, Optional
 from grpo.inference.client import Endpoint
 from grpo.pipeline.batch import WarnOnce, prepare_batch
 from grpo.pipeline.group import Group
-from grpo.sync.base import GenerationGate
+from grpo.serving.gate import GenerationGate
 from grpo.trainer.batch import BatchSource, PreparedBatch
 
 
@@ -51,7 +51,7 @@ class PipelineContext:
     # more than this many weight versions older than the trainer's are dropped; 0 = no limit. Local pipelines
     # ignore it (their producer, AsyncRollouts, enforces the bound).
     max_staleness: int = 0
-    # The sync strategy's gate (grpo.sync.base.GenerationGate): generation runs inside `generating()`, so a sync that
+    # The server's gate (grpo.serving.gate.GenerationGate): generation runs inside `generating()`, so a sync that
     # restarts the server first lets it finish and holds new requests back; None = no sync to coordinate with.
     generation_gate: Optional[GenerationGate] = None
 

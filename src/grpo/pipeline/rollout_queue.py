@@ -31,7 +31,7 @@ time on the 2-core CPU machine, bench/README.md). Needs n <= capacity and an inn
 may run in several threads (`concurrent_batches`: LocalRolloutPipeline). Batches are taken in index order whatever
 order they finish in.
 
-Syncs with generation in flight: the inner pipeline generates through the sync strategy's `GenerationGate`
+Syncs with generation in flight: the inner pipeline generates through the server's `GenerationGate`
 (`PipelineContext.generation_gate`), so a sync that restarts the server drains the producer's requests first and
 holds new ones until the server is back; what each mode does and the stall it causes (`sync/gen_stall_seconds`) is
 in README "Asynchronous rollouts".

@@ -10,7 +10,7 @@ from typing import Optional
 class CheckpointRestartSyncConfig:
     """mode=none: full checkpoint, then vLLM reloads the new weights."""
 
-    _target_: str = "grpo.sync.checkpoint_restart.CheckpointRestartSync"
+    _target_: str = "grpo.sync.save_and_reload.SaveAndReloadSync"
     sync_every: int = 1
     # inplace: vLLM reloads the saved weights in place (a restart when that fails); restart: always restart vLLM;
     # background: inplace on a thread of its own, the trainer going on meanwhile (generation waits for it).

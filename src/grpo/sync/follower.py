@@ -26,11 +26,7 @@ class FollowerSync(SyncStrategy):
         self.gather = gather
 
     def launch(self, ctx: SyncContext) -> None:
-        """Nothing to start: rank 0 owns the server."""
-
-    @property
-    def base_url(self) -> str:
-        raise RuntimeError("torchrun ranks > 0 have no inference server; rank 0 owns it")
+        """Nothing to start: rank 0 owns the server (this one's `server` stays empty)."""
 
     def sync(self, model: nn.Module, step: int) -> dict[str, float]:
         if self.gather == "state_dict":
@@ -39,6 +35,3 @@ class FollowerSync(SyncStrategy):
             drain_full_params(model)
         self.version += 1
         return {"sync/seconds": 0.0, "sync/version": float(self.version)}
-
-    def shutdown(self) -> None:
-        """Nothing to stop."""

@@ -11,17 +11,17 @@ from pathlib import Path
 
 import torch.nn as nn
 
-from grpo.sync.base import SyncContext
+from grpo.serving.server import Replica
+from grpo.sync.base import SyncContext, SyncStrategy
 from grpo.sync.lora_restart import save_adapter
-from grpo.sync.server_base import ServerSync
+from grpo.sync.weight_dirs import prune, save_and_load
 
 
-class LoraHotSwapSync(ServerSync):
+class LoraHotSwapSync(SyncStrategy):
     """Save the adapter to `<run_dir>/adapters/vN`, load it as `<prefix>-vN` via /v1/load_lora_adapter."""
 
     mode_name = "lora_only"
     uses_lora = True
-    enable_lora = True
 
     def __init__(self, sync_every: int = 1, adapter_prefix: str = "policy") -> None:
         super().__init__(sync_every)
@@ -37,32 +37,32 @@ class LoraHotSwapSync(ServerSync):
         self._start_server(ctx, Path(ctx.model_dir))
         if ctx.resume_weights:
             self._current, self._current_dir = self._name(self.version), Path(ctx.resume_weights)
-            self.client.load_lora(self._current, str(self._current_dir))
+            self.server.client.load_lora(self._current, str(self._current_dir))
 
     @property
     def served_model(self) -> str | None:
         return self._current
 
-    def _restart_current(self) -> None:
+    def restore_replica(self, replica: Replica) -> None:
         # A fresh server holds no hot-swapped adapter: load the current one again under its name.
-        self.server.restart(weight_version=self.version)
+        replica.process.restart(weight_version=self.version)
         self._previous = None
         if self._current is not None:
-            self.client.load_lora(self._current, str(self._current_dir))
+            replica.client.load_lora(self._current, str(self._current_dir))
 
     def sync(self, model: nn.Module, step: int) -> dict[str, float]:
-        return self._save_and_load("adapters", lambda d: save_adapter(model, d), self._swap_in, step)
+        return save_and_load(self, "adapters", lambda d: save_adapter(model, d), self._swap_in, step)
 
     def _swap_in(self, out: Path, version: int) -> None:
         name = self._name(version)
         # vLLM adds and removes adapters between engine steps: generation stalls that long, nothing is paused.
         with self.stalling():
-            self.client.load_lora(name, str(out))
+            self.server.client.load_lora(name, str(out))
             # Unload the adapter from two syncs ago; the one just replaced may still have requests in flight.
             if self._previous is not None:
-                self.client.unload_lora(self._previous)
+                self.server.client.unload_lora(self._previous)
         self._previous, self._current = self._current, name
-        self.client.set_weight_version(version)
+        self.server.client.set_weight_version(version)
         keep = {out} | ({self._current_dir} if self._current_dir else set())
         self._current_dir = out
-        self._prune("adapters", keep=keep)
+        prune(self.ctx.run_dir, "adapters", keep=keep)

@@ -12,8 +12,8 @@ from typing import Any
 import torch.nn as nn
 
 from grpo.options import ConfigError, option
-from grpo.sync.base import SyncContext
-from grpo.sync.server_base import ServerSync
+from grpo.sync.base import SyncContext, SyncStrategy
+from grpo.sync.weight_dirs import prune, save_and_load
 from grpo.weights.hf_dir import save_model_weights
 
 
@@ -23,12 +23,11 @@ def save_adapter(model: nn.Module, out_dir: Path) -> Path:
     return save_model_weights(model, None, out_dir, durable=False)
 
 
-class LoraRestartSync(ServerSync):
+class LoraRestartSync(SyncStrategy):
     """Save the adapter to `<run_dir>/adapters/vN`; restart vLLM serving it as `adapter_name`."""
 
     mode_name = "lora_restart"
     uses_lora = True
-    enable_lora = True
 
     def __init__(self, sync_every: int = 1, adapter_name: str = "policy") -> None:
         super().__init__(sync_every)
@@ -54,11 +53,11 @@ class LoraRestartSync(ServerSync):
         return self.adapter_name if self._adapter_dir else None
 
     def sync(self, model: nn.Module, step: int) -> dict[str, float]:
-        return self._save_and_load("adapters", lambda d: save_adapter(model, d), self._serve_adapter, step)
+        return save_and_load(self, "adapters", lambda d: save_adapter(model, d), self._serve_adapter, step)
 
     def _serve_adapter(self, out: Path, version: int) -> None:
         # The restart drains first: the rollouts in flight finish on the old server, new ones wait for the new one.
         with self.stalling(drain=True):
             self.server.restart(lora_modules={self.adapter_name: out}, weight_version=version)
         self._adapter_dir = out
-        self._prune("adapters", keep={out})
+        prune(self.ctx.run_dir, "adapters", keep={out})

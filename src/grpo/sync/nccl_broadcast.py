@@ -30,9 +30,9 @@ import torch
 import torch.nn as nn
 
 from grpo.options import ConfigError, option
-from grpo.sync.base import SyncContext
+from grpo.serving.server import Replica
+from grpo.sync.base import SyncContext, SyncStrategy
 from grpo.sync.buckets import Bucket, pack_bucket, plan_buckets
-from grpo.sync.server_base import ServerSync
 from grpo.weights.params import iter_full_params
 
 log = logging.getLogger(__name__)
@@ -96,11 +96,10 @@ class _Call(threading.Thread):
         return self.result
 
 
-class NCCLBroadcastSync(ServerSync):
+class NCCLBroadcastSync(SyncStrategy):
     """Push full weights into a vLLM server on another GPU through vLLM's NCCL weight-transfer engine."""
 
     mode_name = "broadcast"
-    requires_cuda = True
     uses_lora = False
     fsdp_gather = "params"
 
@@ -144,34 +143,26 @@ class NCCLBroadcastSync(ServerSync):
         if not torch.cuda.is_available():
             raise RuntimeError("mode=broadcast sends weights by NCCL between GPUs and needs CUDA; use mode=none here")
         self.device = torch.device("cuda", torch.cuda.current_device())
-        self._start_server(ctx, Path(ctx.resume_weights or ctx.model_dir))
-        if self.server is None and ctx.resume_weights:
-            self.client.reload_weights(str(ctx.resume_weights), version=self.version)
-        self._init_group()
-
-    def _start_server(self, ctx: SyncContext, model: Path, lora_modules=None) -> None:
         # The server needs vLLM's NCCL weight-transfer engine: add the flag unless the user already set it.
-        from omegaconf import OmegaConf
-
-        cfg = ctx.server_cfg
-        extra = [str(a) for a in (option(cfg, "extra_args", None) or [])]
-        if not any(a.split("=", 1)[0] == WEIGHT_TRANSFER_FLAG for a in extra) and not option(cfg, "external_url"):
-            container = OmegaConf.to_container(cfg, resolve=True) if OmegaConf.is_config(cfg) else dict(vars(cfg) if not isinstance(cfg, dict) else cfg)
-            container["extra_args"] = extra + [WEIGHT_TRANSFER_FLAG, WEIGHT_TRANSFER_CONFIG]
-            ctx = SyncContext(**{**ctx.__dict__, "server_cfg": OmegaConf.create(container)})
-        super()._start_server(ctx, model, lora_modules)
+        extra = [str(a) for a in (option(ctx.server_cfg, "extra_args", None) or [])]
+        engine = [] if any(a.split("=", 1)[0] == WEIGHT_TRANSFER_FLAG for a in extra) else [
+            WEIGHT_TRANSFER_FLAG, WEIGHT_TRANSFER_CONFIG]
+        self._start_server(ctx, Path(ctx.resume_weights or ctx.model_dir), extra_args=engine)
+        if self.server.external and ctx.resume_weights:
+            self.server.client.reload_weights(str(ctx.resume_weights), version=self.version)
+        self._init_group()
 
     def _init_group(self) -> None:
         from vllm.distributed.weight_transfer.nccl_common import trainer_init
 
-        workers = self.client.rpc("grpo_param_info")
+        workers = self.server.client.rpc("grpo_param_info")
         self._vllm_params = workers[0]
         self.world_size = 1 + len(workers)
         port = self.master_port or _free_port(self.master_address)
         body = {"master_address": self.master_address, "master_port": port, "world_size": self.world_size,
                 "rank_offset": 1, "bucket_bytes": self.bucket_bytes, "num_buffers": self.num_buffers}
         t0 = time.perf_counter()
-        call = _Call(self.client.weight_transfer_init, body, self.timeout_s)
+        call = _Call(self.server.client.weight_transfer_init, body, self.timeout_s)
         torch.cuda.set_device(self.device)
         self.group = trainer_init({"master_address": self.master_address, "master_port": port,
                                    "world_size": self.world_size})
@@ -180,7 +171,7 @@ class NCCLBroadcastSync(ServerSync):
         log.info("NCCL weight-transfer group up: trainer + %d vLLM worker(s), %.2f s", len(workers),
                  time.perf_counter() - t0)
 
-    def _restart_current(self) -> None:
+    def restore_replica(self, replica: Replica) -> None:
         # A restarted server has a fresh engine: push the current weights again after it joins a new group.
         raise RuntimeError(
             "mode=broadcast cannot restart a dead vLLM server mid-run (its NCCL group with the trainer is gone); "
@@ -205,14 +196,15 @@ class NCCLBroadcastSync(ServerSync):
                 "num_buffers": self.num_buffers, "weight_version": version}
         # Generation stalls for the transfer only: paused ("keep": requests in flight freeze, then go on).
         with self.stalling():
-            self.client.pause()
+            client = self.server.client
+            client.pause()
             t_paused = time.perf_counter()
             try:
-                call = _Call(self.client.weight_transfer_update, body, self.timeout_s)
+                call = _Call(client.weight_transfer_update, body, self.timeout_s)
                 self._broadcast(buckets, named)
                 answer = call.get(self.timeout_s)
             finally:
-                self.client.resume()
+                client.resume()
         self.version = version
         t1 = time.perf_counter()
         return {

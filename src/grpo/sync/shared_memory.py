@@ -32,9 +32,9 @@ import torch.nn as nn
 from grpo.inference import vllm_plugin
 from grpo.inference.process import parallel_sizes
 from grpo.options import ConfigError
-from grpo.sync.base import SyncContext
+from grpo.serving.server import Replica
+from grpo.sync.base import SyncContext, SyncStrategy
 from grpo.sync.param_mapping import MappingError, build_views, plan_mapping
-from grpo.sync.server_base import ServerSync
 
 log = logging.getLogger(__name__)
 
@@ -81,7 +81,7 @@ def map_shared_file(info: dict[str, Any]) -> dict[str, torch.Tensor]:
     return tensors
 
 
-class SharedMemorySync(ServerSync):
+class SharedMemorySync(SyncStrategy):
     """Train views of vLLM's parameters (same host; CUDA IPC or a shared CPU file mapping); sync = version bump +
     prefix-cache reset."""
 
@@ -110,20 +110,17 @@ class SharedMemorySync(ServerSync):
             )
         super().check_config(cfg, cuda=cuda, world_size=world_size)
 
-    def server_environment(self) -> dict[str, str]:
-        # vLLM's CPU backend must multiply with the parameters the trainer writes, not copies packed at load time
-        # (CUDA kernels read the parameters anyway: the variable changes nothing there).
-        return {vllm_plugin.PLAIN_GEMM_ENV: "1"}
-
     def launch(self, ctx: SyncContext) -> None:
-        # Resuming: vLLM loads the checkpoint, so the shared copy starts from the trained weights.
-        self._start_server(ctx, Path(ctx.resume_weights or ctx.model_dir))
+        # Resuming: vLLM loads the checkpoint, so the shared copy starts from the trained weights. vLLM's CPU backend
+        # must multiply with the parameters the trainer writes, not copies packed at load time (CUDA kernels read the
+        # parameters anyway: the variable changes nothing there).
+        self._start_server(ctx, Path(ctx.resume_weights or ctx.model_dir), env={vllm_plugin.PLAIN_GEMM_ENV: "1"})
 
     def load_model(self, ctx: SyncContext) -> nn.Module:
         """The HF model whose parameters are views into the server's tensors."""
         from transformers import AutoConfig, AutoModelForCausalLM
 
-        infos = self.client.rpc("grpo_param_info")
+        infos = self.server.client.rpc("grpo_param_info")
         if len(infos) != 1:
             raise RuntimeError(f"shared_vllm supports one vLLM worker (tensor parallel 1), got {len(infos)}")
         devices = {p["device"].split(":")[0] for p in infos[0]}
@@ -151,7 +148,7 @@ class SharedMemorySync(ServerSync):
     def _open_cuda_params(self) -> dict[str, torch.Tensor]:
         from torch.multiprocessing.reductions import rebuild_cuda_tensor
 
-        handles = pickle.loads(base64.b64decode(self.client.rpc("grpo_export_ipc_handles")[0]))
+        handles = pickle.loads(base64.b64decode(self.server.client.rpc("grpo_export_ipc_handles")[0]))
         return {name: rebuild_cuda_tensor(*h["args"]) for name, h in handles.items()}
 
     def _share_cpu_params(self, param_info: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
@@ -168,12 +165,12 @@ class SharedMemorySync(ServerSync):
             log.info("shared_vllm: removed %s, left by a run whose trainer is gone", orphan)
         path = directory / f"{SHARED_FILE_PREFIX}{os.getpid()}-{uuid.uuid4().hex[:8]}.bin"
         self.shared_file = path
-        info = self.client.rpc("grpo_share_cpu_params", path=str(path), create=True)[0]
+        info = self.server.client.rpc("grpo_share_cpu_params", path=str(path), create=True)[0]
         log.info("shared_vllm: %.1f MiB of weights shared with vLLM's CPU worker through %s", info["size"] / 2**20,
                  path)
         return map_shared_file(info)
 
-    def _restart_current(self) -> None:
+    def restore_replica(self, replica: Replica) -> None:
         if self.shared_file is None:
             raise RuntimeError(
                 "mode=shared_vllm on a GPU trains the server's own CUDA memory, which went with the dead server; "
@@ -181,10 +178,10 @@ class SharedMemorySync(ServerSync):
             )
         # The file mapping outlived the server: the new one loads the initial weights, then adopts the file, which
         # holds the trained ones. No rollout may reach it in between.
-        with self.gate.held():
-            super()._restart_current()
-            self.client.rpc("grpo_share_cpu_params", path=str(self.shared_file), create=False)
-            self.client.set_weight_version(self.version, reset_prefix_cache=True)
+        with self.server.gate.held():
+            super().restore_replica(replica)
+            replica.client.rpc("grpo_share_cpu_params", path=str(self.shared_file), create=False)
+            replica.client.set_weight_version(self.version, reset_prefix_cache=True)
 
     def shutdown(self) -> None:
         try:
@@ -198,7 +195,7 @@ class SharedMemorySync(ServerSync):
         # optimizer step only (timed into sync/gen_stall_seconds).
         if not self.in_flight_updates:
             self._paused_at = time.perf_counter()
-            self.client.pause()
+            self.server.client.pause()
 
     def after_optimizer_step(self) -> None:
         if self.in_flight_updates:
@@ -206,7 +203,7 @@ class SharedMemorySync(ServerSync):
         try:
             if self.shared_file is None:
                 torch.cuda.synchronize()  # the writes must land before vLLM reads again
-            self.client.resume()
+            self.server.client.resume()
         finally:
             self.record_stall(time.perf_counter() - self._paused_at)
 
@@ -217,10 +214,10 @@ class SharedMemorySync(ServerSync):
         self.version += 1
         if self.in_flight_updates:
             # Running requests and cached KV stay; the version labels the rollouts that start from now on.
-            self.client.set_weight_version(self.version)
+            self.server.client.set_weight_version(self.version)
         else:
             # KV blocks cached from older weights must not be reused (running requests are preempted and recomputed
             # on the new weights, not lost); the version tells rollouts what they ran on.
             with self.stalling():
-                self.client.set_weight_version(self.version, reset_prefix_cache=True)
+                self.server.client.set_weight_version(self.version, reset_prefix_cache=True)
         return {"sync/seconds": time.perf_counter() - t0, "sync/version": float(self.version)}

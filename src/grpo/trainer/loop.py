@@ -212,7 +212,7 @@ class GRPOTrainer:
         if self.evaluator is not None and self.step == 0 and self.evaluator.due(0, self.cfg.steps):
             self.log_row({"step": 0, **self.evaluate(0)}, t_fit)  # before_train: the initial weights
         while self.step < self.cfg.steps:
-            self.sync.prepare_step(self.step + 1)
+            self.sync.server.prepare_step(self.step + 1)
             first = self.step
             rows, failed = self.train_batch()
             if failed is None and self.evaluator is not None and any(self.evaluator.due(s, self.cfg.steps)
@@ -294,7 +294,7 @@ class GRPOTrainer:
                        {"sync/seconds": 0.0, "sync/version": float(self.sync.version),
                         "sync/gen_stall_seconds": 0.0, "sync/drain_seconds": 0.0})
             row["memory/peak_gb"] = peak_memory_gb(self.device)
-            row["server/restarts"] = float(self.sync.restarts)  # so far in this session (a restart in an eval: next row)
+            row["server/restarts"] = float(self.sync.server.restarts)  # so far in this session (a restart in an eval: next row)
             row.update(process_stats())
         if math.isfinite(rows[0].get("reward/mean", math.nan)):  # a batch with no group has no reward
             self.rewards.append(float(rows[0]["reward/mean"]))

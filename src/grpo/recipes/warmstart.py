@@ -7,15 +7,17 @@ deterministic supervised steps on the task's *training* stream (`task.sample`, w
 until it answers some of the held-out set right: the preset's step count is tuned so that held-out greedy accuracy
 lands between 5 % and 40 %.
 
-The task and its correctness reward are named by `_target_` in the preset (this module never imports the pipeline
-layer): any task with `sample(rng, n)` and `eval_prompts()`, any reward `reward(prompt, completion) -> float`.
+The task and its correctness reward are named by `_target_` in the preset: any task with `sample(rng, n)` and
+`eval_prompts()`, any reward `reward(prompt, completion) -> float`. The preset is data (its JSON is part of the
+cache key, so the names stay strings); this module lives in `grpo.recipes`, a layer above the pipeline whose
+classes it instantiates, so no layer below reaches up for it.
 
 The directory is Hugging Face format (safetensors, config, tokenizer, generation config), so vLLM, transformers and
 TRL load it, plus `warmstart.json` with what was measured at build time (held-out greedy accuracy in transformers,
 the pass rate of samples, build seconds, machine load). It is cached under the content hash of everything that
 determines it (preset, seed, the task's held-out set and training stream, this module's version).
 
-CLI: ``python -m grpo.models.warmstart warm-arith`` (or ``grpo-warmstart``) builds it (progress bar) and prints the
+CLI: ``python -m grpo.recipes.warmstart warm-arith`` (or ``grpo-warmstart``) builds it (progress bar) and prints the
 directory and how long it took. Runs get it through ``model.offline=warm-arith`` (conf/model/warm_arith.yaml).
 """
 

@@ -1,4 +1,4 @@
-"""mode=none: full fine-tuning; each sync writes the full HF weights, then vLLM serves them.
+"""mode=none: full fine-tuning; each sync saves the full HF weights to disk, then vLLM reloads them.
 
 The server stays up: the weights are reloaded in place on every vLLM worker (vLLM's layer-wise `reload_weights`
 through our worker extension and `collective_rpc`, ~0.03 s for the tiny model on CPU). Only when that is not
@@ -31,8 +31,9 @@ import torch.nn as nn
 
 from grpo.inference.client import Endpoint, InferenceServerError
 from grpo.options import ConfigError, option
-from grpo.sync.base import SyncContext
-from grpo.sync.server_base import ServerSync
+from grpo.serving.server import Replica
+from grpo.sync.base import SyncContext, SyncStrategy
+from grpo.sync.weight_dirs import prune, save_and_load
 from grpo.weights.params import save_full_weights
 
 log = logging.getLogger(__name__)
@@ -41,7 +42,7 @@ log = logging.getLogger(__name__)
 RELOADS = ("inplace", "restart", "background")
 
 
-class CheckpointRestartSync(ServerSync):
+class SaveAndReloadSync(SyncStrategy):
     """Save full weights to `<run_dir>/served_weights/vN`, reload them in place (or restart vLLM on them).
 
     `reload`: "inplace" (default; falls back to restart on failure) or "restart" (always restart).
@@ -82,20 +83,20 @@ class CheckpointRestartSync(ServerSync):
     def launch(self, ctx: SyncContext) -> None:
         self.served_dir = Path(ctx.resume_weights or ctx.model_dir)
         self._start_server(ctx, self.served_dir)
-        if self.server is None and ctx.resume_weights:
+        if self.server.external and ctx.resume_weights:
             # An attached server still serves whatever it had: load the checkpoint's weights into it.
-            self.client.reload_weights(str(self.served_dir), version=self.version)
+            self.server.client.reload_weights(str(self.served_dir), version=self.version)
 
-    def _restart_current(self) -> None:
+    def restore_replica(self, replica: Replica) -> None:
         # In-place reloads leave the server's command line on the initial weights; restart on the served ones.
-        self.server.restart(model=self.served_dir, weight_version=self.version)
+        replica.process.restart(model=self.served_dir, weight_version=self.version)
 
     def sync(self, model: nn.Module, step: int) -> dict[str, float]:
         background = self.reload == "background"
         waited = self.settle()  # background: the previous reload lands (or is redone) before a new one starts
         # Not fsynced: served weights are rewritten from the trainer's at every sync (checkpoints are durable).
-        out = self._save_and_load(
-            "served_weights", lambda d: save_full_weights(model, self.ctx.tokenizer, d, durable=False),
+        out = save_and_load(
+            self, "served_weights", lambda d: save_full_weights(model, self.ctx.tokenizer, d, durable=False),
             self._reload_in_background if background else self._serve_weights, step,
         )
         if not background:
@@ -116,7 +117,7 @@ class CheckpointRestartSync(ServerSync):
     def _timed_reload(self, out: Path, version: int) -> float:
         t0 = time.perf_counter()
         try:
-            self.client.reload_weights(str(out), version=version)
+            self.server.client.reload_weights(str(out), version=version)
             return time.perf_counter() - t0
         finally:
             self._landed.set()
@@ -131,7 +132,7 @@ class CheckpointRestartSync(ServerSync):
         try:
             self._last_reload_s = future.result()
             self.record_stall(self._last_reload_s)  # the engine ran the reload between its steps
-            self._prune("served_weights", keep={out})
+            prune(self.ctx.run_dir, "served_weights", keep={out})
         except InferenceServerError as error:
             log.warning("background reload of %s failed (%s); reloading it on the trainer's thread", out, error)
             self._serve_weights(out, version)
@@ -161,24 +162,24 @@ class CheckpointRestartSync(ServerSync):
                 # The engine runs the reload between its steps: generation stalls that long; requests in flight are
                 # preempted by the prefix-cache reset and go on with the new weights (none is lost).
                 with self.stalling():
-                    self.client.reload_weights(str(out), version=version)
+                    self.server.client.reload_weights(str(out), version=version)
             except InferenceServerError as error:
-                if self.server is None:
+                if self.server.external:
                     raise  # nothing we can restart
-                if self.check_health():
+                if self.server.check_health():
                     # It died or hung: restarted on the served weights like any crash (counted in server/restarts,
                     # bounded by server.max_restarts; before, restarted here unsaid and unbounded), then reloaded.
                     with self.stalling():
-                        self.client.reload_weights(str(out), version=version)
+                        self.server.client.reload_weights(str(out), version=version)
                 else:
                     log.warning("in-place reload of %s failed (%s); restarting vLLM on it", out, error)
                     method = "restart"
         if method == "restart":
-            if self.server is None:
+            if self.server.external:
                 raise RuntimeError("mode=none with reload=restart needs a server this trainer launched")
             # The restart drains first: rollouts in flight finish on the old server, new ones wait for the new one.
             with self.stalling(drain=True):
                 self.server.restart(model=out, weight_version=version)
         self.served_dir = out
-        self._prune("served_weights", keep={out})
+        prune(self.ctx.run_dir, "served_weights", keep={out})
         return {"sync/inplace": float(method == "inplace")}
