@@ -76,7 +76,7 @@ def test_the_command_line_version_composes_the_same_config_as_the_experiment():
 
 def test_the_example_files_hold_out_items_the_warm_start_never_saw():
     train, held_out = read_jsonl(EXAMPLE / "prompts.jsonl"), read_jsonl(EXAMPLE / "eval_prompts.jsonl")
-    assert len(train) == 2000 and len(held_out) == 200
+    assert len(train) == 2000 and len(held_out) == 500
     assert not {r["question"] for r in train} & {r["question"] for r in held_out}
     task = ArithmeticTask()  # the warm-start model's supervised data never holds one of its held-out items
     assert all(task.is_heldout(r["question"]) for r in held_out)
@@ -106,7 +106,7 @@ def test_the_example_experiment_judges_held_out_accuracy_by_the_exact_answer(mon
     monkeypatch.chdir(REPO)  # the experiment's file paths are relative to where you run
     evaluator = build_evaluator(cfg.eval, cfg.data)
     assert evaluator.correct_reward == "exact"
-    assert len(evaluator.task.eval_prompts()) == 200
+    assert len(evaluator.task.eval_prompts()) == 500
     fn, _ = evaluator.rewards[evaluator.correct_reward]
     assert fn(Prompt("47+85=", answer="132"), "132") >= evaluator.correct_threshold
     assert fn(Prompt("47+85=", answer="132"), "22") < evaluator.correct_threshold
@@ -143,7 +143,7 @@ def test_the_task_class_example_composes_builds_samples_and_is_evaluated(tmp_pat
     evaluator = build_evaluator(cfg.eval, cfg.data)  # eval on by default: the held-out file, disjoint from training
     assert evaluator is not None and evaluator.correct_reward in (None, "exact")
     held_out = {p.text for p in evaluator.task.eval_prompts()}
-    assert len(held_out) == 200 and not held_out & {p.text for p in drawn}
+    assert len(held_out) == 500 and not held_out & {p.text for p in drawn}
     assert not any(task.can_sample(p) for p in evaluator.task.eval_prompts())
     assert set(pipeline.rewards) == {"exact", "format"}
 
@@ -169,7 +169,7 @@ def test_the_example_task_trains_two_steps_with_the_real_engine(tmp_path, train_
     rows = metrics(run)
     assert [r["step"] for r in rows if "loss" in r] == [1, 2]
     evaluated = [r for r in rows if "eval/accuracy" in r]
-    assert [r["step"] for r in evaluated] == [0, 2] and all(r["eval/prompts"] == 200 for r in evaluated)
+    assert [r["step"] for r in evaluated] == [0, 2] and all(r["eval/prompts"] == 500 for r in evaluated)
     for r in (r for r in rows if "loss" in r):
         assert 0.0 <= r["reward/exact"] <= 1.0 and 0.0 <= r["reward/format"] <= 1.0
         assert r["reward/weighted"] == pytest.approx(r["reward/exact"] + 0.1 * r["reward/format"], abs=1e-6)

@@ -3,8 +3,8 @@
     python -m examples.my_task.make_prompts
 
 The task: two-digit sums and differences (`47+85=` -> `132`), the skill the `warm_arith` model half knows. The
-held-out file is a subset of the arithmetic task's held-out set, the items the warm-start model never saw in its
-supervised warm-up, so held-out accuracy measures what the model learned, not what it memorised. Your own task brings
+held-out file is the arithmetic task's held-out set, the items the warm-start model never saw in its supervised
+warm-up, so held-out accuracy measures what the model learned, not what it memorised. Your own task brings
 its own files; this script only shows where these came from.
 """
 
@@ -18,7 +18,7 @@ from grpo.pipeline.arithmetic import ArithmeticTask
 
 HERE = Path(__file__).resolve().parent
 TRAIN_ITEMS = 2000
-EVAL_ITEMS = 200
+EVAL_ITEMS = 500
 
 
 def write_jsonl(path: Path, prompts) -> None:
@@ -29,7 +29,7 @@ def write_jsonl(path: Path, prompts) -> None:
 
 def main() -> None:
     task = ArithmeticTask()  # conf/data/arithmetic.yaml's shape: two operands of two digits
-    held_out = task.eval_prompts()[:EVAL_ITEMS]
+    held_out = task.eval_prompts()[:EVAL_ITEMS]  # all of them
     train, seen = [], set()
     rng = random.Random(0)
     while len(train) < TRAIN_ITEMS:  # distinct items; `sample` never draws a held-out one
