@@ -1,7 +1,8 @@
 """A task of your own making (docs/own_task.md): a `grpo.pipeline.tasks.Task` subclass that draws its training prompts
 in code instead of reading a file. `conf/data/sums.yaml` plugs it in:
 
-    python train.py --config-dir examples/my_task/conf experiment=my_task data=sums
+    python train.py --config-dir examples/my_task/conf '~experiment' model=warm_arith data=sums \
+        train.micro_batch_size=64 train.warmup_steps=10 optimizer.lr=1e-4
 """
 
 from __future__ import annotations
