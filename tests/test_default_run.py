@@ -35,7 +35,7 @@ def test_default_run_raises_heldout_accuracy(tmp_path):
     assert summary["status"] == "completed"
     # Everything the run left in its run dir is in the README's table of what a run writes (served_weights/ and
     # eval_samples.jsonl were not: a newcomer found a second full copy of the model there, unexplained).
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    readme = (Path(__file__).resolve().parents[1] / "docs" / "running.md").read_text()
     table = readme.split("## What a run writes", 1)[1].split("\n## ", 1)[0]
     named = {m.split("/")[0] or m for row in table.splitlines() if row.startswith("| `")
              for m in re.findall(r"`([^`]+)`", row.split(" | ")[0])}

@@ -123,7 +123,7 @@ def test_a_prompt_file_without_held_out_prompts_stops_with_a_config_error(tmp_pa
     # Evaluation is on for local tasks by default; a prompts file alone has nothing held out to evaluate on.
     run = subprocess.run([sys.executable, "train.py", "~experiment", "data=prompt_file",
                           "data.task.path=examples/my_task/prompts.jsonl", "data.task.prompt_column=question",
-                          "+data.rewards.c._target_=examples.my_task.my_rewards.answer_characters",
+                          "+data.rewards.c._target_=examples.my_task.my_rewards.exact_answer",
                           "+data.rewards.c._partial_=true", f"hydra.run.dir={tmp_path}"],
                          cwd=REPO, capture_output=True, text=True, timeout=300)
     assert run.returncode == 1

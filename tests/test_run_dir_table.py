@@ -1,4 +1,4 @@
-"""README "What a run writes" names everything a run leaves in its run dir; here the optional sinks' dirs (the default
+"""docs/running.md "What a run writes" names everything a run leaves in its run dir; here the optional sinks' dirs (the default
 run's own entries are checked by tests/test_default_run.py). `logging.wandb=true` wrote a wandb/ dir the table did
 not name."""
 
@@ -14,7 +14,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 def readme_run_dir_names() -> set[str]:
     """The top-level names in the first column of the README's table of what a run writes."""
-    table = (REPO / "README.md").read_text().split("## What a run writes", 1)[1].split("\n## ", 1)[0]
+    table = (REPO / "docs" / "running.md").read_text().split("## What a run writes", 1)[1].split("\n## ", 1)[0]
     return {m.split("/")[0] or m for row in table.splitlines() if row.startswith("| `")
             for m in re.findall(r"`([^`]+)`", row.split(" | ")[0])}
 

@@ -2,24 +2,27 @@
 
 `prompt.text` is the rendered prompt, `prompt.answer` the value of the task's answer column (a string; None when
 the task has no answer column), `completion` the decoded completion without special tokens.
+
+Write a reward that only the behaviour you want can earn. A "shaped" reward that gives partial credit for looking
+like the answer (e.g. the share of the answer's characters in the completion) is climbed by the cheapest behaviour
+that earns it: a tiny model learns to print `eeeeeeee` for words full of e's. Here the main reward is the exact
+answer and the small one only rewards the format, which a wrong answer earns too.
 """
 
 from __future__ import annotations
 
+import re
 
-def answer_characters(prompt, completion: str) -> float:
-    """Share of the completion's characters that occur in the reference answer (0..1; 0 when empty).
-
-    A shaped reward a tiny random model can climb: it first learns to use the answer's characters at all.
-    """
-    if not completion or not prompt.answer:
-        return 0.0
-    allowed = set(prompt.answer)
-    return sum(c in allowed for c in completion) / len(completion)
+_INTEGER = re.compile(r"-?(0|[1-9][0-9]*)")
 
 
 def exact_answer(prompt, completion: str) -> float:
-    """1.0 when the completion, stripped, starts with the reference answer, else 0.0."""
-    if not prompt.answer:
+    """1.0 when the completion is exactly the reference answer (whitespace around it allowed), else 0.0."""
+    if prompt.answer is None:
         return 0.0
-    return 1.0 if completion.strip().startswith(prompt.answer) else 0.0
+    return 1.0 if completion.strip() == prompt.answer else 0.0
+
+
+def one_integer(prompt, completion: str) -> float:
+    """1.0 when the completion is one integer and nothing else, right or wrong (keeps the format; weigh it low)."""
+    return 1.0 if _INTEGER.fullmatch(completion.strip()) else 0.0

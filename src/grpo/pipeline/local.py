@@ -130,7 +130,7 @@ class LocalRolloutPipeline(DataPipeline):
         self.task: Task = _build(task, "data.task")
         if not callable(getattr(self.task, "sample", None)):
             raise ValueError(f"data.task ({type(self.task).__name__}) has no sample(rng, n) method; a task subclasses "
-                             "grpo.pipeline.tasks.Task (README, 'Your own task')")
+                             "grpo.pipeline.tasks.Task (docs/own_task.md, 'A task of your own making')")
         self.rewards = build_rewards(rewards)
         self.prompts_per_step = int(prompts_per_step)
         self.group_size = int(group_size)

@@ -1,6 +1,6 @@
 """Prompts from a file the user already has: JSONL, parquet, or a Hugging Face dataset saved with `save_to_disk`.
 
-`PromptFileTask` is the task of `data=prompt_file` (conf/data/prompt_file.yaml); README "Your own task" shows it with
+`PromptFileTask` is the task of `data=prompt_file` (conf/data/prompt_file.yaml); docs/own_task.md shows it with
 a reward function from the user's own module.
 """
 

@@ -34,7 +34,7 @@ order they finish in.
 Syncs with generation in flight: the inner pipeline generates through the server's `GenerationGate`
 (`PipelineContext.generation_gate`), so a sync that restarts the server drains the producer's requests first and
 holds new ones until the server is back; what each mode does and the stall it causes (`sync/gen_stall_seconds`) is
-in README "Asynchronous rollouts".
+in docs/async.md.
 
 Counts: `async/generated_groups = async/trained_groups + async/dropped_groups_total + async/queued_groups` at every
 step (totals of this process; the queue is not checkpointed).
