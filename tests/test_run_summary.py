@@ -180,3 +180,14 @@ def test_a_summary_that_cannot_be_written_is_logged_and_never_left_half_written(
         summary.fail(RuntimeError("the run's own error"))
     assert "could not write" in caplog.text and "failed" in caplog.text
     assert (tmp_path / "summary.json").read_text() == first  # the earlier record, whole
+
+
+@pytest.mark.parametrize("error, status", [(RuntimeError("boom"), "failed"), (KeyboardInterrupt(), "interrupted")])
+def test_a_failed_or_interrupted_run_records_its_steps_run(tmp_path, error, status):
+    """Issue 44.3: summary.json of a failed or interrupted run had no steps_run (the README's table lists it)."""
+    RunSummary(tmp_path).fail(error)
+    assert json.loads((tmp_path / "summary.json").read_text())["steps_run"] == 0  # before the first step
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "loss": 0.1}) + "\n" for s in (0, 1, 2, 3)))
+    RunSummary(tmp_path).fail(error)
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["status"] == status and summary["steps_run"] == 3

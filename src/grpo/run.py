@@ -93,6 +93,12 @@ def record_provenance(run_dir: Path, cfg: Any = None) -> dict:
     return info
 
 
+def steps_in(rows: Sequence[dict], default: int) -> int:
+    """The last optimizer step of metrics rows (not rollout batches: with train.ppo_epochs x train.mini_batches > 1
+    a batch has several); `default` when no row has one."""
+    return max((int(r["step"]) for r in rows if r.get("step") is not None), default=default)
+
+
 class RunSummary:
     """Writes summary.json when a run ends, however it ends."""
 
@@ -118,8 +124,7 @@ class RunSummary:
         """
         rows = self._metric_rows()
         rewards = [float(r["reward/mean"]) for r in rows if r.get("reward/mean") is not None] or rewards
-        # Optimizer steps, not rollout batches: with train.ppo_epochs x train.mini_batches > 1 a batch has several.
-        steps = max((int(r["step"]) for r in rows if r.get("step") is not None), default=len(rewards))
+        steps = steps_in(rows, default=len(rewards))
         last = sum(rewards[-REWARD_WINDOW:]) / len(rewards[-REWARD_WINDOW:]) if rewards else None
         first = sum(rewards[:REWARD_WINDOW]) / len(rewards[:REWARD_WINDOW]) if rewards else None
         self._write({"status": "completed", "steps_run": steps, "rollout_batches": len(rewards),
@@ -142,9 +147,15 @@ class RunSummary:
         self._write({"status": "skipped", "error": f"{type(error).__name__}: {error}"})
 
     def fail(self, error: BaseException) -> None:
-        """Record a failed or interrupted run."""
+        """Record a failed or interrupted run, with the steps its metrics.jsonl holds (0 before the first; None when
+        that file cannot be read: the run's own error stays the one reported)."""
         status = "interrupted" if isinstance(error, KeyboardInterrupt) else "failed"
-        self._write({"status": status, "error": f"{type(error).__name__}: {error}",
+        try:
+            steps: int | None = steps_in(self._metric_rows(), default=0)
+        except (OSError, ValueError) as e:  # MetricsFileError is a ValueError
+            log.error("steps_run of %s unknown: %s", self.path, e)
+            steps = None
+        self._write({"status": status, "steps_run": steps, "error": f"{type(error).__name__}: {error}",
                      "traceback": "".join(traceback.format_exception(error))[-4000:]})
 
 
