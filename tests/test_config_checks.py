@@ -743,3 +743,26 @@ def test_wandb_settings_without_wandb_logging_are_refused(tmp_path):
                                                     "off; add logging.wandb=true")):
         _validate(["logging.wandb_project=myproj"], tmp_path)
     _validate(["logging.wandb=true", "logging.wandb_project=myproj"], tmp_path)
+
+
+def test_a_value_of_the_wrong_type_is_a_config_error_not_hydras_merge_error(tmp_path):
+    """Issue 44.16: `train.steps=many` printed Hydra's "Error merging override ... HYDRA_FULL_ERROR=1", not the
+    `ConfigError:` form the README promises for exactly this example."""
+    from conftest import REPO as repo
+
+    out = subprocess.run([sys.executable, str(repo / "train.py"), "train.steps=many", f"hydra.run.dir={tmp_path}/run"],
+                         capture_output=True, text=True, cwd=tmp_path, timeout=300)
+    assert out.returncode == 1
+    assert out.stderr.strip() == ("ConfigError: train.steps=many: Value 'many' of type 'str' could not be converted to "
+                                  "Integer (python train.py --cfg job prints every key and its value)")
+    assert not (tmp_path / "run").exists()
+
+
+def test_values_the_schema_takes_pass_the_type_check():
+    from grpo.config.checks import check_group_option_names
+
+    with pytest.raises(ConfigError, match=r"model.max_seq_len=1.5: Value '1.5' of type 'float' could not be converted"):
+        check_group_option_names(["model.max_seq_len=1.5"], [REPO / "conf"])
+    check_group_option_names(["train.steps=12", "train.resume=null", "server.port=null", "train.steps=3,6",
+                              "train.steps=${train.checkpoint_every}", "layers.indices=0-3", "loss.clip_eps=0.1",
+                              "train.advantage_norm=group", "name=my run"], [REPO / "conf"])

@@ -231,9 +231,31 @@ def check_override_key(key: str, value: str, config_dirs: Sequence[Path]) -> Non
             hint = f"did you mean {fix}={value}? " if fix else ""
             raise ConfigError(f"{key}={value}: the config has no key {where}; {hint}(python train.py --cfg job prints "
                               "every key; +key=... would add a key nothing reads)")
-        schema = hints[part]
+        parent, schema = schema, hints[part]
         if depth == 0 and part in shared and not any((c / part).is_dir() for c in config_dirs[1:]):
             schema = shared[part]
+    if not dataclasses.is_dataclass(schema):
+        check_override_type(key, value, parent, parts[-1])
+
+
+def check_override_type(key: str, value: str, schema: Any, field: str) -> None:
+    """`key=value` whose value the schema field's type cannot take (`train.steps=many`): Hydra's own error is its
+    "Error merging override" block and a HYDRA_FULL_ERROR hint. Sweeps and interpolations are left to Hydra."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from omegaconf.errors import ValidationError
+
+    try:
+        override = OverridesParser.create().parse_override(f"{key}={value}")
+    except Exception:  # noqa: BLE001 - Hydra's parser says what is wrong with the syntax itself
+        return
+    if override.is_sweep_override() or "$" in value:
+        return
+    node = OmegaConf.structured(schema)
+    try:
+        setattr(node, field, override.value())
+    except ValidationError as e:
+        why = str(e).splitlines()[0]  # the rest: OmegaConf's full_key / object_type lines
+        raise ConfigError(f"{key}={value}: {why} (python train.py --cfg job prints every key and its value)") from None
 
 
 def _group_options(group: str) -> list[str]:
