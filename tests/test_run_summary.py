@@ -191,3 +191,22 @@ def test_a_failed_or_interrupted_run_records_its_steps_run(tmp_path, error, stat
     RunSummary(tmp_path).fail(error)
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["status"] == status and summary["steps_run"] == 3
+
+
+def test_a_finished_trainer_leaves_no_lock_file_and_a_killed_ones_is_taken_over(tmp_path):
+    """Issue 44.18: `.grpo.lock` stayed in finished run dirs naming a dead pid (the README: the running trainer
+    holds it)."""
+    import subprocess
+    import sys
+
+    from grpo.run import lock_run_dir, unlock_run_dir
+
+    run = tmp_path / "run"
+    code = f"from pathlib import Path; from grpo.run import lock_run_dir; lock_run_dir(Path({str(run)!r}))"
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+    assert run.is_dir() and not (run / ".grpo.lock").exists()
+    (run / ".grpo.lock").write_text("pid 999999999\n")  # a killed trainer's: no process holds the lock
+    lock_run_dir(run)
+    assert (run / ".grpo.lock").read_text() == f"pid {os.getpid()}\n"
+    unlock_run_dir()
+    assert not (run / ".grpo.lock").exists()

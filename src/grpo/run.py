@@ -276,9 +276,10 @@ def keep_earlier_session(run_dir: Path) -> Path | None:
 
 
 def lock_run_dir(run_dir: Path) -> None:
-    """Hold an exclusive lock on `<run_dir>/.grpo.lock` for the rest of this process. A second trainer in the same
-    dir (a resume command run twice, a requeued job) would write the same metrics.jsonl and checkpoints: it gets a
-    ConfigError naming the holder instead."""
+    """Hold an exclusive lock on `<run_dir>/.grpo.lock` until this process ends (the file is removed then). A second
+    trainer in the same dir (a resume command run twice, a requeued job) would write the same metrics.jsonl and
+    checkpoints: it gets a ConfigError naming the holder instead."""
+    import atexit
     import fcntl
 
     global _run_dir_lock
@@ -286,27 +287,37 @@ def lock_run_dir(run_dir: Path) -> None:
     if _run_dir_lock is not None and Path(_run_dir_lock.name) == path:
         return  # this process holds it already
     run_dir.mkdir(parents=True, exist_ok=True)
-    f = open(path, "a+")
-    try:
-        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        f.seek(0)
-        holder = f.read().strip() or "another process"
+    while True:
+        f = open(path, "a+")
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            f.seek(0)
+            holder = f.read().strip() or "another process"
+            f.close()
+            raise ConfigError(f"run dir {run_dir} is in use by a running trainer ({holder}); wait for it to end or "
+                              "stop it, or start this run in another dir (hydra.run.dir=...)") from None
+        # The holder removes the file when it lets go: a lock taken on the removed file holds nothing, take the new.
+        if path.exists() and os.stat(path).st_ino == os.fstat(f.fileno()).st_ino:
+            break
         f.close()
-        raise ConfigError(f"run dir {run_dir} is in use by a running trainer ({holder}); wait for it to end or stop "
-                          "it, or start this run in another dir (hydra.run.dir=...)") from None
     f.seek(0)
     f.truncate()
     f.write(f"pid {os.getpid()}\n")
     f.flush()
     unlock_run_dir()  # another run dir earlier in this process (tests): let it go
     _run_dir_lock = f
+    atexit.unregister(unlock_run_dir)  # once, however many run dirs this process locks
+    atexit.register(unlock_run_dir)
 
 
 def unlock_run_dir() -> None:
-    """Let go of the run dir lock this process holds, if any (the process's end does it too)."""
+    """Let go of the run dir lock this process holds, if any, and remove its file: a finished run dir has no
+    `.grpo.lock` naming a dead pid (a killed trainer's stays, and takes a new holder at once)."""
     global _run_dir_lock
     if _run_dir_lock is not None:
+        with contextlib.suppress(OSError):  # removed before the lock is let go: no one takes the old file meanwhile
+            os.unlink(_run_dir_lock.name)
         _run_dir_lock.close()
         _run_dir_lock = None
 
