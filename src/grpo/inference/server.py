@@ -44,7 +44,13 @@ import uuid
 from typing import Any, Awaitable, Callable
 
 from grpo.inference import identity
-from grpo.inference.request_checks import BadRequest, check_generate_request, model_limits
+from grpo.inference.request_checks import (
+    BadRequest,
+    check_generate_request,
+    check_samples,
+    model_limits,
+    token_ids,
+)
 
 MIDDLEWARE = "grpo.inference.server.GRPOMiddleware"
 WORKER_EXTENSION = "grpo.inference.worker_extension.WeightSyncExtension"
@@ -111,9 +117,9 @@ def _prompt_ids(prompt: Any, engine: Any) -> list[int]:
     if isinstance(prompt, str):
         return list(engine.get_tokenizer().encode(prompt))
     if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
-        return [int(t) for t in prompt["prompt_token_ids"]]
-    if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
-        return prompt
+        return token_ids(prompt["prompt_token_ids"])
+    if isinstance(prompt, list):
+        return token_ids(prompt, "a prompt given as a list")
     raise ValueError("'prompt' must be a string, a list of token ids or {'prompt_token_ids': [...]}")
 
 
@@ -188,7 +194,7 @@ async def handle_generate(request) -> dict:
     body.pop("stream", None)  # Atropos never streams; answer once.
     lora = await _lora_request(state, body.pop("model", None) or body.pop("lora", None))
     prompt_ids = _prompt_ids(prompt, engine)
-    check_generate_request(prompt_ids, body.get("max_tokens"), await model_limits(engine))
+    check_generate_request(prompt_ids, body.get("max_tokens"), await model_limits(engine), body.get("n", 1))
     params = _sampling_params(body)
     # Read before the request starts: the version the weights had when this batch was scheduled.
     version = _version(state)
@@ -223,11 +229,12 @@ async def handle_generate_batch(state: Any, body: dict[str, Any]) -> dict:
     body.pop("stream", None)
     lora = await _lora_request(state, body.pop("model", None) or body.pop("lora", None))
     limits = await model_limits(engine)
+    check_samples(body.get("n", 1), limits)  # once, not as prompts[0]'s fault
     prompt_ids = []
     for i, prompt in enumerate(prompts):
         try:
             ids = _prompt_ids(prompt, engine)
-            check_generate_request(ids, body.get("max_tokens"), limits)
+            check_generate_request(ids, body.get("max_tokens"), limits, body.get("n", 1))
         except ValueError as e:
             raise BadRequest(f"prompts[{i}]: {e}", getattr(e, "status", 400)) from e
         prompt_ids.append(ids)
