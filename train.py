@@ -64,6 +64,14 @@ def config_error(error: Exception, multirun: bool, run_dir: Path | None = None) 
     raise SystemExit(1) from None
 
 
+def server_start_failed(error: BaseException) -> bool:
+    """The vLLM server could not start (port taken, a bad argument, a start-up timeout): the message names the
+    cause and the log, the vLLM log's tail is logged; a Python traceback of the launch adds 40 frames to that."""
+    from grpo.inference.process import ServerStartError
+
+    return isinstance(error, ServerStartError)
+
+
 def has_trained(run_dir: Path) -> bool:
     """metrics.jsonl has a row of a trained step (not only the step-0 eval); False when it cannot be read."""
     from grpo.stop import last_step
@@ -114,6 +122,9 @@ def main(cfg: DictConfig) -> float | None:
         # Found while building a component (the evaluator's held-out prompts, a data source that does not answer).
         if config_problem:
             return config_error(e, multirun, run_dir if rank0 else None)
+        if not multirun and server_start_failed(e):  # its message (and the log tail logged) says it all
+            print(f"{type(e).__name__}: {e}", file=sys.stderr)
+            raise SystemExit(1) from None
         # A failed multirun job is logged and the sweep goes on with the next one.
         if multirun and not isinstance(e, KeyboardInterrupt):
             log.exception("job failed; continuing the sweep")
