@@ -307,3 +307,32 @@ def test_a_resume_keeps_each_earlier_sessions_record_in_order(tmp_path):
     assert kept == run / "sessions" / "02"
     assert (run / "sessions" / "01" / ".hydra" / "config.yaml").read_text() == "first"
     assert json.loads((run / "sessions" / "02" / "provenance.json").read_text()) == {"argv": ["second"]}
+
+
+def test_warnings_and_log_lines_are_written_above_the_progress_bar_not_onto_it(tmp_path, capsys):
+    """Issue 44.8: a warning printed onto the bar's line ("...| 1/10 [00:00<...]WARNING ...")."""
+    import logging
+    import sys
+    import warnings
+
+    from omegaconf import OmegaConf
+
+    from grpo.config.schema import LoggingConfig
+    from grpo.trainer.metrics import MetricsLogger
+
+    console = logging.StreamHandler(sys.stderr)  # as Hydra's console handler
+    logging.root.addHandler(console)
+    try:
+        logger = MetricsLogger(tmp_path, OmegaConf.structured(LoggingConfig(progress_bar=True, plot=False)),
+                               OmegaConf.create({}), total_steps=10, start_step=0)
+        logger.log({"step": 1, "loss": 0.5})
+        logging.getLogger("grpo.test").warning("a log line during the run")
+        warnings.warn("a Python warning during the run", UserWarning, stacklevel=1)
+        logger.close()
+    finally:
+        logging.root.removeHandler(console)
+    err = capsys.readouterr().err
+    for text in ("a log line during the run", "a Python warning during the run"):
+        assert text in err
+        line_so_far = err[:err.index(text)].split("\n")[-1].split("\r")[-1]  # what is on the line before it
+        assert "1/10" not in line_so_far and "|" not in line_so_far, repr(err)
