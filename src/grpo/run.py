@@ -89,6 +89,8 @@ def record_provenance(run_dir: Path, cfg: Any = None) -> dict:
     info = {"grpo_version": pkg, "git_commit": git_commit(), "python": sys.version.split()[0], "argv": sys.argv}
     if cfg is not None:
         info["identity"] = run_identity(cfg)
+        if cfg.train.resume is not None:  # read by grpo.config.validate.resumed_from: which run this one continues
+            info["resumed_from"] = str(Path(cfg.train.resume).resolve())
     (run_dir / "provenance.json").write_text(json.dumps(info, indent=2))
     return info
 

@@ -86,14 +86,33 @@ def check_sweep_dir_unused(sweep_dir: Path) -> None:
         )
 
 
+def resumed_from(run_dir: Path) -> Path | None:
+    """The run dir whose checkpoint `run_dir`'s run was resumed from into `run_dir` (provenance.json's
+    `resumed_from`, written by grpo.run.record_provenance); None for a fresh run or one resumed in place."""
+    import json
+
+    try:
+        given = json.loads((run_dir / "provenance.json").read_text()).get("resumed_from")
+    except (OSError, ValueError, AttributeError):
+        return None
+    if given is None or Path(given).resolve() == run_dir.resolve():
+        return None
+    return Path(given)
+
+
 def check_run_dir_unused(cfg: DictConfig, run_dir: Path) -> None:
     """A fresh run must not start in a run dir that holds another run's metrics or checkpoints: it would truncate
-    that run's metrics.jsonl and replace its checkpoints. Continuing that run (`train.resume=<that dir>`) is fine."""
+    that run's metrics.jsonl and replace its checkpoints. Continuing that run (`train.resume=<that dir>`) is fine,
+    and so is resuming again from the run it was resumed from while it has no checkpoint of its own (a resume into
+    another dir stopped before its first checkpoint: its rows past that checkpoint are trained again)."""
     resume = cfg.train.resume
     if resume is not None and Path(resume).resolve() == run_dir.resolve():
         return
     held, latest = held_run(run_dir)
     if not held:
+        return
+    origin = resumed_from(run_dir)
+    if latest is None and resume is not None and origin is not None and origin.resolve() == Path(resume).resolve():
         return
     # Without a checkpoint there is nothing to continue: train.resume would refuse it in turn.
     go_on = (f"continue that run with train.resume={run_dir}, or " if latest is not None
@@ -438,7 +457,7 @@ def raise_for_resume_dir(resume: Path) -> NoReturn:
     """Raises for a `train.resume` without a complete checkpoint under its checkpoints/, saying what to give instead:
     its run dir when it is a checkpoint or the checkpoints/ dir itself (a natural guess that failed in the run with
     a FileNotFoundError traceback)."""
-    from grpo.trainer.checkpoint import COMPLETE
+    from grpo.trainer.checkpoint import COMPLETE, CheckpointManager
 
     run_dir = None
     if (resume / COMPLETE).exists() or (resume / "trainer_state.json").exists():
@@ -448,6 +467,12 @@ def raise_for_resume_dir(resume: Path) -> NoReturn:
     if run_dir is not None:
         raise ConfigError(f"train.resume={resume} is inside a run's checkpoints/; train.resume takes the run dir, "
                           f"and the run goes on from its latest complete checkpoint: train.resume={run_dir}")
+    origin = resumed_from(resume)
+    reachable = CheckpointManager(origin).latest() if origin is not None else None
+    if reachable is not None:
+        raise ConfigError(f"train.resume={resume} has no complete checkpoint of its own yet: it was resumed from "
+                          f"{origin}, whose latest is {reachable}; continue from there into the same dir with "
+                          f"train.resume={origin} hydra.run.dir={resume}")
     raise ConfigError(f"train.resume={resume} has no complete checkpoint under checkpoints/ (one is written every "
                       "train.checkpoint_every steps, and a run stopped before the first cannot be resumed); start it "
                       "again without train.resume, or name a run dir that has one")
