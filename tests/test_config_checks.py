@@ -766,3 +766,19 @@ def test_values_the_schema_takes_pass_the_type_check():
     check_group_option_names(["train.steps=12", "train.resume=null", "server.port=null", "train.steps=3,6",
                               "train.steps=${train.checkpoint_every}", "layers.indices=0-3", "loss.clip_eps=0.1",
                               "train.advantage_norm=group", "name=my run"], [REPO / "conf"])
+
+
+@pytest.mark.parametrize("multirun", [False, True])
+def test_a_run_dir_that_cannot_be_written_is_one_line_naming_it_and_the_error(tmp_path, multirun):
+    """Issue 44.2: an unwritable run dir ended in Hydra's traceback ("ValueError: Unable to configure handler
+    'file'"), the cause (PermissionError ... train.log) buried in it. Here the dir's parent is a file (root may write
+    anywhere else)."""
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    key = "hydra.sweep.dir" if multirun else "hydra.run.dir"
+    args = ["-m", "~experiment", "train.steps=1,2"] if multirun else ["~experiment"]
+    out = subprocess.run([sys.executable, str(REPO / "train.py"), *args, f"{key}={blocker}/run"],
+                         capture_output=True, text=True, cwd=tmp_path, timeout=300)
+    assert out.returncode == 1, out.stderr[-2000:]
+    assert out.stderr.strip() == (f"ConfigError: run dir {blocker}/run is not writable (NotADirectoryError: [Errno 20] "
+                                  f"Not a directory: '{blocker}/run'); set {key} to a writable path"), out.stderr[-2000:]

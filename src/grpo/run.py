@@ -348,12 +348,21 @@ class RunDirGuard(Callback):
 
     def on_run_start(self, config: Any, **kwargs: Any) -> None:  # noqa: ARG002
         """Exit 1 with the ConfigError's message, before Hydra writes anything into the run dir."""
-        from grpo.config.validate import check_resume_exists, check_resume_has_steps_left, check_run_dir_unused
+        from grpo.config.validate import (
+            check_resume_exists,
+            check_resume_has_steps_left,
+            check_run_dir,
+            check_run_dir_unused,
+        )
 
         with self._checking(config):
             # The default run dir of a resume is train.resume: a missing path would be created, a checkpoint given
             # there would get .hydra/.
             check_resume_exists(config)
+            if int(os.environ.get("RANK", "0")) == 0:
+                # Before Hydra opens train.log there: its failure was a traceback ending in "Unable to configure
+                # handler 'file'", the cause (PermissionError ... train.log) buried in it.
+                check_run_dir(Path(config.hydra.run.dir))
             check_run_dir_unused(config, Path(config.hydra.run.dir))
             check_resume_has_steps_left(config)
             check_resume_identity(config)
@@ -366,8 +375,9 @@ class RunDirGuard(Callback):
 
     def on_multirun_start(self, config: Any, **kwargs: Any) -> None:  # noqa: ARG002
         """Exit 1 before the first job when the sweep dir holds jobs that already ran (`check_sweep_dir_unused`)."""
-        from grpo.config.validate import check_sweep_dir_unused
+        from grpo.config.validate import check_run_dir, check_sweep_dir_unused
 
         with self._checking(config):
+            check_run_dir(Path(config.hydra.sweep.dir), "hydra.sweep.dir")  # its jobs' dirs and train.log files go there
             check_sweep_dir_unused(Path(config.hydra.sweep.dir))
 

@@ -40,20 +40,21 @@ def _check_importable(target: str, key: str, install_hint: str) -> None:
         raise ConfigError(f"{key}={target} needs `{module}`, which is not importable ({e}). {install_hint}") from e
 
 
-def check_run_dir(run_dir: Path) -> None:
-    """The run dir must be writable with room for checkpoints; checked before training starts."""
+def check_run_dir(run_dir: Path, key: str = "hydra.run.dir") -> None:
+    """The run dir (`key` sets it) must be writable with room for checkpoints; checked before training starts."""
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
         probe = run_dir / ".write_probe"
         probe.write_text("ok")
         probe.unlink()
     except OSError as e:
-        raise ConfigError(f"run dir {run_dir} is not writable ({e}); set hydra.run.dir to a writable path") from e
+        raise ConfigError(f"run dir {run_dir} is not writable ({type(e).__name__}: {e}); set {key} to a "
+                          "writable path") from None
     free = shutil.disk_usage(run_dir).free
     if free < MIN_FREE_BYTES:
         raise ConfigError(
             f"run dir {run_dir} has only {free / 1024**2:.0f} MiB free (need at least "
-            f"{MIN_FREE_BYTES / 1024**2:.0f} MiB for checkpoints); free space or set hydra.run.dir elsewhere"
+            f"{MIN_FREE_BYTES / 1024**2:.0f} MiB for checkpoints); free space or set {key} elsewhere"
         )
 
 
