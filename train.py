@@ -402,11 +402,12 @@ def _config_dirs(args: list[str]) -> list[Path]:
 def run() -> None:
     """The command line's entry (`python train.py`, `grpo-train`): a choice whose Hydra plugin is missing is said
     before Hydra composes (its own error names no package), then the Hydra app."""
-    from grpo.config.checks import check_group_option_names, check_hydra_plugins
+    from grpo.config.checks import check_config_dirs, check_group_option_names, check_hydra_plugins
 
     args = sys.argv[1:]
     try:
         check_hydra_plugins(args)
+        check_config_dirs(_config_dirs(args))
         if not any(a.split("=", 1)[0] in ("--config-path", "-cp") for a in args):  # another primary config
             check_group_option_names(args, [Path(__file__).parent / "conf", *_config_dirs(args)])
     except ConfigError as e:
