@@ -35,6 +35,7 @@ from grpo.run import (
     check_objective,
     check_resume_identity,
     device_memory,
+    discard_unstarted_run_dir,
     done_message,
     objective_value,
     record_device_memory,
@@ -60,6 +61,8 @@ def config_error(error: Exception, multirun: bool, run_dir: Path | None = None) 
         if run_dir is not None:
             RunSummary(run_dir).skip(error)
         return float("nan")
+    if run_dir is not None:
+        discard_unstarted_run_dir(run_dir)  # created for a run that never started
     print(f"{type(error).__name__}: {error}", file=sys.stderr)
     raise SystemExit(1) from None
 
@@ -111,7 +114,9 @@ def main(cfg: DictConfig) -> float | None:
         # not a config problem: a sweep records that job as failed, not skipped.
         config_problem = isinstance(e, ConfigError) or (
             isinstance(e, DataSourceError) and not (rank0 and has_trained(run_dir)))
-        if summary is not None and not (config_problem and multirun):  # a sweep's job: skipped (config_error)
+        # A config problem is no failed run: a sweep's job is skipped, a single run's dir removed (config_error);
+        # a summary.json of `failed` would also replace the one of a run resumed in place.
+        if summary is not None and not config_problem:
             summary.fail(e)
         if isinstance(e, KeyboardInterrupt):  # Ctrl-C / SIGTERM: a short block (grpo.stop), not a traceback
             from grpo.stop import exit_code, report_stop

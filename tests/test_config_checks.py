@@ -782,3 +782,30 @@ def test_a_run_dir_that_cannot_be_written_is_one_line_naming_it_and_the_error(tm
     assert out.returncode == 1, out.stderr[-2000:]
     assert out.stderr.strip() == (f"ConfigError: run dir {blocker}/run is not writable (NotADirectoryError: [Errno 20] "
                                   f"Not a directory: '{blocker}/run'); set {key} to a writable path"), out.stderr[-2000:]
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["+optimzer.lr=1"], "unknown config key optimzer"),
+    (["sweep=clip_eps"], "add -m"),
+    (["data=prompt_file", "data.task.path=/no/such/prompts.jsonl"], "no file or directory at /no/such/prompts.jsonl"),
+    (["model.offline=null", "model.name=/no/such/model_dir"], "/no/such/model_dir"),
+])
+def test_a_start_up_mistake_leaves_no_run_dir_behind(tmp_path, args, needle):
+    """Issue 44.15: each of these left a run dir (.hydra/, train.log), some with a summary.json saying `failed`."""
+    run = tmp_path / "outputs" / "run"
+    out = subprocess.run([sys.executable, str(REPO / "train.py"), "~experiment", *args, f"hydra.run.dir={run}"],
+                         capture_output=True, text=True, cwd=tmp_path, timeout=300)
+    assert out.returncode == 1 and needle in out.stderr, out.stderr[-2000:]
+    assert "Traceback" not in out.stderr
+    assert not run.exists(), sorted(p.name for p in run.iterdir())
+
+
+def test_a_start_up_mistake_in_a_dir_that_existed_keeps_it_and_writes_no_summary(tmp_path):
+    run = tmp_path / "mine"
+    run.mkdir()
+    (run / "notes.txt").write_text("mine")
+    out = subprocess.run([sys.executable, str(REPO / "train.py"), "~experiment", "data=prompt_file",
+                          "data.task.path=/no/such/prompts.jsonl", f"hydra.run.dir={run}"],
+                         capture_output=True, text=True, cwd=tmp_path, timeout=300)
+    assert out.returncode == 1, out.stderr[-2000:]
+    assert (run / "notes.txt").read_text() == "mine" and not (run / "summary.json").exists()

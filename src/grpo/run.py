@@ -324,6 +324,30 @@ def unlock_run_dir() -> None:
         _run_dir_lock = None
 
 
+# The run dir this process created (RunDirGuard, before Hydra writes into it), for discard_unstarted_run_dir.
+_created_run_dir: Path | None = None
+
+
+def discard_unstarted_run_dir(run_dir: Path) -> bool:
+    """Remove `run_dir` when this process created it and the run stopped at start-up, before any metrics row or
+    checkpoint (a mistake in the command line, a missing file or model): such dirs piled up under outputs/ with a
+    `.hydra/` and a train.log, some with a summary.json saying `failed`, for runs that never ran. A dir that existed
+    before (a resume in place, a given hydra.run.dir) is kept as it is. True when removed."""
+    import shutil
+
+    from grpo.config.validate import held_run
+
+    global _created_run_dir
+    if _created_run_dir is None or not run_dir.is_dir() or run_dir.resolve() != _created_run_dir.resolve():
+        return False
+    if held_run(run_dir)[0]:
+        return False
+    unlock_run_dir()
+    shutil.rmtree(run_dir, ignore_errors=True)
+    _created_run_dir = None
+    return True
+
+
 class RunDirGuard(Callback):
     """Hydra callback (conf/train.yaml, hydra.callbacks): before a single run's job starts, refuse a run dir that
     holds another run (`check_run_dir_unused`), a resume path that does not exist, a resume dir without a checkpoint
@@ -343,6 +367,7 @@ class RunDirGuard(Callback):
         try:
             yield
         except ConfigError as e:
+            discard_unstarted_run_dir(Path(config.hydra.run.dir))  # only one on_run_start created
             print(f"ConfigError: {e}", file=sys.stderr)
             raise SystemExit(1) from None
 
@@ -360,9 +385,13 @@ class RunDirGuard(Callback):
             # there would get .hydra/.
             check_resume_exists(config)
             if int(os.environ.get("RANK", "0")) == 0:
+                global _created_run_dir
+                run_dir = Path(config.hydra.run.dir)
+                existed = run_dir.exists()
                 # Before Hydra opens train.log there: its failure was a traceback ending in "Unable to configure
                 # handler 'file'", the cause (PermissionError ... train.log) buried in it.
-                check_run_dir(Path(config.hydra.run.dir))
+                check_run_dir(run_dir)
+                _created_run_dir = None if existed else run_dir
             check_run_dir_unused(config, Path(config.hydra.run.dir))
             check_resume_has_steps_left(config)
             check_resume_identity(config)
