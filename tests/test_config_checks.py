@@ -74,7 +74,8 @@ def test_empty_model_directory_fails_naming_it(tmp_path):
         _validate(["model.offline=null", f"model.name={empty}"], tmp_path / "run")
 
 
-@pytest.mark.parametrize("overrides", [[], ["model=qwen3b", "model.offline=qwen3b"], ["data=atropos", "mode=lora_only"]])
+@pytest.mark.parametrize("overrides", [[], ["model=qwen3b", "model.offline=qwen3b"],
+                                       ["~experiment", "data=atropos", "mode=lora_only"]])
 def test_ordinary_configs_still_pass(tmp_path, overrides):
     _validate(overrides, tmp_path)
 
@@ -135,8 +136,8 @@ def test_a_sweep_skips_a_job_whose_config_is_wrong_and_goes_on(tmp_path):
 @pytest.mark.parametrize(
     "overrides, needle",
     [
-        (["train.max_staleness=1", "data=atropos"], "set train.stale_policy=drop"),
-        (["train.max_staleness=1", "data=atropos", "train.stale_policy=drop", "train.rollout_queue=2"],
+        (["~experiment", "train.max_staleness=1", "data=atropos"], "set train.stale_policy=drop"),
+        (["~experiment", "train.max_staleness=1", "data=atropos", "train.stale_policy=drop", "train.rollout_queue=2"],
          "has no effect with data=grpo.pipeline.atropos.AtroposPipeline"),
         (["train.max_staleness=1", "loss.old_logprobs=recompute"], "without loss.tis_cap would take pi_old"),
         (["train.max_staleness=-1"], "train.max_staleness must be >= 0"),
@@ -151,7 +152,7 @@ def test_a_sweep_skips_a_job_whose_config_is_wrong_and_goes_on(tmp_path):
         (["train.max_staleness=1", "train.rollout_batches_in_flight=2"], "at most 1 rollout batches may be generated"),
         (["train.max_staleness=2", "train.stale_policy=drop", "train.rollout_queue=1", "train.rollout_batches_in_flight=2"],
          "at most 1 rollout batches may be generated"),
-        (["train.max_staleness=2", "data=atropos", "train.stale_policy=drop", "train.rollout_batches_in_flight=2"],
+        (["~experiment", "train.max_staleness=2", "data=atropos", "train.stale_policy=drop", "train.rollout_batches_in_flight=2"],
          "train.rollout_batches_in_flight=2 has no effect with data=grpo.pipeline.atropos.AtroposPipeline"),
     ],
 )
@@ -167,7 +168,7 @@ def test_async_rollouts_with_recompute_and_tis_cap_or_rollout_logprobs_pass(tmp_
     _validate(["train.max_staleness=2", "train.rollout_batches_in_flight=2"], tmp_path)
     _validate(["train.max_staleness=1", "train.stale_policy=drop", "train.rollout_batches_in_flight=2"], tmp_path)
     # Atropos generates on its own: k drops its older groups.
-    _validate(["train.max_staleness=2", "data=atropos", "train.stale_policy=drop"], tmp_path)
+    _validate(["~experiment", "train.max_staleness=2", "data=atropos", "train.stale_policy=drop"], tmp_path)
 
 
 @pytest.mark.parametrize(
@@ -291,12 +292,23 @@ def test_a_local_pipeline_too_small_for_the_batch_stops_before_the_server(tmp_pa
               tmp_path / "r2")
 
 
-def test_another_data_option_on_the_default_job_is_told_where_its_batch_comes_from(tmp_path):
-    """python train.py data=local_digits: the default job's batch (16 x 8 for arithmetic) outgrows the digits data;
-    the message named the keys but not that the experiment set them."""
+def test_another_data_option_on_the_default_job_is_refused_naming_the_bare_config(tmp_path):
+    """Issue 44.7: `python train.py data=atropos` ran under the default experiment (arith_quick): labelled arith_quick,
+    with its warm-start model and settings, unless the user knew to write '~experiment'. (data=local_digits got a
+    batch-size error that named the experiment.) `python train.py` itself composes as before."""
+    for data in ("atropos", "local_digits"):
+        with pytest.raises(ConfigError, match=re.escape(
+                f"data={data} runs under experiment=arith_quick, which conf/train.yaml applies by default and which "
+                f"was written for data=arithmetic (it sets its own name, model, batch and learning rate); for the bare "
+                f"config with your data add '~experiment' (python train.py '~experiment' data={data} ...)")):
+            _validate([f"data={data}", f"hydra.run.dir={tmp_path}/run"], tmp_path / "run")
+    _validate(["~experiment", "data=atropos", f"hydra.run.dir={tmp_path}/r1"], tmp_path / "r1")
+    _validate(["data=arithmetic", f"hydra.run.dir={tmp_path}/r2"], tmp_path / "r2")  # the experiment's own data
+    _validate([f"hydra.run.dir={tmp_path}/r3"], tmp_path / "r3")  # the default run
+    # An experiment named on the command line with other data is the user's own combination.
     with pytest.raises(ConfigError, match=re.escape("(experiment=arith_quick sets the batch for its own data; "
                                                     "'~experiment' gives the bare config)")):
-        _validate(["data=local_digits", f"hydra.run.dir={tmp_path}/run"], tmp_path / "run")
+        _validate(["experiment=arith_quick", "data=local_digits", f"hydra.run.dir={tmp_path}/r4"], tmp_path / "r4")
 
 
 @pytest.mark.parametrize("override, needle", [

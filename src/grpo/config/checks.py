@@ -285,6 +285,44 @@ def _group_options(group: str) -> list[str]:
     return sorted(gh.config_loader().get_group_options(group)) if gh.is_initialized() else []
 
 
+def check_data_fits_default_experiment(info: HydraInfo) -> None:
+    """`data=<option>` on the command line under the experiment conf/train.yaml applies by default (arith_quick),
+    when that experiment was written for other data: the run took the experiment's name, model, batch and learning
+    rate without a word (`python train.py data=atropos` was labelled arith_quick and trained its warm-start model).
+    An experiment named on the command line (`experiment=x data=y`) is the user's own combination: allowed."""
+    experiment, data = info.choices.get("experiment"), info.choices.get("data")
+    if experiment is None or data is None:
+        return
+    given = [o.split("=", 1)[0].lstrip("+~") for o in info.overrides]
+    if "experiment" in given or "data" not in given:
+        return
+    written_for = _experiment_data(experiment)
+    if written_for is None or written_for == data:
+        return
+    raise ConfigError(
+        f"data={data} runs under experiment={experiment}, which conf/train.yaml applies by default and which was "
+        f"written for data={written_for} (it sets its own name, model, batch and learning rate); for the bare config "
+        f"with your data add '~experiment' ({command_name()} '~experiment' data={data} ...), or name an experiment "
+        f"written for it (experiment=...)"
+    )
+
+
+def _experiment_data(name: str) -> str | None:
+    """The data option a shipped experiment's defaults choose (`override /data: arithmetic`), None when it chooses
+    none or is not a shipped one."""
+    import grpo.conf
+
+    path = Path(grpo.conf.__file__).parent / "experiment" / f"{name}.yaml"
+    if not path.is_file():
+        return None
+    for entry in OmegaConf.load(path).get("defaults") or []:
+        if OmegaConf.is_dict(entry):
+            for key, value in entry.items():
+                if str(key).removeprefix("override ").strip("/ ") == "data":
+                    return str(value)
+    return None
+
+
 def check_model_source(model_cfg: DictConfig, info: HydraInfo) -> None:
     """A model.name given on the command line must win or fail: with an offline preset in effect the preset would be
     built and the given name silently ignored."""

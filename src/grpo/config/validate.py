@@ -136,6 +136,7 @@ def validate(cfg: DictConfig, run_dir: Path | None = None) -> None:
     info = checks.hydra_info(cfg)
     checks.check_group_choices(info)
     checks.check_sweep_needs_multirun(info)
+    checks.check_data_fits_default_experiment(info)
     checks.check_missing_values(cfg)
     checks.check_model_source(cfg.model, info)
     checks.check_lora_given_with_a_lora_mode(cfg, info)
