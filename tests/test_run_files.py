@@ -336,3 +336,26 @@ def test_warnings_and_log_lines_are_written_above_the_progress_bar_not_onto_it(t
         assert text in err
         line_so_far = err[:err.index(text)].split("\n")[-1].split("\r")[-1]  # what is on the line before it
         assert "1/10" not in line_so_far and "|" not in line_so_far, repr(err)
+
+
+def test_each_session_gets_its_own_vllm_log(tmp_path):
+    """Issue 44.17: logs/vllm.log was appended across resumes, so a resumed run's start-up progress lines quoted the
+    previous run's last messages (a leaked-semaphore warning). Each session's is kept as logs/vllm.<n>.log."""
+    import subprocess
+    import sys
+
+    from conftest import REPO
+    from grpo.run import keep_earlier_server_log
+
+    run = tmp_path / "run"
+    (run / "logs").mkdir(parents=True)
+    assert keep_earlier_server_log(run) is None
+    (run / "logs" / "vllm.log").write_text("session 1\n")
+    assert keep_earlier_server_log(run) == run / "logs" / "vllm.1.log"
+    (run / "logs" / "vllm.log").write_text("session 2\n")
+    # Through the run dir guard of a real start (stopped by a config mistake right after it).
+    out = subprocess.run([sys.executable, str(REPO / "train.py"), "~experiment", "+optimzer.lr=1", f"hydra.run.dir={run}"],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 1 and "unknown config key optimzer" in out.stderr, out.stderr[-2000:]
+    assert not (run / "logs" / "vllm.log").exists()
+    assert [(run / "logs" / f"vllm.{n}.log").read_text() for n in (1, 2)] == ["session 1\n", "session 2\n"]

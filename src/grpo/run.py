@@ -277,6 +277,20 @@ def keep_earlier_session(run_dir: Path) -> Path | None:
     return dest
 
 
+def keep_earlier_server_log(run_dir: Path) -> Path | None:
+    """Before this session's server writes `logs/vllm.log` (appended to across its restarts), move an earlier
+    session's to `logs/vllm.<n>.log` (1 the first, then in order): appended across resumes, a resumed run's start-up
+    progress lines quoted the previous run's last messages. Returns where it went, or None when there was none."""
+    logs = run_dir / "logs"
+    current = logs / "vllm.log"
+    if not current.is_file():
+        return None
+    taken = [int(p.stem.split(".", 1)[1]) for p in logs.glob("vllm.*.log") if p.stem.split(".", 1)[1].isdigit()]
+    dest = logs / f"vllm.{max(taken, default=0) + 1}.log"
+    current.rename(dest)
+    return dest
+
+
 def lock_run_dir(run_dir: Path) -> None:
     """Hold an exclusive lock on `<run_dir>/.grpo.lock` until this process ends (the file is removed then). A second
     trainer in the same dir (a resume command run twice, a requeued job) would write the same metrics.jsonl and
@@ -401,6 +415,7 @@ class RunDirGuard(Callback):
                 resume = config.train.resume
                 if resume is not None and Path(resume).resolve() == run_dir.resolve():
                     keep_earlier_session(run_dir)  # before Hydra writes this session's .hydra/ over it
+                keep_earlier_server_log(run_dir)  # one vllm.log per session
 
     def on_multirun_start(self, config: Any, **kwargs: Any) -> None:  # noqa: ARG002
         """Exit 1 before the first job when the sweep dir holds jobs that already ran (`check_sweep_dir_unused`)."""
