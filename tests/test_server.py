@@ -452,3 +452,21 @@ def test_a_server_that_does_not_start_ends_the_run_with_one_message(tmp_path):
     assert len(last) == 1 and "not healthy after 1s" in last[0] and str(run_dir / "logs" / "vllm.log") in last[0]
     assert json.loads((run_dir / "summary.json").read_text())["status"] == "failed"
     assert_clean(marker)
+
+
+@pytest.mark.vllm
+def test_a_second_cpu_server_start_does_not_compile_again_for_a_cache_that_never_loads(tmp_path, tiny_qwen2_dir):
+    """Issue 44.17: vLLM 0.32 on CPU saved an AOT compile artifact that its own loader cannot load, so every start
+    after the first logged "Compiling model again due to a load failure ... 'function' object has no attribute
+    'finalize_loading'" and compiled again. Two starts of one config: the second neither fails a load nor says so."""
+    from grpo.inference.process import VLLMServer
+
+    logs = [tmp_path / f"vllm{i}.log" for i in (1, 2)]
+    for log in logs:
+        server = VLLMServer(tiny_qwen2_dir, server_cfg(), log)  # no LoRA: vLLM compiles the model
+        server.start()
+        server.stop()
+    text = logs[1].read_text()
+    assert "Warming up model for the compilation" in text  # the compile path ran
+    assert "Compiling model again due to a load failure" not in text
+    assert "grpo: VLLM_USE_AOT_COMPILE=0 on CPU" in text

@@ -514,6 +514,23 @@ def exit_with_launcher() -> bool:
     return True
 
 
+def skip_cpu_aot_compile_cache() -> bool:
+    """On the CPU platform, turn off vLLM's AOT compile cache (VLLM_USE_AOT_COMPILE=0) unless the environment sets
+    it. vLLM 0.32 compiles the CPU model with torch's own "inductor" backend (CompilationMode.DYNAMO_TRACE_ONCE),
+    yet saves and loads the result as an AOT artifact whose loader calls `finalize_loading`, a method of vLLM's own
+    backend only: every start after the first logged "Compiling model again due to a load failure ... 'function'
+    object has no attribute 'finalize_loading'", compiled the model again and saved it again. Without AOT, torch's
+    own inductor cache serves the next start (issue 44.17 has the timings). True when turned off."""
+    if "VLLM_USE_AOT_COMPILE" in os.environ:
+        return False
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return False
+    os.environ["VLLM_USE_AOT_COMPILE"] = "0"  # read by the engine process, which inherits it
+    return True
+
+
 def main(argv: list[str] | None = None) -> None:
     """Run vLLM's api_server with `with_defaults(argv)`, on a port no other process can bind while it runs.
 
@@ -528,6 +545,9 @@ def main(argv: list[str] | None = None) -> None:
         print(HELP_PREFACE)
     args = with_defaults(raw)
     exit_with_launcher()
+    if skip_cpu_aot_compile_cache():
+        print("grpo: VLLM_USE_AOT_COMPILE=0 on CPU (vLLM's AOT cache never loads there; torch's inductor cache does)",
+              file=sys.stderr, flush=True)
     identity.exclusive_listen(port_arg(args))
     # vLLM deprecates running this module as a command (for its `vllm serve`); we run it on purpose (docstring
     # above), so its two warnings would only tell a grpo-serve user to use a command they did not type.
