@@ -809,7 +809,7 @@ def test_a_start_up_mistake_leaves_no_run_dir_behind(tmp_path, args, needle):
                          capture_output=True, text=True, cwd=tmp_path, timeout=300)
     assert out.returncode == 1 and needle in out.stderr, out.stderr[-2000:]
     assert "Traceback" not in out.stderr
-    assert not run.exists(), sorted(p.name for p in run.iterdir())
+    assert not (tmp_path / "outputs").exists(), sorted(p.name for p in run.iterdir())  # nor the parent it made
 
 
 def test_a_start_up_mistake_in_a_dir_that_existed_keeps_it_and_writes_no_summary(tmp_path):

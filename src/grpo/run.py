@@ -338,8 +338,20 @@ def unlock_run_dir() -> None:
         _run_dir_lock = None
 
 
-# The run dir this process created (RunDirGuard, before Hydra writes into it), for discard_unstarted_run_dir.
+# The run dir this process created (RunDirGuard, before Hydra writes into it) and the topmost of its parents it
+# created with it (outputs/<date>/ for the first run of a day), for discard_unstarted_run_dir.
 _created_run_dir: Path | None = None
+_created_top: Path | None = None
+
+
+def first_missing(path: Path) -> Path | None:
+    """The topmost directory of `path` (itself included) that does not exist yet; None when it exists."""
+    missing = None
+    for candidate in [path.absolute(), *path.absolute().parents]:
+        if candidate.exists():
+            break
+        missing = candidate
+    return missing
 
 
 def discard_unstarted_run_dir(run_dir: Path) -> bool:
@@ -358,6 +370,15 @@ def discard_unstarted_run_dir(run_dir: Path) -> bool:
         return False
     unlock_run_dir()
     shutil.rmtree(run_dir, ignore_errors=True)
+    # Parents created with it go too while empty (another run may have started in the same date dir meanwhile).
+    top = (_created_top or run_dir).absolute()
+    for parent in run_dir.absolute().parents:
+        if top not in (parent, *parent.parents):
+            break
+        try:
+            parent.rmdir()
+        except OSError:
+            break
     _created_run_dir = None
     return True
 
@@ -399,13 +420,13 @@ class RunDirGuard(Callback):
             # there would get .hydra/.
             check_resume_exists(config)
             if int(os.environ.get("RANK", "0")) == 0:
-                global _created_run_dir
+                global _created_run_dir, _created_top
                 run_dir = Path(config.hydra.run.dir)
-                existed = run_dir.exists()
+                top = first_missing(run_dir)
                 # Before Hydra opens train.log there: its failure was a traceback ending in "Unable to configure
                 # handler 'file'", the cause (PermissionError ... train.log) buried in it.
                 check_run_dir(run_dir)
-                _created_run_dir = None if existed else run_dir
+                _created_run_dir, _created_top = (run_dir, top) if top is not None else (None, None)
             check_run_dir_unused(config, Path(config.hydra.run.dir))
             check_resume_has_steps_left(config)
             check_resume_identity(config)
