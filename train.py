@@ -35,6 +35,7 @@ from grpo.run import (
     check_objective,
     check_resume_identity,
     device_memory,
+    discard_unstarted_run_dir,
     done_message,
     objective_value,
     record_device_memory,
@@ -60,8 +61,18 @@ def config_error(error: Exception, multirun: bool, run_dir: Path | None = None) 
         if run_dir is not None:
             RunSummary(run_dir).skip(error)
         return float("nan")
+    if run_dir is not None:
+        discard_unstarted_run_dir(run_dir)  # created for a run that never started
     print(f"{type(error).__name__}: {error}", file=sys.stderr)
     raise SystemExit(1) from None
+
+
+def server_start_failed(error: BaseException) -> bool:
+    """The vLLM server could not start (port taken, a bad argument, a start-up timeout): the message names the
+    cause and the log, the vLLM log's tail is logged; a Python traceback of the launch adds 40 frames to that."""
+    from grpo.inference.process import ServerStartError
+
+    return isinstance(error, ServerStartError)
 
 
 def has_trained(run_dir: Path) -> bool:
@@ -103,7 +114,9 @@ def main(cfg: DictConfig) -> float | None:
         # not a config problem: a sweep records that job as failed, not skipped.
         config_problem = isinstance(e, ConfigError) or (
             isinstance(e, DataSourceError) and not (rank0 and has_trained(run_dir)))
-        if summary is not None and not (config_problem and multirun):  # a sweep's job: skipped (config_error)
+        # A config problem is no failed run: a sweep's job is skipped, a single run's dir removed (config_error);
+        # a summary.json of `failed` would also replace the one of a run resumed in place.
+        if summary is not None and not config_problem:
             summary.fail(e)
         if isinstance(e, KeyboardInterrupt):  # Ctrl-C / SIGTERM: a short block (grpo.stop), not a traceback
             from grpo.stop import exit_code, report_stop
@@ -114,6 +127,9 @@ def main(cfg: DictConfig) -> float | None:
         # Found while building a component (the evaluator's held-out prompts, a data source that does not answer).
         if config_problem:
             return config_error(e, multirun, run_dir if rank0 else None)
+        if not multirun and server_start_failed(e):  # its message (and the log tail logged) says it all
+            print(f"{type(e).__name__}: {e}", file=sys.stderr)
+            raise SystemExit(1) from None
         # A failed multirun job is logged and the sweep goes on with the next one.
         if multirun and not isinstance(e, KeyboardInterrupt):
             log.exception("job failed; continuing the sweep")
@@ -390,11 +406,12 @@ def _config_dirs(args: list[str]) -> list[Path]:
 def run() -> None:
     """The command line's entry (`python train.py`, `grpo-train`): a choice whose Hydra plugin is missing is said
     before Hydra composes (its own error names no package), then the Hydra app."""
-    from grpo.config.checks import check_group_option_names, check_hydra_plugins
+    from grpo.config.checks import check_config_dirs, check_group_option_names, check_hydra_plugins
 
     args = sys.argv[1:]
     try:
         check_hydra_plugins(args)
+        check_config_dirs(_config_dirs(args))
         if not any(a.split("=", 1)[0] in ("--config-path", "-cp") for a in args):  # another primary config
             check_group_option_names(args, [Path(__file__).parent / "conf", *_config_dirs(args)])
     except ConfigError as e:

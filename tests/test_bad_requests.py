@@ -25,9 +25,21 @@ MAX_MODEL_LEN = 512  # conftest.server_cfg
         ({"prompt": [], "max_tokens": 2}, "empty prompt"),
         ({"prompt": "", "max_tokens": 2}, "empty prompt"),
         ({"prompt": {"prompt_token_ids": []}, "max_tokens": 2}, "empty prompt"),
+        # Issue 44.5: coerced and served ([1, 2], [7, 8], [1, 0]), or a Python TypeError's text for null.
+        ({"prompt": {"prompt_token_ids": [1.7, 2.2]}, "max_tokens": 2}, "must hold integer token ids only"),
+        ({"prompt": {"prompt_token_ids": ["7", "8"]}, "max_tokens": 2}, "must hold integer token ids only"),
+        ({"prompt": {"prompt_token_ids": [True, False]}, "max_tokens": 2}, "must hold integer token ids only"),
+        ({"prompt": {"prompt_token_ids": None}, "max_tokens": 2}, "prompt_token_ids must be a list of integer"),
+        ({"prompts": [[1, 2], {"prompt_token_ids": [1.5]}], "max_tokens": 2}, "prompts[1]: prompt_token_ids must"),
+        # Issue 44.4: n=10000 held the engine 46 s; max_tokens=10**9 was cut at the context without a word.
+        ({"prompt": [1, 2], "max_tokens": 2, "n": 10_000}, "(vLLM's --max-num-seqs); send several requests"),
+        ({"prompts": [[1, 2]], "max_tokens": 2, "n": 10_000}, "n=10000 is more samples than the server runs"),
+        ({"prompt": [1, 2], "max_tokens": 2, "n": 0}, "n must be an integer >= 1"),
+        ({"prompt": [1, 2], "max_tokens": 10**9}, f"at most {MAX_MODEL_LEN - 2} (the server's max_model_len"),
     ],
     ids=["oov", "negative_id", "max_tokens_0", "max_tokens_negative", "too_long", "no_room", "empty_list",
-         "empty_text", "empty_ids"],
+         "empty_text", "empty_ids", "float_ids", "string_ids", "bool_ids", "null_ids", "batch_float_id",
+         "n_too_many", "batch_n_too_many", "n_0", "max_tokens_past_context"],
 )
 def test_bad_generate_request_is_400_with_the_reason(vllm_server, body, reason):
     r = requests.post(vllm_server.url + "/generate", json=body, timeout=60)

@@ -306,3 +306,23 @@ def test_a_damaged_latest_checkpoint_is_refused_at_start_up_naming_the_file_and_
     latest.rename(f"{latest}.damaged")  # as the message says: the run resumes from step 1
     check_resume_has_steps_left(cfg)
     assert mgr.latest() == first
+
+
+def test_a_resume_whose_betas_come_back_as_a_list_does_not_warn_of_a_change(tmp_path, caplog):
+    """Issue 44.11: every FSDP2 resume warned "betas [0.9, 0.999] -> (0.9, 0.999)": set_optimizer_state_dict gives
+    the checkpoint's betas back as a list. A real change still warns and is applied."""
+    import logging
+
+    from grpo.trainer.checkpoint import keep_optimizer_settings, optimizer_settings
+
+    optimizer = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(2))], lr=1e-3, betas=(0.9, 0.999))
+    settings = optimizer_settings(optimizer)
+    optimizer.param_groups[0]["betas"] = [0.9, 0.999]  # as the distributed load leaves it
+    with caplog.at_level(logging.WARNING, logger="grpo.trainer.checkpoint"):
+        keep_optimizer_settings(optimizer, settings, None, tmp_path)
+    assert "not the checkpoint's" not in caplog.text
+    optimizer.param_groups[0]["betas"] = [0.9, 0.99]
+    with caplog.at_level(logging.WARNING, logger="grpo.trainer.checkpoint"):
+        keep_optimizer_settings(optimizer, settings, None, tmp_path)
+    assert "betas [0.9, 0.99] -> (0.9, 0.999)" in caplog.text
+    assert optimizer.param_groups[0]["betas"] == (0.9, 0.999)

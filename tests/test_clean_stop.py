@@ -99,3 +99,42 @@ def test_a_real_error_keeps_its_traceback(tmp_path):
     assert out.returncode == 1, text[-2000:]
     assert "Traceback" in text and "ConfigError" not in text
     assert "grpo: stopped by" not in text
+
+
+def test_a_resume_into_another_dir_stopped_before_its_first_checkpoint_names_the_checkpoint_it_can_reach(tmp_path):
+    """Issue 44.1: `train.resume=A hydra.run.dir=B`, stopped before B's first checkpoint, said "no complete checkpoint
+    yet; start again with: python train.py ..." (from step 0, A's checkpoint still on disk); resuming B said it "has
+    no complete checkpoint" and resuming A into B that B "already holds a run". The block gives the command that
+    continues from A's checkpoint into B; that command passes the start-up checks, and resuming B names it."""
+    import io
+
+    from grpo.config import ConfigError
+    from grpo.config.validate import check_run_dir_unused, raise_for_resume_dir
+    from grpo.run import record_provenance
+    from grpo.stop import report_stop
+
+    a, b = tmp_path / "A", tmp_path / "B"
+    ckpt = a / "checkpoints" / "step_000002"
+    ckpt.mkdir(parents=True)
+    (ckpt / "trainer_state.json").write_text('{"step": 2}')
+    (ckpt / "COMPLETE").write_text("")
+    b.mkdir()
+    (b / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "loss": 0.1}) + "\n" for s in (1, 2, 3)))
+    cfg = OmegaConf.create({"train": {"resume": str(a), "checkpoint_every": 5, "steps": 10}, "server": {},
+                            "logging": {"plot": False}})
+    record_provenance(b, cfg)
+    overrides = ["train.steps=10", f"train.resume={a}", f"hydra.run.dir={b}"]
+    out = io.StringIO()
+    report = report_stop(KeyboardInterrupt(), cfg, b, overrides, argv=["train.py", *overrides], stream=out)
+    assert report.checkpoint == ckpt
+    assert f"last complete checkpoint: {ckpt}" in out.getvalue()
+    assert shlex.split(report.resume_command) == ["python", "train.py", "train.steps=10", f"train.resume={a}",
+                                                  f"hydra.run.dir={b}"]
+    check_run_dir_unused(cfg, b)  # the printed command is not refused for B's rows
+    other = tmp_path / "other"
+    other.mkdir()
+    with pytest.raises(ConfigError, match="already holds a run"):  # another run's resume into B still is
+        check_run_dir_unused(OmegaConf.merge(cfg, {"train": {"resume": str(other)}}), b)
+    with pytest.raises(ConfigError, match=f"it was resumed from {a}, whose latest is {ckpt}; continue from there "
+                                          f"into the same dir with train.resume={a} hydra.run.dir={b}"):
+        raise_for_resume_dir(b)

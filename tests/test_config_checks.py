@@ -74,7 +74,8 @@ def test_empty_model_directory_fails_naming_it(tmp_path):
         _validate(["model.offline=null", f"model.name={empty}"], tmp_path / "run")
 
 
-@pytest.mark.parametrize("overrides", [[], ["model=qwen3b", "model.offline=qwen3b"], ["data=atropos", "mode=lora_only"]])
+@pytest.mark.parametrize("overrides", [[], ["model=qwen3b", "model.offline=qwen3b"],
+                                       ["~experiment", "data=atropos", "mode=lora_only"]])
 def test_ordinary_configs_still_pass(tmp_path, overrides):
     _validate(overrides, tmp_path)
 
@@ -135,8 +136,8 @@ def test_a_sweep_skips_a_job_whose_config_is_wrong_and_goes_on(tmp_path):
 @pytest.mark.parametrize(
     "overrides, needle",
     [
-        (["train.max_staleness=1", "data=atropos"], "set train.stale_policy=drop"),
-        (["train.max_staleness=1", "data=atropos", "train.stale_policy=drop", "train.rollout_queue=2"],
+        (["~experiment", "train.max_staleness=1", "data=atropos"], "set train.stale_policy=drop"),
+        (["~experiment", "train.max_staleness=1", "data=atropos", "train.stale_policy=drop", "train.rollout_queue=2"],
          "has no effect with data=grpo.pipeline.atropos.AtroposPipeline"),
         (["train.max_staleness=1", "loss.old_logprobs=recompute"], "without loss.tis_cap would take pi_old"),
         (["train.max_staleness=-1"], "train.max_staleness must be >= 0"),
@@ -151,7 +152,7 @@ def test_a_sweep_skips_a_job_whose_config_is_wrong_and_goes_on(tmp_path):
         (["train.max_staleness=1", "train.rollout_batches_in_flight=2"], "at most 1 rollout batches may be generated"),
         (["train.max_staleness=2", "train.stale_policy=drop", "train.rollout_queue=1", "train.rollout_batches_in_flight=2"],
          "at most 1 rollout batches may be generated"),
-        (["train.max_staleness=2", "data=atropos", "train.stale_policy=drop", "train.rollout_batches_in_flight=2"],
+        (["~experiment", "train.max_staleness=2", "data=atropos", "train.stale_policy=drop", "train.rollout_batches_in_flight=2"],
          "train.rollout_batches_in_flight=2 has no effect with data=grpo.pipeline.atropos.AtroposPipeline"),
     ],
 )
@@ -167,7 +168,7 @@ def test_async_rollouts_with_recompute_and_tis_cap_or_rollout_logprobs_pass(tmp_
     _validate(["train.max_staleness=2", "train.rollout_batches_in_flight=2"], tmp_path)
     _validate(["train.max_staleness=1", "train.stale_policy=drop", "train.rollout_batches_in_flight=2"], tmp_path)
     # Atropos generates on its own: k drops its older groups.
-    _validate(["train.max_staleness=2", "data=atropos", "train.stale_policy=drop"], tmp_path)
+    _validate(["~experiment", "train.max_staleness=2", "data=atropos", "train.stale_policy=drop"], tmp_path)
 
 
 @pytest.mark.parametrize(
@@ -291,12 +292,23 @@ def test_a_local_pipeline_too_small_for_the_batch_stops_before_the_server(tmp_pa
               tmp_path / "r2")
 
 
-def test_another_data_option_on_the_default_job_is_told_where_its_batch_comes_from(tmp_path):
-    """python train.py data=local_digits: the default job's batch (16 x 8 for arithmetic) outgrows the digits data;
-    the message named the keys but not that the experiment set them."""
+def test_another_data_option_on_the_default_job_is_refused_naming_the_bare_config(tmp_path):
+    """Issue 44.7: `python train.py data=atropos` ran under the default experiment (arith_quick): labelled arith_quick,
+    with its warm-start model and settings, unless the user knew to write '~experiment'. (data=local_digits got a
+    batch-size error that named the experiment.) `python train.py` itself composes as before."""
+    for data in ("atropos", "local_digits"):
+        with pytest.raises(ConfigError, match=re.escape(
+                f"data={data} runs under experiment=arith_quick, which conf/train.yaml applies by default and which "
+                f"was written for data=arithmetic (it sets its own name, model, batch and learning rate); for the bare "
+                f"config with your data add '~experiment' (python train.py '~experiment' data={data} ...)")):
+            _validate([f"data={data}", f"hydra.run.dir={tmp_path}/run"], tmp_path / "run")
+    _validate(["~experiment", "data=atropos", f"hydra.run.dir={tmp_path}/r1"], tmp_path / "r1")
+    _validate(["data=arithmetic", f"hydra.run.dir={tmp_path}/r2"], tmp_path / "r2")  # the experiment's own data
+    _validate([f"hydra.run.dir={tmp_path}/r3"], tmp_path / "r3")  # the default run
+    # An experiment named on the command line with other data is the user's own combination.
     with pytest.raises(ConfigError, match=re.escape("(experiment=arith_quick sets the batch for its own data; "
                                                     "'~experiment' gives the bare config)")):
-        _validate(["data=local_digits", f"hydra.run.dir={tmp_path}/run"], tmp_path / "run")
+        _validate(["experiment=arith_quick", "data=local_digits", f"hydra.run.dir={tmp_path}/r4"], tmp_path / "r4")
 
 
 @pytest.mark.parametrize("override, needle", [
@@ -746,3 +758,69 @@ def test_wandb_settings_without_wandb_logging_are_refused(tmp_path):
                                                     "off; add logging.wandb=true")):
         _validate(["logging.wandb_project=myproj"], tmp_path)
     _validate(["logging.wandb=true", "logging.wandb_project=myproj"], tmp_path)
+
+
+def test_a_value_of_the_wrong_type_is_a_config_error_not_hydras_merge_error(tmp_path):
+    """Issue 44.16: `train.steps=many` printed Hydra's "Error merging override ... HYDRA_FULL_ERROR=1", not the
+    `ConfigError:` form the README promises for exactly this example."""
+    from conftest import REPO as repo
+
+    out = subprocess.run([sys.executable, str(repo / "train.py"), "train.steps=many", f"hydra.run.dir={tmp_path}/run"],
+                         capture_output=True, text=True, cwd=tmp_path, timeout=300)
+    assert out.returncode == 1
+    assert out.stderr.strip() == ("ConfigError: train.steps=many: Value 'many' of type 'str' could not be converted to "
+                                  "Integer (python train.py --cfg job prints every key and its value)")
+    assert not (tmp_path / "run").exists()
+
+
+def test_values_the_schema_takes_pass_the_type_check():
+    from grpo.config.checks import check_group_option_names
+
+    with pytest.raises(ConfigError, match=r"model.max_seq_len=1.5: Value '1.5' of type 'float' could not be converted"):
+        check_group_option_names(["model.max_seq_len=1.5"], [REPO / "conf"])
+    check_group_option_names(["train.steps=12", "train.resume=null", "server.port=null", "train.steps=3,6",
+                              "train.steps=${train.checkpoint_every}", "layers.indices=0-3", "loss.clip_eps=0.1",
+                              "train.advantage_norm=group", "name=my run"], [REPO / "conf"])
+
+
+@pytest.mark.parametrize("multirun", [False, True])
+def test_a_run_dir_that_cannot_be_written_is_one_line_naming_it_and_the_error(tmp_path, multirun):
+    """Issue 44.2: an unwritable run dir ended in Hydra's traceback ("ValueError: Unable to configure handler
+    'file'"), the cause (PermissionError ... train.log) buried in it. Here the dir's parent is a file (root may write
+    anywhere else)."""
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    key = "hydra.sweep.dir" if multirun else "hydra.run.dir"
+    args = ["-m", "~experiment", "train.steps=1,2"] if multirun else ["~experiment"]
+    out = subprocess.run([sys.executable, str(REPO / "train.py"), *args, f"{key}={blocker}/run"],
+                         capture_output=True, text=True, cwd=tmp_path, timeout=300)
+    assert out.returncode == 1, out.stderr[-2000:]
+    assert out.stderr.strip() == (f"ConfigError: run dir {blocker}/run is not writable (NotADirectoryError: [Errno 20] "
+                                  f"Not a directory: '{blocker}/run'); set {key} to a writable path"), out.stderr[-2000:]
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["+optimzer.lr=1"], "unknown config key optimzer"),
+    (["sweep=clip_eps"], "add -m"),
+    (["data=prompt_file", "data.task.path=/no/such/prompts.jsonl"], "no file or directory at /no/such/prompts.jsonl"),
+    (["model.offline=null", "model.name=/no/such/model_dir"], "/no/such/model_dir"),
+])
+def test_a_start_up_mistake_leaves_no_run_dir_behind(tmp_path, args, needle):
+    """Issue 44.15: each of these left a run dir (.hydra/, train.log), some with a summary.json saying `failed`."""
+    run = tmp_path / "outputs" / "run"
+    out = subprocess.run([sys.executable, str(REPO / "train.py"), "~experiment", *args, f"hydra.run.dir={run}"],
+                         capture_output=True, text=True, cwd=tmp_path, timeout=300)
+    assert out.returncode == 1 and needle in out.stderr, out.stderr[-2000:]
+    assert "Traceback" not in out.stderr
+    assert not (tmp_path / "outputs").exists(), sorted(p.name for p in run.iterdir())  # nor the parent it made
+
+
+def test_a_start_up_mistake_in_a_dir_that_existed_keeps_it_and_writes_no_summary(tmp_path):
+    run = tmp_path / "mine"
+    run.mkdir()
+    (run / "notes.txt").write_text("mine")
+    out = subprocess.run([sys.executable, str(REPO / "train.py"), "~experiment", "data=prompt_file",
+                          "data.task.path=/no/such/prompts.jsonl", f"hydra.run.dir={run}"],
+                         capture_output=True, text=True, cwd=tmp_path, timeout=300)
+    assert out.returncode == 1, out.stderr[-2000:]
+    assert (run / "notes.txt").read_text() == "mine" and not (run / "summary.json").exists()

@@ -73,6 +73,24 @@ def test_grpo_train_config_dir_adds_the_users_own_experiment(installed, tmp_path
     assert "prompt_file" in groups["data"].split(", ")
 
 
+def test_grpo_train_outside_the_checkout_says_which_config_dir_is_missing_and_names_itself(installed, tmp_path):
+    """Issue 44.14: the README's own-task command outside the checkout failed with "experiment=my_task is not one of
+    the experiment options" (its --config-dir, relative to the checkout, does not exist there, which was said only
+    after that), and the errors named `python train.py` to a user who ran `grpo-train`."""
+    out = grpo_train(installed, tmp_path, "--config-dir", "examples/my_task/conf", "experiment=my_task")
+    assert out.returncode == 1
+    assert out.stderr.strip() == (f"ConfigError: --config-dir examples/my_task/conf: no such directory (a relative path "
+                                  f"starts at the working directory, {tmp_path}); give the directory that holds your "
+                                  "config groups (e.g. experiment/, data/)")
+    typo = grpo_train(installed, tmp_path, "train.stepz=3")
+    assert typo.returncode == 1 and "(grpo-train --cfg job prints every key" in typo.stderr, typo.stderr[-2000:]
+    # With the example beside it (a copy of the checkout's examples/), the README's command composes it.
+    shutil.copytree(REPO / "examples" / "my_task", tmp_path / "examples" / "my_task")
+    job = grpo_train(installed, tmp_path, "--config-dir", "examples/my_task/conf", "experiment=my_task", "--cfg", "job")
+    assert job.returncode == 0, job.stderr[-2000:]
+    assert OmegaConf.create(job.stdout).data.task.path == "examples/my_task/prompts.jsonl"
+
+
 def _logging_cfg(tensorboard: bool):
     return OmegaConf.create({"wandb": False, "wandb_project": "grpo", "wandb_entity": None,
                              "tensorboard": tensorboard, "progress_bar": False, "plot": False})

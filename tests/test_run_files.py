@@ -307,3 +307,55 @@ def test_a_resume_keeps_each_earlier_sessions_record_in_order(tmp_path):
     assert kept == run / "sessions" / "02"
     assert (run / "sessions" / "01" / ".hydra" / "config.yaml").read_text() == "first"
     assert json.loads((run / "sessions" / "02" / "provenance.json").read_text()) == {"argv": ["second"]}
+
+
+def test_warnings_and_log_lines_are_written_above_the_progress_bar_not_onto_it(tmp_path, capsys):
+    """Issue 44.8: a warning printed onto the bar's line ("...| 1/10 [00:00<...]WARNING ...")."""
+    import logging
+    import sys
+    import warnings
+
+    from omegaconf import OmegaConf
+
+    from grpo.config.schema import LoggingConfig
+    from grpo.trainer.metrics import MetricsLogger
+
+    console = logging.StreamHandler(sys.stderr)  # as Hydra's console handler
+    logging.root.addHandler(console)
+    try:
+        logger = MetricsLogger(tmp_path, OmegaConf.structured(LoggingConfig(progress_bar=True, plot=False)),
+                               OmegaConf.create({}), total_steps=10, start_step=0)
+        logger.log({"step": 1, "loss": 0.5})
+        logging.getLogger("grpo.test").warning("a log line during the run")
+        warnings.warn("a Python warning during the run", UserWarning, stacklevel=1)
+        logger.close()
+    finally:
+        logging.root.removeHandler(console)
+    err = capsys.readouterr().err
+    for text in ("a log line during the run", "a Python warning during the run"):
+        assert text in err
+        line_so_far = err[:err.index(text)].split("\n")[-1].split("\r")[-1]  # what is on the line before it
+        assert "1/10" not in line_so_far and "|" not in line_so_far, repr(err)
+
+
+def test_each_session_gets_its_own_vllm_log(tmp_path):
+    """Issue 44.17: logs/vllm.log was appended across resumes, so a resumed run's start-up progress lines quoted the
+    previous run's last messages (a leaked-semaphore warning). Each session's is kept as logs/vllm.<n>.log."""
+    import subprocess
+    import sys
+
+    from conftest import REPO
+    from grpo.run import keep_earlier_server_log
+
+    run = tmp_path / "run"
+    (run / "logs").mkdir(parents=True)
+    assert keep_earlier_server_log(run) is None
+    (run / "logs" / "vllm.log").write_text("session 1\n")
+    assert keep_earlier_server_log(run) == run / "logs" / "vllm.1.log"
+    (run / "logs" / "vllm.log").write_text("session 2\n")
+    # Through the run dir guard of a real start (stopped by a config mistake right after it).
+    out = subprocess.run([sys.executable, str(REPO / "train.py"), "~experiment", "+optimzer.lr=1", f"hydra.run.dir={run}"],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 1 and "unknown config key optimzer" in out.stderr, out.stderr[-2000:]
+    assert not (run / "logs" / "vllm.log").exists()
+    assert [(run / "logs" / f"vllm.{n}.log").read_text() for n in (1, 2)] == ["session 1\n", "session 2\n"]

@@ -180,3 +180,33 @@ def test_a_summary_that_cannot_be_written_is_logged_and_never_left_half_written(
         summary.fail(RuntimeError("the run's own error"))
     assert "could not write" in caplog.text and "failed" in caplog.text
     assert (tmp_path / "summary.json").read_text() == first  # the earlier record, whole
+
+
+@pytest.mark.parametrize("error, status", [(RuntimeError("boom"), "failed"), (KeyboardInterrupt(), "interrupted")])
+def test_a_failed_or_interrupted_run_records_its_steps_run(tmp_path, error, status):
+    """Issue 44.3: summary.json of a failed or interrupted run had no steps_run (the README's table lists it)."""
+    RunSummary(tmp_path).fail(error)
+    assert json.loads((tmp_path / "summary.json").read_text())["steps_run"] == 0  # before the first step
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "loss": 0.1}) + "\n" for s in (0, 1, 2, 3)))
+    RunSummary(tmp_path).fail(error)
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["status"] == status and summary["steps_run"] == 3
+
+
+def test_a_finished_trainer_leaves_no_lock_file_and_a_killed_ones_is_taken_over(tmp_path):
+    """Issue 44.18: `.grpo.lock` stayed in finished run dirs naming a dead pid (the README: the running trainer
+    holds it)."""
+    import subprocess
+    import sys
+
+    from grpo.run import lock_run_dir, unlock_run_dir
+
+    run = tmp_path / "run"
+    code = f"from pathlib import Path; from grpo.run import lock_run_dir; lock_run_dir(Path({str(run)!r}))"
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+    assert run.is_dir() and not (run / ".grpo.lock").exists()
+    (run / ".grpo.lock").write_text("pid 999999999\n")  # a killed trainer's: no process holds the lock
+    lock_run_dir(run)
+    assert (run / ".grpo.lock").read_text() == f"pid {os.getpid()}\n"
+    unlock_run_dir()
+    assert not (run / ".grpo.lock").exists()

@@ -433,3 +433,40 @@ def test_batched_generate_answer_and_errors(vllm_server):
     ]:
         r = requests.post(url, json=bad, timeout=60)
         assert r.status_code == status and reason in r.json()["error"], (bad, r.status_code, r.text)
+
+
+@pytest.mark.vllm
+def test_a_server_that_does_not_start_ends_the_run_with_one_message(tmp_path):
+    """Issue 44.6: two runs on one port: the second failed right, but with three tracebacks (43 frames) around
+    ServerStartError: vLLM's own in the logged tail, the launch's, and the tail again in the message. A server that
+    does not start now ends the run with its message (naming the cause and the log) and no Python traceback."""
+    import json
+
+    from test_train_e2e import assert_clean, run_train
+
+    run_dir = tmp_path / "run"
+    out, marker = run_train("~experiment", "server.startup_timeout_s=1", f"hydra.run.dir={run_dir}", timeout=300)
+    assert out.returncode == 1, out.stderr[-3000:]
+    assert "Traceback" not in out.stderr and "Error executing job" not in out.stderr, out.stderr[-3000:]
+    last = [line for line in out.stderr.splitlines() if line.startswith("ServerStartError: ")]
+    assert len(last) == 1 and "not healthy after 1s" in last[0] and str(run_dir / "logs" / "vllm.log") in last[0]
+    assert json.loads((run_dir / "summary.json").read_text())["status"] == "failed"
+    assert_clean(marker)
+
+
+@pytest.mark.vllm
+def test_a_second_cpu_server_start_does_not_compile_again_for_a_cache_that_never_loads(tmp_path, tiny_qwen2_dir):
+    """Issue 44.17: vLLM 0.32 on CPU saved an AOT compile artifact that its own loader cannot load, so every start
+    after the first logged "Compiling model again due to a load failure ... 'function' object has no attribute
+    'finalize_loading'" and compiled again. Two starts of one config: the second neither fails a load nor says so."""
+    from grpo.inference.process import VLLMServer
+
+    logs = [tmp_path / f"vllm{i}.log" for i in (1, 2)]
+    for log in logs:
+        server = VLLMServer(tiny_qwen2_dir, server_cfg(), log)  # no LoRA: vLLM compiles the model
+        server.start()
+        server.stop()
+    text = logs[1].read_text()
+    assert "Warming up model for the compilation" in text  # the compile path ran
+    assert "Compiling model again due to a load failure" not in text
+    assert "grpo: VLLM_USE_AOT_COMPILE=0 on CPU" in text

@@ -89,8 +89,16 @@ def record_provenance(run_dir: Path, cfg: Any = None) -> dict:
     info = {"grpo_version": pkg, "git_commit": git_commit(), "python": sys.version.split()[0], "argv": sys.argv}
     if cfg is not None:
         info["identity"] = run_identity(cfg)
+        if cfg.train.resume is not None:  # read by grpo.config.validate.resumed_from: which run this one continues
+            info["resumed_from"] = str(Path(cfg.train.resume).resolve())
     (run_dir / "provenance.json").write_text(json.dumps(info, indent=2))
     return info
+
+
+def steps_in(rows: Sequence[dict], default: int) -> int:
+    """The last optimizer step of metrics rows (not rollout batches: with train.ppo_epochs x train.mini_batches > 1
+    a batch has several); `default` when no row has one."""
+    return max((int(r["step"]) for r in rows if r.get("step") is not None), default=default)
 
 
 class RunSummary:
@@ -118,8 +126,7 @@ class RunSummary:
         """
         rows = self._metric_rows()
         rewards = [float(r["reward/mean"]) for r in rows if r.get("reward/mean") is not None] or rewards
-        # Optimizer steps, not rollout batches: with train.ppo_epochs x train.mini_batches > 1 a batch has several.
-        steps = max((int(r["step"]) for r in rows if r.get("step") is not None), default=len(rewards))
+        steps = steps_in(rows, default=len(rewards))
         last = sum(rewards[-REWARD_WINDOW:]) / len(rewards[-REWARD_WINDOW:]) if rewards else None
         first = sum(rewards[:REWARD_WINDOW]) / len(rewards[:REWARD_WINDOW]) if rewards else None
         self._write({"status": "completed", "steps_run": steps, "rollout_batches": len(rewards),
@@ -142,9 +149,15 @@ class RunSummary:
         self._write({"status": "skipped", "error": f"{type(error).__name__}: {error}"})
 
     def fail(self, error: BaseException) -> None:
-        """Record a failed or interrupted run."""
+        """Record a failed or interrupted run, with the steps its metrics.jsonl holds (0 before the first; None when
+        that file cannot be read: the run's own error stays the one reported)."""
         status = "interrupted" if isinstance(error, KeyboardInterrupt) else "failed"
-        self._write({"status": status, "error": f"{type(error).__name__}: {error}",
+        try:
+            steps: int | None = steps_in(self._metric_rows(), default=0)
+        except (OSError, ValueError) as e:  # MetricsFileError is a ValueError
+            log.error("steps_run of %s unknown: %s", self.path, e)
+            steps = None
+        self._write({"status": status, "steps_run": steps, "error": f"{type(error).__name__}: {error}",
                      "traceback": "".join(traceback.format_exception(error))[-4000:]})
 
 
@@ -264,10 +277,25 @@ def keep_earlier_session(run_dir: Path) -> Path | None:
     return dest
 
 
+def keep_earlier_server_log(run_dir: Path) -> Path | None:
+    """Before this session's server writes `logs/vllm.log` (appended to across its restarts), move an earlier
+    session's to `logs/vllm.<n>.log` (1 the first, then in order): appended across resumes, a resumed run's start-up
+    progress lines quoted the previous run's last messages. Returns where it went, or None when there was none."""
+    logs = run_dir / "logs"
+    current = logs / "vllm.log"
+    if not current.is_file():
+        return None
+    taken = [int(p.stem.split(".", 1)[1]) for p in logs.glob("vllm.*.log") if p.stem.split(".", 1)[1].isdigit()]
+    dest = logs / f"vllm.{max(taken, default=0) + 1}.log"
+    current.rename(dest)
+    return dest
+
+
 def lock_run_dir(run_dir: Path) -> None:
-    """Hold an exclusive lock on `<run_dir>/.grpo.lock` for the rest of this process. A second trainer in the same
-    dir (a resume command run twice, a requeued job) would write the same metrics.jsonl and checkpoints: it gets a
-    ConfigError naming the holder instead."""
+    """Hold an exclusive lock on `<run_dir>/.grpo.lock` until this process ends (the file is removed then). A second
+    trainer in the same dir (a resume command run twice, a requeued job) would write the same metrics.jsonl and
+    checkpoints: it gets a ConfigError naming the holder instead."""
+    import atexit
     import fcntl
 
     global _run_dir_lock
@@ -275,29 +303,84 @@ def lock_run_dir(run_dir: Path) -> None:
     if _run_dir_lock is not None and Path(_run_dir_lock.name) == path:
         return  # this process holds it already
     run_dir.mkdir(parents=True, exist_ok=True)
-    f = open(path, "a+")
-    try:
-        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        f.seek(0)
-        holder = f.read().strip() or "another process"
+    while True:
+        f = open(path, "a+")
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            f.seek(0)
+            holder = f.read().strip() or "another process"
+            f.close()
+            raise ConfigError(f"run dir {run_dir} is in use by a running trainer ({holder}); wait for it to end or "
+                              "stop it, or start this run in another dir (hydra.run.dir=...)") from None
+        # The holder removes the file when it lets go: a lock taken on the removed file holds nothing, take the new.
+        if path.exists() and os.stat(path).st_ino == os.fstat(f.fileno()).st_ino:
+            break
         f.close()
-        raise ConfigError(f"run dir {run_dir} is in use by a running trainer ({holder}); wait for it to end or stop "
-                          "it, or start this run in another dir (hydra.run.dir=...)") from None
     f.seek(0)
     f.truncate()
     f.write(f"pid {os.getpid()}\n")
     f.flush()
     unlock_run_dir()  # another run dir earlier in this process (tests): let it go
     _run_dir_lock = f
+    atexit.unregister(unlock_run_dir)  # once, however many run dirs this process locks
+    atexit.register(unlock_run_dir)
 
 
 def unlock_run_dir() -> None:
-    """Let go of the run dir lock this process holds, if any (the process's end does it too)."""
+    """Let go of the run dir lock this process holds, if any, and remove its file: a finished run dir has no
+    `.grpo.lock` naming a dead pid (a killed trainer's stays, and takes a new holder at once)."""
     global _run_dir_lock
     if _run_dir_lock is not None:
+        with contextlib.suppress(OSError):  # removed before the lock is let go: no one takes the old file meanwhile
+            os.unlink(_run_dir_lock.name)
         _run_dir_lock.close()
         _run_dir_lock = None
+
+
+# The run dir this process created (RunDirGuard, before Hydra writes into it) and the topmost of its parents it
+# created with it (outputs/<date>/ for the first run of a day), for discard_unstarted_run_dir.
+_created_run_dir: Path | None = None
+_created_top: Path | None = None
+
+
+def first_missing(path: Path) -> Path | None:
+    """The topmost directory of `path` (itself included) that does not exist yet; None when it exists."""
+    missing = None
+    for candidate in [path.absolute(), *path.absolute().parents]:
+        if candidate.exists():
+            break
+        missing = candidate
+    return missing
+
+
+def discard_unstarted_run_dir(run_dir: Path) -> bool:
+    """Remove `run_dir` when this process created it and the run stopped at start-up, before any metrics row or
+    checkpoint (a mistake in the command line, a missing file or model): such dirs piled up under outputs/ with a
+    `.hydra/` and a train.log, some with a summary.json saying `failed`, for runs that never ran. A dir that existed
+    before (a resume in place, a given hydra.run.dir) is kept as it is. True when removed."""
+    import shutil
+
+    from grpo.config.validate import held_run
+
+    global _created_run_dir
+    if _created_run_dir is None or not run_dir.is_dir() or run_dir.resolve() != _created_run_dir.resolve():
+        return False
+    if held_run(run_dir)[0]:
+        return False
+    unlock_run_dir()
+    shutil.rmtree(run_dir, ignore_errors=True)
+    # Parents created with it go too while empty (another run may have started in the same date dir meanwhile).
+    top = (_created_top or run_dir).absolute()
+    for parent in run_dir.absolute().parents:
+        if top not in (parent, *parent.parents):
+            break
+        try:
+            parent.rmdir()
+        except OSError:
+            break
+    _created_run_dir = None
+    return True
 
 
 class RunDirGuard(Callback):
@@ -319,17 +402,31 @@ class RunDirGuard(Callback):
         try:
             yield
         except ConfigError as e:
+            discard_unstarted_run_dir(Path(config.hydra.run.dir))  # only one on_run_start created
             print(f"ConfigError: {e}", file=sys.stderr)
             raise SystemExit(1) from None
 
     def on_run_start(self, config: Any, **kwargs: Any) -> None:  # noqa: ARG002
         """Exit 1 with the ConfigError's message, before Hydra writes anything into the run dir."""
-        from grpo.config.validate import check_resume_exists, check_resume_has_steps_left, check_run_dir_unused
+        from grpo.config.validate import (
+            check_resume_exists,
+            check_resume_has_steps_left,
+            check_run_dir,
+            check_run_dir_unused,
+        )
 
         with self._checking(config):
             # The default run dir of a resume is train.resume: a missing path would be created, a checkpoint given
             # there would get .hydra/.
             check_resume_exists(config)
+            if int(os.environ.get("RANK", "0")) == 0:
+                global _created_run_dir, _created_top
+                run_dir = Path(config.hydra.run.dir)
+                top = first_missing(run_dir)
+                # Before Hydra opens train.log there: its failure was a traceback ending in "Unable to configure
+                # handler 'file'", the cause (PermissionError ... train.log) buried in it.
+                check_run_dir(run_dir)
+                _created_run_dir, _created_top = (run_dir, top) if top is not None else (None, None)
             check_run_dir_unused(config, Path(config.hydra.run.dir))
             check_resume_has_steps_left(config)
             check_resume_identity(config)
@@ -339,11 +436,13 @@ class RunDirGuard(Callback):
                 resume = config.train.resume
                 if resume is not None and Path(resume).resolve() == run_dir.resolve():
                     keep_earlier_session(run_dir)  # before Hydra writes this session's .hydra/ over it
+                keep_earlier_server_log(run_dir)  # one vllm.log per session
 
     def on_multirun_start(self, config: Any, **kwargs: Any) -> None:  # noqa: ARG002
         """Exit 1 before the first job when the sweep dir holds jobs that already ran (`check_sweep_dir_unused`)."""
-        from grpo.config.validate import check_sweep_dir_unused
+        from grpo.config.validate import check_run_dir, check_sweep_dir_unused
 
         with self._checking(config):
+            check_run_dir(Path(config.hydra.sweep.dir), "hydra.sweep.dir")  # its jobs' dirs and train.log files go there
             check_sweep_dir_unused(Path(config.hydra.sweep.dir))
 

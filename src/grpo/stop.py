@@ -92,11 +92,14 @@ def config_flags(argv: Sequence[str]) -> list[str]:
     return kept
 
 
-def command(argv: Sequence[str], overrides: Sequence[str], run_dir: Optional[Path] = None) -> str:
-    """The command line that repeats this run's config; with `run_dir`, continuing it in place from its checkpoint.
-    Under a launcher (LAUNCHER_ENV), the launcher's command line with the same two overrides."""
+def command(argv: Sequence[str], overrides: Sequence[str], run_dir: Optional[Path] = None,
+            resume_from: Optional[Path] = None) -> str:
+    """The command line that repeats this run's config; with `run_dir`, continuing it in `run_dir` from the latest
+    checkpoint of `resume_from` (default: `run_dir` itself). Under a launcher (LAUNCHER_ENV), the launcher's command
+    line with the same two overrides."""
     drop = ("train.resume=", "hydra.run.dir=")
-    resume = [f"train.resume={run_dir}", f"hydra.run.dir={run_dir}"] if run_dir is not None else []
+    source = resume_from if resume_from is not None else run_dir
+    resume = [f"train.resume={source}", f"hydra.run.dir={run_dir}"] if run_dir is not None else []
     launcher = os.environ.get(LAUNCHER_ENV)
     if launcher:
         words = [w for w in shlex.split(launcher) if not w.startswith(drop)]
@@ -147,6 +150,19 @@ def write_curves(run_dir: Path, plot: bool) -> str:
         return f"not written ({type(e).__name__}: {e})"
 
 
+def reachable_checkpoint(run_dir: Path, resume: Optional[str]) -> tuple[Optional[Path], Optional[Path]]:
+    """The newest complete checkpoint this run can continue from, and the run dir it lies in: the run's own, else
+    (a run resumed from another dir, stopped before its own first checkpoint) the resumed run's. Following "start
+    again" there would have started from step 0 with that checkpoint still on disk."""
+    from grpo.trainer.checkpoint import CheckpointManager
+
+    own = CheckpointManager(run_dir).latest()
+    if own is not None or resume is None:
+        return own, run_dir if own is not None else None
+    earlier = CheckpointManager(Path(resume)).latest()
+    return earlier, Path(resume) if earlier is not None else None
+
+
 def report_stop(
     error: KeyboardInterrupt, cfg: Any, run_dir: Path, overrides: Sequence[str],
     argv: Optional[Sequence[str]] = None, stream: Optional[TextIO] = None,
@@ -156,15 +172,13 @@ def report_stop(
     Call after the run's teardown (the server is stopped in train.py's `finally`), so the block reports the
     server's real state. `overrides` are the job's command-line overrides (Hydra's `overrides.task`).
     """
-    from grpo.trainer.checkpoint import CheckpointManager
-
     argv = list(sys.argv if argv is None else argv)
-    checkpoint = CheckpointManager(run_dir).latest()
+    checkpoint, source = reachable_checkpoint(run_dir, cfg.train.get("resume"))
     report = StopReport(
         signal_name=signal_name(error),
         last_step=last_step(run_dir),
         checkpoint=checkpoint,
-        resume_command=command(argv, overrides, run_dir) if checkpoint is not None else None,
+        resume_command=command(argv, overrides, run_dir, source) if checkpoint is not None else None,
         rerun_command=command(argv, overrides),
         server=server_state(run_dir, cfg.server.get("external_url")),
         curves=write_curves(run_dir, bool(cfg.logging.plot)),

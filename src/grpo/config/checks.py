@@ -10,6 +10,8 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import logging
+import os
+import sys
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
@@ -125,7 +127,7 @@ def check_sweep_needs_multirun(info: HydraInfo) -> None:
     option = info.choices.get("sweep")
     if option is not None and not info.multirun:
         raise ConfigError(f"sweep={option} sets the values a sweep runs over, and without -m Hydra runs one job with "
-                          f"none of them; add -m (python train.py -m sweep={option} ...), or drop sweep={option}")
+                          f"none of them; add -m ({command_name()} -m sweep={option} ...), or drop sweep={option}")
 
 
 # Command-line choices that need a Hydra plugin: (group, option) -> (its module, the pip package).
@@ -135,6 +137,24 @@ PLUGIN_CHOICES = {
     ("hydra/launcher", "submitit_slurm"): ("hydra_plugins.hydra_submitit_launcher", "hydra-submitit-launcher"),
     ("hydra/launcher", "submitit_local"): ("hydra_plugins.hydra_submitit_launcher", "hydra-submitit-launcher"),
 }
+
+
+def command_name() -> str:
+    """How the user started the trainer, for the commands a message suggests: the console script (`grpo-train`),
+    else `python train.py`."""
+    first = os.path.basename(sys.argv[0]) if sys.argv else ""
+    return "grpo-train" if first == "grpo-train" else "python train.py"
+
+
+def check_config_dirs(config_dirs: Sequence[Path]) -> None:
+    """Each `--config-dir` is a directory: Hydra's own word for a missing one ("Additional config directory ... not
+    found") came after ours for its first option ("experiment=my_task is not one of the experiment options"), and
+    a relative one is looked up from the working directory, which is not the checkout for `grpo-train`."""
+    for path in config_dirs:
+        if not path.is_dir():
+            where = "" if path.is_absolute() else f" (a relative path starts at the working directory, {Path.cwd()})"
+            raise ConfigError(f"--config-dir {path}: no such directory{where}; give the directory that holds your "
+                              "config groups (e.g. experiment/, data/)")
 
 
 def check_hydra_plugins(args: Sequence[str]) -> None:
@@ -182,7 +202,7 @@ def check_group_option_names(args: Sequence[str], config_dirs: Sequence[Path]) -
             close = difflib.get_close_matches(choice, options, n=1)
             hint = f"did you mean {key}={close[0]}? " if close else _config_dir_hint(key, choice)
             raise ConfigError(f"{key}={choice} is not one of the {key} options; {hint}choose one of {', '.join(options)} "
-                              "(python train.py --help lists every group)")
+                              f"({command_name()} --help lists every group)")
 
 
 def _config_dir_hint(group: str, option: str) -> str:
@@ -230,11 +250,33 @@ def check_override_key(key: str, value: str, config_dirs: Sequence[Path]) -> Non
             close = difflib.get_close_matches(part, sorted(hints), n=1)
             fix = ".".join([*parts[:depth], close[0], *parts[depth + 1:]]) if close else None
             hint = f"did you mean {fix}={value}? " if fix else ""
-            raise ConfigError(f"{key}={value}: the config has no key {where}; {hint}(python train.py --cfg job prints "
+            raise ConfigError(f"{key}={value}: the config has no key {where}; {hint}({command_name()} --cfg job prints "
                               "every key; +key=... would add a key nothing reads)")
-        schema = hints[part]
+        parent, schema = schema, hints[part]
         if depth == 0 and part in shared and not any((c / part).is_dir() for c in config_dirs[1:]):
             schema = shared[part]
+    if not dataclasses.is_dataclass(schema):
+        check_override_type(key, value, parent, parts[-1])
+
+
+def check_override_type(key: str, value: str, schema: Any, field: str) -> None:
+    """`key=value` whose value the schema field's type cannot take (`train.steps=many`): Hydra's own error is its
+    "Error merging override" block and a HYDRA_FULL_ERROR hint. Sweeps and interpolations are left to Hydra."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from omegaconf.errors import ValidationError
+
+    try:
+        override = OverridesParser.create().parse_override(f"{key}={value}")
+    except Exception:  # noqa: BLE001 - Hydra's parser says what is wrong with the syntax itself
+        return
+    if override.is_sweep_override() or "$" in value:
+        return
+    node = OmegaConf.structured(schema)
+    try:
+        setattr(node, field, override.value())
+    except ValidationError as e:
+        why = str(e).splitlines()[0]  # the rest: OmegaConf's full_key / object_type lines
+        raise ConfigError(f"{key}={value}: {why} ({command_name()} --cfg job prints every key and its value)") from None
 
 
 def _group_options(group: str) -> list[str]:
@@ -242,6 +284,44 @@ def _group_options(group: str) -> list[str]:
 
     gh = GlobalHydra.instance()
     return sorted(gh.config_loader().get_group_options(group)) if gh.is_initialized() else []
+
+
+def check_data_fits_default_experiment(info: HydraInfo) -> None:
+    """`data=<option>` on the command line under the experiment conf/train.yaml applies by default (arith_quick),
+    when that experiment was written for other data: the run took the experiment's name, model, batch and learning
+    rate without a word (`python train.py data=atropos` was labelled arith_quick and trained its warm-start model).
+    An experiment named on the command line (`experiment=x data=y`) is the user's own combination: allowed."""
+    experiment, data = info.choices.get("experiment"), info.choices.get("data")
+    if experiment is None or data is None:
+        return
+    given = [o.split("=", 1)[0].lstrip("+~") for o in info.overrides]
+    if "experiment" in given or "data" not in given:
+        return
+    written_for = _experiment_data(experiment)
+    if written_for is None or written_for == data:
+        return
+    raise ConfigError(
+        f"data={data} runs under experiment={experiment}, which conf/train.yaml applies by default and which was "
+        f"written for data={written_for} (it sets its own name, model, batch and learning rate); for the bare config "
+        f"with your data add '~experiment' ({command_name()} '~experiment' data={data} ...), or name an experiment "
+        f"written for it (experiment=...)"
+    )
+
+
+def _experiment_data(name: str) -> str | None:
+    """The data option a shipped experiment's defaults choose (`override /data: arithmetic`), None when it chooses
+    none or is not a shipped one."""
+    import grpo.conf
+
+    path = Path(grpo.conf.__file__).parent / "experiment" / f"{name}.yaml"
+    if not path.is_file():
+        return None
+    for entry in OmegaConf.load(path).get("defaults") or []:
+        if OmegaConf.is_dict(entry):
+            for key, value in entry.items():
+                if str(key).removeprefix("override ").strip("/ ") == "data":
+                    return str(value)
+    return None
 
 
 def check_model_source(model_cfg: DictConfig, info: HydraInfo) -> None:

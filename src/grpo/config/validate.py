@@ -51,20 +51,21 @@ def _check_importable(target: str, key: str, install_hint: str) -> None:
         raise ConfigError(f"{key}={target} needs `{module}`, which is not importable ({e}). {install_hint}") from e
 
 
-def check_run_dir(run_dir: Path) -> None:
-    """The run dir must be writable with room for checkpoints; checked before training starts."""
+def check_run_dir(run_dir: Path, key: str = "hydra.run.dir") -> None:
+    """The run dir (`key` sets it) must be writable with room for checkpoints; checked before training starts."""
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
         probe = run_dir / ".write_probe"
         probe.write_text("ok")
         probe.unlink()
     except OSError as e:
-        raise ConfigError(f"run dir {run_dir} is not writable ({e}); set hydra.run.dir to a writable path") from e
+        raise ConfigError(f"run dir {run_dir} is not writable ({type(e).__name__}: {e}); set {key} to a "
+                          "writable path") from None
     free = shutil.disk_usage(run_dir).free
     if free < MIN_FREE_BYTES:
         raise ConfigError(
             f"run dir {run_dir} has only {free / 1024**2:.0f} MiB free (need at least "
-            f"{MIN_FREE_BYTES / 1024**2:.0f} MiB for checkpoints); free space or set hydra.run.dir elsewhere"
+            f"{MIN_FREE_BYTES / 1024**2:.0f} MiB for checkpoints); free space or set {key} elsewhere"
         )
 
 
@@ -95,14 +96,33 @@ def check_sweep_dir_unused(sweep_dir: Path) -> None:
         )
 
 
+def resumed_from(run_dir: Path) -> Path | None:
+    """The run dir whose checkpoint `run_dir`'s run was resumed from into `run_dir` (provenance.json's
+    `resumed_from`, written by grpo.run.record_provenance); None for a fresh run or one resumed in place."""
+    import json
+
+    try:
+        given = json.loads((run_dir / "provenance.json").read_text()).get("resumed_from")
+    except (OSError, ValueError, AttributeError):
+        return None
+    if given is None or Path(given).resolve() == run_dir.resolve():
+        return None
+    return Path(given)
+
+
 def check_run_dir_unused(cfg: DictConfig, run_dir: Path) -> None:
     """A fresh run must not start in a run dir that holds another run's metrics or checkpoints: it would truncate
-    that run's metrics.jsonl and replace its checkpoints. Continuing that run (`train.resume=<that dir>`) is fine."""
+    that run's metrics.jsonl and replace its checkpoints. Continuing that run (`train.resume=<that dir>`) is fine,
+    and so is resuming again from the run it was resumed from while it has no checkpoint of its own (a resume into
+    another dir stopped before its first checkpoint: its rows past that checkpoint are trained again)."""
     resume = cfg.train.resume
     if resume is not None and Path(resume).resolve() == run_dir.resolve():
         return
     held, latest = held_run(run_dir)
     if not held:
+        return
+    origin = resumed_from(run_dir)
+    if latest is None and resume is not None and origin is not None and origin.resolve() == Path(resume).resolve():
         return
     # Without a checkpoint there is nothing to continue: train.resume would refuse it in turn.
     go_on = (f"continue that run with train.resume={run_dir}, or " if latest is not None
@@ -123,6 +143,7 @@ def validate(cfg: DictConfig, run_dir: Path | None = None) -> None:
     info = checks.hydra_info(cfg)
     checks.check_group_choices(info)
     checks.check_sweep_needs_multirun(info)
+    checks.check_data_fits_default_experiment(info)
     checks.check_missing_values(cfg)
     checks.check_model_source(cfg.model, info)
     checks.check_lora_given_with_a_lora_mode(cfg, info)
@@ -443,6 +464,12 @@ def raise_for_resume_dir(resume: Path) -> NoReturn:
     if run_dir is not None:
         raise ConfigError(f"train.resume={resume} is inside a run's checkpoints/; train.resume takes the run dir, "
                           f"and the run goes on from its latest complete checkpoint: train.resume={run_dir}")
+    origin = resumed_from(resume)
+    reachable = CheckpointManager(origin).latest() if origin is not None else None
+    if reachable is not None:
+        raise ConfigError(f"train.resume={resume} has no complete checkpoint of its own yet: it was resumed from "
+                          f"{origin}, whose latest is {reachable}; continue from there into the same dir with "
+                          f"train.resume={origin} hydra.run.dir={resume}")
     raise ConfigError(f"train.resume={resume} has no complete checkpoint under checkpoints/ (one is written every "
                       "train.checkpoint_every steps, and a run stopped before the first cannot be resumed); start it "
                       "again without train.resume, or name a run dir that has one")

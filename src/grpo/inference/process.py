@@ -314,9 +314,11 @@ class VLLMServer:
     def _start_failed(self, what: str) -> ServerStartError:
         """The error for a failed start-up, with the log's last lines (also logged, for runs that only log)."""
         tail = self.log_tail(40)
-        if "Address already in use" in tail:
+        if "Address already in use" in tail:  # the whole story: vLLM's bind traceback in the tail adds nothing
             what += (f": port {self.port} on {self.host} was taken by another process while this server started; "
-                     f"pick another server.port (null picks a free one)")
+                     f"pick another server.port (null picks a free one); log {self.log_path}")
+            log.error(what)
+            return ServerStartError(what)
         log.error("%s; last lines of %s:\n%s", what, self.log_path, tail)
         return ServerStartError(f"{what}; log {self.log_path}:\n{tail}")
 

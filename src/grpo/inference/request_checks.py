@@ -20,38 +20,78 @@ class BadRequest(ValueError):
 
 @dataclass(frozen=True)
 class ModelLimits:
-    """What the served model accepts: token ids in [0, vocab_size), prompts shorter than max_model_len."""
+    """What the served model accepts: token ids in [0, vocab_size), prompt + completion within max_model_len, and
+    at most max_num_seqs samples per prompt (the sequences the engine runs at once; None: not bounded)."""
 
     vocab_size: int
     max_model_len: int
+    max_num_seqs: int | None = None
 
 
 async def model_limits(engine: Any) -> ModelLimits:
-    """The served model's limits, read from the engine's model config (an attribute in vLLM >= 0.10, a coroutine
-    before)."""
+    """The served model's limits, read from the engine's model and scheduler configs (attributes in vLLM >= 0.10,
+    a coroutine for the model config before)."""
     config = getattr(engine, "model_config", None)
     if config is None:
         config = await engine.get_model_config()
-    return ModelLimits(vocab_size=int(config.get_vocab_size()), max_model_len=int(config.max_model_len))
+    scheduler = getattr(engine, "scheduler_config", None)
+    seqs = getattr(scheduler, "max_num_seqs", None)
+    return ModelLimits(vocab_size=int(config.get_vocab_size()), max_model_len=int(config.max_model_len),
+                       max_num_seqs=int(seqs) if seqs else None)
 
 
-def check_generate_request(prompt_ids: list[int], max_tokens: Any, limits: ModelLimits) -> None:
+def _is_int(value: Any) -> bool:
+    """A JSON integer (not a bool, which Python counts as one)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def token_ids(value: Any, where: str = "prompt_token_ids") -> list[int]:
+    """A prompt's token ids as sent: a list of JSON integers, taken as they are. Coercing them served `[1.7, 2.2]`
+    as `[1, 2]`, `["7", "8"]` as `[7, 8]` and `[true, false]` as `[1, 0]`; a null was a Python TypeError's text."""
+    if not isinstance(value, list):
+        raise BadRequest(f"{where} must be a list of integer token ids, got {type(value).__name__} {value!r:.80}")
+    bad = [t for t in value if not _is_int(t)]
+    if bad:
+        raise BadRequest(f"{where} must hold integer token ids only; got {bad[:5]!r:.120}")
+    return value
+
+
+def check_generate_request(prompt_ids: list[int], max_tokens: Any, limits: ModelLimits, n: Any = 1) -> None:
     """Raise BadRequest naming what is wrong: an empty prompt, an id outside the vocabulary, a prompt that leaves no
-    room to generate within max_model_len, or max_tokens below 1 (None = the engine's default, accepted)."""
+    room to generate within max_model_len, max_tokens below 1 or past the context the prompt leaves (None = the
+    engine's default, accepted), or n outside [1, max_num_seqs]."""
     if not prompt_ids:
         raise BadRequest("empty prompt: send at least one token")
-    bad = [t for t in prompt_ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < limits.vocab_size]
+    bad = [t for t in prompt_ids if not _is_int(t) or not 0 <= t < limits.vocab_size]
     if bad:
         raise BadRequest(
             f"token id(s) {bad[:5]} out of vocabulary: ids must be integers in [0, {limits.vocab_size})"
         )
-    if len(prompt_ids) >= limits.max_model_len:
+    room = limits.max_model_len - len(prompt_ids)
+    if room < 1:
         raise BadRequest(
             f"prompt of {len(prompt_ids)} tokens leaves no room to generate: the server's max_model_len is "
             f"{limits.max_model_len} (prompt + completion); shorten the prompt or raise server.max_model_len"
         )
     if max_tokens is not None:
-        if not isinstance(max_tokens, int) or isinstance(max_tokens, bool):
+        if not _is_int(max_tokens):
             raise BadRequest(f"max_tokens must be an integer >= 1, got {max_tokens!r}")
         if max_tokens < 1:
             raise BadRequest(f"max_tokens must be >= 1, got {max_tokens}")
+        # vLLM stops at max_model_len without a word: max_tokens=10**9 was accepted and cut at the context.
+        if max_tokens > room:
+            raise BadRequest(f"max_tokens={max_tokens} is more than this prompt leaves: at most {room} (the server's "
+                             f"max_model_len {limits.max_model_len} minus the prompt's {len(prompt_ids)} tokens)")
+    check_samples(n, limits)
+
+
+def check_samples(n: Any, limits: ModelLimits) -> None:
+    """`n` samples of a prompt: an integer in [1, max_num_seqs]. One request of n=10000 held the engine for 46 s
+    while every other request waited behind it."""
+    if n is None:
+        return
+    if not _is_int(n) or n < 1:
+        raise BadRequest(f"n must be an integer >= 1, got {n!r}")
+    if limits.max_num_seqs is not None and n > limits.max_num_seqs:
+        raise BadRequest(f"n={n} is more samples than the server runs at once: at most {limits.max_num_seqs} "
+                         "(vLLM's --max-num-seqs); send several requests")

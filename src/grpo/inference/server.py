@@ -44,7 +44,13 @@ import uuid
 from typing import Any, Awaitable, Callable
 
 from grpo.inference import identity
-from grpo.inference.request_checks import BadRequest, check_generate_request, model_limits
+from grpo.inference.request_checks import (
+    BadRequest,
+    check_generate_request,
+    check_samples,
+    model_limits,
+    token_ids,
+)
 
 MIDDLEWARE = "grpo.inference.server.GRPOMiddleware"
 WORKER_EXTENSION = "grpo.inference.worker_extension.WeightSyncExtension"
@@ -111,9 +117,9 @@ def _prompt_ids(prompt: Any, engine: Any) -> list[int]:
     if isinstance(prompt, str):
         return list(engine.get_tokenizer().encode(prompt))
     if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
-        return [int(t) for t in prompt["prompt_token_ids"]]
-    if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
-        return prompt
+        return token_ids(prompt["prompt_token_ids"])
+    if isinstance(prompt, list):
+        return token_ids(prompt, "a prompt given as a list")
     raise ValueError("'prompt' must be a string, a list of token ids or {'prompt_token_ids': [...]}")
 
 
@@ -188,7 +194,7 @@ async def handle_generate(request) -> dict:
     body.pop("stream", None)  # Atropos never streams; answer once.
     lora = await _lora_request(state, body.pop("model", None) or body.pop("lora", None))
     prompt_ids = _prompt_ids(prompt, engine)
-    check_generate_request(prompt_ids, body.get("max_tokens"), await model_limits(engine))
+    check_generate_request(prompt_ids, body.get("max_tokens"), await model_limits(engine), body.get("n", 1))
     params = _sampling_params(body)
     # Read before the request starts: the version the weights had when this batch was scheduled.
     version = _version(state)
@@ -223,11 +229,12 @@ async def handle_generate_batch(state: Any, body: dict[str, Any]) -> dict:
     body.pop("stream", None)
     lora = await _lora_request(state, body.pop("model", None) or body.pop("lora", None))
     limits = await model_limits(engine)
+    check_samples(body.get("n", 1), limits)  # once, not as prompts[0]'s fault
     prompt_ids = []
     for i, prompt in enumerate(prompts):
         try:
             ids = _prompt_ids(prompt, engine)
-            check_generate_request(ids, body.get("max_tokens"), limits)
+            check_generate_request(ids, body.get("max_tokens"), limits, body.get("n", 1))
         except ValueError as e:
             raise BadRequest(f"prompts[{i}]: {e}", getattr(e, "status", 400)) from e
         prompt_ids.append(ids)
@@ -507,6 +514,23 @@ def exit_with_launcher() -> bool:
     return True
 
 
+def skip_cpu_aot_compile_cache() -> bool:
+    """On the CPU platform, turn off vLLM's AOT compile cache (VLLM_USE_AOT_COMPILE=0) unless the environment sets
+    it. vLLM 0.32 compiles the CPU model with torch's own "inductor" backend (CompilationMode.DYNAMO_TRACE_ONCE),
+    yet saves and loads the result as an AOT artifact whose loader calls `finalize_loading`, a method of vLLM's own
+    backend only: every start after the first logged "Compiling model again due to a load failure ... 'function'
+    object has no attribute 'finalize_loading'", compiled the model again and saved it again. Without AOT, torch's
+    own inductor cache serves the next start (issue 44.17 has the timings). True when turned off."""
+    if "VLLM_USE_AOT_COMPILE" in os.environ:
+        return False
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return False
+    os.environ["VLLM_USE_AOT_COMPILE"] = "0"  # read by the engine process, which inherits it
+    return True
+
+
 def main(argv: list[str] | None = None) -> None:
     """Run vLLM's api_server with `with_defaults(argv)`, on a port no other process can bind while it runs.
 
@@ -521,6 +545,9 @@ def main(argv: list[str] | None = None) -> None:
         print(HELP_PREFACE)
     args = with_defaults(raw)
     exit_with_launcher()
+    if skip_cpu_aot_compile_cache():
+        print("grpo: VLLM_USE_AOT_COMPILE=0 on CPU (vLLM's AOT cache never loads there; torch's inductor cache does)",
+              file=sys.stderr, flush=True)
     identity.exclusive_listen(port_arg(args))
     # vLLM deprecates running this module as a command (for its `vllm serve`); we run it on purpose (docstring
     # above), so its two warnings would only tell a grpo-serve user to use a command they did not type.

@@ -350,6 +350,14 @@ def optimizer_settings(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]
     return [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
 
 
+def _same_setting(a: Any, b: Any) -> bool:
+    """Equal hyperparameters, a list and a tuple of the same values included: torch.distributed's
+    set_optimizer_state_dict gives back the checkpoint's betas as a list, the optimizer was built with a tuple."""
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(_same_setting(x, y) for x, y in zip(a, b))
+    return a == b
+
+
 def keep_optimizer_settings(optimizer: torch.optim.Optimizer, settings: list[dict[str, Any]],
                             scheduler_state: Optional[dict], path: Path) -> None:
     """After a checkpoint's optimizer state is loaded: put back this run's `settings` (`optimizer_settings` before
@@ -361,7 +369,7 @@ def keep_optimizer_settings(optimizer: torch.optim.Optimizer, settings: list[dic
     for i, (group, mine) in enumerate(zip(optimizer.param_groups, settings)):
         for key, value in mine.items():
             if key not in ("lr", "initial_lr"):
-                if group.get(key) != value:
+                if not _same_setting(group.get(key), value):
                     changed.add(f"{key} {group.get(key)} -> {value}")
                 group[key] = value
         peak_key = "initial_lr" if "initial_lr" in mine else "lr"  # the schedule's peak, or the rate itself

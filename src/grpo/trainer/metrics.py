@@ -133,10 +133,12 @@ class MetricsLogger:
         if logging_cfg.get("tensorboard", False):
             self._tensorboard = tensorboard_writer_class()(log_dir=str(run_dir / TENSORBOARD_DIR), purge_step=start_step + 1)
         self._bar = None
+        self._console = contextlib.ExitStack()
         if logging_cfg.progress_bar:
             from tqdm.auto import tqdm
 
             self._bar = tqdm(total=total_steps, initial=start_step, desc=name, unit="step", dynamic_ncols=True)
+            self._console.enter_context(console_above_the_bar())
 
     def log(self, metrics: dict[str, Any]) -> None:
         """Record one optimizer step; `metrics` must contain `step`."""
@@ -182,6 +184,7 @@ class MetricsLogger:
         if self._bar is not None:
             self._bar.close()
             self._bar = None
+        self._console.close()
         if self._wandb is not None:
             self._wandb.finish()
             self._wandb = None
@@ -194,6 +197,24 @@ class MetricsLogger:
             except OSError as e:
                 raise MetricsWriteError(e.errno, f"could not write the last metrics rows to {self.path}: "
                                         f"{e.strerror or e}") from e
+
+
+@contextlib.contextmanager
+def console_above_the_bar():
+    """While the progress bar is shown, log lines to the console (Python warnings included, through logging) are
+    written above it with tqdm.write: a plain handler printed them onto the bar's line ("...| 3/60WARNING ...")."""
+    import warnings
+
+    from tqdm.contrib.logging import logging_redirect_tqdm
+
+    captured_already = getattr(warnings.showwarning, "__module__", None) == "logging"
+    logging.captureWarnings(True)
+    try:
+        with logging_redirect_tqdm():
+            yield
+    finally:
+        if not captured_already:
+            logging.captureWarnings(False)
 
 
 def read_metrics(path: Path) -> list[dict[str, Any]]:

@@ -113,11 +113,11 @@ def build_scheduler(optimizer: torch.optim.Optimizer, schedule: str, warmup_step
     if warmup_steps < 0 or total_steps < 1:
         raise ValueError(f"need warmup_steps >= 0 and total_steps >= 1, got {warmup_steps}, {total_steps}")
     if warmup_steps >= total_steps:
-        # A run shortened with train.steps=N keeps its job's warmup (the default job: 10 steps): silently, the whole
-        # run trained at a fraction of optimizer.lr.
+        # A run shortened with train.steps=N keeps its job's warmup (the default job: 10 steps), so the whole run
+        # warms up: said, at INFO, since a short trial run (the README's train.steps=10) is the usual cause and is
+        # no mistake; a WARNING there was noise on every such run.
         peak = lr_lambda(total_steps - 1, schedule, warmup_steps, total_steps)
-        log.warning("train.warmup_steps=%d is not below train.steps=%d: the learning rate warms up for the whole run and "
-                    "peaks at %.0f%% of optimizer.lr; lower train.warmup_steps (e.g. train.warmup_steps=0) for a short run",
-                    warmup_steps, total_steps, 100 * peak)
+        log.info("train.warmup_steps=%d is not below train.steps=%d: the learning rate warms up for the whole run and "
+                 "peaks at %.0f%% of optimizer.lr (train.warmup_steps=0 for none)", warmup_steps, total_steps, 100 * peak)
     return LambdaLR(optimizer, lambda s: lr_lambda(s, schedule, warmup_steps, total_steps))
 
