@@ -77,26 +77,37 @@ DIFFERENCES = [
 ]
 
 
-def compose_ours(overrides: list[str]):
-    """The composed config of ``experiment=arith_grpo`` (as ``train.py`` sees it) with ``overrides``."""
+# With --vllm on a GPU some CPU differences above change: both sides generate with vLLM on the same GPU (TRL's in its
+# own process, colocated, its weights copied in each step; ours a server sharing the trainer's weights).
+GPU_NOTE = ("with --vllm: TRL generates with vLLM colocated in the training process (weights copied into it every "
+            "generation batch, vllm_importance_sampling_correction off); ours with its vLLM server on the same GPU "
+            "(mode=shared_vllm: one copy of the weights); the held-out evaluation differs as above (TRL's greedy with "
+            "transformers generate(), ours with vLLM)")
+
+
+def compose_ours(overrides: list[str], experiment: str = "arith_grpo"):
+    """The composed config of ``experiment=<experiment>`` (as ``train.py`` sees it) with ``overrides``."""
     from hydra import compose, initialize_config_dir
 
     from grpo.config import register_configs
 
     register_configs()
     with initialize_config_dir(version_base="1.3", config_dir=str(ROOT / "conf")):
-        return compose(config_name="train", overrides=["experiment=arith_grpo", *overrides])
+        return compose(config_name="train", overrides=[f"experiment={experiment}", *overrides])
 
 
 def model_directory(cfg) -> Path:
-    """The cached warm-start directory of ``model.offline`` (never built here: build it with
-    ``python -m grpo.recipes.warmstart warm-arith``)."""
-    from grpo.recipes.warmstart import warmstart_path
+    """The model directory of ``cfg.model``: the cached warm-start directory (never built here: build it with
+    ``python -m grpo.recipes.warmstart warm-arith``), or the packaged real model (built on first use)."""
+    from grpo.recipes.initial_weights import resolve_model_dir
+    from grpo.recipes.warmstart import WARMSTART_PRESETS, warmstart_path
 
-    path = warmstart_path(cfg.model.offline, int(cfg.model.seed))
-    if not (path / "config.json").exists():
-        raise SystemExit(f"{path} is not built: run `python -m grpo.recipes.warmstart {cfg.model.offline}` first")
-    return path
+    if cfg.model.offline in WARMSTART_PRESETS:
+        path = warmstart_path(cfg.model.offline, int(cfg.model.seed))
+        if not (path / "config.json").exists():
+            raise SystemExit(f"{path} is not built: run `python -m grpo.recipes.warmstart {cfg.model.offline}` first")
+        return path
+    return Path(resolve_model_dir(cfg.model))
 
 
 def main(argv=None) -> dict:
@@ -108,27 +119,34 @@ def main(argv=None) -> dict:
     ap.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's own)")
     ap.add_argument("--vllm", action="store_true", help="TRL's colocated vLLM (use_vllm=True, vllm_mode=colocate)")
     ap.add_argument("--override", action="append", default=[], help="extra Hydra override of our config (repeat)")
+    ap.add_argument("--experiment", default="arith_grpo", help="our experiment to mirror (e.g. smollm2_chat_arith_shared "
+                    "on a GPU, with --vllm)")
     ap.add_argument("--check-eval", nargs="+", metavar="MODEL_DIR", default=None,
                     help="only evaluate these model dirs (e.g. our checkpoints) with this side's evaluator and exit")
     args = ap.parse_args(argv)
+    if args.vllm:  # vLLM's external launcher (TRL's colocate mode) joins a torch.distributed group: one process, rank 0
+        for k, v in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
+                     "MASTER_PORT": "29517"}.items():
+            os.environ.setdefault(k, v)
     sys.path.insert(0, str(ROOT / "src"))
     import torch
 
     if args.threads:
         torch.set_num_threads(args.threads)
     from datasets import Dataset
-    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from transformers import AutoModelForCausalLM, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
+    from grpo.models.loading import load_tokenizer
     from grpo.pipeline.local import build_rewards
     from grpo.pipeline.tasks import Prompt
     from grpo.recipes.warmstart import generate_answers, score
     from grpo.trainer.optim import build_scheduler
 
-    cfg = compose_ours([f"train.seed={args.seed}", *args.override])
+    cfg = compose_ours([f"train.seed={args.seed}", *args.override], args.experiment)
     steps = int(args.steps or cfg.train.steps)
     eval_every = int(args.eval_every or cfg.eval.every)
-    out = Path(args.out or RESULTS / f"trl_arith_s{args.seed}.json")
+    out = Path(args.out or RESULTS / f"trl_{args.experiment}_s{args.seed}.json")
     from hydra.utils import instantiate
 
     task = instantiate(cfg.data.task)
@@ -136,8 +154,11 @@ def main(argv=None) -> dict:
     correct_name = cfg.eval.correct_reward or next(iter(rewards))
     correct_fn = rewards[correct_name][0]
     mdir = model_directory(cfg)
-    tok = AutoTokenizer.from_pretrained(mdir)
+    tok = load_tokenizer(str(mdir))
+    task.bind_tokenizer(tok)  # chat tasks render through the tokenizer's template, as ours does at setup
     model = AutoModelForCausalLM.from_pretrained(mdir, dtype=torch.float32)
+    if torch.cuda.is_available():
+        model = model.cuda()
     heldout = task.eval_prompts()
     longest = max(len(tok.encode(p.text, add_special_tokens=False)) for p in heldout)
     eval_tokens = max(1, min(int(cfg.eval.max_new_tokens or cfg.data.max_new_tokens), int(cfg.model.max_seq_len) - longest))
@@ -235,7 +256,7 @@ def main(argv=None) -> dict:
         max_grad_norm=float(cfg.train.max_grad_norm), loss_type="dapo", beta=0.0, epsilon=float(loss.clip_eps),
         epsilon_high=float(loss.clip_eps_high if loss.clip_eps_high is not None else loss.clip_eps),
         num_iterations=1, scale_rewards="group", reward_weights=reward_weights, mask_truncated_completions=False,
-        max_steps=steps, use_cpu=True, bf16=False, fp16=False, report_to=[], logging_steps=1, save_strategy="no",
+        max_steps=steps, use_cpu=not torch.cuda.is_available(), bf16=False, fp16=False, report_to=[], logging_steps=1, save_strategy="no",
         seed=args.seed, disable_dropout=True, shuffle_dataset=False, remove_unused_columns=False, **vllm,
     )
     config = GRPOConfig(**trl_cfg)
@@ -260,7 +281,7 @@ def main(argv=None) -> dict:
         "bench": "trl_arith", "command": "python bench/trl_arith.py " + " ".join(argv if argv is not None else sys.argv[1:]),
         "machine": machine(), "trl": __import__("trl").__version__, "seed": args.seed, "steps": steps,
         "eval_every": eval_every, "model_dir": str(mdir), "generation": "vllm colocate" if args.vllm else "transformers generate()",
-        "ours_command": f"python train.py experiment=arith_grpo train.seed={args.seed}"
+        "ours_command": f"python train.py experiment={args.experiment} train.seed={args.seed}"
                         + "".join(f" {o}" for o in args.override),
         "prompts_match_ours_per_step": prompts_match, "rows": heldout_cb.rows, "step_seconds": heldout_cb.step_seconds,
         "train_seconds_per_step": train_s / max(steps, 1), "train_seconds": train_s,
@@ -273,7 +294,7 @@ def main(argv=None) -> dict:
                      "rule": "grpo.trainer.optim.lr_lambda: (k+1)/(w+1) during warm-up, then constant"},
         "eval": {"items": len(heldout), "decoding": "greedy, transformers generate()", "max_new_tokens": eval_tokens,
                  "correct_reward": correct_name},
-        "differences": DIFFERENCES, "logs": logs,
+        "differences": DIFFERENCES if not args.vllm else [*DIFFERENCES, GPU_NOTE], "logs": logs,
         "env": {k: os.environ[k] for k in ("OMP_NUM_THREADS",) if k in os.environ},
     }  # fmt: skip
     out.parent.mkdir(parents=True, exist_ok=True)

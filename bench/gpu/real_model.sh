@@ -4,6 +4,7 @@
 #                                                      #   parts as .kit/g0, .kit/g1), then builds the model directory
 #   bash bench/gpu/real_model.sh baseline [variants]   # held-out greedy / pass@8 per task variant (bench/real_model_baseline.py)
 #   bash bench/gpu/real_model.sh train SEED [overrides] # python train.py experiment=smollm2_chat_arith_shared, one seed
+#   bash bench/gpu/real_model.sh trl SEED [--steps N]  # TRL's GRPOTrainer on the same experiment (bench/trl_arith.py)
 #   bash bench/gpu/real_model.sh lr_sweep 3e-6,1e-5,3e-5 [overrides]  # those runs at once on the one GPU
 # Results land in $OUT (or bench/results/gpu when OUT is unset), flat (only two folder levels come back).
 set -uo pipefail
@@ -53,5 +54,10 @@ import json,sys
 for l in sys.stdin:
     r=json.loads(l); print(' ', r.get('step'), r.get('eval/accuracy'), r.get('eval/pass@k'), round(r.get('time/run_seconds') or 0))"
     done ;;
+  trl)  # TRL's GRPOTrainer (vLLM colocate) on the same experiment, model directory, prompts, rewards and settings
+    seed=$2; shift 2
+    /usr/bin/time -f "wall %e s" python3 bench/trl_arith.py --experiment smollm2_chat_arith_shared --vllm --seed $seed \
+      --out "$out/trl_s$seed.json" "$@" > "$out/trl_s$seed.log" 2>&1
+    echo "rc=$?"; grep -v "INFO\|WARNING" "$out/trl_s$seed.log" | tail -4 ;;
   *) echo "usage: $0 setup|baseline|train SEED [overrides]"; exit 2 ;;
 esac

@@ -183,8 +183,9 @@ def generate_answers(
     for start in range(0, len(texts), batch_size):
         enc = [tokenizer.encode(t, add_special_tokens=False) for t in texts[start:start + batch_size]]
         width = max(len(e) for e in enc)
-        ids = torch.tensor([[pad_id] * (width - len(e)) + e for e in enc])
-        mask = torch.tensor([[0] * (width - len(e)) + [1] * len(e) for e in enc])
+        device = next(model.parameters()).device
+        ids = torch.tensor([[pad_id] * (width - len(e)) + e for e in enc], device=device)
+        mask = torch.tensor([[0] * (width - len(e)) + [1] * len(e) for e in enc], device=device)
         sampling = {"do_sample": True, "temperature": temperature, "top_p": 1.0, "top_k": 0} if temperature > 0 else {"do_sample": False}
         with torch.no_grad():
             gen = model.generate(
