@@ -266,7 +266,7 @@ def test_a_tokenizer_without_a_pad_token_trains_a_step(tiny_qwen2_dir, train_ser
     copy = tmp_path / "no_pad_model"
     shutil.copytree(tiny_qwen2_dir, copy)
     tok_config = json.loads((copy / "tokenizer_config.json").read_text())
-    tok_config.pop("pad_token", None)
+    tok_config["pad_token"] = None  # (left out, transformers falls back to the model config's pad_token_id)
     (copy / "tokenizer_config.json").write_text(json.dumps(tok_config))
     from transformers import AutoTokenizer
 
