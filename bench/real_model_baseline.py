@@ -55,7 +55,7 @@ def evaluate(llm, tokenizer, name: str, spec: dict, items: int, k: int, seed: in
                               **spec["task"])
     task.bind_tokenizer(tokenizer)
     prompts = task.eval_prompts()
-    correct, bare = MathVerifyReward(), BareNumberReward()
+    correct, bare = MathVerifyReward(literal_answer=True), BareNumberReward()
     t0 = time.perf_counter()
     greedy = llm.generate([p.text for p in prompts], SamplingParams(temperature=0.0, max_tokens=spec["max_tokens"]))
     sampled = llm.generate([p.text for p in prompts], SamplingParams(temperature=1.0, n=k, max_tokens=spec["max_tokens"],

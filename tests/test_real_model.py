@@ -282,3 +282,19 @@ def test_a_tokenizer_without_a_pad_token_trains_a_step(tiny_qwen2_dir, train_ser
     assert "no pad token: using its eos token" in (run_dir / "train.log").read_text()
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert rows and rows[-1]["step"] == 1
+
+
+# ---------------------------------------------------------------- the CPU smoke experiment
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_the_cpu_smoke_experiment_trains_the_real_model(smollm2_dir, tmp_path):
+    """`python train.py experiment=smollm2_cpu_smoke`: vLLM's CPU engine serves the real model, two GRPO steps run and
+    sync (several minutes on 2 cores: behind `slow`)."""
+    run_dir = tmp_path / "run"
+    result = subprocess.run([sys.executable, "train.py", "experiment=smollm2_cpu_smoke", f"hydra.run.dir={run_dir}",
+                             "logging.progress_bar=false"], cwd=REPO, capture_output=True, text=True, timeout=1800)
+    assert result.returncode == 0, result.stderr[-3000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert (summary["status"], summary["steps_run"]) == ("completed", 2)
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2] and rows[-1]["sync/version"] == 2

@@ -1,0 +1,66 @@
+"""Held-out accuracy against training seconds (evaluation time taken out on both sides) for the real-model runs of
+bench/gpu/real_model.sh: ours (metrics.jsonl of `train`) and TRL (the JSON of `trl`), one PNG and a Markdown table.
+
+    python bench/gpu/real_model_curves.py bench/results/gpu/real_model
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+
+def ours_curve(path: Path) -> list[tuple[int, float, float]]:
+    """(step, accuracy, training seconds) of a metrics.jsonl: time/run_seconds less the evaluations so far."""
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    out, eval_s = [], 0.0
+    for r in rows:
+        if "eval/accuracy" in r:
+            eval_s += r.get("eval/seconds", 0.0)
+            out.append((r["step"], r["eval/accuracy"], max(0.0, r["time/run_seconds"] - eval_s)))
+    return out
+
+
+def trl_curve(path: Path) -> list[tuple[int, float, float]]:
+    return [(r["step"], r["eval/accuracy"], r["time/train_seconds"]) for r in json.loads(path.read_text())["rows"]]
+
+
+def first_reach(curve: list[tuple[int, float, float]], target: float) -> float | None:
+    return next((t for _, acc, t in curve if acc >= target), None)
+
+
+def main(folder: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    root = Path(folder)
+    curves = {f"ours {p.name.split('_')[2].split('.')[0]}": ours_curve(p) for p in sorted(root.glob("lr3e-5_250steps_s*.metrics.jsonl"))}
+    trl = {f"TRL {p.stem.split('_')[1]}": trl_curve(p) for p in sorted(root.glob("trl_s*.json"))}
+    target = sum(c[-1][1] for c in trl.values()) / len(trl)
+    lines = ["| run | accuracy at steps 0, 50, ..., 250 | training s | s to TRL's final (%.3f) | / TRL's s |" % target,
+             "|---|---|---|---|---|"]
+    trl_s = sum(c[-1][2] for c in trl.values()) / len(trl)
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    for name, curve in {**curves, **trl}.items():
+        ax.plot([t for *_, t in curve], [a for _, a, _ in curve], marker="o", ls="--" if name.startswith("TRL") else "-",
+                label=name)
+        reach = first_reach(curve, target)
+        lines.append(f"| {name} | {', '.join(f'{a:.3f}' for _, a, _ in curve)} | {curve[-1][2]:.0f} | "
+                     f"{'never' if reach is None else f'{reach:.0f}'} | "
+                     f"{'-' if reach is None else f'{reach / trl_s:.2f}'} |")
+    ax.set_xlabel("training seconds (evaluations taken out)")
+    ax.set_ylabel("held-out greedy accuracy (500 items)")
+    ax.set_title("SmolLM2-135M-Instruct, chat arithmetic, one H100")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(root / "curves.png", dpi=110)
+    (root / "table.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
