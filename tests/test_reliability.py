@@ -69,9 +69,10 @@ def assert_valid_checkpoint(run_dir: Path, step: int, model_dir: Path) -> None:
     assert not [p.name for p in ckpts.root.iterdir() if p.name.startswith(".")]
 
 
-def server_starts(run_dir: Path) -> list[str]:
-    """The --model of every server start in the run's vllm.log, in order."""
-    text = (run_dir / "logs" / "vllm.log").read_text(errors="replace")
+def server_starts(run_dir: Path, log: str = "vllm.log") -> list[str]:
+    """The --model of every server start in the run's vllm.log (this session's; an earlier session's is
+    vllm.<n>.log), in order."""
+    text = (run_dir / "logs" / log).read_text(errors="replace")
     return re.findall(r"===== grpo: starting .* --model (\S+)", text)
 
 
@@ -114,7 +115,8 @@ def test_server_hang_and_crash_restart_on_current_weights_then_clear_error_and_r
     out, _ = proc.communicate(timeout=300)
     assert proc.returncode == 0, out[-3000:]
     assert steps(run) == [1, 2, 3, 4, 5, 6]
-    starts = server_starts(run)[2:]
+    assert server_starts(run, "vllm.1.log") == [str(tiny_qwen2_dir), str(run / "served_weights" / "v1")]
+    starts = server_starts(run)  # the resumed session's own log: the first session's was moved to vllm.1.log
     assert starts[0] == str(run / "checkpoints" / "step_000002")  # resume serves the checkpoint's weights
     assert len(starts) == 2 and "/served_weights/v" in starts[1]  # the restart serves the latest synced weights
     assert_valid_checkpoint(run, 6, tiny_qwen2_dir)
