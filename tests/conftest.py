@@ -61,6 +61,20 @@ def server_cfg(port: int | None = None, **overrides):
     return ServerConfig(**base)
 
 
+def session_server(model_dir: Path, tmp_path_factory, name: str, cfg, *, enable_lora: bool = False):
+    """Start one real vLLM CPU server (grpo.inference.server) on `model_dir`, yield it, stop it: the body of each
+    session-scoped server fixture (its log under a temporary folder called `name`)."""
+    from grpo.inference.process import VLLMServer
+
+    log = tmp_path_factory.mktemp(name) / "vllm.log"
+    server = VLLMServer(model_dir, cfg, log, enable_lora=enable_lora, served_model_name=str(model_dir))
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
 @pytest.fixture(scope="session")
 def vllm_server(tiny_qwen2_dir, tmp_path_factory):
     """ONE real vLLM CPU server (our grpo.inference.server) on tiny-qwen2 for the whole session, LoRA enabled, its
@@ -68,18 +82,10 @@ def vllm_server(tiny_qwen2_dir, tmp_path_factory):
 
     Tests that change its weights must put the original ones back (or use their own server).
     """
-    from grpo.inference.process import VLLMServer
-
-    log = tmp_path_factory.mktemp("vllm_session") / "vllm.log"
     # vLLM's own layout (a worker process beside the engine core, as on a GPU box) for this server; the others run
     # the worker inside the engine core, as conf/server/cpu.yaml does.
-    cfg = server_cfg(worker_in_engine_process=False)
-    server = VLLMServer(tiny_qwen2_dir, cfg, log, enable_lora=True, served_model_name=str(tiny_qwen2_dir))
-    server.start()
-    try:
-        yield server
-    finally:
-        server.stop()
+    yield from session_server(tiny_qwen2_dir, tmp_path_factory, "vllm_session",
+                              server_cfg(worker_in_engine_process=False), enable_lora=True)
 
 
 @pytest.fixture(scope="session")
@@ -87,16 +93,8 @@ def train_server(tiny_qwen2_dir, tmp_path_factory):
     """ONE eager vLLM server without LoRA for the session that `train.py` runs attach to (`attach`), where a test
     checks what the run does rather than how it starts and stops its own server (tests/test_train_e2e.py does that).
     Each start costs ~30-40 s of the suite; runs change its weights, so `attach` puts the original ones back."""
-    from grpo.inference.process import VLLMServer
-
-    log = tmp_path_factory.mktemp("train_server") / "vllm.log"
-    cfg = server_cfg(enforce_eager=True, max_model_len=1024, kv_cache_gb=0.25)
-    server = VLLMServer(tiny_qwen2_dir, cfg, log, served_model_name=str(tiny_qwen2_dir))
-    server.start()
-    try:
-        yield server
-    finally:
-        server.stop()
+    yield from session_server(tiny_qwen2_dir, tmp_path_factory, "train_server",
+                              server_cfg(enforce_eager=True, max_model_len=1024, kv_cache_gb=0.25))
 
 
 def attach(server, model_dir: Path) -> tuple[str, dict[str, str]]:

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import REPO, attach, server_cfg
+from conftest import REPO, attach, server_cfg, session_server
 from grpo.config import ConfigError
 from grpo.models import packaged
 from grpo.models.packaged import PACKAGED_MODELS, PackagedModel, PackagedModelMissing, build_packaged_model_dir
@@ -67,16 +67,8 @@ def smollm2_served_dir(smollm2_dir, newline_id, tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def smollm2_server(smollm2_served_dir, tmp_path_factory):
     """ONE real vLLM CPU server on the real model, float32 (eager: no compile), for the tests of this file."""
-    from grpo.inference.process import VLLMServer
-
-    log = tmp_path_factory.mktemp("smollm2_server") / "vllm.log"
-    cfg = server_cfg(enforce_eager=True, max_model_len=512, kv_cache_gb=0.25, dtype="float32")
-    server = VLLMServer(smollm2_served_dir, cfg, log, served_model_name=str(smollm2_served_dir))
-    server.start()
-    try:
-        yield server
-    finally:
-        server.stop()
+    yield from session_server(smollm2_served_dir, tmp_path_factory, "smollm2_server",
+                              server_cfg(enforce_eager=True, max_model_len=512, kv_cache_gb=0.25, dtype="float32"))
 
 
 @pytest.fixture(scope="session")

@@ -91,7 +91,15 @@ def test_mode_none_reloads_in_place(tmp_path, tiny_qwen2_dir):
         model = AutoModelForCausalLM.from_pretrained(tiny_qwen2_dir, dtype=torch.float32)
         metrics = check_moves(sync, model, lr=1e-3)
         assert metrics["sync/inplace"] == 1.0 and sync.server.process.pid == pid  # no restart
-        check_moves(sync, model, lr=1e-3, step=2)
+        arrived = sync.check_arrival(model)  # issue 44.12: the served weights themselves, not log-probs
+        assert arrived["sync/served_version"] == 1.0 and arrived["sync/weights_match"] == 1.0, arrived
+        optimizer_step(model, 1e-3)  # the trainer moves on without a sync: the check must see the difference
+        stale = sync.check_arrival(model)
+        assert stale["sync/weights_match"] == 0.0 and stale["sync/weights_max_rel_diff"] > 1e-6, stale
+        sync.sync(model, 2)
+        assert sync.check_arrival(model) | {"sync/arrival_check_seconds": 0} == {
+            "sync/served_version": 2.0, "sync/weights_match": 1.0, "sync/weights_max_rel_diff": 0.0,
+            "sync/arrival_check_seconds": 0}
         assert sorted(p.name for p in (tmp_path / "served_weights").iterdir()) == ["v2"]
     finally:
         shutdown_and_check(sync)

@@ -61,6 +61,17 @@ class WeightSyncExtension:
         """Sum of |w| over all parameters: a cheap way to see that weights changed."""
         return float(sum(p.detach().float().abs().sum().item() for p in self._grpo_model().parameters()))
 
+    def grpo_weight_fingerprint(self, names: list[str]) -> dict[str, dict[str, Any]]:
+        """Shape, dtype and float64 sum of each named parameter this worker holds (its shard under tensor parallel);
+        names it does not hold (fused or renamed by vLLM) or holds empty (the CPU backend repacks linear weights
+        elsewhere) are left out (grpo.sync.arrival)."""
+        params = dict(self._grpo_model().named_parameters())
+        return {
+            n: {"shape": list(params[n].shape), "dtype": str(params[n].dtype).removeprefix("torch."),
+                "sum": float(params[n].detach().double().sum().item())}
+            for n in names if n in params and params[n].numel() > 0
+        }  # fmt: skip
+
     def grpo_share_cpu_params(self, path: str, create: bool) -> dict[str, Any]:
         """Move every parameter into one shared file mapping at `path`, so another process on this host can map the
         same memory (mode=shared_vllm on CPU). `create`: make the file and copy the loaded weights into it; else

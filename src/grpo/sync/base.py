@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import time
 from abc import ABC, abstractmethod
 from contextlib import contextmanager
@@ -11,9 +12,12 @@ from typing import Any, ClassVar, Iterator, Literal, Mapping, Optional, Sequence
 
 import torch.nn as nn
 
-from grpo.inference.client import Endpoint
+from grpo.inference.client import Endpoint, InferenceServerError
 from grpo.options import ConfigError, option
 from grpo.serving.server import InferenceServer, Replica
+from grpo.sync.arrival import check_arrival
+
+log = logging.getLogger(__name__)
 
 # LoRA ranks vLLM accepts for --max-lora-rank (vllm/config/lora.py).
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
@@ -139,6 +143,22 @@ class SyncStrategy(ABC):
     @abstractmethod
     def sync(self, model: nn.Module, step: int) -> dict[str, float]:
         """Make the server serve `model`'s current weights; returns at least sync/seconds and sync/version."""
+
+    def check_arrival(self, model: nn.Module) -> dict[str, float]:
+        """After a sync: the version each replica serves and whether its weights equal the trainer's (a fingerprint
+        of a few parameters, grpo.sync.arrival). The LoRA modes report the served version only: their base weights
+        never change, and the adapter lives outside the model's parameters. Nothing without a server (ranks > 0)."""
+        if not self.server.replicas:
+            return {}
+        t0 = time.perf_counter()
+        out: dict[str, float] = {}
+        try:
+            for replica in self.server.replicas:
+                out |= check_arrival(model, replica.client, self.version, fingerprint=not self.uses_lora)
+        except InferenceServerError as error:  # a dead server is the next generation's to restart, not the check's
+            log.warning("the arrival check after the sync to version %d failed: %s", self.version, error)
+            return {"sync/arrival_check_failed": 1.0}
+        return {**out, "sync/arrival_check_seconds": time.perf_counter() - t0}
 
     def recover(self, error: BaseException) -> bool:
         """`error` interrupted generation, an evaluation or a sync: True when the server restarted a replica that

@@ -504,6 +504,7 @@ class GRPOTrainer:
                     raise
                 log.warning("step %d: the weight sync failed (%s); the server was restarted, syncing again", self.step, error)
                 out = self.sync.sync(self.model, self.step)
+            out |= self.sync.check_arrival(self.model)
         else:
             out = {"sync/seconds": 0.0, "sync/version": float(self.sync.version)}
         return {**out, **self.sync.take_generation_stall()}
