@@ -13,14 +13,15 @@ from hydra.core.global_hydra import GlobalHydra
 from hydra.utils import get_class
 from omegaconf import OmegaConf
 
+from grpo.conf import CONFIG_DIR
 from grpo.config import ConfigError, register_configs, validate
 
 REPO = Path(__file__).resolve().parents[1]
-CONF = REPO / "conf"
+CONF = CONFIG_DIR
 MODES = sorted(p.stem for p in (CONF / "mode").glob("*.yaml"))
 MODELS = sorted(p.stem for p in (CONF / "model").glob("*.yaml"))
 OPTIMIZERS = sorted(p.stem for p in (CONF / "optimizer").glob("*.yaml"))
-EXPERIMENTS = sorted(p.stem for p in (REPO / "experiments").glob("*.yaml"))
+EXPERIMENTS = sorted(p.stem for p in (CONF / "experiment").glob("*.yaml"))
 
 register_configs()
 
@@ -283,7 +284,7 @@ def test_a_run_does_not_print_bitsandbytes_advice_about_4bit_kernels(tmp_path):
     app = ("import sys; from pathlib import Path; import hydra\n"
            "from grpo.config import register_configs\n"
            "register_configs()\n"
-           f"@hydra.main(version_base='1.3', config_path={str(REPO / 'conf')!r}, config_name='train')\n"
+           f"@hydra.main(version_base='1.3', config_path={str(CONF)!r}, config_name='train')\n"
            "def main(cfg):\n"
            "    import logging, peft  # noqa: F401\n"
            "    logging.getLogger('train').info('imported peft')\n"
