@@ -65,7 +65,7 @@ def test_a_sweep_into_a_dir_whose_jobs_ran_stops_before_hydra_rewrites_their_rec
 
 
 def test_a_sweep_into_a_fresh_or_never_trained_dir_is_let_through(tmp_path):
-    from grpo.config.validate import check_sweep_dir_unused
+    from grpo.config.run_dir import check_sweep_dir_unused
 
     check_sweep_dir_unused(tmp_path / "does-not-exist")
     (tmp_path / "0" / ".hydra").mkdir(parents=True)

@@ -21,7 +21,7 @@ from typing import Any, Iterator, Sequence
 import torch
 from hydra.experimental.callback import Callback
 
-from grpo.config.validate import (
+from grpo.config.run_dir import (
     check_resume_exists,
     check_resume_has_steps_left,
     check_run_dir,
@@ -99,7 +99,7 @@ def record_provenance(run_dir: Path, cfg: Any = None) -> dict:
     info = {"grpo_version": pkg, "git_commit": git_commit(), "python": sys.version.split()[0], "argv": sys.argv}
     if cfg is not None:
         info["identity"] = run_identity(cfg)
-        if cfg.train.resume is not None:  # read by grpo.config.validate.resumed_from: which run this one continues
+        if cfg.train.resume is not None:  # read by grpo.config.run_dir.resumed_from: which run this one continues
             info["resumed_from"] = str(Path(cfg.train.resume).resolve())
     (run_dir / "provenance.json").write_text(json.dumps(info, indent=2))
     return info
