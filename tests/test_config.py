@@ -321,8 +321,8 @@ def test_a_hub_model_in_the_local_cache_is_checked_against_model_num_layers(tmp_
     only the first blocks, silently (local directories were already checked; hub ids were not)."""
     import huggingface_hub.constants
 
-    from grpo.config.validate import check_model
     from grpo.options import ConfigError
+    from grpo.recipes.model_checks import check_model
 
     repo = tmp_path / "models--acme--deep-7b"
     (repo / "refs").mkdir(parents=True)
@@ -333,8 +333,8 @@ def test_a_hub_model_in_the_local_cache_is_checked_against_model_num_layers(tmp_
     cfg = _compose(["model=qwen3b", "model.name=acme/deep-7b"])
     assert cfg.model.num_layers == 36
     with pytest.raises(ConfigError, match=r"model.num_layers=36, but .*config.json says the model has 28 blocks"):
-        check_model(cfg)
-    check_model(_compose(["model=qwen3b", "model.name=acme/deep-7b", "model.num_layers=28"]))
+        check_model(cfg, cuda=False)
+    check_model(_compose(["model=qwen3b", "model.name=acme/deep-7b", "model.num_layers=28"]), cuda=False)
 
 
 def test_server_cpu_keeps_chunked_prefill_off_when_extra_args_are_given():

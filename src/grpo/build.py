@@ -19,7 +19,6 @@ from hydra.errors import InstantiationException
 from hydra.utils import get_class, instantiate
 from omegaconf import DictConfig
 
-from grpo.config.validate import check_server_fits_model
 from grpo.models.loading import load_tokenizer, pick_device
 from grpo.options import ConfigError, instantiation_cause
 from grpo.pipeline.base import BatchShape, DataPipeline, PipelineContext
@@ -29,6 +28,7 @@ from grpo.pipeline.rollout_queue import AsyncRollouts
 from grpo.recipes.initial_weights import resolve_model_dir
 from grpo.recipes.trainable_model import build_model
 from grpo.run import check_objective, release_device_memory
+from grpo.serving.checks import check_server_fits_model
 from grpo.sync.base import SyncContext, SyncStrategy
 from grpo.sync.follower import FollowerSync
 from grpo.trainer import distributed

@@ -10,7 +10,6 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import logging
-from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 from hydra.types import RunMode
@@ -23,11 +22,6 @@ from grpo.pipeline.evaluation import ATROPOS_EVAL_EXAMPLE, eval_enabled
 from grpo.pipeline.local import LocalRolloutPipeline
 
 log = logging.getLogger(__name__)
-
-# Files whose presence makes a directory a model: a config plus weights in any format transformers loads.
-MODEL_FILES = ("config.json",)
-WEIGHT_PATTERNS = ("*.safetensors", "*.bin", "*.pt", "*.pth", "*.gguf", "*.safetensors.index.json")
-
 
 @dataclasses.dataclass(frozen=True)
 class HydraInfo:
@@ -325,37 +319,3 @@ def check_memory_share_used(cfg: DictConfig, info: HydraInfo) -> None:
         )
 
 
-def check_model_files(model_cfg: DictConfig) -> None:
-    """A local model directory must hold a model (config.json and weights), not fail later in the tokenizer."""
-    if model_cfg.offline:
-        return
-    path = Path(str(model_cfg.name)).expanduser()
-    if not path.is_dir():
-        return
-    missing = [f for f in MODEL_FILES if not (path / f).is_file()]
-    has_weights = any(any(path.glob(p)) for p in WEIGHT_PATTERNS)
-    if missing or not has_weights:
-        found = sorted(p.name for p in path.iterdir())[:10]
-        raise ConfigError(
-            f"no model files in {path} (model.name): expected config.json and weights (*.safetensors or *.bin); "
-            f"found {found or 'nothing'}"
-        )
-    check_layer_count(model_cfg, path / "config.json")
-
-
-def check_layer_count(model_cfg: DictConfig, config_json: Path) -> None:
-    """`model.num_layers` is the model's block count: layer specs resolve against it, so a smaller value left at a
-    preset's default made `layers=all` train only the first blocks (embeddings and head frozen), silently."""
-    import json
-
-    try:
-        hf_config = json.loads(config_json.read_text())
-    except (OSError, ValueError):
-        return  # loading the model says what is wrong with it
-    hf_config = hf_config.get("text_config", hf_config)  # multimodal configs nest the language model's
-    blocks = next((hf_config[k] for k in ("num_hidden_layers", "n_layer", "num_layers") if k in hf_config), None)
-    if isinstance(blocks, int) and blocks != model_cfg.num_layers:
-        raise ConfigError(
-            f"model.num_layers={model_cfg.num_layers}, but {config_json} says the model has {blocks} blocks; set "
-            f"model.num_layers={blocks} (layers=... resolves against it)"
-        )

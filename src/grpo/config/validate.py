@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import difflib
 import importlib
 import os
-import socket
 from pathlib import Path
 
 from hydra.utils import get_class
@@ -13,28 +11,16 @@ from omegaconf import DictConfig
 
 from grpo.config import checks
 from grpo.config.run_dir import check_resume_exists, check_resume_has_steps_left, check_run_dir, check_run_dir_unused
-from grpo.inference.process import parallel_sizes
-from grpo.models.loading import ATTN_IMPLEMENTATIONS
-from grpo.models.packaged import PACKAGED_MODELS, PackagedModelMissing, gguf_path
-from grpo.models.tiny import offline_presets
 from grpo.options import ConfigError, instantiation_cause, option
 from grpo.pipeline.local import LocalRolloutPipeline
 from grpo.pipeline.rollout_queue import check_batches_in_flight, queue_capacity
-from grpo.recipes.warmstart import WARMSTART_PRESETS
+from grpo.recipes.model_checks import check_model, check_model_files
+from grpo.serving.checks import check_server
 from grpo.trainer.layers import resolve_layer_indices
 from grpo.trainer.metrics import tensorboard_writer_class
 from grpo.trainer.optim import build_optimizer
 
 __all__ = ["ConfigError", "validate"]
-
-def _port_free(host: str, port: int) -> bool:
-    with socket.socket() as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind((host, port))
-        except OSError:
-            return False
-    return True
 
 
 def _check_importable(target: str, key: str, install_hint: str) -> None:
@@ -64,7 +50,7 @@ def validate(cfg: DictConfig, run_dir: Path | None = None) -> None:
     checks.check_grad_accum_used(cfg, info)
     checks.check_eval_settings_used(cfg, info)
     checks.check_wandb_settings_used(cfg, info)
-    checks.check_model_files(cfg.model)
+    check_model_files(cfg.model)
     check_layers(cfg)
     check_optimizer(cfg)
     check_loss(cfg)
@@ -73,8 +59,8 @@ def validate(cfg: DictConfig, run_dir: Path | None = None) -> None:
     sync_cls.check_config(cfg, cuda=_cuda_available(), world_size=int(os.environ.get("WORLD_SIZE", "1")))
     if cfg.train.device == "cuda" and not _cuda_available():
         raise ConfigError("train.device=cuda but no CUDA device is visible; use train.device=auto or cpu")
-    check_model(cfg)
-    check_server(cfg, info.choices.get("server"))
+    check_model(cfg, cuda=_cuda_available())
+    check_server(cfg, info.choices.get("server"), cuda=_cuda_available())
     check_train(cfg)
     check_prefix_sharing(cfg)
     check_data(cfg, info.choices.get("experiment"))
@@ -123,129 +109,6 @@ def check_loss(cfg: DictConfig) -> None:
         if not isinstance(cause, (ValueError, TypeError)):
             raise
         raise ConfigError(f"loss ({cfg.loss._target_}): {cause}; set the loss.* key it names") from None
-
-
-def check_model(cfg: DictConfig) -> None:
-    """A known attention kernel (FlexAttention on a CUDA trainer only); a local `model.name` exists; a hub id not
-    in the local cache is refused when the hub is off or cannot be reached."""
-    attn = cfg.model.attn_implementation
-    if attn is not None and attn not in ATTN_IMPLEMENTATIONS:
-        raise ConfigError(f"model.attn_implementation={attn} is not one of {', '.join(ATTN_IMPLEMENTATIONS)} "
-                          "(or null for transformers' default)")
-    trains_on_cpu = cfg.train.device == "cpu" or (cfg.train.device == "auto" and not _cuda_available())
-    if attn == "flex_attention" and trains_on_cpu:
-        raise ConfigError("model.attn_implementation=flex_attention needs a CUDA trainer (PyTorch's FlexAttention "
-                          "has no backward pass on CPU); use sdpa, null or varlen (packed rows per sequence) on this machine")
-    if cfg.model.offline is not None:
-        check_offline_preset(str(cfg.model.offline))
-        return
-    name = cfg.model.name
-    looks_local = name.startswith(("/", ".", "~")) or os.path.isabs(name)
-    if looks_local and not Path(name).expanduser().exists():
-        raise ConfigError(f"model.name={name} does not exist")
-    if looks_local or Path(name).exists():
-        return
-    cached_config = _hub_cached_config(name)
-    if cached_config is not None:
-        checks.check_layer_count(cfg.model, cached_config)
-        return
-    instead = (f"point model.name at a local directory or set model.offline=<preset> for random weights of a known "
-               f"shape ({', '.join(offline_presets())})")
-    if os.environ.get("HF_HUB_OFFLINE") == "1":
-        raise ConfigError(f"model.name={name} is a hub id, not in the local Hugging Face cache, and HF_HUB_OFFLINE=1; "
-                          f"{instead}")
-    reachable, where = _hub_reachable()
-    if not reachable:
-        # Without this the hub client retries for about a minute and ends in a traceback.
-        raise ConfigError(f"model.name={name} is a hub id, not in the local Hugging Face cache, and the hub "
-                          f"({where}) cannot be reached from here; {instead}, or fix the network (HF_ENDPOINT, proxy)")
-
-
-def check_offline_preset(preset: str) -> None:
-    """`model.offline` names a preset the model builder knows; else its ValueError was a traceback after the run's
-    start-up lines. The model options' own names (`tiny_qwen2`, `warm_arith`) are the natural misspelling."""
-    known = [*offline_presets(), *sorted(WARMSTART_PRESETS), *sorted(PACKAGED_MODELS)]
-    if preset in PACKAGED_MODELS:
-        try:
-            gguf_path(preset)  # the package that carries it is installed: said before vLLM or the build starts
-        except PackagedModelMissing as e:
-            raise ConfigError(str(e)) from None
-    if preset in known:
-        return
-    close = difflib.get_close_matches(preset.replace("_", "-"), known, n=1)
-    hint = f"; did you mean model.offline={close[0]}?" if close else ""
-    raise ConfigError(f"model.offline={preset} is not an offline model preset (those are {', '.join(known)}){hint} "
-                      "(model.offline=null loads model.name instead)")
-
-
-def _hub_cached_config(name: str) -> Path | None:
-    """The hub model's config.json in the local Hugging Face cache, or None."""
-    from huggingface_hub import try_to_load_from_cache
-
-    found = try_to_load_from_cache(name, "config.json")
-    return Path(found) if isinstance(found, str) else None
-
-
-def _hub_reachable(timeout_s: float = 3.0) -> tuple[bool, str]:
-    """(whether a TCP connection to the hub's host opens within `timeout_s`, "host:port"); HF_ENDPOINT names the
-    hub. Behind a proxy only the hub client knows the way, so it is given the benefit of the doubt."""
-    from urllib.parse import urlparse
-
-    url = urlparse(os.environ.get("HF_ENDPOINT") or "https://huggingface.co")
-    host, port = url.hostname or "huggingface.co", url.port or (443 if url.scheme == "https" else 80)
-    if any(os.environ.get(k) for k in ("HTTPS_PROXY", "https_proxy", "HTTP_PROXY", "http_proxy", "ALL_PROXY")):
-        return True, f"{host}:{port}"
-    try:
-        socket.create_connection((host, port), timeout=timeout_s).close()
-    except OSError:
-        return False, f"{host}:{port}"
-    return True, f"{host}:{port}"
-
-
-def check_server_fits_model(cfg: DictConfig, model_dir: str | Path) -> None:
-    """`server.max_model_len` within the model's `max_position_embeddings` (its config.json in `model_dir`, once the
-    model directory exists): vLLM refuses a longer one, but only after its start-up, with a traceback in its log.
-    `server=gpu`'s 4096 against the tiny models' 1024 was the first thing a GPU user of the default job met."""
-    import json
-
-    max_len = cfg.server.get("max_model_len")
-    try:
-        positions = json.loads((Path(model_dir) / "config.json").read_text()).get("max_position_embeddings")
-    except (OSError, ValueError):
-        return  # not a directory with a readable config: loading the model says what is wrong
-    if cfg.server.get("external_url") is None and max_len is not None and positions and max_len > positions:
-        raise ConfigError(
-            f"server.max_model_len={max_len} exceeds the model's max_position_embeddings={positions} "
-            f"({Path(model_dir) / 'config.json'}), which vLLM refuses: set server.max_model_len={positions} (or less)"
-        )
-
-
-def check_server(cfg: DictConfig, choice: str | None = None) -> None:
-    """The server's port is free (or an external server is named), its knobs are in range, and `server=gpu`
-    (`choice`, the server group's option) has a GPU to run on."""
-    if choice == "gpu" and cfg.server.external_url is None and not _cuda_available():
-        # Else vLLM starts on the CPU with the GPU settings and fails on one of them (e.g. max_model_len).
-        raise ConfigError("server=gpu runs the vLLM server on a CUDA GPU and none is visible here; use server=cpu "
-                          "(the vLLM CPU engine), or attach to a GPU server with server.external_url=http://host:port")
-    kv_cache_gb = cfg.server.get("kv_cache_gb")
-    if kv_cache_gb is not None and kv_cache_gb <= 0:
-        raise ConfigError(f"server.kv_cache_gb must be a positive number of GiB or null, got {kv_cache_gb}")
-    if cfg.server.busy_loop_s is not None and cfg.server.busy_loop_s < 0:
-        raise ConfigError(f"server.busy_loop_s must be >= 0 seconds or null, got {cfg.server.busy_loop_s}")
-    if cfg.server.worker_in_engine_process and max(parallel_sizes(cfg.server.extra_args).values()) > 1:
-        raise ConfigError(
-            "server.worker_in_engine_process=true runs one vLLM worker, but server.extra_args="
-            f"{list(cfg.server.extra_args)} asks for several: set server.worker_in_engine_process=false"
-        )
-    port_fixed = cfg.server.port is not None  # null: the launcher picks a free port
-    if port_fixed and not 1 <= cfg.server.port <= 65535:
-        # Else the bind below fails with Python's OverflowError traceback.
-        raise ConfigError(f"server.port={cfg.server.port} is not a TCP port: use 1-65535, or null to pick a free one")
-    if cfg.server.external_url is None and port_fixed and not _port_free(cfg.server.host, cfg.server.port):
-        raise ConfigError(
-            f"server.port={cfg.server.port} on {cfg.server.host} is already in use; pick a free port "
-            "(server.port=...) or attach to that server with server.external_url=http://host:port"
-        )
 
 
 def check_train(cfg: DictConfig) -> None:
