@@ -166,7 +166,7 @@ def report_stop(
 ) -> StopReport:
     """Write the curves, print the stop block to `stream` (stderr) and return what it said.
 
-    Call after the run's teardown (the server is stopped in train.py's `finally`), so the block reports the
+    Call after the run's teardown (`grpo.build.RunParts.close` stops the server), so the block reports the
     server's real state. `overrides` are the job's command-line overrides (Hydra's `overrides.task`).
     """
     argv = list(sys.argv if argv is None else argv)
