@@ -1,7 +1,7 @@
 """`python train.py [overrides]` from the checkout: the same command as `grpo-train` (grpo/train.py; its configs are
 grpo/conf/). Usage and examples: `python train.py --help`, docs/running.md."""
 
-from grpo.train import cli
+from grpo.train import run
 
 if __name__ == "__main__":
-    cli()
+    run()

@@ -111,7 +111,7 @@ def to_check(argv: list[str]) -> list[str] | None:
     if prog == "python" and args[:1] == ["-m"]:
         return [sys.executable, "-m", args[1], "--help"]
     if prog == "grpo-train":
-        return [sys.executable, "-c", "import sys; from grpo.train import cli; sys.argv[0] = 'grpo-train'; cli()",
+        return [sys.executable, "-c", "import sys; from grpo.train import run; sys.argv[0] = 'grpo-train'; run()",
                 *hydra_args(args)]
     if prog in scripts:
         module, func = scripts[prog].split(":")

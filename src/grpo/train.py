@@ -65,7 +65,7 @@ def fit(cfg: DictConfig, run_dir: Path) -> list[float]:
         parts.close()
 
 
-def cli() -> None:
+def run() -> None:
     """The command line's entry (`grpo-train`, `python train.py`): the arguments checked before Hydra composes
     (grpo.config.command_line: a typo'd option, a missing plugin or config dir), then the Hydra app."""
     # A console script's sys.path starts at its bin dir; put the working directory first so that `_target_:
@@ -81,4 +81,4 @@ def cli() -> None:
 
 
 if __name__ == "__main__":
-    cli()
+    run()
