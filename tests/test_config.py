@@ -161,6 +161,19 @@ def test_unsupported_lora_rank_fails_clearly(tmp_path):
         validate(_compose(["mode=lora_only", "lora.r=12"]), tmp_path)
 
 
+@pytest.mark.parametrize("mode", ["lora_only", "lora_restart"])
+def test_lora_on_gpu_refuses_float32_server(mode):
+    """vLLM's GPU LoRA kernels assert fp16/bf16 (seen on an H100: the engine died at start-up); the CPU engine's do not."""
+    from hydra.utils import get_class
+
+    cfg = _compose([f"mode={mode}", "server.dtype=float32"])
+    sync_cls = get_class(cfg.mode._target_)
+    with pytest.raises(ConfigError, match="server.dtype=bfloat16"):
+        sync_cls.check_config(cfg, cuda=True)
+    sync_cls.check_config(cfg, cuda=False)
+    sync_cls.check_config(_compose([f"mode={mode}", "server.dtype=bfloat16"]), cuda=True)
+
+
 def test_unwritable_run_dir_fails_clearly(tmp_path):
     # A path under a regular file is unwritable for every user, root included.
     blocker = tmp_path / "file"

@@ -519,6 +519,7 @@ def test_fsdp2_two_plus_two_steps_with_resume_equal_four_straight(tmp_path, tiny
 
 
 # ---------------------------------------------------------------- torchrun train.py, mode=none (real vLLM on CPU)
+@pytest.mark.slow  # 40-105 s of the CI suite's 25-minute budget: run with `pytest -m slow`
 @pytest.mark.vllm
 def test_torchrun_two_ranks_mode_none_trains_checkpoints_and_resumes(tmp_path, train_server, tiny_qwen2_dir):
     """`torchrun --nproc-per-node 2 train.py mode=none`: every rank joins each gather of the full weights, rank 0

@@ -14,6 +14,7 @@ from test_run_history import build_trainer, fit, rows
 from test_train_e2e import assert_clean
 
 
+@pytest.mark.slow  # 40-105 s of the CI suite's 25-minute budget: run with `pytest -m slow`
 @pytest.mark.vllm
 def test_a_server_killed_during_an_in_run_eval_is_restarted_and_the_eval_row_written_once(tmp_path, tiny_qwen2_dir):
     """Before: the eval's ServerUnreachable ended the run (no restart, though one was allowed), and step 2, trained,

@@ -84,6 +84,7 @@ def shared_server(train_server, tiny_qwen2_dir) -> tuple[str, dict[str, str]]:
 
 
 # ---------------------------------------------------------------------------------------------------- server faults
+@pytest.mark.slow  # 40-105 s of the CI suite's 25-minute budget: run with `pytest -m slow`
 @pytest.mark.vllm
 def test_server_hang_and_crash_restart_on_current_weights_then_clear_error_and_resume(tmp_path, tiny_qwen2_dir):
     run = tmp_path / "run"

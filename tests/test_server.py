@@ -454,6 +454,7 @@ def test_a_server_that_does_not_start_ends_the_run_with_one_message(tmp_path):
     assert_clean(marker)
 
 
+@pytest.mark.slow  # 40-105 s of the CI suite's 25-minute budget: run with `pytest -m slow`
 @pytest.mark.vllm
 def test_a_second_cpu_server_start_does_not_compile_again_for_a_cache_that_never_loads(tmp_path, tiny_qwen2_dir):
     """Issue 44.17: vLLM 0.32 on CPU saved an AOT compile artifact that its own loader cannot load, so every start

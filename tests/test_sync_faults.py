@@ -94,6 +94,7 @@ def test_vllm_killed_during_a_lora_only_sync_is_restarted_with_the_adapter(tmp_p
     assert_clean(marker)
 
 
+@pytest.mark.slow  # 40-105 s of the CI suite's 25-minute budget: run with `pytest -m slow`
 @pytest.mark.vllm
 def test_vllm_killed_during_a_mode_none_sync_is_a_counted_bounded_restart(tmp_path):
     """Before: the failed in-place reload fell back to a restart on the new weights, unsaid, uncounted

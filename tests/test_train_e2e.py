@@ -120,6 +120,7 @@ def test_default_job_trains_checkpoints_resumes_and_its_saved_config_reproduces_
     assert a["loss"] == pytest.approx(b["loss"], abs=1e-5)
 
 
+@pytest.mark.slow  # 40-105 s of the CI suite's 25-minute budget: run with `pytest -m slow`
 def test_multirun_of_the_cpu_experiments_with_report_and_clean_teardown(tmp_path):
     """One sweep over the CPU experiments (one step each): every mode trains, syncs and reports; vLLM is torn down
     between jobs (each job starts its own on the same port) and after the last."""

@@ -2,12 +2,15 @@
 colocate layout), seeded and unseeded, on the whole-step workload.
 
     python bench/gpu/gen_probe.py --preset qwen3b --rounds 5 --out gen_probe.json
+    python bench/gpu/gen_probe.py --preset smollm2-135m --workload chat_arith --dtype float32 --max-tokens 48 --out x.json
 
 The workload is one step of ``bash bench/gpu/run_suite.sh whole_step``: the digits task's 8 prompts x 8 samples,
 128 new tokens (``ignore_eos``: every sample has exactly that many), temperature 1, one log-prob per token from the
 processed (post-temperature) distribution. Both engines hold the preset's random bf16 weights at
 ``--kv-share`` of the GPU each, CUDA graphs on, and run side by side on one GPU; each round times every variant once
-in a rotating order, with a pause after each (an idle engine's busy-poll must not fall on the next measurement):
+in a rotating order, with a pause after each (an idle engine's busy-poll must not fall on the next measurement).
+``--workload chat_arith`` takes one step of ``experiment=smollm2_chat_arith_shared`` instead: its 32 chat prompts
+(``data=chat_arith``, the model's chat template) x 8 samples, ``--max-tokens`` each (``ignore_eos``, as above).
 
 - ``server_seeded`` / ``server_unseeded``: ``InferenceClient.generate`` against ``python -m grpo.inference.server``
   (what ``data.seeded_sampling=true|false`` sends: a base seed per call, or none), ``detokenize=False`` as the local
@@ -42,7 +45,8 @@ from common import ROOT, free_port, machine, model_dir  # noqa: E402
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--preset", default="qwen3b")
+    ap.add_argument("--preset", default="qwen3b", help="a bench preset, a real-size one, or smollm2-135m (packaged)")
+    ap.add_argument("--workload", choices=["digits", "chat_arith"], default="digits")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--kv-share", type=float, default=0.3)
@@ -60,11 +64,10 @@ def main() -> None:
 
     from grpo.inference.client import InferenceClient
     from grpo.inference.process import VLLMServer
-    from grpo.pipeline.tasks import DigitsTask
-
     mdir = model_dir(args.preset)
     tok = AutoTokenizer.from_pretrained(mdir)
-    ids = [tok.encode(p.text, add_special_tokens=False) for p in DigitsTask(8).sample(random.Random(0), 8)]
+    ids = [tok.encode(p.text, add_special_tokens=False) for p in workload_prompts(args.workload, tok)]
+    tokens_per_round = 8 * len(ids) * args.max_tokens
     log = Path(tempfile.mkdtemp(prefix="gen_probe_")) / "server.log"
     cfg = {"host": "127.0.0.1", "port": free_port(), "gpu_memory_utilization": args.kv_share, "max_model_len": 1024,
            "dtype": args.dtype, "enforce_eager": None, "startup_timeout_s": 900, "extra_args": []}  # fmt: skip
@@ -116,10 +119,10 @@ def main() -> None:
                 tokens = variants[name](r)
                 times[name].append(time.perf_counter() - t0)
                 windows[name].append((time.time() - times[name][-1], time.time()))
-                assert tokens == 64 * args.max_tokens, (name, tokens)
+                assert tokens == tokens_per_round, (name, tokens)
                 time.sleep(args.gap_s)
         result = {
-            "machine": machine(), "args": vars(args), "tokens_per_round": 64 * args.max_tokens,
+            "machine": machine(), "args": vars(args), "tokens_per_round": tokens_per_round,
             "seconds": times, "median_s": {k: statistics.median(v) for k, v in times.items()},
             # vLLM logs its engine config at start-up: whether async scheduling (host work beside the GPU's) is on.
             "server_log_scheduling": [ln.strip()[-300:] for ln in log.read_text(errors="replace").splitlines()
@@ -128,7 +131,7 @@ def main() -> None:
         if sampler is not None:
             result["gpu_util_mean"] = gpu_util_in_windows(sampler, windows)
         if args.profile and llm is not None:
-            result["profile"] = profile_call(lambda: inproc_run(None), 64 * args.max_tokens)
+            result["profile"] = profile_call(lambda: inproc_run(None), tokens_per_round)
         if args.profile:
             result["server_profile"] = profile_server(server.url, lambda: server_run(None), trace_dir)
             print(json.dumps({k: v for k, v in result["server_profile"].items() if k != "top_cpu_ops"}, indent=1))
@@ -138,6 +141,20 @@ def main() -> None:
         Path(args.out).write_text(json.dumps(result, indent=1))
     finally:
         server.stop()
+
+
+def workload_prompts(workload: str, tokenizer) -> list:
+    """One step's prompts: the whole-step digits task (8 prompts) or the real-model chat arithmetic task (32)."""
+    from grpo.pipeline.chat_arithmetic import ChatArithmeticTask
+    from grpo.pipeline.tasks import DigitsTask
+
+    if workload == "digits":
+        return DigitsTask(8).sample(random.Random(0), 8)
+    task = ChatArithmeticTask(question="What is {expression}? Reply with the final number only.",
+                              system_prompt="You are a helpful assistant.", min_digits=1, max_digits=2,
+                              operators="+-")  # fmt: skip
+    task.bind_tokenizer(tokenizer)
+    return task.sample(random.Random(0), 32)
 
 
 def start_gpu_util_sampler():

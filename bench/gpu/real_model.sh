@@ -6,12 +6,23 @@
 #   bash bench/gpu/real_model.sh train SEED [overrides] # python train.py experiment=smollm2_chat_arith_shared, one seed
 #   bash bench/gpu/real_model.sh trl SEED [--steps N]  # TRL's GRPOTrainer on the same experiment (bench/trl_arith.py)
 #   bash bench/gpu/real_model.sh lr_sweep 3e-6,1e-5,3e-5 [overrides]  # those runs at once on the one GPU
+#   bash bench/gpu/real_model.sh gen_probe            # one step's generation: the run's /generate vs LLM.generate
+# EXPERIMENT=smollm2_chat_arith_lora|_broadcast|_fsdp2 picks another layout for train and lr_sweep (default: _shared);
+# LAUNCH="torchrun --nproc-per-node 2" starts train.py under torchrun (the FSDP2 layout).
 # Results land in $OUT (or bench/results/gpu when OUT is unset), flat (only two folder levels come back).
 set -uo pipefail
 export VLLM_WORKER_MULTIPROC_METHOD=spawn VLLM_USE_FLASHINFER_SAMPLER=0 HF_HUB_OFFLINE=1 VLLM_NO_USAGE_STATS=1
 export PYTHONPATH=$PWD/src${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 GRPO_CACHE=/tmp/grpo-cache WANDB_MODE=disabled
 out=${OUT:-bench/results/gpu}
+experiment=${EXPERIMENT:-smollm2_chat_arith_shared}
+tag=${experiment#smollm2_chat_arith_}
 mkdir -p "$out"
+eval_rows() {  # step, held-out accuracy, pass@k and seconds of each evaluation in a metrics.jsonl
+  grep -h '"eval/accuracy"' "$1" | python3 -c "
+import json,sys
+for l in sys.stdin:
+    r=json.loads(l); print(' ', r.get('step'), r.get('eval/accuracy'), r.get('eval/pass@k'), round(r.get('time/run_seconds') or 0))"
+}
 case "${1:-}" in
   setup)
     INSTALL=1 bash scripts/device/install-kit || exit 1
@@ -25,39 +36,37 @@ case "${1:-}" in
       ${2:+--variants $2} --out "$out/real_model_baseline_gpu.json" 2>&1 | grep -v "INFO\|WARNING\|Warning\|warn" | tail -20 ;;
   train)
     seed=$2; shift 2
-    dir=/tmp/runs/smollm2_s$seed
-    /usr/bin/time -f "wall %e s" python3 train.py experiment=smollm2_chat_arith_shared train.seed=$seed \
-      logging.progress_bar=false hydra.run.dir=$dir "$@" > "$out/train_s$seed.log" 2>&1
-    echo "rc=$?"; tail -3 "$out/train_s$seed.log"
-    cp $dir/metrics.jsonl "$out/metrics_s$seed.jsonl" 2>/dev/null
-    cp $dir/summary.json "$out/summary_s$seed.json" 2>/dev/null
-    tail -c 3000 $dir/eval_samples.jsonl > "$out/eval_samples_s$seed.txt" 2>/dev/null
-    cp $dir/logs/vllm.log "$out/vllm_s$seed.log" 2>/dev/null
-    grep -h '"eval/accuracy"' $dir/metrics.jsonl | python3 -c "
-import json,sys
-for l in sys.stdin:
-    r=json.loads(l); print(r.get('step'), r.get('eval/accuracy'), r.get('eval/pass@k'), r.get('time/run_seconds'))" ;;
+    dir=/tmp/runs/${tag}_s$seed
+    /usr/bin/time -f "wall %e s" ${LAUNCH:-python3} train.py experiment=$experiment train.seed=$seed \
+      logging.progress_bar=false hydra.run.dir=$dir "$@" > "$out/train_${tag}_s$seed.log" 2>&1
+    echo "rc=$?"; tail -3 "$out/train_${tag}_s$seed.log"
+    cp $dir/metrics.jsonl "$out/metrics_${tag}_s$seed.jsonl" 2>/dev/null
+    cp $dir/summary.json "$out/summary_${tag}_s$seed.json" 2>/dev/null
+    tail -c 3000 $dir/eval_samples.jsonl > "$out/eval_samples_${tag}_s$seed.txt" 2>/dev/null
+    cp $dir/logs/vllm.log "$out/vllm_${tag}_s$seed.log" 2>/dev/null
+    eval_rows $dir/metrics.jsonl ;;
   lr_sweep)  # several learning rates at once on the one GPU (timings shared, so only the accuracies count)
     shift; lrs=${1:-3e-6,1e-5,3e-5}; shift || true
     for lr in ${lrs//,/ }; do
-      dir=/tmp/runs/lr_$lr
-      python3 train.py experiment=smollm2_chat_arith_shared optimizer.lr=$lr logging.progress_bar=false \
-        server.gpu_memory_utilization=0.12 hydra.run.dir=$dir "$@" > "$out/lr_$lr.log" 2>&1 &
+      dir=/tmp/runs/${tag}_lr_$lr
+      python3 train.py experiment=$experiment optimizer.lr=$lr logging.progress_bar=false \
+        server.gpu_memory_utilization=0.12 hydra.run.dir=$dir "$@" > "$out/${tag}_lr_$lr.log" 2>&1 &
     done
     wait
     for lr in ${lrs//,/ }; do
-      cp /tmp/runs/lr_$lr/metrics.jsonl "$out/metrics_lr_$lr.jsonl" 2>/dev/null
-      tail -c 3000 /tmp/runs/lr_$lr/eval_samples.jsonl > "$out/eval_samples_lr_$lr.txt" 2>/dev/null
-      echo "lr $lr"; tail -2 "$out/lr_$lr.log"
-      grep -h '"eval/accuracy"' /tmp/runs/lr_$lr/metrics.jsonl | python3 -c "
-import json,sys
-for l in sys.stdin:
-    r=json.loads(l); print(' ', r.get('step'), r.get('eval/accuracy'), r.get('eval/pass@k'), round(r.get('time/run_seconds') or 0))"
+      dir=/tmp/runs/${tag}_lr_$lr
+      cp $dir/metrics.jsonl "$out/metrics_${tag}_lr_$lr.jsonl" 2>/dev/null
+      tail -c 3000 $dir/eval_samples.jsonl > "$out/eval_samples_${tag}_lr_$lr.txt" 2>/dev/null
+      echo "lr $lr"; tail -2 "$out/${tag}_lr_$lr.log"
+      eval_rows $dir/metrics.jsonl
     done ;;
+  gen_probe)  # the run's /generate against vLLM's in-process LLM.generate, one step's requests, CUDA graphs on
+    python3 bench/gpu/gen_probe.py --preset smollm2-135m --workload chat_arith --dtype float32 --max-tokens 48 \
+      --kv-share 0.25 --rounds 5 "${@:2}" --out "$out/gen_probe_smollm2.json" 2>&1 | grep -v "INFO\|WARNING" | tail -14 ;;
   trl)  # TRL's GRPOTrainer (vLLM colocate) on the same experiment, model directory, prompts, rewards and settings
     seed=$2; shift 2
-    /usr/bin/time -f "wall %e s" python3 bench/trl_arith.py --experiment smollm2_chat_arith_shared --vllm --seed $seed \
+    /usr/bin/time -f "wall %e s" python3 bench/trl_arith.py --experiment $experiment --vllm --seed $seed \
       --out "$out/trl_s$seed.json" "$@" > "$out/trl_s$seed.log" 2>&1
     echo "rc=$?"; grep -v "INFO\|WARNING" "$out/trl_s$seed.log" | tail -4 ;;
-  *) echo "usage: $0 setup|baseline|train SEED [overrides]"; exit 2 ;;
+  *) echo "usage: $0 setup|baseline|train SEED|lr_sweep LRS|gen_probe|trl SEED [overrides]"; exit 2 ;;
 esac

@@ -1,5 +1,6 @@
 """Held-out accuracy against training seconds (evaluation time taken out on both sides) for the real-model runs of
-bench/gpu/real_model.sh: ours (metrics.jsonl of `train`) and TRL (the JSON of `trl`), one PNG and a Markdown table.
+bench/gpu/real_model.sh: ours (metrics.jsonl of `train`) and TRL (the JSON of `trl`), one PNG and a Markdown table;
+and the per-layout runs (``layout_<mode>_<what>.metrics.jsonl``) in a second PNG, ``layouts.png``.
 
     python bench/gpu/real_model_curves.py bench/results/gpu/real_model
 """
@@ -60,6 +61,23 @@ def main(folder: str) -> None:
     fig.savefig(root / "curves.png", dpi=110)
     (root / "table.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
+    plot_layouts(root, plt)
+
+
+def plot_layouts(root: Path, plt) -> None:
+    """Held-out accuracy against training seconds of each layout's run, one line per file."""
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    for path in sorted(root.glob("layout_*.metrics.jsonl")):
+        curve = ours_curve(path)
+        ax.plot([t for *_, t in curve], [a for _, a, _ in curve], marker="o", label=path.name.split(".")[0][7:])
+        print(path.name, ", ".join(f"{a:.3f}@{t:.0f}s" for _, a, t in curve))
+    ax.set_xlabel("training seconds (evaluations taken out)")
+    ax.set_ylabel("held-out greedy accuracy (500 items)")
+    ax.set_title("SmolLM2-135M-Instruct, chat arithmetic, per layout (H100s)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(root / "layouts.png", dpi=110)
 
 
 if __name__ == "__main__":

@@ -83,6 +83,11 @@ class SyncStrategy(ABC):
                 raise ConfigError(f"lora.r={r} is not a rank vLLM serves; use one of {VLLM_LORA_RANKS}")
             if r > max_rank:
                 raise ConfigError(f"lora.r={r} exceeds server.max_lora_rank={max_rank}; raise the latter")
+            if cuda and str(option(cfg.server, "dtype", "auto")) == "float32":
+                # vLLM's GPU LoRA kernels (punica/triton) assert fp16/bf16 weights: the engine would die at start-up.
+                raise ConfigError(f"mode={cls.mode_name} on a GPU: vLLM serves LoRA adapters in float16 or bfloat16 "
+                                  "only, not server.dtype=float32; set server.dtype=bfloat16 (the trainer keeps "
+                                  "model.dtype)")
 
     # ------------------------------------------------------------------ serving
     @abstractmethod
