@@ -5,7 +5,6 @@ from __future__ import annotations
 import math
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -16,6 +15,7 @@ from grpo.algorithms.kl import KL_ESTIMATORS
 from grpo.algorithms.policy import POLICY_OBJECTIVES, ClipRange
 from grpo.algorithms.registry import Registry
 from grpo.algorithms.schedules import LR_SCHEDULES
+from grpo.conf import CONFIG_DIR
 from grpo.pipeline.batch import prepare_batch
 
 F64 = torch.float64
@@ -129,7 +129,7 @@ def test_lr_schedules_run_from_one_to_their_end():
 def test_an_estimator_registered_before_the_schema_is_a_config_choice(tmp_path):
     """A user's own estimator by name: registered before `grpo.config.schema` is imported (a script that then runs
     the Hydra app), `train.advantage_norm=<name>` composes and the batcher runs it."""
-    conf = Path(__file__).resolve().parents[1] / "conf"
+    conf = CONFIG_DIR
     script = f"""
 import torch
 from grpo.algorithms.advantages import ADVANTAGE_ESTIMATORS

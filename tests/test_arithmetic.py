@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from grpo.conf import CONFIG_DIR
 from grpo.pipeline.arithmetic import (
     ArithmeticCorrectReward,
     ArithmeticFormatReward,
@@ -143,7 +144,7 @@ def test_data_config_builds_the_task_and_rewards():
 
     register_configs()
     GlobalHydra.instance().clear()
-    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
+    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
         cfg = compose(config_name="train", overrides=["data=arithmetic", "model=warm_arith"])
     pipe = instantiate(cfg.data, _recursive_=False)
     assert isinstance(pipe, LocalRolloutPipeline) and isinstance(pipe.task, ArithmeticTask)
@@ -265,7 +266,7 @@ def test_training_can_sample_says_what_it_draws_so_eval_on_arithmetic_starts():
     assert not task.can_sample(Prompt("1+2+3+4="))  # four operands: not this task's shape
     register_configs()
     GlobalHydra.instance().clear()
-    with initialize_config_dir(config_dir=str(Path(__file__).resolve().parents[1] / "conf"), version_base="1.3"):
+    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
         cfg = compose(config_name="train", overrides=["data=arithmetic", "model=warm_arith"])
     evaluator = build_evaluator(cfg.eval, cfg.data)
     assert evaluator is not None

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from grpo.conf import CONFIG_DIR
 from grpo.inference.client import Endpoint, ServerUnreachable
 from grpo.pipeline.base import BatchShape, DataPipeline, PipelineContext
 from grpo.pipeline.group import Group
@@ -236,14 +237,13 @@ def test_k0_builds_the_synchronous_pipeline_and_k1_wraps_it():
     from hydra import compose, initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
 
-    from conftest import REPO
+    from grpo.build import build_data
     from grpo.config import register_configs
     from grpo.pipeline.local import LocalRolloutPipeline
-    from grpo.train import build_data
 
     register_configs()
     GlobalHydra.instance().clear()
-    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
+    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
         sync_cfg = compose(config_name="train")
         async_cfg = compose(config_name="train", overrides=["train.max_staleness=1"])
     assert sync_cfg.train.max_staleness == 0

@@ -284,7 +284,7 @@ def test_a_damaged_latest_checkpoint_is_refused_at_start_up_naming_the_file_and_
     line 1 column 989') after the trainer had marked the run failed, or the load raised a traceback."""
     from omegaconf import OmegaConf
 
-    from grpo.config.validate import check_resume_has_steps_left
+    from grpo.config.run_dir import check_resume_has_steps_left
     from grpo.options import ConfigError
     from grpo.trainer.checkpoint import checkpoint_problems
 

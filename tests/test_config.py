@@ -13,14 +13,15 @@ from hydra.core.global_hydra import GlobalHydra
 from hydra.utils import get_class
 from omegaconf import OmegaConf
 
+from grpo.conf import CONFIG_DIR
 from grpo.config import ConfigError, register_configs, validate
 
 REPO = Path(__file__).resolve().parents[1]
-CONF = REPO / "conf"
+CONF = CONFIG_DIR
 MODES = sorted(p.stem for p in (CONF / "mode").glob("*.yaml"))
 MODELS = sorted(p.stem for p in (CONF / "model").glob("*.yaml"))
 OPTIMIZERS = sorted(p.stem for p in (CONF / "optimizer").glob("*.yaml"))
-EXPERIMENTS = sorted(p.stem for p in (REPO / "experiments").glob("*.yaml"))
+EXPERIMENTS = sorted(p.stem for p in (CONF / "experiment").glob("*.yaml"))
 
 register_configs()
 
@@ -296,7 +297,7 @@ def test_a_run_does_not_print_bitsandbytes_advice_about_4bit_kernels(tmp_path):
     app = ("import sys; from pathlib import Path; import hydra\n"
            "from grpo.config import register_configs\n"
            "register_configs()\n"
-           f"@hydra.main(version_base='1.3', config_path={str(REPO / 'conf')!r}, config_name='train')\n"
+           f"@hydra.main(version_base='1.3', config_path={str(CONF)!r}, config_name='train')\n"
            "def main(cfg):\n"
            "    import logging, peft  # noqa: F401\n"
            "    logging.getLogger('train').info('imported peft')\n"
@@ -333,8 +334,8 @@ def test_a_hub_model_in_the_local_cache_is_checked_against_model_num_layers(tmp_
     only the first blocks, silently (local directories were already checked; hub ids were not)."""
     import huggingface_hub.constants
 
-    from grpo.config.validate import check_model
     from grpo.options import ConfigError
+    from grpo.recipes.model_checks import check_model
 
     repo = tmp_path / "models--acme--deep-7b"
     (repo / "refs").mkdir(parents=True)
@@ -345,8 +346,8 @@ def test_a_hub_model_in_the_local_cache_is_checked_against_model_num_layers(tmp_
     cfg = _compose(["model=qwen3b", "model.name=acme/deep-7b"])
     assert cfg.model.num_layers == 36
     with pytest.raises(ConfigError, match=r"model.num_layers=36, but .*config.json says the model has 28 blocks"):
-        check_model(cfg)
-    check_model(_compose(["model=qwen3b", "model.name=acme/deep-7b", "model.num_layers=28"]))
+        check_model(cfg, cuda=False)
+    check_model(_compose(["model=qwen3b", "model.name=acme/deep-7b", "model.num_layers=28"]), cuda=False)
 
 
 def test_server_cpu_keeps_chunked_prefill_off_when_extra_args_are_given():

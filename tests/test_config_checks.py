@@ -14,6 +14,7 @@ from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 from hydra.utils import instantiate
 
+from grpo.conf import CONFIG_DIR
 from grpo.config import ConfigError, register_configs, validate
 
 REPO = Path(__file__).resolve().parents[1]
@@ -23,7 +24,7 @@ register_configs()
 def _validate(overrides: list[str], run_dir: Path) -> None:
     """Compose as train.py does (with Hydra's record of choices and overrides) and validate, inside Hydra's context."""
     GlobalHydra.instance().clear()
-    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
+    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
         cfg = compose(config_name="train", overrides=overrides, return_hydra_config=True)
         validate(cfg, run_dir)
 
@@ -82,7 +83,7 @@ def test_ordinary_configs_still_pass(tmp_path, overrides):
 
 def test_request_timeout_is_settable_for_atropos(tmp_path):
     GlobalHydra.instance().clear()
-    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
+    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
         cfg = compose(config_name="train", overrides=["data=atropos", "data.request_timeout_s=7.5"])
         default = compose(config_name="train", overrides=["data=atropos"])
     assert instantiate(cfg.data, _recursive_=False).request_timeout_s == 7.5
@@ -318,10 +319,10 @@ def test_another_data_option_on_the_default_job_is_refused_naming_the_bare_confi
     ("data.task._target_=collections.OrderedDict", "data.task (OrderedDict) has no sample(rng, n) method"),
 ])
 def test_a_local_pipeline_that_cannot_train_stops_before_the_server(override, needle):
-    from grpo.train import build_data  # train.py builds the data source before it starts the server
+    from grpo.build import build_data  # train.py builds the data source before it starts the server
 
     GlobalHydra.instance().clear()
-    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
+    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
         cfg = compose(config_name="train", overrides=["~experiment", override])
     with pytest.raises(ConfigError, match=re.escape(needle)):
         build_data(cfg)
@@ -544,12 +545,12 @@ def test_a_completion_cap_beyond_the_sequence_length_is_refused_not_cut(tmp_path
 def test_a_group_option_typo_is_named_with_the_nearest_option(tmp_path):
     """Options come from every config dir's group folder (--config-dir adds experiments); comma lists (a sweep) are
     checked one by one; keys that are not groups, and a sweep's function syntax, pass through."""
-    from grpo.config.checks import check_group_option_names
+    from grpo.config.command_line import check_group_option_names
 
     mine = tmp_path / "conf"
     (mine / "experiment").mkdir(parents=True)
     (mine / "experiment" / "my_task.yaml").write_text("")
-    dirs = [REPO / "conf", mine]
+    dirs = [CONFIG_DIR, mine]
     check_group_option_names(["experiment=my_task", "-m", "loss=grpo,dapo", "data.task.path=x", "--config-dir",
                               str(mine), "optimizer.lr=interval(1e-4, 1e-3)", "layers=choice(all,top25)"], dirs)
     with pytest.raises(ConfigError, match="experiment=my_tsk is not one of the experiment options; did you mean "
@@ -562,7 +563,7 @@ def test_a_group_option_typo_is_named_with_the_nearest_option(tmp_path):
 def test_an_option_of_a_config_dir_left_out_names_the_config_dir_to_add(tmp_path, monkeypatch):
     """`python train.py experiment=my_task` (the README's own task, without its --config-dir) listed the shipped
     experiments only: nothing said that my_task is in examples/my_task/conf or that --config-dir adds it."""
-    from grpo.config.checks import check_group_option_names
+    from grpo.config.command_line import check_group_option_names
 
     (tmp_path / "examples" / "my_task" / "conf" / "experiment").mkdir(parents=True)
     (tmp_path / "examples" / "my_task" / "conf" / "experiment" / "my_task.yaml").write_text("")
@@ -570,9 +571,9 @@ def test_an_option_of_a_config_dir_left_out_names_the_config_dir_to_add(tmp_path
     with pytest.raises(ConfigError, match=re.escape(
             "experiment=my_task is not one of the experiment options; examples/my_task/conf/experiment/my_task.yaml "
             "has it, but the config is not searched there: add --config-dir examples/my_task/conf; otherwise choose")):
-        check_group_option_names(["experiment=my_task"], [REPO / "conf"])
+        check_group_option_names(["experiment=my_task"], [CONFIG_DIR])
     check_group_option_names(["experiment=my_task", "--config-dir", "examples/my_task/conf"],
-                             [REPO / "conf", Path("examples/my_task/conf")])
+                             [CONFIG_DIR, Path("examples/my_task/conf")])
 
 
 def test_a_refused_run_leaves_the_held_runs_hydra_record_as_it_was(tmp_path):
@@ -635,11 +636,11 @@ def test_sync_every_below_1_is_a_config_error_of_the_mode(tmp_path, mode):
 def test_a_misspelt_key_is_named_with_the_nearest_key_before_hydra_composes(tmp_path):
     """Hydra's own error for `optimzer.lr=1` ("Could not override ... To append to your config use +optimzer.lr=1")
     advised the `+` form, which adds a key nothing reads; the check says which key was meant."""
-    from grpo.config.checks import check_group_option_names
+    from grpo.config.command_line import check_group_option_names
 
     mine = tmp_path / "conf"
     (mine / "mygroup").mkdir(parents=True)
-    dirs = [REPO / "conf", mine]
+    dirs = [CONFIG_DIR, mine]
     for arg, where, fix in [("optimzer.lr=1", "optimzer", "optimizer.lr=1"), ("train.stepz=3", "train.stepz", "train.steps=3"),
                             ("server.prot=9000", "server.prot", "server.port=9000"), ("nme=x", "nme", "name=x"),
                             ("logging.tensorbord=true", "logging.tensorbord", "logging.tensorboard=true"),
@@ -661,12 +662,12 @@ def test_a_misspelt_key_is_named_with_the_nearest_key_before_hydra_composes(tmp_
 def test_a_group_the_defaults_choose_given_with_plus_says_to_drop_the_plus(tmp_path):
     """`+experiment=cpu_tiny_none` (the form other Hydra projects use for experiments) got Hydra's "Multiple values
     for experiment. To override a value use 'override experiment: cpu_tiny_none'", YAML syntax for a command line."""
-    from grpo.config.checks import check_group_option_names
+    from grpo.config.command_line import check_group_option_names
 
     mine = tmp_path / "conf"
     (mine / "mygroup").mkdir(parents=True)
     (mine / "mygroup" / "x.yaml").write_text("{}\n")
-    dirs = [REPO / "conf", mine]
+    dirs = [CONFIG_DIR, mine]
     for arg, fix in [("+experiment=cpu_tiny_none", "experiment=cpu_tiny_none"), ("+sweep=lr", "sweep=lr"),
                      ("+model=tiny_llama", "model=tiny_llama")]:
         with pytest.raises(ConfigError, match=re.escape(f"{arg}: the config's defaults (conf/train.yaml) already "
@@ -774,13 +775,13 @@ def test_a_value_of_the_wrong_type_is_a_config_error_not_hydras_merge_error(tmp_
 
 
 def test_values_the_schema_takes_pass_the_type_check():
-    from grpo.config.checks import check_group_option_names
+    from grpo.config.command_line import check_group_option_names
 
     with pytest.raises(ConfigError, match=r"model.max_seq_len=1.5: Value '1.5' of type 'float' could not be converted"):
-        check_group_option_names(["model.max_seq_len=1.5"], [REPO / "conf"])
+        check_group_option_names(["model.max_seq_len=1.5"], [CONFIG_DIR])
     check_group_option_names(["train.steps=12", "train.resume=null", "server.port=null", "train.steps=3,6",
                               "train.steps=${train.checkpoint_every}", "layers.indices=0-3", "loss.clip_eps=0.1",
-                              "train.advantage_norm=group", "name=my run"], [REPO / "conf"])
+                              "train.advantage_norm=group", "name=my run"], [CONFIG_DIR])
 
 
 @pytest.mark.parametrize("multirun", [False, True])

@@ -15,6 +15,7 @@ from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 
 from conftest import free_port
+from grpo.conf import CONFIG_DIR
 from grpo.config import register_configs
 
 pytestmark = pytest.mark.vllm
@@ -27,7 +28,7 @@ def test_seeded_requests_with_prompts_beyond_a_steps_token_budget_are_served(tin
     from grpo.inference.process import VLLMServer
 
     GlobalHydra.instance().clear()
-    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
+    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
         cfg = compose(config_name="train", overrides=["~experiment", "server=cpu", f"server.port={free_port()}"])
     server = VLLMServer(tiny_qwen2_dir, cfg.server, tmp_path / "vllm.log", served_model_name=str(tiny_qwen2_dir))
     server.start()

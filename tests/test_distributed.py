@@ -16,6 +16,7 @@ from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 from hydra.utils import get_class
 
+from grpo.conf import CONFIG_DIR
 from grpo.config import ConfigError, register_configs
 from grpo.inference.process import parallel_sizes
 from grpo.pipeline.base import BatchShape, DataPipeline
@@ -185,7 +186,7 @@ def _compose(overrides):
     # on its own (tests/test_config.py::test_the_default_job_is_the_arithmetic_experiment).
     if not any(o.startswith("experiment=") for o in overrides):
         overrides = ["~experiment", *overrides]
-    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
+    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
         return compose(config_name="train", overrides=overrides)
 
 

@@ -14,6 +14,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from conftest import attach
+from grpo.conf import CONFIG_DIR
 from grpo.pipeline.evaluation import EvalContext, Evaluator, build_evaluator, pass_at_k
 from grpo.pipeline.rewards import DigitFractionReward, MathAnswerReward
 from grpo.pipeline.tasks import MINI_GSM8K, DigitsTask, GSM8KTask, Prompt
@@ -345,9 +346,8 @@ def test_the_atropos_eval_the_error_suggests_composes_and_builds():
     from grpo.config import register_configs
 
     register_configs()
-    repo = Path(__file__).resolve().parents[1]
     GlobalHydra.instance().clear()
-    with initialize_config_dir(config_dir=str(repo / "conf"), version_base="1.3"):
+    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
         cfg = compose(config_name="train", overrides=["data=atropos", "eval.enabled=true"])
         with pytest.raises(ValueError, match="no task to evaluate") as e:
             build_evaluator(cfg.eval, cfg.data)

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from conftest import REPO
+from grpo.conf import CONFIG_DIR
 from grpo.inference.client import Endpoint, InferenceClient
 from grpo.pipeline.base import PipelineContext
 from grpo.pipeline.local import LocalRolloutPipeline
@@ -18,7 +18,7 @@ from grpo.trainer.batch import IGNORE_INDEX
 
 def _data_cfg(name: str):
     """conf/data/<name>.yaml as the trainer hands it over (hydra.utils.instantiate(..., _recursive_=False))."""
-    cfg = OmegaConf.load(REPO / "conf" / "data" / f"{name}.yaml")
+    cfg = OmegaConf.load(CONFIG_DIR / "data" / f"{name}.yaml")
     del cfg["defaults"]
     return cfg
 

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from grpo.conf import CONFIG_DIR
 from grpo.trainer.loss import GRPOLoss
 
 REPO = Path(__file__).resolve().parents[1]
@@ -258,7 +259,7 @@ def test_constructor_matches_config_keys():
     from grpo.config.schema import LossConfig
 
     for name in ("grpo", "dapo", "dr_grpo"):
-        cfg = OmegaConf.to_container(OmegaConf.load(REPO / "conf" / "loss" / f"{name}.yaml"))
+        cfg = OmegaConf.to_container(OmegaConf.load(CONFIG_DIR / "loss" / f"{name}.yaml"))
         cfg.pop("defaults")
         cfg.pop("_target_", None)  # dapo and dr_grpo inherit it from grpo
         GRPOLoss(**cfg)

@@ -27,6 +27,7 @@ from hydra.core.global_hydra import GlobalHydra
 from hydra.utils import instantiate
 
 from conftest import attach
+from grpo.conf import CONFIG_DIR
 from grpo.config import register_configs, validate
 from grpo.pipeline.arithmetic import ArithmeticTask
 from grpo.pipeline.evaluation import build_evaluator
@@ -99,7 +100,7 @@ def test_only_the_right_answer_earns_the_reward_that_judges_held_out_accuracy():
 def test_the_example_experiment_judges_held_out_accuracy_by_the_exact_answer(monkeypatch):
     monkeypatch.syspath_prepend(str(REPO))
     GlobalHydra.instance().clear()
-    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
+    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
         # python train.py --config-dir examples/my_task/conf experiment=my_task (from the checkout root)
         overrides = [f"hydra.searchpath=[file://{EXAMPLE / 'conf'}]", "experiment=my_task"]
         cfg = compose(config_name="train", overrides=overrides)
@@ -123,7 +124,7 @@ def test_the_task_class_example_composes_builds_samples_and_is_evaluated(tmp_pat
     monkeypatch.delitem(sys.modules, "examples", raising=False)  # a namespace package found anew from REPO
     monkeypatch.chdir(REPO)
     GlobalHydra.instance().clear()
-    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
+    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
         config_dir = argv[argv.index("--config-dir") + 1]
         overrides = [f"hydra.searchpath=[file://{REPO / config_dir}]",
                      *argv[argv.index("--config-dir") + 2:]]

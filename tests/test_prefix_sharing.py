@@ -5,12 +5,12 @@ refused where it cannot apply."""
 from __future__ import annotations
 
 import random
-from pathlib import Path
 
 import pytest
 import torch
 from omegaconf import OmegaConf
 
+from grpo.conf import CONFIG_DIR
 from grpo.config import ConfigError
 from grpo.config.validate import check_prefix_sharing
 from grpo.pipeline.batch import prepare_batch
@@ -197,7 +197,7 @@ def test_validate_refuses_prefix_sharing_with_padding_free(tmp_path):
 
     register_configs()
     GlobalHydra.instance().clear()
-    conf = Path(__file__).resolve().parents[1] / "conf"
+    conf = CONFIG_DIR
     with initialize_config_dir(config_dir=str(conf), version_base="1.3"):
         cfg = compose(config_name="train", overrides=["train.prefix_sharing=true", "train.padding_free=true"],
                       return_hydra_config=True)
@@ -210,7 +210,9 @@ def test_prefix_sharing_refuses_sliding_window_models(tiny_qwen2_dir):
     assert prefix.unsupported_reason(model) is None
     model.config.use_sliding_window = True
     assert "sliding-window" in prefix.unsupported_reason(model)
-    from grpo.train import check_prefix_sharing_model  # what build_model calls after loading the model
+    from grpo.recipes.trainable_model import (
+        check_prefix_sharing_model,  # what build_model calls after loading the model
+    )
 
     with pytest.raises(ConfigError, match="sliding-window attention layers.*set train.prefix_sharing=false"):
         check_prefix_sharing_model(_cfg(), model)

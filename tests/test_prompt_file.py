@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from grpo.conf import CONFIG_DIR
 from grpo.pipeline.prompt_file import PromptFileTask
 from grpo.pipeline.tasks import Prompt
 
@@ -116,7 +117,7 @@ def test_the_readme_template_example_gives_prompts_with_a_newline(tmp_path):
     example = re.search(r"`('data\.task\.template=[^`]*)`", readme).group(1)
     register_configs()
     GlobalHydra.instance().clear()
-    with initialize_config_dir(config_dir=str(Path(__file__).resolve().parents[1] / "conf"), version_base="1.3"):
+    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
         cfg = compose(config_name="train", overrides=["~experiment", "data=prompt_file", "data.task.path=x",
                                                       *shlex.split(example)])
     task = PromptFileTask(str(write_jsonl(tmp_path / "p.jsonl", ROWS)), prompt_column="q",

@@ -23,6 +23,7 @@ import yaml
 from omegaconf import OmegaConf
 
 from conftest import REPO
+from grpo.conf import CONFIG_DIR
 from grpo.config.validate import check_data
 
 README = REPO / "README.md"
@@ -110,7 +111,7 @@ def to_check(argv: list[str]) -> list[str] | None:
     if prog == "python" and args[:1] == ["-m"]:
         return [sys.executable, "-m", args[1], "--help"]
     if prog == "grpo-train":
-        return [sys.executable, "-c", "import sys; from grpo.cli import main; sys.argv[0] = 'grpo-train'; main()",
+        return [sys.executable, "-c", "import sys; from grpo.train import run; sys.argv[0] = 'grpo-train'; run()",
                 *hydra_args(args)]
     if prog in scripts:
         module, func = scripts[prog].split(":")
@@ -257,6 +258,6 @@ def test_the_readme_layer_index_examples_compose_as_a_shell_passes_them():
     register_configs()
     for example in examples:
         GlobalHydra.instance().clear()
-        with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
+        with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
             cfg = compose(config_name="train", overrides=shlex.split(example))
         assert cfg.layers.indices in ("20-31", "0-3,28-31"), example

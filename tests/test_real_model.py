@@ -101,7 +101,7 @@ def test_transformers_loads_it_with_tied_embeddings_and_it_knows_something(hf_mo
 
 
 def test_a_missing_package_says_what_to_install(monkeypatch):
-    from grpo.config.validate import check_offline_preset
+    from grpo.recipes.model_checks import check_offline_preset
 
     missing = PackagedModel(distribution="grpo-no-such-model-package", version="1.0", file="x/model.gguf",
                             sha256="0" * 64, num_layers=2)

@@ -207,7 +207,7 @@ def test_low_disk_is_a_clear_error(tmp_path, monkeypatch):
     from collections import namedtuple
 
     from grpo.config import ConfigError
-    from grpo.config.validate import check_run_dir
+    from grpo.config.run_dir import check_run_dir
 
     usage = namedtuple("usage", "total used free")
     monkeypatch.setattr(shutil, "disk_usage", lambda p: usage(10 * 1024**3, 10 * 1024**3 - 50 * 1024**2, 50 * 1024**2))

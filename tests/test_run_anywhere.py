@@ -12,6 +12,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from conftest import REPO
+from grpo.conf import CONFIG_DIR
 
 
 @pytest.fixture(scope="module")
@@ -150,10 +151,12 @@ def test_a_prompt_file_without_held_out_prompts_stops_with_a_config_error(tmp_pa
     assert not (tmp_path / "logs" / "vllm.pid").exists()  # stopped before any server started
 
 
-def test_the_package_ships_the_checkouts_train_py_and_conf_not_copies():
-    """`grpo-train` runs grpo/train.py and grpo/conf: symlinks to the checkout's train.py and conf/, so the console
-    script and `python train.py` can never drift apart (a copy once did: a fix landed in one and not the other)."""
-    for packaged, source in (("src/grpo/train.py", "train.py"), ("src/grpo/conf", "conf")):
-        path = REPO / packaged
-        assert path.is_symlink(), f"{packaged} must be a symlink to {source}, not a copy"
-        assert path.resolve() == (REPO / source).resolve()
+def test_the_config_tree_is_one_real_directory_that_the_wheel_ships(installed):
+    """Issue 38: no symlinks (src/grpo/train.py, src/grpo/conf and conf/experiment were ones): the configs live in
+    grpo/conf/ alone, the experiments in its experiment/ group, and an installed wheel holds every one of them."""
+    tracked = subprocess.run(["git", "ls-files", "-s"], cwd=REPO, capture_output=True, text=True, check=True).stdout
+    assert [line.split("\t", 1)[1] for line in tracked.splitlines() if line.startswith("120000")] == []
+    shipped = sorted(p.relative_to(CONFIG_DIR) for p in CONFIG_DIR.rglob("*.yaml"))
+    assert Path("experiment/arith_quick.yaml") in shipped and Path("train.yaml") in shipped
+    wheel_conf = installed / "grpo" / "conf"
+    assert sorted(p.relative_to(wheel_conf) for p in wheel_conf.rglob("*.yaml")) == shipped

@@ -17,6 +17,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
+from grpo.conf import CONFIG_DIR
 from grpo.config.schema import LoggingConfig, TrainConfig
 from grpo.trainer.checkpoint import CheckpointManager, CheckpointWriteError
 from grpo.trainer.loop import GRPOTrainer
@@ -139,11 +140,10 @@ def test_train_resume_continues_in_the_resumed_run_dir_unless_another_is_named()
     from hydra import compose, initialize_config_dir
     from hydra.core.hydra_config import HydraConfig
 
-    from conftest import REPO
     from grpo.config import register_configs
 
     register_configs()
-    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
+    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
         for overrides, expected in ((["train.resume=/runs/a"], "/runs/a"),
                                     (["train.resume=/runs/a", "hydra.run.dir=/runs/b"], "/runs/b")):
             cfg = compose(config_name="train", overrides=overrides, return_hydra_config=True)

@@ -8,7 +8,7 @@ import re
 
 import pytest
 
-from conftest import REPO
+from grpo.conf import CONFIG_DIR
 from grpo.run import RunSummary
 
 
@@ -135,7 +135,7 @@ def test_resuming_with_another_optimizer_layers_or_lora_shape_is_refused_before_
     from grpo.run import check_resume_identity, record_provenance
 
     register_configs()
-    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
+    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
         same = compose("train", overrides=["~experiment", "mode=lora_only", f"train.resume={tmp_path}"])
         resume = compose("train", overrides=["~experiment", "mode=lora_only", f"train.resume={tmp_path}", override])
     record_provenance(tmp_path, same)  # the run's own record (lora.target_modules, a list, in its JSON)

@@ -12,6 +12,7 @@ from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 from hydra.utils import instantiate
 
+from grpo.conf import CONFIG_DIR
 from grpo.config import register_configs
 
 REPO = Path(__file__).resolve().parents[1]
@@ -33,7 +34,7 @@ def test_the_callbacks_of_the_composed_config_end_a_sweep_with_its_dir_and_the_r
     job(sweep, 1, {"status": "completed"}, 2)
     job(sweep, 2, {"status": "skipped", "error": "ConfigError: x"}, 0)
     GlobalHydra.instance().clear()
-    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
+    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
         cfg = compose(config_name="train", overrides=[f"hydra.sweep.dir={sweep}"], return_hydra_config=True)
     callbacks = [instantiate(c) for c in cfg.hydra.callbacks.values()]
     for callback in callbacks:  # what Hydra does after the last job of a multirun
@@ -64,7 +65,7 @@ def test_a_sweep_into_a_dir_whose_jobs_ran_stops_before_hydra_rewrites_their_rec
 
 
 def test_a_sweep_into_a_fresh_or_never_trained_dir_is_let_through(tmp_path):
-    from grpo.config.validate import check_sweep_dir_unused
+    from grpo.config.run_dir import check_sweep_dir_unused
 
     check_sweep_dir_unused(tmp_path / "does-not-exist")
     (tmp_path / "0" / ".hydra").mkdir(parents=True)

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from conftest import process_group_alive, server_cfg
+from grpo.conf import CONFIG_DIR
 
 SEQ = [5, 17, 99, 3, 42, 7, 8, 200, 11, 12, 64, 65, 66]
 
@@ -337,9 +338,8 @@ def test_a_model_the_strategy_builds_gets_the_same_training_set_up(tiny_qwen2_di
     from hydra.core.global_hydra import GlobalHydra
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from conftest import REPO
     from grpo.config import register_configs
-    from grpo.train import build_model
+    from grpo.recipes.trainable_model import build_model
 
     class OwnModelSync:  # a strategy that, like shared_vllm, hands train.py a model of its own making
         uses_lora = False
@@ -349,7 +349,7 @@ def test_a_model_the_strategy_builds_gets_the_same_training_set_up(tiny_qwen2_di
 
     register_configs()
     GlobalHydra.instance().clear()
-    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
+    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
         cfg = compose(config_name="train", overrides=[
             "~experiment", "model=tiny_qwen2", f"model.gradient_checkpointing={str(checkpointing).lower()}"])
     ctx = SimpleNamespace(model_dir=tiny_qwen2_dir)

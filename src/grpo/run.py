@@ -9,6 +9,7 @@ import gc
 import json
 import logging
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -20,7 +21,16 @@ from typing import Any, Iterator, Sequence
 import torch
 from hydra.experimental.callback import Callback
 
+from grpo.config.run_dir import (
+    check_resume_exists,
+    check_resume_has_steps_left,
+    check_run_dir,
+    check_run_dir_unused,
+    check_sweep_dir_unused,
+    held_run,
+)
 from grpo.options import ConfigError
+from grpo.trainer.metrics import read_metrics
 
 log = logging.getLogger(__name__)
 
@@ -89,7 +99,7 @@ def record_provenance(run_dir: Path, cfg: Any = None) -> dict:
     info = {"grpo_version": pkg, "git_commit": git_commit(), "python": sys.version.split()[0], "argv": sys.argv}
     if cfg is not None:
         info["identity"] = run_identity(cfg)
-        if cfg.train.resume is not None:  # read by grpo.config.validate.resumed_from: which run this one continues
+        if cfg.train.resume is not None:  # read by grpo.config.run_dir.resumed_from: which run this one continues
             info["resumed_from"] = str(Path(cfg.train.resume).resolve())
     (run_dir / "provenance.json").write_text(json.dumps(info, indent=2))
     return info
@@ -135,8 +145,6 @@ class RunSummary:
         return last
 
     def _metric_rows(self) -> list[dict]:
-        from grpo.trainer.metrics import read_metrics
-
         path = self.path.with_name("metrics.jsonl")
         return read_metrics(path) if path.exists() else []
 
@@ -164,8 +172,6 @@ class RunSummary:
 def done_message(run_dir: Path) -> str:
     """The line a completed run ends with: steps, reward and held-out accuracy from first to last, and where the
     outputs are (the run dir is otherwise named only among the start-up lines)."""
-    from grpo.trainer.metrics import read_metrics
-
     summary = json.loads((run_dir / "summary.json").read_text())
     rows = read_metrics(run_dir / "metrics.jsonl") if (run_dir / "metrics.jsonl").exists() else []
     parts = [f"run completed: {summary['steps_run']} steps"]
@@ -211,8 +217,6 @@ def objective_value(run_dir: Path, key: str | None, final_reward: float | None) 
     """What train.py returns: the last-10 mean reward when `key` is None, else the last logged value of `key`."""
     if key is None:
         return final_reward
-    from grpo.trainer.metrics import read_metrics
-
     rows = read_metrics(run_dir / "metrics.jsonl")
     values = [r[key] for r in rows if r.get(key) is not None]
     if not values:
@@ -359,10 +363,6 @@ def discard_unstarted_run_dir(run_dir: Path) -> bool:
     checkpoint (a mistake in the command line, a missing file or model): such dirs piled up under outputs/ with a
     `.hydra/` and a train.log, some with a summary.json saying `failed`, for runs that never ran. A dir that existed
     before (a resume in place, a given hydra.run.dir) is kept as it is. True when removed."""
-    import shutil
-
-    from grpo.config.validate import held_run
-
     global _created_run_dir
     if _created_run_dir is None or not run_dir.is_dir() or run_dir.resolve() != _created_run_dir.resolve():
         return False
@@ -408,13 +408,6 @@ class RunDirGuard(Callback):
 
     def on_run_start(self, config: Any, **kwargs: Any) -> None:  # noqa: ARG002
         """Exit 1 with the ConfigError's message, before Hydra writes anything into the run dir."""
-        from grpo.config.validate import (
-            check_resume_exists,
-            check_resume_has_steps_left,
-            check_run_dir,
-            check_run_dir_unused,
-        )
-
         with self._checking(config):
             # The default run dir of a resume is train.resume: a missing path would be created, a checkpoint given
             # there would get .hydra/.
@@ -440,8 +433,6 @@ class RunDirGuard(Callback):
 
     def on_multirun_start(self, config: Any, **kwargs: Any) -> None:  # noqa: ARG002
         """Exit 1 before the first job when the sweep dir holds jobs that already ran (`check_sweep_dir_unused`)."""
-        from grpo.config.validate import check_run_dir, check_sweep_dir_unused
-
         with self._checking(config):
             check_run_dir(Path(config.hydra.sweep.dir), "hydra.sweep.dir")  # its jobs' dirs and train.log files go there
             check_sweep_dir_unused(Path(config.hydra.sweep.dir))

@@ -26,7 +26,11 @@ from pathlib import Path
 from typing import Any, Optional
 
 import requests
+from hydra import compose, initialize_config_dir
 
+from grpo.conf import CONFIG_DIR
+from grpo.config import register_configs
+from grpo.recipes.initial_weights import resolve_model_dir
 from grpo.stop import LAUNCHER_ENV
 
 log = logging.getLogger("grpo.stack")
@@ -51,16 +55,12 @@ def _find_train_py() -> Path:
     raise StackError("train.py not found in the current directory or the repository root")
 
 
-def compose_train_config(train_py: Path, overrides: list[str]):
+def compose_train_config(overrides: list[str]):
     """The trainer's config for these overrides (to learn the server URL, model and batch shape)."""
-    from hydra import compose, initialize_config_dir
-
-    from grpo.config import register_configs
-
     register_configs()
     # hydra.* overrides configure the trainer's own Hydra run; compose() does not need them.
     plain = [o for o in overrides if not o.lstrip("+~").startswith("hydra.")]
-    with initialize_config_dir(config_dir=str(train_py.parent / "conf"), version_base="1.3"):
+    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
         return compose(config_name="train", overrides=plain)
 
 
@@ -197,11 +197,11 @@ def _plan(args: argparse.Namespace, overrides: list[str]) -> dict[str, Any]:
         # The default job's experiment (arith_quick) is a local arithmetic run; the stack's environment brings its
         # own task, so the trainer starts from the bare config (tiny Qwen2) unless an experiment is named.
         overrides.insert(0, "~experiment")
-    cfg = compose_train_config(train_py, overrides)
+    cfg = compose_train_config(overrides)
     if not cfg.server.external_url and cfg.server.port is None:
         # The environment must know the server's port before the trainer starts it: fix a free one for both.
         overrides.append(f"server.port={_free_port()}")
-        cfg = compose_train_config(train_py, overrides)
+        cfg = compose_train_config(overrides)
     if cfg.server.external_url:
         server_url = str(cfg.server.external_url).rstrip("/").removesuffix("/v1")
     else:
@@ -211,8 +211,6 @@ def _plan(args: argparse.Namespace, overrides: list[str]) -> dict[str, Any]:
     if batch % args.group_size:
         raise SystemExit(f"--group-size {args.group_size} must divide the trainer's batch of {batch} sequences "
                          "(train.micro_batch_size x train.grad_accum): run-api packs whole groups")
-    from grpo.recipes.initial_weights import resolve_model_dir
-
     log_dir = args.log_dir or Path("outputs") / "stack" / time.strftime("%Y-%m-%d_%H-%M-%S")
     log_dir.mkdir(parents=True, exist_ok=True)
     return {"argv": list(getattr(args, "argv", [])), "train_py": train_py, "api_port": api_port, "api_url": api_url,

@@ -15,6 +15,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional, Sequence, TextIO
 
+from grpo.trainer.checkpoint import CheckpointManager
+from grpo.trainer.metrics import plot_curves, read_metrics
+
 # Command-line flags of a Hydra app that select the config and so belong in the resume command too.
 _CONFIG_FLAGS = ("--config-dir", "-cd", "--config-path", "-cp", "--config-name", "-cn")
 # Set by a launcher that starts train.py with overrides of its own (python -m grpo.stack: run-api's URL, a server
@@ -110,8 +113,6 @@ def command(argv: Sequence[str], overrides: Sequence[str], run_dir: Optional[Pat
 
 def last_step(run_dir: Path) -> Optional[int]:
     """The last step written to metrics.jsonl, or None before the first."""
-    from grpo.trainer.metrics import read_metrics
-
     path = run_dir / "metrics.jsonl"
     rows = read_metrics(path) if path.exists() else []
     return int(rows[-1]["step"]) if rows else None
@@ -138,8 +139,6 @@ def server_state(run_dir: Path, external_url: Optional[str]) -> str:
 
 def write_curves(run_dir: Path, plot: bool) -> str:
     """curves.png of the steps done; says why when there is none."""
-    from grpo.trainer.metrics import plot_curves
-
     if not plot:
         return "not written (logging.plot=false)"
     if last_step(run_dir) is None:
@@ -154,8 +153,6 @@ def reachable_checkpoint(run_dir: Path, resume: Optional[str]) -> tuple[Optional
     """The newest complete checkpoint this run can continue from, and the run dir it lies in: the run's own, else
     (a run resumed from another dir, stopped before its own first checkpoint) the resumed run's. Following "start
     again" there would have started from step 0 with that checkpoint still on disk."""
-    from grpo.trainer.checkpoint import CheckpointManager
-
     own = CheckpointManager(run_dir).latest()
     if own is not None or resume is None:
         return own, run_dir if own is not None else None
@@ -169,7 +166,7 @@ def report_stop(
 ) -> StopReport:
     """Write the curves, print the stop block to `stream` (stderr) and return what it said.
 
-    Call after the run's teardown (the server is stopped in train.py's `finally`), so the block reports the
+    Call after the run's teardown (`grpo.build.RunParts.close` stops the server), so the block reports the
     server's real state. `overrides` are the job's command-line overrides (Hydra's `overrides.task`).
     """
     argv = list(sys.argv if argv is None else argv)

@@ -1,1 +1,84 @@
-../../train.py
+"""Train a language model with GRPO against a vLLM server: the `grpo-train` command (and `python train.py`).
+
+    grpo-train                                        # the default job: warm-started tiny model, arithmetic, CPU vLLM
+    grpo-train '~experiment'                          # the bare config: random tiny model, digits task
+    grpo-train mode=lora_only model=qwen3b server=gpu
+    grpo-train experiment=qwen3b_lora_restart
+    grpo-train -m loss.clip_eps=0.1,0.2 optimizer.lr=1e-4,1e-3
+    grpo-train --config-dir ./my_conf experiment=my_task  # your own configs beside the shipped ones (grpo/conf)
+
+A job reads top to bottom: compose (Hydra), validate (grpo.config), build (grpo.build), fit (the trainer), clean up;
+how a job that does not complete ends is grpo.job's. See docs/architecture.md.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+from pathlib import Path
+
+import hydra
+from omegaconf import DictConfig
+
+from grpo.build import build_parts, build_trainer
+from grpo.conf import CONFIG_DIR
+from grpo.config import ConfigError, register_configs, validate
+from grpo.config.command_line import check_command_line, rank_hydra_args
+from grpo.job import Job, config_error, interrupt_on_sigterm
+from grpo.run import check_resume_identity
+from grpo.trainer.metrics import plot_curves
+
+register_configs()
+
+
+@hydra.main(version_base="1.3", config_path="conf", config_name="train")
+def main(cfg: DictConfig) -> float | None:
+    """One job. Returns `train.objective` (default: the mean reward of the last 10 rollout batches), which sweeps
+    optimise."""
+    job = Job.current()
+    try:
+        validate(cfg, job.own_run_dir)  # everything checkable before a model loads
+        check_resume_identity(cfg)  # before the job's provenance.json replaces a resumed run's own record
+    except ConfigError as e:
+        return job.config_error(e)
+    signal.signal(signal.SIGTERM, interrupt_on_sigterm)
+    job.start(cfg)
+    try:
+        final = job.completed(fit(cfg, job.run_dir))
+    except BaseException as e:
+        return job.failed(e, cfg)
+    finally:
+        job.release_device_memory()  # also between the jobs of a sweep
+    return job.objective(cfg, final)
+
+
+def fit(cfg: DictConfig, run_dir: Path) -> list[float]:
+    """Build every component from the config, train, and tear everything down; the rollout batches' mean rewards."""
+    parts = build_parts(cfg, run_dir)
+    try:
+        rewards = build_trainer(parts).fit()
+        if cfg.logging.plot and parts.rank0:
+            plot_curves(run_dir / "metrics.jsonl", run_dir / "curves.png", title=str(run_dir.name))
+        return rewards
+    finally:
+        parts.close()
+
+
+def run() -> None:
+    """The command line's entry (`grpo-train`, `python train.py`): the arguments checked before Hydra composes
+    (grpo.config.command_line: a typo'd option, a missing plugin or config dir), then the Hydra app."""
+    # A console script's sys.path starts at its bin dir; put the working directory first so that `_target_:
+    # my_rewards.fn` finds your own modules there, as `python train.py` finds them beside train.py.
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    try:
+        check_command_line(sys.argv[1:], CONFIG_DIR)
+    except ConfigError as e:
+        config_error(e, multirun=False)
+    sys.argv += rank_hydra_args()
+    main()
+
+
+if __name__ == "__main__":
+    run()

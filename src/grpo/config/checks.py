@@ -10,25 +10,18 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import logging
-import os
-import sys
-from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
+from grpo.conf import CONFIG_DIR
+from grpo.config.command_line import command_name
 from grpo.options import ConfigError
 from grpo.pipeline.evaluation import ATROPOS_EVAL_EXAMPLE, eval_enabled
 from grpo.pipeline.local import LocalRolloutPipeline
-from grpo.schema import EvalConfig, RootConfig
 
 log = logging.getLogger(__name__)
-
-# Files whose presence makes a directory a model: a config plus weights in any format transformers loads.
-MODEL_FILES = ("config.json",)
-WEIGHT_PATTERNS = ("*.safetensors", "*.bin", "*.pt", "*.pth", "*.gguf", "*.safetensors.index.json")
-
 
 @dataclasses.dataclass(frozen=True)
 class HydraInfo:
@@ -130,155 +123,6 @@ def check_sweep_needs_multirun(info: HydraInfo) -> None:
                           f"none of them; add -m ({command_name()} -m sweep={option} ...), or drop sweep={option}")
 
 
-# Command-line choices that need a Hydra plugin: (group, option) -> (its module, the pip package).
-PLUGIN_CHOICES = {
-    ("sweep", "optuna"): ("hydra_plugins.hydra_optuna_sweeper", "hydra-optuna-sweeper"),
-    ("hydra/sweeper", "optuna"): ("hydra_plugins.hydra_optuna_sweeper", "hydra-optuna-sweeper"),
-    ("hydra/launcher", "submitit_slurm"): ("hydra_plugins.hydra_submitit_launcher", "hydra-submitit-launcher"),
-    ("hydra/launcher", "submitit_local"): ("hydra_plugins.hydra_submitit_launcher", "hydra-submitit-launcher"),
-}
-
-
-def command_name() -> str:
-    """How the user started the trainer, for the commands a message suggests: the console script (`grpo-train`),
-    else `python train.py`."""
-    first = os.path.basename(sys.argv[0]) if sys.argv else ""
-    return "grpo-train" if first == "grpo-train" else "python train.py"
-
-
-def check_config_dirs(config_dirs: Sequence[Path]) -> None:
-    """Each `--config-dir` is a directory: Hydra's own word for a missing one ("Additional config directory ... not
-    found") came after ours for its first option ("experiment=my_task is not one of the experiment options"), and
-    a relative one is looked up from the working directory, which is not the checkout for `grpo-train`."""
-    for path in config_dirs:
-        if not path.is_dir():
-            where = "" if path.is_absolute() else f" (a relative path starts at the working directory, {Path.cwd()})"
-            raise ConfigError(f"--config-dir {path}: no such directory{where}; give the directory that holds your "
-                              "config groups (e.g. experiment/, data/)")
-
-
-def check_hydra_plugins(args: Sequence[str]) -> None:
-    """A command-line choice that needs a Hydra plugin (`sweep=optuna`) has it installed. Checked on the arguments,
-    before Hydra composes: without the plugin Hydra stops with "Could not find 'hydra/sweeper/optuna'", which does
-    not say what to install."""
-    import importlib.util
-
-    for arg in args:
-        group, _, option = arg.lstrip("+~").partition("=")
-        plugin = PLUGIN_CHOICES.get((group, option))
-        if plugin is None:
-            continue
-        try:
-            found = importlib.util.find_spec(plugin[0]) is not None
-        except ModuleNotFoundError:  # no hydra_plugins package at all
-            found = False
-        if not found:
-            raise ConfigError(f"{arg} needs Hydra's {plugin[1]} plugin, which is not installed: "
-                              f"pip install -e \".[sweep]\" (or pip install {plugin[1]})")
-
-
-def check_group_option_names(args: Sequence[str], config_dirs: Sequence[Path]) -> None:
-    """Each `group=option` on the command line names an option of that group (a YAML file in a config dir's
-    `<group>/`), and each `key=value` a key the config has (`check_override_key`). Checked before Hydra composes:
-    Hydra's own error for a typo (`optimizer=adamW`) lists the schema entries beside the options and its search
-    path, with no suggestion."""
-    chosen = _default_groups(config_dirs[0] / "train.yaml") if config_dirs else set()
-    for arg in args:
-        key, sep, value = arg.lstrip("+").partition("=")
-        dirs = [d / key for d in config_dirs if key and (d / key).is_dir()] if sep and not arg.startswith("-") else []
-        if dirs and arg.startswith("+") and not arg.startswith("++") and key in chosen:
-            # Hydra: "Multiple values for experiment. To override a value use 'override experiment: ...'" (YAML
-            # syntax, no command line); `+experiment=x` is the usual form in other Hydra projects.
-            raise ConfigError(f"{arg}: the config's defaults (conf/train.yaml) already choose an option of {key}, "
-                              f"and + cannot add a second; pick this one without the +: {key}={value}")
-        if not dirs and sep and not arg.startswith(("-", "+", "~")):
-            check_override_key(key, value, config_dirs)
-        if not dirs or any(c in value for c in "()[]{}$"):  # not a group of ours, or a sweep's function syntax
-            continue
-        options = sorted({p.stem for d in dirs for p in d.glob("*.yaml")})
-        for choice in value.split(","):
-            if choice in ("", "null") or choice in options or choice.endswith("_schema"):  # schemas: checked later
-                continue
-            close = difflib.get_close_matches(choice, options, n=1)
-            hint = f"did you mean {key}={close[0]}? " if close else _config_dir_hint(key, choice)
-            raise ConfigError(f"{key}={choice} is not one of the {key} options; {hint}choose one of {', '.join(options)} "
-                              f"({command_name()} --help lists every group)")
-
-
-def _config_dir_hint(group: str, option: str) -> str:
-    """Where `<group>/<option>.yaml` lies below the working directory (up to 3 levels: examples/my_task/conf), said
-    as the --config-dir that adds it: the README's own task runs with one, and leaving it out is an easy slip."""
-    for depth in range(4):
-        found = sorted(Path().glob("/".join(["*"] * depth + [group, f"{option}.yaml"])))
-        if found:
-            return (f"{found[0]} has it, but the config is not searched there: add --config-dir "
-                    f"{found[0].parent.parent}; otherwise ")
-    return ""
-
-
-def _default_groups(primary: Path) -> set[str]:
-    """The groups the primary config's defaults list chooses (`- model: tiny_qwen2`, `- sweep: null`, ...)."""
-    if not primary.is_file():
-        return set()
-    defaults = OmegaConf.load(primary).get("defaults") or []
-    return {str(k).removeprefix("override ") for d in defaults if OmegaConf.is_dict(d) for k in d.keys()}
-
-
-def check_override_key(key: str, value: str, config_dirs: Sequence[Path]) -> None:
-    """`key=value` (no `+`) sets a key the config has: its first part is a top-level key or a group of a config
-    dir, and under a node of a fixed schema (train, model, server, eval, ...) the next part is one of its fields.
-    Hydra's own error for a misspelt key (`optimzer.lr=1`) advises `+optimzer.lr=1`, which adds a key nothing reads."""
-    import typing
-
-    # Groups typed Any in RootConfig whose shipped options all build on one schema: checked against it unless a
-    # config dir of the user's adds options to the group (which may build on another).
-    shared = {"eval": EvalConfig}
-    parts = key.split(".")
-    if "/" in key or not all(parts):  # hydra/launcher=..., or not a dotted key
-        return
-    schema: Any = RootConfig
-    groups = {d.name for c in config_dirs if c.is_dir() for d in c.iterdir() if d.is_dir()}
-    for depth, part in enumerate(parts):
-        if schema is None or not dataclasses.is_dataclass(schema):
-            return  # a node whose keys depend on the option chosen (optimizer, mode, data, ...): Hydra checks it
-        if depth == 0 and (part == "hydra" or part in groups):
-            if part == "hydra" or part not in {f.name for f in dataclasses.fields(schema)}:
-                return  # Hydra's own node, or a group of your config dir
-        hints = typing.get_type_hints(schema)
-        if part not in hints:
-            where = ".".join(parts[:depth + 1])
-            close = difflib.get_close_matches(part, sorted(hints), n=1)
-            fix = ".".join([*parts[:depth], close[0], *parts[depth + 1:]]) if close else None
-            hint = f"did you mean {fix}={value}? " if fix else ""
-            raise ConfigError(f"{key}={value}: the config has no key {where}; {hint}({command_name()} --cfg job prints "
-                              "every key; +key=... would add a key nothing reads)")
-        parent, schema = schema, hints[part]
-        if depth == 0 and part in shared and not any((c / part).is_dir() for c in config_dirs[1:]):
-            schema = shared[part]
-    if not dataclasses.is_dataclass(schema):
-        check_override_type(key, value, parent, parts[-1])
-
-
-def check_override_type(key: str, value: str, schema: Any, field: str) -> None:
-    """`key=value` whose value the schema field's type cannot take (`train.steps=many`): Hydra's own error is its
-    "Error merging override" block and a HYDRA_FULL_ERROR hint. Sweeps and interpolations are left to Hydra."""
-    from hydra.core.override_parser.overrides_parser import OverridesParser
-    from omegaconf.errors import ValidationError
-
-    try:
-        override = OverridesParser.create().parse_override(f"{key}={value}")
-    except Exception:  # noqa: BLE001 - Hydra's parser says what is wrong with the syntax itself
-        return
-    if override.is_sweep_override() or "$" in value:
-        return
-    node = OmegaConf.structured(schema)
-    try:
-        setattr(node, field, override.value())
-    except ValidationError as e:
-        why = str(e).splitlines()[0]  # the rest: OmegaConf's full_key / object_type lines
-        raise ConfigError(f"{key}={value}: {why} ({command_name()} --cfg job prints every key and its value)") from None
-
-
 def _group_options(group: str) -> list[str]:
     from hydra.core.global_hydra import GlobalHydra
 
@@ -311,9 +155,7 @@ def check_data_fits_default_experiment(info: HydraInfo) -> None:
 def _experiment_data(name: str) -> str | None:
     """The data option a shipped experiment's defaults choose (`override /data: arithmetic`), None when it chooses
     none or is not a shipped one."""
-    import grpo.conf
-
-    path = Path(grpo.conf.__file__).parent / "experiment" / f"{name}.yaml"
+    path = CONFIG_DIR / "experiment" / f"{name}.yaml"
     if not path.is_file():
         return None
     for entry in OmegaConf.load(path).get("defaults") or []:
@@ -477,37 +319,3 @@ def check_memory_share_used(cfg: DictConfig, info: HydraInfo) -> None:
         )
 
 
-def check_model_files(model_cfg: DictConfig) -> None:
-    """A local model directory must hold a model (config.json and weights), not fail later in the tokenizer."""
-    if model_cfg.offline:
-        return
-    path = Path(str(model_cfg.name)).expanduser()
-    if not path.is_dir():
-        return
-    missing = [f for f in MODEL_FILES if not (path / f).is_file()]
-    has_weights = any(any(path.glob(p)) for p in WEIGHT_PATTERNS)
-    if missing or not has_weights:
-        found = sorted(p.name for p in path.iterdir())[:10]
-        raise ConfigError(
-            f"no model files in {path} (model.name): expected config.json and weights (*.safetensors or *.bin); "
-            f"found {found or 'nothing'}"
-        )
-    check_layer_count(model_cfg, path / "config.json")
-
-
-def check_layer_count(model_cfg: DictConfig, config_json: Path) -> None:
-    """`model.num_layers` is the model's block count: layer specs resolve against it, so a smaller value left at a
-    preset's default made `layers=all` train only the first blocks (embeddings and head frozen), silently."""
-    import json
-
-    try:
-        hf_config = json.loads(config_json.read_text())
-    except (OSError, ValueError):
-        return  # loading the model says what is wrong with it
-    hf_config = hf_config.get("text_config", hf_config)  # multimodal configs nest the language model's
-    blocks = next((hf_config[k] for k in ("num_hidden_layers", "n_layer", "num_layers") if k in hf_config), None)
-    if isinstance(blocks, int) and blocks != model_cfg.num_layers:
-        raise ConfigError(
-            f"model.num_layers={model_cfg.num_layers}, but {config_json} says the model has {blocks} blocks; set "
-            f"model.num_layers={blocks} (layers=... resolves against it)"
-        )

@@ -2,45 +2,25 @@
 
 from __future__ import annotations
 
-import difflib
 import importlib
 import os
-import shutil
-import socket
 from pathlib import Path
-from typing import NoReturn
 
 from hydra.utils import get_class
 from omegaconf import DictConfig
 
 from grpo.config import checks
-from grpo.inference.process import parallel_sizes
-from grpo.models.loading import ATTN_IMPLEMENTATIONS
-from grpo.models.packaged import PACKAGED_MODELS, PackagedModelMissing, gguf_path
-from grpo.models.tiny import offline_presets
+from grpo.config.run_dir import check_resume_exists, check_resume_has_steps_left, check_run_dir, check_run_dir_unused
 from grpo.options import ConfigError, instantiation_cause, option
 from grpo.pipeline.local import LocalRolloutPipeline
 from grpo.pipeline.rollout_queue import check_batches_in_flight, queue_capacity
-from grpo.recipes.warmstart import WARMSTART_PRESETS
-from grpo.trainer.checkpoint import COMPLETE, CheckpointManager, checkpoint_problems, read_trainer_state
+from grpo.recipes.model_checks import check_model, check_model_files
+from grpo.serving.checks import check_server
 from grpo.trainer.layers import resolve_layer_indices
 from grpo.trainer.metrics import tensorboard_writer_class
 from grpo.trainer.optim import build_optimizer
 
-__all__ = ["ConfigError", "check_run_dir", "validate"]
-
-# Below this much free space in the run dir, a full checkpoint of even a small model may not fit.
-MIN_FREE_BYTES = 200 * 1024**2
-
-
-def _port_free(host: str, port: int) -> bool:
-    with socket.socket() as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind((host, port))
-        except OSError:
-            return False
-    return True
+__all__ = ["ConfigError", "validate"]
 
 
 def _check_importable(target: str, key: str, install_hint: str) -> None:
@@ -49,88 +29,6 @@ def _check_importable(target: str, key: str, install_hint: str) -> None:
         importlib.import_module(module)
     except ImportError as e:
         raise ConfigError(f"{key}={target} needs `{module}`, which is not importable ({e}). {install_hint}") from e
-
-
-def check_run_dir(run_dir: Path, key: str = "hydra.run.dir") -> None:
-    """The run dir (`key` sets it) must be writable with room for checkpoints; checked before training starts."""
-    try:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        probe = run_dir / ".write_probe"
-        probe.write_text("ok")
-        probe.unlink()
-    except OSError as e:
-        raise ConfigError(f"run dir {run_dir} is not writable ({type(e).__name__}: {e}); set {key} to a "
-                          "writable path") from None
-    free = shutil.disk_usage(run_dir).free
-    if free < MIN_FREE_BYTES:
-        raise ConfigError(
-            f"run dir {run_dir} has only {free / 1024**2:.0f} MiB free (need at least "
-            f"{MIN_FREE_BYTES / 1024**2:.0f} MiB for checkpoints); free space or set {key} elsewhere"
-        )
-
-
-def held_run(run_dir: Path) -> tuple[str, Path | None]:
-    """What of an earlier run `run_dir` holds ("metrics.jsonl with rows, checkpoints up to step_000010", or ""), and
-    its latest complete checkpoint (None when it has none)."""
-    metrics = run_dir / "metrics.jsonl"
-    has_rows = metrics.exists() and metrics.stat().st_size > 0
-    latest = CheckpointManager(run_dir).latest()
-    held = ", ".join(x for x in (f"{metrics.name} with rows" if has_rows else "",
-                                 f"checkpoints up to {latest.name}" if latest is not None else "") if x)
-    return held, latest
-
-
-def check_sweep_dir_unused(sweep_dir: Path) -> None:
-    """A sweep must not start in a dir whose jobs already ran (an explicit `hydra.sweep.dir` given twice): Hydra
-    writes each job's `.hydra/` over the earlier job's record before any check inside the job can skip it."""
-    if not sweep_dir.is_dir():
-        return
-    candidates = {p.parent for p in sweep_dir.rglob("metrics.jsonl")}
-    candidates |= {p.parent for p in sweep_dir.rglob("checkpoints") if p.is_dir()}
-    held = sorted(str(d.relative_to(sweep_dir)) for d in candidates if held_run(d)[0])
-    if held:
-        shown = ", ".join(held[:5]) + (f" and {len(held) - 5} more" if len(held) > 5 else "")
-        raise ConfigError(
-            f"sweep dir {sweep_dir} already holds runs (jobs {shown}), which this sweep's jobs would overwrite; "
-            "pick another hydra.sweep.dir, or leave it out for a new dir under multirun/"
-        )
-
-
-def resumed_from(run_dir: Path) -> Path | None:
-    """The run dir whose checkpoint `run_dir`'s run was resumed from into `run_dir` (provenance.json's
-    `resumed_from`, written by grpo.run.record_provenance); None for a fresh run or one resumed in place."""
-    import json
-
-    try:
-        given = json.loads((run_dir / "provenance.json").read_text()).get("resumed_from")
-    except (OSError, ValueError, AttributeError):
-        return None
-    if given is None or Path(given).resolve() == run_dir.resolve():
-        return None
-    return Path(given)
-
-
-def check_run_dir_unused(cfg: DictConfig, run_dir: Path) -> None:
-    """A fresh run must not start in a run dir that holds another run's metrics or checkpoints: it would truncate
-    that run's metrics.jsonl and replace its checkpoints. Continuing that run (`train.resume=<that dir>`) is fine,
-    and so is resuming again from the run it was resumed from while it has no checkpoint of its own (a resume into
-    another dir stopped before its first checkpoint: its rows past that checkpoint are trained again)."""
-    resume = cfg.train.resume
-    if resume is not None and Path(resume).resolve() == run_dir.resolve():
-        return
-    held, latest = held_run(run_dir)
-    if not held:
-        return
-    origin = resumed_from(run_dir)
-    if latest is None and resume is not None and origin is not None and origin.resolve() == Path(resume).resolve():
-        return
-    # Without a checkpoint there is nothing to continue: train.resume would refuse it in turn.
-    go_on = (f"continue that run with train.resume={run_dir}, or " if latest is not None
-             else "it has no checkpoint to continue from; ")
-    raise ConfigError(
-        f"run dir {run_dir} already holds a run ({held}), which this run would overwrite; {go_on}start a new one in "
-        "another dir (hydra.run.dir=..., or leave it out for a new dir under outputs/)"
-    )
 
 
 def validate(cfg: DictConfig, run_dir: Path | None = None) -> None:
@@ -152,7 +50,7 @@ def validate(cfg: DictConfig, run_dir: Path | None = None) -> None:
     checks.check_grad_accum_used(cfg, info)
     checks.check_eval_settings_used(cfg, info)
     checks.check_wandb_settings_used(cfg, info)
-    checks.check_model_files(cfg.model)
+    check_model_files(cfg.model)
     check_layers(cfg)
     check_optimizer(cfg)
     check_loss(cfg)
@@ -161,8 +59,8 @@ def validate(cfg: DictConfig, run_dir: Path | None = None) -> None:
     sync_cls.check_config(cfg, cuda=_cuda_available(), world_size=int(os.environ.get("WORLD_SIZE", "1")))
     if cfg.train.device == "cuda" and not _cuda_available():
         raise ConfigError("train.device=cuda but no CUDA device is visible; use train.device=auto or cpu")
-    check_model(cfg)
-    check_server(cfg, info.choices.get("server"))
+    check_model(cfg, cuda=_cuda_available())
+    check_server(cfg, info.choices.get("server"), cuda=_cuda_available())
     check_train(cfg)
     check_prefix_sharing(cfg)
     check_data(cfg, info.choices.get("experiment"))
@@ -213,129 +111,6 @@ def check_loss(cfg: DictConfig) -> None:
         raise ConfigError(f"loss ({cfg.loss._target_}): {cause}; set the loss.* key it names") from None
 
 
-def check_model(cfg: DictConfig) -> None:
-    """A known attention kernel (FlexAttention on a CUDA trainer only); a local `model.name` exists; a hub id not
-    in the local cache is refused when the hub is off or cannot be reached."""
-    attn = cfg.model.attn_implementation
-    if attn is not None and attn not in ATTN_IMPLEMENTATIONS:
-        raise ConfigError(f"model.attn_implementation={attn} is not one of {', '.join(ATTN_IMPLEMENTATIONS)} "
-                          "(or null for transformers' default)")
-    trains_on_cpu = cfg.train.device == "cpu" or (cfg.train.device == "auto" and not _cuda_available())
-    if attn == "flex_attention" and trains_on_cpu:
-        raise ConfigError("model.attn_implementation=flex_attention needs a CUDA trainer (PyTorch's FlexAttention "
-                          "has no backward pass on CPU); use sdpa, null or varlen (packed rows per sequence) on this machine")
-    if cfg.model.offline is not None:
-        check_offline_preset(str(cfg.model.offline))
-        return
-    name = cfg.model.name
-    looks_local = name.startswith(("/", ".", "~")) or os.path.isabs(name)
-    if looks_local and not Path(name).expanduser().exists():
-        raise ConfigError(f"model.name={name} does not exist")
-    if looks_local or Path(name).exists():
-        return
-    cached_config = _hub_cached_config(name)
-    if cached_config is not None:
-        checks.check_layer_count(cfg.model, cached_config)
-        return
-    instead = (f"point model.name at a local directory or set model.offline=<preset> for random weights of a known "
-               f"shape ({', '.join(offline_presets())})")
-    if os.environ.get("HF_HUB_OFFLINE") == "1":
-        raise ConfigError(f"model.name={name} is a hub id, not in the local Hugging Face cache, and HF_HUB_OFFLINE=1; "
-                          f"{instead}")
-    reachable, where = _hub_reachable()
-    if not reachable:
-        # Without this the hub client retries for about a minute and ends in a traceback.
-        raise ConfigError(f"model.name={name} is a hub id, not in the local Hugging Face cache, and the hub "
-                          f"({where}) cannot be reached from here; {instead}, or fix the network (HF_ENDPOINT, proxy)")
-
-
-def check_offline_preset(preset: str) -> None:
-    """`model.offline` names a preset the model builder knows; else its ValueError was a traceback after the run's
-    start-up lines. The model options' own names (`tiny_qwen2`, `warm_arith`) are the natural misspelling."""
-    known = [*offline_presets(), *sorted(WARMSTART_PRESETS), *sorted(PACKAGED_MODELS)]
-    if preset in PACKAGED_MODELS:
-        try:
-            gguf_path(preset)  # the package that carries it is installed: said before vLLM or the build starts
-        except PackagedModelMissing as e:
-            raise ConfigError(str(e)) from None
-    if preset in known:
-        return
-    close = difflib.get_close_matches(preset.replace("_", "-"), known, n=1)
-    hint = f"; did you mean model.offline={close[0]}?" if close else ""
-    raise ConfigError(f"model.offline={preset} is not an offline model preset (those are {', '.join(known)}){hint} "
-                      "(model.offline=null loads model.name instead)")
-
-
-def _hub_cached_config(name: str) -> Path | None:
-    """The hub model's config.json in the local Hugging Face cache, or None."""
-    from huggingface_hub import try_to_load_from_cache
-
-    found = try_to_load_from_cache(name, "config.json")
-    return Path(found) if isinstance(found, str) else None
-
-
-def _hub_reachable(timeout_s: float = 3.0) -> tuple[bool, str]:
-    """(whether a TCP connection to the hub's host opens within `timeout_s`, "host:port"); HF_ENDPOINT names the
-    hub. Behind a proxy only the hub client knows the way, so it is given the benefit of the doubt."""
-    from urllib.parse import urlparse
-
-    url = urlparse(os.environ.get("HF_ENDPOINT") or "https://huggingface.co")
-    host, port = url.hostname or "huggingface.co", url.port or (443 if url.scheme == "https" else 80)
-    if any(os.environ.get(k) for k in ("HTTPS_PROXY", "https_proxy", "HTTP_PROXY", "http_proxy", "ALL_PROXY")):
-        return True, f"{host}:{port}"
-    try:
-        socket.create_connection((host, port), timeout=timeout_s).close()
-    except OSError:
-        return False, f"{host}:{port}"
-    return True, f"{host}:{port}"
-
-
-def check_server_fits_model(cfg: DictConfig, model_dir: str | Path) -> None:
-    """`server.max_model_len` within the model's `max_position_embeddings` (its config.json in `model_dir`, once the
-    model directory exists): vLLM refuses a longer one, but only after its start-up, with a traceback in its log.
-    `server=gpu`'s 4096 against the tiny models' 1024 was the first thing a GPU user of the default job met."""
-    import json
-
-    max_len = cfg.server.get("max_model_len")
-    try:
-        positions = json.loads((Path(model_dir) / "config.json").read_text()).get("max_position_embeddings")
-    except (OSError, ValueError):
-        return  # not a directory with a readable config: loading the model says what is wrong
-    if cfg.server.get("external_url") is None and max_len is not None and positions and max_len > positions:
-        raise ConfigError(
-            f"server.max_model_len={max_len} exceeds the model's max_position_embeddings={positions} "
-            f"({Path(model_dir) / 'config.json'}), which vLLM refuses: set server.max_model_len={positions} (or less)"
-        )
-
-
-def check_server(cfg: DictConfig, choice: str | None = None) -> None:
-    """The server's port is free (or an external server is named), its knobs are in range, and `server=gpu`
-    (`choice`, the server group's option) has a GPU to run on."""
-    if choice == "gpu" and cfg.server.external_url is None and not _cuda_available():
-        # Else vLLM starts on the CPU with the GPU settings and fails on one of them (e.g. max_model_len).
-        raise ConfigError("server=gpu runs the vLLM server on a CUDA GPU and none is visible here; use server=cpu "
-                          "(the vLLM CPU engine), or attach to a GPU server with server.external_url=http://host:port")
-    kv_cache_gb = cfg.server.get("kv_cache_gb")
-    if kv_cache_gb is not None and kv_cache_gb <= 0:
-        raise ConfigError(f"server.kv_cache_gb must be a positive number of GiB or null, got {kv_cache_gb}")
-    if cfg.server.busy_loop_s is not None and cfg.server.busy_loop_s < 0:
-        raise ConfigError(f"server.busy_loop_s must be >= 0 seconds or null, got {cfg.server.busy_loop_s}")
-    if cfg.server.worker_in_engine_process and max(parallel_sizes(cfg.server.extra_args).values()) > 1:
-        raise ConfigError(
-            "server.worker_in_engine_process=true runs one vLLM worker, but server.extra_args="
-            f"{list(cfg.server.extra_args)} asks for several: set server.worker_in_engine_process=false"
-        )
-    port_fixed = cfg.server.port is not None  # null: the launcher picks a free port
-    if port_fixed and not 1 <= cfg.server.port <= 65535:
-        # Else the bind below fails with Python's OverflowError traceback.
-        raise ConfigError(f"server.port={cfg.server.port} is not a TCP port: use 1-65535, or null to pick a free one")
-    if cfg.server.external_url is None and port_fixed and not _port_free(cfg.server.host, cfg.server.port):
-        raise ConfigError(
-            f"server.port={cfg.server.port} on {cfg.server.host} is already in use; pick a free port "
-            "(server.port=...) or attach to that server with server.external_url=http://host:port"
-        )
-
-
 def check_train(cfg: DictConfig) -> None:
     """Loop sizes and the token budget are positive and `train.resume` exists (choices are typed by the schema)."""
     if cfg.train.micro_batch_size < 1 or cfg.train.grad_accum < 1 or cfg.train.steps < 1:
@@ -384,23 +159,6 @@ def check_prefix_sharing(cfg: DictConfig) -> None:
                           "padded rows); set train.prefix_sharing=false under torchrun")
 
 
-def check_resume_exists(cfg: DictConfig) -> None:
-    """`train.resume` names an existing path. Run by `grpo.run.RunDirGuard` before Hydra creates the run dir: a
-    resume's default run dir is train.resume, so a mistyped or pruned path was created (.hydra/, train.log) and then
-    refused as having 'no complete checkpoint'. A checkpoint that no longer exists (train.keep_checkpoints prunes
-    older ones) gets its run dir named."""
-    resume = cfg.train.resume
-    if resume is None or Path(resume).exists():
-        return
-    path = Path(resume)
-    if path.parent.name == "checkpoints" and path.parent.parent.is_dir():
-        raise ConfigError(f"train.resume={resume} does not exist (a run keeps only its last train.keep_checkpoints "
-                          f"checkpoints); train.resume takes the run dir, and the run goes on from its latest "
-                          f"complete checkpoint: train.resume={path.parent.parent}")
-    raise ConfigError(f"train.resume={resume} does not exist; give the run dir of the run to continue (its last "
-                      "line says 'run dir: ...')")
-
-
 def check_train_counts(train: DictConfig) -> None:
     """Counts the loop reads only once it runs: each was an error after the server's start-up and a first step
     (`train.checkpoint_every=0`: ZeroDivisionError, before the step's checkpoint), or a traceback."""
@@ -415,64 +173,6 @@ def check_train_counts(train: DictConfig) -> None:
     if train.max_grad_norm is not None and train.max_grad_norm <= 0:
         raise ConfigError(f"train.max_grad_norm must be > 0, or null for no gradient clipping; got "
                           f"{train.max_grad_norm}")
-
-
-def check_resume_has_steps_left(cfg: DictConfig) -> None:
-    """`train.resume` is a run dir with a complete checkpoint (else `raise_for_resume_dir`). Resuming a run whose latest
-    checkpoint already holds `train.steps` steps would start the server and train nothing: say so, with the setting
-    that continues it."""
-    if cfg.train.resume is None:
-        return
-    checkpoints = CheckpointManager(Path(cfg.train.resume), keep=cfg.train.keep_checkpoints)
-    latest = checkpoints.latest()
-    if latest is None:
-        raise_for_resume_dir(Path(cfg.train.resume))
-    problems = checkpoint_problems(latest)
-    if problems:
-        raise_for_damaged_checkpoint(cfg.train.resume, latest, problems, checkpoints.checkpoints()[:-1])
-    done = int(read_trainer_state(latest).get("step", 0))
-    if done >= cfg.train.steps:
-        raise ConfigError(
-            f"train.resume={cfg.train.resume}: its latest checkpoint ({latest.name}) is at step {done}, and "
-            f"train.steps={cfg.train.steps}, so there is nothing left to train; to go on, raise train.steps "
-            f"(e.g. train.steps={done + cfg.train.steps}; it counts from the run's start)"
-        )
-
-
-def raise_for_damaged_checkpoint(resume: str, latest: Path, problems: list[str], earlier: list[Path]) -> NoReturn:
-    """Raises for a latest checkpoint with files missing or cut short: before, vLLM failed its start-up on it (a
-    pydantic 'Unterminated string' for a cut-short model.safetensors) or the load a traceback. Not resumed from an
-    earlier checkpoint silently: the message says how to (move the damaged one aside)."""
-    if earlier:
-        fix = (f"move it aside (mv {latest} {latest}.damaged) to resume from {earlier[-1].name}, the checkpoint "
-               "before it")
-    else:
-        fix = "no earlier checkpoint is left, so start the run again without train.resume"
-    raise ConfigError(f"train.resume={resume}: its latest checkpoint {latest} is damaged ({'; '.join(problems)}); "
-                      f"{fix}")
-
-
-def raise_for_resume_dir(resume: Path) -> NoReturn:
-    """Raises for a `train.resume` without a complete checkpoint under its checkpoints/, saying what to give instead:
-    its run dir when it is a checkpoint or the checkpoints/ dir itself (a natural guess that failed in the run with
-    a FileNotFoundError traceback)."""
-    run_dir = None
-    if (resume / COMPLETE).exists() or (resume / "trainer_state.json").exists():
-        run_dir = resume.parent.parent
-    elif resume.name == "checkpoints":
-        run_dir = resume.parent
-    if run_dir is not None:
-        raise ConfigError(f"train.resume={resume} is inside a run's checkpoints/; train.resume takes the run dir, "
-                          f"and the run goes on from its latest complete checkpoint: train.resume={run_dir}")
-    origin = resumed_from(resume)
-    reachable = CheckpointManager(origin).latest() if origin is not None else None
-    if reachable is not None:
-        raise ConfigError(f"train.resume={resume} has no complete checkpoint of its own yet: it was resumed from "
-                          f"{origin}, whose latest is {reachable}; continue from there into the same dir with "
-                          f"train.resume={origin} hydra.run.dir={resume}")
-    raise ConfigError(f"train.resume={resume} has no complete checkpoint under checkpoints/ (one is written every "
-                      "train.checkpoint_every steps, and a run stopped before the first cannot be resumed); start it "
-                      "again without train.resume, or name a run dir that has one")
 
 
 def check_async(cfg: DictConfig) -> None:

@@ -14,6 +14,8 @@ from typing import Any
 
 import requests
 
+from grpo.inference.identity import TOKEN_HEADER
+
 log = logging.getLogger(__name__)
 
 # What a grpo server without the batched /generate form answers it (HTTP 400): the client then sends one request per
@@ -121,8 +123,6 @@ class InferenceClient:
         self._session.mount("https://", adapter)
         if token is not None:
             # The run token of a server our launcher started: its weight-changing endpoints refuse calls without it.
-            from grpo.inference.identity import TOKEN_HEADER
-
             self._session.headers[TOKEN_HEADER] = token
 
     # ------------------------------------------------------------------ transport

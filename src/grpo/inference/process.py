@@ -19,6 +19,7 @@ from typing import Any, Mapping, Sequence
 import requests
 
 from grpo.inference import identity, vllm_plugin
+from grpo.inference.client import InferenceClient
 from grpo.options import ConfigError, option
 
 log = logging.getLogger(__name__)
@@ -353,8 +354,6 @@ class VLLMServer:
 
     def client(self, **kwargs: Any):
         """An InferenceClient of this server that carries the run token (needed for weight-changing calls)."""
-        from grpo.inference.client import InferenceClient
-
         return InferenceClient(self.url, token=self.token, **kwargs)
 
     def check(self) -> None:

@@ -43,7 +43,7 @@ import sys
 import uuid
 from typing import Any, Awaitable, Callable
 
-from grpo.inference import identity
+from grpo.inference import identity, weight_transfer
 from grpo.inference.request_checks import (
     BadRequest,
     check_generate_request,
@@ -367,8 +367,6 @@ ROUTES: dict[tuple[str, str], Handler] = {
 
 def _weight_transfer_routes() -> None:
     # mode=broadcast: vLLM's NCCL weight-transfer engine (grpo.inference.weight_transfer).
-    from grpo.inference import weight_transfer
-
     ROUTES[("POST", "/grpo/weight_transfer/init")] = weight_transfer.handle_init
     ROUTES[("POST", "/grpo/weight_transfer/update")] = weight_transfer.handle_update
 

@@ -6,6 +6,7 @@ from typing import Any, Optional
 
 import torch
 
+from grpo.models import varlen_attention
 from grpo.models.packaged import ensure_pad_token
 
 
@@ -66,8 +67,6 @@ def set_attention(model: torch.nn.Module, attn_implementation: Optional[str]) ->
         raise ValueError("model.attn_implementation=flex_attention trains only on CUDA (PyTorch's FlexAttention has "
                          f"no backward on {device.type}); use sdpa or null here")
     if attn_implementation == "varlen":
-        from grpo.models import varlen_attention
-
         varlen_attention.register()
     model.set_attn_implementation(attn_implementation)
 

@@ -122,6 +122,17 @@ def rollout_batches(train_cfg: TrainConfig, start_step: int, start_batch: Option
     return first, int(train_cfg.steps) // per_batch
 
 
+def check_skip_zero_advantage(skip: bool, loss_fn: Any) -> None:
+    """`train.skip_zero_advantage` needs a loss that gains nothing from rows whose advantage is 0 everywhere."""
+    if skip and not getattr(loss_fn, "zero_advantage_adds_nothing", False):
+        raise ConfigError(
+            "train.skip_zero_advantage=true leaves rows with advantage 0 out of the forward passes, which keeps "
+            f"the gradients only for a loss that gains nothing from them; {loss_fn!r} does (a KL penalty, or a "
+            "loss without a zero_advantage_adds_nothing property). Set loss.kl_coef=0 or "
+            "train.skip_zero_advantage=false"
+        )
+
+
 class GRPOTrainer:
     """Runs `train.steps` optimizer steps; each step pulls a batch, computes the GRPO loss, steps and syncs."""
 
@@ -163,8 +174,7 @@ class GRPOTrainer:
         self.recompute_old = getattr(loss_fn, "old_logprobs", "rollout") == "recompute"
         # Under torchrun (FSDP2) the ranks' roles; None in a single process.
         self.dist = dist if dist is not None and dist.enabled else None
-        self.nonfinite_in_a_row = 0
-        self.nonfinite_total = 0
+        self.nonfinite_in_a_row = self.nonfinite_total = 0
         self.params = [p for p in model.parameters() if p.requires_grad]
         # The loss's gradient taken chunk by chunk in the forward (3 matmuls per chunk instead of 4); FSDP2 keeps
         # the unfused path through its registered forward method (`logprob_fn`, distributed.sharded_token_logprobs).
@@ -176,13 +186,7 @@ class GRPOTrainer:
         self.shared = bool(getattr(train_cfg, "prefix_sharing", False))
         # Rows whose advantage is 0 everywhere left out of the forward passes (the loss must gain nothing from them).
         self.skip_zero_advantage = bool(getattr(train_cfg, "skip_zero_advantage", False))
-        if self.skip_zero_advantage and not getattr(loss_fn, "zero_advantage_adds_nothing", False):
-            raise ConfigError(
-                "train.skip_zero_advantage=true leaves rows with advantage 0 out of the forward passes, which keeps "
-                f"the gradients only for a loss that gains nothing from them; {loss_fn!r} does (a KL penalty, or a "
-                "loss without a zero_advantage_adds_nothing property). Set loss.kl_coef=0 or "
-                "train.skip_zero_advantage=false"
-            )
+        check_skip_zero_advantage(self.skip_zero_advantage, loss_fn)
         self.max_tokens = train_cfg.max_tokens_per_micro_batch
         self.flops, self.peak = model_flops(model), device_peak(model, device)
         self.rewards: list[float] = []

@@ -1,0 +1,222 @@
+"""A run's components built from its config, node by node, and wired to the trainer (see docs/architecture.md).
+
+`build_parts` builds what needs no server (processes, model dir, tokenizer, sync strategy, loss, data source,
+evaluator); `build_trainer` launches the server and builds the model, optimizer, metrics and the trainer, restoring a
+checkpoint; `RunParts.close` tears everything down in reverse order, also between the jobs of a sweep.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as tdist
+from hydra.errors import InstantiationException
+from hydra.utils import get_class, instantiate
+from omegaconf import DictConfig
+
+from grpo.models.loading import load_tokenizer, pick_device
+from grpo.options import ConfigError, instantiation_cause
+from grpo.pipeline.base import BatchShape, DataPipeline, PipelineContext
+from grpo.pipeline.distributed import FollowerPipeline, LeaderPipeline
+from grpo.pipeline.evaluation import EvalContext, Evaluator, build_evaluator
+from grpo.pipeline.rollout_queue import AsyncRollouts
+from grpo.recipes.initial_weights import resolve_model_dir
+from grpo.recipes.trainable_model import build_model
+from grpo.run import check_objective, release_device_memory
+from grpo.serving.checks import check_server_fits_model
+from grpo.sync.base import SyncContext, SyncStrategy
+from grpo.sync.follower import FollowerSync
+from grpo.trainer import distributed
+from grpo.trainer.checkpoint import CheckpointManager, read_trainer_state
+from grpo.trainer.distributed import DistInfo
+from grpo.trainer.loop import GRPOTrainer, rollout_batches
+from grpo.trainer.metrics import MetricsLogger, NullMetrics
+from grpo.trainer.optim import build_optimizer, build_scheduler
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class RunParts:
+    """What a run builds from its config, in the order built. Under torchrun only rank 0 has a data source and an
+    evaluator; `trainer` and `metrics` exist once `build_trainer` ran."""
+
+    cfg: DictConfig
+    run_dir: Path
+    dist: DistInfo | None
+    device: torch.device
+    model_dir: str
+    tokenizer: Any
+    resume: Path | None  # the checkpoint this run resumes from
+    sync: SyncStrategy
+    loss_fn: Any
+    data: DataPipeline | None
+    evaluator: Evaluator | None
+    trainer: GRPOTrainer | None = None
+    metrics: MetricsLogger | NullMetrics | None = None
+
+    @property
+    def rank0(self) -> bool:
+        return self.dist is None or self.dist.is_rank0
+
+    def close(self) -> None:
+        """Tear down in reverse order so a multirun's next job starts from a clean process table and memory. The
+        trainer lets go of its model, gradients and optimizer state first, even when a traceback still holds it, and
+        before the server stops: under shared_vllm the parameters are views of the server's memory. Each part is
+        closed even when one before it raises: the server this run started is always stopped."""
+        with contextlib.ExitStack() as teardown:
+            if self.dist is not None:
+                teardown.callback(distributed.destroy)
+            teardown.callback(self.sync.shutdown)
+            teardown.callback(release_device_memory)
+            for part in (self.trainer, self.data, self.evaluator, self.metrics):  # run last to first: metrics first
+                if part is not None:
+                    teardown.callback(part.close)
+            self.trainer = None  # the stack holds trainer.close until it runs, then nothing keeps the trainer
+
+
+def build_parts(cfg: DictConfig, run_dir: Path) -> RunParts:
+    """Everything that needs no server, each part checked as it is built (a data source that does not answer, bad
+    held-out prompts) so that a mistake stops the run before vLLM starts."""
+    torch.manual_seed(cfg.train.seed)
+    if cfg.train.torch_threads is not None:
+        torch.set_num_threads(int(cfg.train.torch_threads))
+        log.info("trainer torch threads: %d", torch.get_num_threads())
+    dist_info, device = start_processes(cfg)
+    rank0 = dist_info is None or dist_info.is_rank0
+    model_dir = model_directory(cfg, dist_info)
+    check_server_fits_model(cfg, model_dir)  # before vLLM spends its start-up finding out
+    tokenizer = load_tokenizer(model_dir)
+    log.info("run %s | run dir %s | model %s | device %s", cfg.name, run_dir, model_dir, device)
+    resume_ckpt = resume_checkpoint(cfg)
+    sync = build_sync(cfg, rank0, resume_ckpt)
+    loss_fn = instantiate(cfg.loss)
+    log.info("loss %s", loss_fn)
+    data = build_data(cfg) if rank0 else None
+    log.info("data pipeline %s", type(data).__name__ if data is not None else "rank 0's")
+    if data is not None:
+        data.preflight()  # a remote source that does not answer stops the run before the server starts
+    try:
+        evaluator = build_evaluator(cfg.eval, cfg.data) if rank0 else None  # bad eval input fails before a model loads
+    except ValueError as e:  # each of its messages names the eval/data key to change
+        raise ConfigError(str(e)) from None
+    check_objective(cfg.train.objective, evaluator is not None, type(evaluator).metric_names if evaluator else ())
+    return RunParts(cfg=cfg, run_dir=run_dir, dist=dist_info, device=device, model_dir=model_dir, tokenizer=tokenizer,
+                    resume=resume_ckpt, sync=sync, loss_fn=loss_fn, data=data, evaluator=evaluator)
+
+
+def build_data(cfg: DictConfig) -> DataPipeline:
+    """The run's data pipeline (rank 0); with `train.max_staleness >= 1` a local one is wrapped in the asynchronous
+    producer (grpo.pipeline.rollout_queue). k = 0 never builds the producer: the synchronous loop, unchanged. A
+    source that generates on its own (Atropos) is not wrapped: it gets k through PipelineContext.max_staleness."""
+    try:
+        data = instantiate(cfg.data, _recursive_=False)
+    except InstantiationException as e:  # the pipeline checks its own settings; each message names the data key
+        cause = instantiation_cause(e)
+        if not isinstance(cause, ValueError):
+            raise
+        raise ConfigError(str(cause)) from None
+    if cfg.train.max_staleness > 0 and not data.asynchronous_source:
+        data = AsyncRollouts(data, cfg.train.max_staleness, str(cfg.train.stale_policy), cfg.train.rollout_queue,
+                             cfg.train.rollout_batches_in_flight)
+        log.info("asynchronous rollouts: %r", data)
+    return data
+
+
+def start_processes(cfg: DictConfig) -> tuple[DistInfo | None, torch.device]:
+    """Under torchrun, join the process group (FSDP2 across the ranks); returns (DistInfo or None, device)."""
+    if distributed.world_size() <= 1:
+        return None, pick_device(cfg.train.device)
+    dist_info = distributed.init_from_env(cfg.train.device)
+    return dist_info, dist_info.device
+
+
+def model_directory(cfg: DictConfig, dist_info: DistInfo | None) -> str:
+    """The HF directory of the initial weights (an offline preset is built here); under torchrun rank 0 builds it
+    while the other ranks wait."""
+    if dist_info is not None and not dist_info.is_rank0:
+        tdist.barrier()
+    model_dir = resolve_model_dir(cfg.model)
+    if dist_info is not None and dist_info.is_rank0:
+        tdist.barrier()
+    return model_dir
+
+
+def resume_checkpoint(cfg: DictConfig) -> Path | None:
+    """The latest complete checkpoint of `train.resume`'s run dir, or None for a fresh run."""
+    if not cfg.train.resume:
+        return None
+    ckpt = CheckpointManager(Path(cfg.train.resume), keep=cfg.train.keep_checkpoints).latest()
+    if ckpt is None:
+        raise FileNotFoundError(f"train.resume={cfg.train.resume} has no complete checkpoint under checkpoints/")
+    return ckpt
+
+
+def build_sync(cfg: DictConfig, rank0: bool, resume_ckpt: Path | None) -> SyncStrategy:
+    """The run's sync strategy; torchrun ranks > 0 get a follower that joins the gathers rank 0's strategy runs."""
+    sync = instantiate(cfg.mode) if rank0 else FollowerSync(
+        cfg.mode.sync_every, gather=get_class(cfg.mode._target_).fsdp_gather)
+    if resume_ckpt is not None:
+        # The server reports the resumed weights' version from its first answer on.
+        sync.version = int(read_trainer_state(resume_ckpt).get("weight_version", 0))
+    log.info("sync strategy %s (every %d steps)", type(sync).__name__, sync.sync_every)
+    return sync
+
+
+def build_trainer(parts: RunParts) -> GRPOTrainer:
+    """Launch the server, build model, optimizer and metrics, restore a checkpoint, set up the data source and the
+    evaluator on the server; the trainer (also kept in `parts`, with the metrics, for `close`)."""
+    cfg, sync, data, tokenizer, run_dir = parts.cfg, parts.sync, parts.data, parts.tokenizer, parts.run_dir
+    sync_ctx = SyncContext(run_dir=run_dir, model_dir=Path(parts.model_dir), server_cfg=cfg.server, lora_cfg=cfg.lora,
+                           tokenizer=tokenizer, resume_weights=parts.resume)
+    sync.launch(sync_ctx)
+    model = build_model(cfg, sync, sync_ctx, parts.resume, parts.device, parts.dist)
+    optimizer = build_optimizer(model, cfg.optimizer)
+    scheduler = build_scheduler(optimizer, cfg.train.lr_schedule, cfg.train.warmup_steps, cfg.train.steps)
+    log.info("optimizer %s lr %g", type(optimizer).__name__, cfg.optimizer.lr)
+    source = data if parts.dist is None else (LeaderPipeline(data) if data is not None else FollowerPipeline())
+    checkpoints = CheckpointManager(run_dir, keep=cfg.train.keep_checkpoints)
+    start_step, start_batch = 0, None
+    if parts.resume is not None:
+        # FSDP2: rank 0 reads the checkpoint and broadcasts it into every rank's shards.
+        load = checkpoints.load_distributed if parts.dist is not None else checkpoints.load
+        state = load(parts.resume, model, optimizer, scheduler)
+        start_step, start_batch = int(state["step"]), state.get("batch")
+        source.load_state_dict(state.get("data", {}))
+        log.info("resumed from %s at step %d", parts.resume, start_step)
+    first_batch, total_batches = rollout_batches(cfg.train, start_step, start_batch)
+    if data is not None:
+        data.setup(PipelineContext(
+            tokenizer=tokenizer, endpoint=sync.endpoint, batch_size=cfg.train.micro_batch_size * cfg.train.grad_accum,
+            max_seq_len=cfg.model.max_seq_len, run_dir=run_dir, total_steps=total_batches, start_step=first_batch,
+            checkpoint_every=cfg.train.checkpoint_every, seed=cfg.train.seed, max_staleness=cfg.train.max_staleness,
+            generation_gate=sync.server.gate,
+            batch_shape=BatchShape(
+                micro_batch_size=cfg.train.micro_batch_size, max_seq_len=cfg.model.max_seq_len,
+                pad_token_id=tokenizer.pad_token_id, vocab_size=model.get_input_embeddings().num_embeddings,
+                advantage_norm=cfg.train.advantage_norm,
+            ),
+        ))
+    if parts.evaluator is not None:
+        # Same server as the rollouts (the endpoint follows restarts and syncs); its own seeds and sampling.
+        parts.evaluator.setup(EvalContext(tokenizer=tokenizer, endpoint=sync.endpoint, run_dir=run_dir,
+                                          seed=cfg.train.seed, total_steps=cfg.train.steps,
+                                          max_seq_len=cfg.model.max_seq_len))
+    # A resumed run's metrics.jsonl starts with the earlier rows up to the checkpoint (from the resumed run dir when
+    # this one is another), so metrics, curves.png and grpo.report show the whole run.
+    parts.metrics = MetricsLogger(run_dir, cfg.logging, cfg, cfg.train.steps, start_step,
+                                  resumed_from=Path(cfg.train.resume) if parts.resume is not None else None,
+                                  name=cfg.name) if data is not None else NullMetrics()
+    parts.trainer = GRPOTrainer(
+        train_cfg=cfg.train, model=model, tokenizer=tokenizer, optimizer=optimizer, scheduler=scheduler,
+        loss_fn=parts.loss_fn, pipeline=source, sync=sync, checkpoints=checkpoints, metrics=parts.metrics,
+        device=parts.device, start_step=start_step, start_batch=start_batch, dist=parts.dist,
+        evaluator=parts.evaluator,
+        logprob_fn=distributed.sharded_token_logprobs(model) if parts.dist is not None else None,
+    )
+    return parts.trainer
