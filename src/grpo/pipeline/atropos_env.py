@@ -30,6 +30,7 @@ import requests
 from atroposlib.envs.base import APIServerConfig, BaseEnv, BaseEnvConfig, ScoredDataGroup
 from pydantic import Field
 
+from grpo.models.tiny import TINY_PRESETS, build_model_dir
 from grpo.pipeline.rewards import AnswerFormatReward, DigitFractionReward, MathAnswerReward
 from grpo.pipeline.tasks import DigitsTask, GSM8KTask, Prompt, Task
 from grpo.trainer.batch import IGNORE_INDEX
@@ -39,8 +40,6 @@ log = logging.getLogger(__name__)
 
 def resolve_model_name(name: str) -> str:
     """An offline preset name of grpo.models.tiny → its built directory; anything else unchanged."""
-    from grpo.models.tiny import TINY_PRESETS, build_model_dir
-
     return str(build_model_dir(name)) if name in TINY_PRESETS else name
 
 

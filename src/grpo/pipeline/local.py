@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any, Mapping, Optional
 
 from grpo import faults
+from grpo.inference.client import InferenceClient
 from grpo.options import instantiation_cause
 from grpo.pipeline.base import DataPipeline, PipelineContext
 from grpo.pipeline.group import Group
@@ -160,8 +161,6 @@ class LocalRolloutPipeline(DataPipeline):
 
     def _client(self, url: str):
         """This thread's client of the server at `url` (the sync strategy may restart the server on another URL)."""
-        from grpo.inference.client import InferenceClient
-
         if getattr(self._local, "url", None) != url:
             with self._lock:
                 old = getattr(self._local, "client", None)

@@ -33,6 +33,7 @@ from grpo.options import ConfigError, option
 from grpo.serving.server import Replica
 from grpo.sync.base import SyncContext, SyncStrategy
 from grpo.sync.buckets import Bucket, pack_bucket, plan_buckets
+from grpo.sync.param_mapping import FUSED_PROJECTIONS, MappingError, normalize_vllm_name, plan_mapping
 from grpo.weights.params import iter_full_params
 
 log = logging.getLogger(__name__)
@@ -62,8 +63,6 @@ def weight_specs(model: nn.Module, transfer_dtype: torch.dtype | None = None) ->
 def check_against_vllm(specs: list[tuple[str, Any, tuple]], vllm_params: list[dict], config: Any) -> None:
     """Every HF name must land on vLLM's (fused) parameters and cover all of them (shapes checked when vLLM runs
     one worker; with tensor parallelism only the names). Raises MappingError naming each problem."""
-    from grpo.sync.param_mapping import plan_mapping
-
     plan_mapping({n: s for n, _, s in specs}, {p["name"]: tuple(p["shape"]) for p in vllm_params}, config)
 
 
@@ -248,8 +247,6 @@ class NCCLBroadcastSync(SyncStrategy):
         if self.world_size == 2:
             check_against_vllm(specs, self._vllm_params, model.config)
         else:
-            from grpo.sync.param_mapping import MappingError
-
             missing = [n for n, _, _ in specs if not _maps_by_name(n, {p["name"] for p in self._vllm_params})]
             if missing:
                 raise MappingError(f"HF parameters with no vLLM counterpart: {missing}")
@@ -262,8 +259,6 @@ class NCCLBroadcastSync(SyncStrategy):
 
 def _maps_by_name(hf_name: str, vllm_names: set[str]) -> bool:
     """Name-only check (tensor parallel: shapes are sharded): the HF name or its fused target exists in vLLM."""
-    from grpo.sync.param_mapping import FUSED_PROJECTIONS, normalize_vllm_name
-
     names = {normalize_vllm_name(n) for n in vllm_names}
     module, _, leaf = hf_name.rpartition(".")
     parent, _, proj = module.rpartition(".")
