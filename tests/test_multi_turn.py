@@ -320,3 +320,29 @@ def test_the_calculator_data_option_builds_and_refuses_a_task_that_is_no_environ
     with pytest.raises(Exception, match="not an environment"):  # Hydra wraps the ValueError
         instantiate(cfg, _recursive_=False)
 
+
+
+
+@pytest.mark.parametrize("overrides, needle", [
+    (["data.max_episode_tokens=600"], "data.max_episode_tokens=600 is more than model.max_seq_len=512"),
+    (["data.max_episode_tokens=300", "server.max_model_len=256"],
+     "data.max_episode_tokens=300 is more than server.max_model_len=256"),
+    (["data.max_episode_tokens=300"], None),
+])
+def test_start_up_refuses_an_episode_bound_past_the_sequence_bounds(overrides, needle):
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    from grpo.config import ConfigError, register_configs
+    from grpo.config.validate import check_data
+
+    register_configs()
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
+        cfg = compose(config_name="train", overrides=["experiment=calculator_tiny", *overrides])
+    if needle is None:
+        check_data(cfg)
+        return
+    with pytest.raises(ConfigError) as e:
+        check_data(cfg)
+    assert needle in str(e.value)
