@@ -346,3 +346,66 @@ def test_start_up_refuses_an_episode_bound_past_the_sequence_bounds(overrides, n
     with pytest.raises(ConfigError) as e:
         check_data(cfg)
     assert needle in str(e.value)
+
+
+def test_atropos_multi_turn_groups_train_on_the_assistant_segments_only(vllm_server, tiny_qwen2_dir, tokenizer,
+                                                                        tmp_path):
+    """A BaseEnv of our own (tests/multi_turn_env.py) sends groups of several assistant segments with user messages
+    between them through the real run-api: the trainer's batch trains exactly the assistant tokens (the user
+    messages' labels are -100 and their loss mask 0), with the sampler's log-probs, which equal the trainer's."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from transformers import AutoModelForCausalLM
+
+    from grpo.pipeline.atropos import AtroposPipeline
+    from grpo.pipeline.batch import prepare_batch
+    from multi_turn_env import TURNS, user_message
+    from test_atropos_pipeline import _start_run_api, _stop
+
+    api, url = _start_run_api(tmp_path)
+    env = None
+    try:
+        pipe = AtroposPipeline(url=url, poll_interval_s=0.1, max_wait_s=240, max_retries=2)
+        pipe.setup(PipelineContext(
+            tokenizer=tokenizer, endpoint=lambda: Endpoint("http://unused", None, 0), batch_size=8, max_seq_len=512,
+            run_dir=tmp_path, total_steps=2, start_step=0, checkpoint_every=5, seed=0))
+        cmd = [sys.executable, str(REPO / "tests" / "multi_turn_env.py"), "serve", f"--env.rollout_server_url={url}",
+               "--env.tokenizer_name=tiny-qwen2", "--env.group_size=4", "--env.max_new_tokens=8",
+               "--env.ensure_scores_are_not_same=false", f"--openai.base_url={vllm_server.url}/v1"]
+        with open(tmp_path / "env.log", "wb") as log:
+            env = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, cwd=REPO)
+        groups = pipe.next_groups(0)
+        assert sum(len(g.tokens) for g in groups) == 8, (tmp_path / "env.log").read_text()[-3000:]
+    finally:
+        if env is not None and env.poll() is None:
+            os.killpg(env.pid, signal.SIGTERM)
+            env.wait(30)
+        _stop(api)
+    renderer = TurnRenderer(tokenizer)
+    for g in groups:
+        for tokens, masks in zip(g.tokens, g.masks):
+            # prompt, then TURNS assistant segments separated by the rendered user messages, all masked.
+            segments, start = [], None
+            for i, m in enumerate(masks + [IGNORE_INDEX]):
+                if m != IGNORE_INDEX and start is None:
+                    start = i
+                elif m == IGNORE_INDEX and start is not None:
+                    segments.append((start, i))
+                    start = None
+            assert len(segments) == TURNS
+            for k, ((_, end), (nxt, _)) in enumerate(zip(segments, segments[1:]), start=1):
+                assert tokens[end:nxt] == renderer.tokens("user", user_message(k))
+    batch = prepare_batch(groups, max_seq_len=512, micro_batch_size=64, pad_token_id=0).micro_batches[0]
+    model = AutoModelForCausalLM.from_pretrained(tiny_qwen2_dir, dtype=torch.float32)
+    with torch.no_grad():
+        logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
+    trained = batch.loss_mask > 0
+    for b, (tokens, masks) in enumerate((t, m) for g in groups for t, m in zip(g.tokens, g.masks)):
+        # Label t is token t + 1: trained exactly where the environment marked an assistant token.
+        assert trained[b, : len(tokens) - 1].tolist() == [m != IGNORE_INDEX for m in masks[1:]]
+    logprobs = torch.log_softmax(logits / batch.temperatures[:, None, None], -1).gather(
+        -1, batch.labels.clamp(min=0)[..., None])[..., 0]
+    assert (logprobs - batch.inference_logprobs)[trained].abs().max() < 1e-3
