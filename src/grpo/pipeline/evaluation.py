@@ -88,6 +88,10 @@ class Evaluator:
     `eval/pass@k`, `eval/mean@k` (share of the sampled completions that are correct), `eval/reward_mean` (greedy),
     `eval/response_tokens_mean` (greedy), `eval/unparsed_fraction`, `eval/weight_version`, `eval/prompts`, `eval/k`,
     `eval/seconds`. A completion is correct when the reward `correct_reward` gives it >= `correct_threshold`.
+
+    An environment task (grpo.pipeline.environment.EnvironmentTask, data=calculator) is evaluated on whole episodes
+    under the training data's limits (`max_turns`, `max_new_tokens` per turn, `max_episode_tokens`): the episode's
+    answer is scored, and its model tokens are the response tokens.
     """
 
     # Every key an evaluation logs (what `train.objective=eval/...` may name; checked at start-up).
