@@ -59,8 +59,8 @@ def teacher_episode(task, renderer, tokenizer, prompt, rng: random.Random, direc
     return ids, labels
 
 
-def warm_start(seed: int, steps: int, direct_share: float) -> Path:
-    """The warm-started model directory (built once, cached)."""
+def warm_start(seed: int, steps: int, direct_share: float, init: Path | None = None, lr: float = 3e-3) -> Path:
+    """The warm-started model directory (built once, cached); `init` continues from an earlier warm start."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -68,19 +68,19 @@ def warm_start(seed: int, steps: int, direct_share: float) -> Path:
     from grpo.pipeline.calculator import LongArithmeticTask
     from grpo.pipeline.environment import TurnRenderer
 
-    out = cache_root() / f"calc-tool-s{seed}-{steps}-{direct_share}"
+    out = cache_root() / f"{init.name + '+' if init else 'calc-tool-'}s{seed}-{steps}-{direct_share}"
     if (out / "config.json").exists():
         return out
     torch.set_num_threads(1)  # on the shared 2-core machine one thread ran the SFT step 2.8x faster than two
-    base = build_model_dir("tiny-qwen2", seed=seed)
+    base = init or build_model_dir("tiny-qwen2", seed=seed)
     tokenizer = AutoTokenizer.from_pretrained(base)
     model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
     task = LongArithmeticTask()  # conf/data/calculator.yaml's defaults
     task.bind_tokenizer(tokenizer)
     renderer = TurnRenderer(tokenizer)
     torch.manual_seed(seed)
-    rng = random.Random(f"calc-tool-sft:{seed}")
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.0)
+    rng = random.Random(f"calc-tool-sft:{seed}:{init.name if init else ''}")
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 100) * max(0.05, 1 - s / steps))
     model.train()
     t0 = time.monotonic()
@@ -131,14 +131,17 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--sft-steps", type=int, default=800)
     parser.add_argument("--direct-share", type=float, default=0.5)
+    parser.add_argument("--sft-more", type=int, default=0, help="then this many more SFT steps at half the lr")
     parser.add_argument("--runs", default="/tmp/calculator_tool_runs")
     parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "calculator_tool.json"))
     args = parser.parse_args()
     t0 = time.monotonic()
     model_dir = warm_start(args.seed, args.sft_steps, args.direct_share)
+    if args.sft_more:
+        model_dir = warm_start(args.seed, args.sft_more, args.direct_share, init=model_dir, lr=1.5e-3)
     sft_s = time.monotonic() - t0
     runs = [grpo_run(model_dir, args.steps, args.seed, tool, Path(args.runs)) for tool in (True, False)]
-    result = {"bench": "calculator_tool", "sft_steps": args.sft_steps, "direct_share": args.direct_share,
+    result = {"bench": "calculator_tool", "sft_steps": [args.sft_steps, args.sft_more], "direct_share": args.direct_share,
               "warm_start_seconds": round(sft_s, 1), "grpo_steps": args.steps, "runs": runs, "machine": machine()}
     print(json.dumps(result, indent=1))
     Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
