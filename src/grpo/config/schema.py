@@ -33,6 +33,7 @@ from grpo.schema import (
     LossConfig,
     LRSchedule,
     ModelConfig,
+    MultiTurnDataConfig,
     NCCLBroadcastSyncConfig,
     OldLogprobs,
     RootConfig,
@@ -57,6 +58,7 @@ __all__ = [
     "LRSchedule",
     "LayersConfig",
     "LocalDataConfig",
+    "MultiTurnDataConfig",
     "LoggingConfig",
     "LoraConfig",
     "LoraHotSwapSyncConfig",
@@ -125,4 +127,5 @@ def register_configs() -> None:
     cs.store(group="mode", name="broadcast_schema", node=NCCLBroadcastSyncConfig)
     cs.store(group="data", name="atropos_schema", node=AtroposDataConfig)
     cs.store(group="data", name="local_schema", node=LocalDataConfig)
+    cs.store(group="data", name="multi_turn_schema", node=MultiTurnDataConfig)
     cs.store(group="eval", name="eval_schema", node=EvalConfig)

@@ -227,6 +227,12 @@ def check_data(cfg: DictConfig, experiment: str | None = None) -> None:
                     f"{key}.max_new_tokens={max_new} cannot be reached: {bound}={max_len} bounds prompt + completion "
                     f"(a prompt has at least one token); raise {bound} or lower {key}.max_new_tokens"
                 )
+    # A multi-turn episode (data=calculator) is bounded by data.max_episode_tokens as a sequence is by these.
+    max_episode = cfg.data.get("max_episode_tokens")
+    for bound, max_len in bounds:
+        if max_episode is not None and max_len is not None and max_episode > max_len:
+            raise ConfigError(f"data.max_episode_tokens={max_episode} is more than {bound}={max_len}, which bounds "
+                              f"a whole episode; lower data.max_episode_tokens (null = model.max_seq_len) or raise {bound}")
     per_step = int(cfg.data.get("prompts_per_step", 0)) * int(cfg.data.get("group_size", 0))
     needed = cfg.train.micro_batch_size * cfg.train.grad_accum
     if per_step < needed:

@@ -22,6 +22,8 @@ from typing import Any, Callable, Mapping, Optional
 
 from grpo import faults
 from grpo.inference.client import Completion, Endpoint, InferenceClient
+from grpo.pipeline.environment import EnvironmentTask, EpisodeLimits
+from grpo.pipeline.episodes import EpisodeRunner
 from grpo.pipeline.local import build_rewards, weighted_reward
 from grpo.pipeline.tasks import Prompt, Task
 from grpo.trainer.metrics import EVAL_SAMPLES
@@ -86,6 +88,10 @@ class Evaluator:
     `eval/pass@k`, `eval/mean@k` (share of the sampled completions that are correct), `eval/reward_mean` (greedy),
     `eval/response_tokens_mean` (greedy), `eval/unparsed_fraction`, `eval/weight_version`, `eval/prompts`, `eval/k`,
     `eval/seconds`. A completion is correct when the reward `correct_reward` gives it >= `correct_threshold`.
+
+    An environment task (grpo.pipeline.environment.EnvironmentTask, data=calculator) is evaluated on whole episodes
+    under the training data's limits (`max_turns`, `max_new_tokens` per turn, `max_episode_tokens`): the episode's
+    answer is scored, and its model tokens are the response tokens.
     """
 
     # Every key an evaluation logs (what `train.objective=eval/...` may name; checked at start-up).
@@ -110,6 +116,8 @@ class Evaluator:
         max_concurrency: int = 16,
         samples_logged: int = 4,
         enabled: Optional[bool] = True,  # noqa: ARG002 (read by build_evaluator; accepted so the node instantiates)
+        max_turns: int = 4,
+        max_episode_tokens: Optional[int] = None,
     ) -> None:
         if k < 1 or samples_per_prompt < k:
             raise ValueError(f"eval.k must be >= 1 and <= eval.samples_per_prompt, got k={k}, "
@@ -131,6 +139,9 @@ class Evaluator:
         self.temperature, self.top_p = float(temperature), float(top_p)
         self.max_new_tokens, self.correct_threshold = int(max_new_tokens), float(correct_threshold)
         self.seed, self.max_concurrency, self.samples_logged = int(seed), int(max_concurrency), int(samples_logged)
+        # Episode limits of an environment task (the training data's: build_evaluator passes them); null total =
+        # model.max_seq_len.
+        self.max_turns, self.max_episode_tokens = int(max_turns), max_episode_tokens
         self.ctx: Optional[EvalContext] = None
         self.prompts: list[Prompt] = []
         self.prompt_ids: list[list[int]] = []
@@ -198,11 +209,16 @@ class Evaluator:
         max_tokens = max(1, min(self.max_new_tokens, self.ctx.max_seq_len - longest))
         # _score decodes the token ids itself: the server need not detokenize, nor compute log-probs.
         common = dict(max_tokens=max_tokens, top_p=self.top_p, model=endpoint.model, detokenize=False, logprobs=False)
-        # Greedy and sampled requests each send the whole eval set at once; the client bounds the concurrency.
-        greedy = client.generate(self.prompt_ids, n=1, temperature=0.0, **common)
-        sampled = client.generate(self.prompt_ids, n=self.n, temperature=self.temperature, seed=self.seed, **common)
-        greedy_scored = [self._score(p, outs[0]) for p, outs in zip(self.prompts, greedy)]
-        sampled_scored = [[self._score(p, c) for c in outs] for p, outs in zip(self.prompts, sampled)]
+        if isinstance(self.task, EnvironmentTask):  # whole episodes, scored on their answers
+            greedy_scored = self._episodes(client, endpoint.model, 1, 0.0, None)
+            sampled_scored = self._episodes(client, endpoint.model, self.n, self.temperature, self.seed)
+        else:
+            # Greedy and sampled requests each send the whole eval set at once; the client bounds the concurrency.
+            greedy = client.generate(self.prompt_ids, n=1, temperature=0.0, **common)
+            sampled = client.generate(self.prompt_ids, n=self.n, temperature=self.temperature, seed=self.seed, **common)
+            greedy_scored = [[self._score(p, outs[0])] for p, outs in zip(self.prompts, greedy)]
+            sampled_scored = [[self._score(p, c) for c in outs] for p, outs in zip(self.prompts, sampled)]
+        greedy_scored = [per_prompt[0] for per_prompt in greedy_scored]
         metrics = self._metrics(greedy_scored, sampled_scored)
         self._write_samples(step, greedy_scored)
         seconds = time.monotonic() - t0
@@ -218,8 +234,29 @@ class Evaluator:
             self._client = InferenceClient(url, max_concurrency=self.max_concurrency)
         return self._client
 
-    def _score(self, prompt: Prompt, completion: Completion) -> _Scored:
-        text = self.ctx.tokenizer.decode(completion.token_ids, skip_special_tokens=True)
+    def _episodes(self, client: InferenceClient, model: Optional[str], n: int, temperature: float,
+                  seed: Optional[int]) -> list[list[_Scored]]:
+        """`n` whole episodes of every held-out prompt (grpo.pipeline.episodes), each scored on its answer and counted
+        by its model tokens and its oldest turn's weight version."""
+        assert self.ctx is not None
+        limits = EpisodeLimits(self.max_turns, self.max_new_tokens, self.max_episode_tokens or self.ctx.max_seq_len)
+
+        def generate(ids: list[list[int]], n: int, max_tokens: int, seed: Optional[int]) -> list[list[Completion]]:
+            return client.generate(ids, n=n, max_tokens=max_tokens, temperature=temperature, top_p=self.top_p,
+                                   model=model, detokenize=False, logprobs=False,
+                                   **({} if seed is None else {"seed": seed}))
+
+        episodes = EpisodeRunner(self.task, self.ctx.tokenizer, limits).run(
+            generate, self.prompts, self.prompt_ids, n, seed, logprobs=False)
+        return [[self._score(t.prompt, Completion(
+            token_ids=[tok for r in t.turns for tok in t.tokens[r.start:r.end]], logprobs=None, finish_reason=t.end,
+            weight_version=min(r.weight_version for r in t.turns)), text=t.answer) for t in per_prompt]
+            for per_prompt in episodes]
+
+    def _score(self, prompt: Prompt, completion: Completion, text: Optional[str] = None) -> _Scored:
+        """`completion` scored on `text` (None: the text its tokens decode to)."""
+        if text is None:
+            text = self.ctx.tokenizer.decode(completion.token_ids, skip_special_tokens=True)
         total, values = weighted_reward(self.rewards, prompt, text)
         correct = self.correct_reward in values and values[self.correct_reward] >= self.correct_threshold
         parsed = all(bool(fn.parses(prompt, text)) for fn, _ in self.rewards.values() if hasattr(fn, "parses"))
@@ -307,7 +344,10 @@ def build_evaluator(eval_cfg: Any, data_cfg: Any) -> Optional[Evaluator]:
     # Only null falls back: eval.max_new_tokens=0 must reach the evaluator's own check, not become data's cap.
     max_new = next((v for v in (eval_cfg.get("max_new_tokens"), data_cfg.get("max_new_tokens")) if v is not None), 16)
     try:
-        evaluator = instantiate(eval_cfg, task=task, rewards=rewards, max_new_tokens=max_new, _recursive_=False)
+        # A multi-turn data source's episode limits hold for its evaluation too.
+        limits = {k: data_cfg.get(k) for k in ("max_turns", "max_episode_tokens") if data_cfg.get(k) is not None}
+        evaluator = instantiate(eval_cfg, task=task, rewards=rewards, max_new_tokens=max_new, **limits,
+                                _recursive_=False)
     except InstantiationException as e:
         # Hydra wraps the constructor's error; the user needs the message that names the key to change.
         if isinstance(e.__cause__, (ValueError, TypeError, OSError)):

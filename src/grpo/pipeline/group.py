@@ -60,6 +60,9 @@ class Group:
     last_weight_version: Optional[int] = None
     # The Atropos environment the group came from (run-api's id; None for local rollouts).
     env_id: Optional[int] = None
+    # Multi-turn rollouts (grpo.pipeline.multi_turn): per sequence, each model turn's (weight_version,
+    # last_weight_version); a sync between turns makes them differ. None = single-turn or not reported.
+    turn_versions: Optional[list[list[tuple[int, int]]]] = None
 
     def __len__(self) -> int:
         return len(self.tokens)

@@ -42,6 +42,18 @@ class LocalDataConfig:
     rollout_logprobs: bool = True
 
 
+@dataclass
+class MultiTurnDataConfig(LocalDataConfig):
+    """data=calculator: built-in multi-turn rollouts (grpo.pipeline.multi_turn); `max_new_tokens` caps each model
+    turn."""
+
+    _target_: str = "grpo.pipeline.multi_turn.MultiTurnPipeline"
+    # Model turns per episode.
+    max_turns: int = 4
+    # Tokens of a whole episode (prompt, model and environment tokens); null = model.max_seq_len.
+    max_episode_tokens: Optional[int] = None
+
+
 # ---------------------------------------------------------------- evaluation (conf/eval/)
 @dataclass
 class EvalConfig:

@@ -1,0 +1,218 @@
+"""The built-in multi-turn example (data=calculator): arithmetic on numbers too long for the model, with a calculator.
+
+A prompt asks for e.g. ``48213*7719``. The model may call the calculator by writing a turn ``calc: <expression>``;
+the environment answers with the value as a ``tool`` message, and the model goes on. Any other turn is the model's
+answer, which ends the episode; `LongAnswerReward` grades it (exactly the integer). With `tool: false` the prompt does
+not mention the calculator and the first turn is always the answer: the same task without the tool.
+
+The calculator is safe by construction: `evaluate` tokenizes the text by hand (integers, ``+ - *``, parentheses,
+spaces), parses it with a recursive-descent parser and computes with Python integers; no eval, no shell, no network.
+Sizes are bounded (expression length, digits of every number and of every intermediate result), so a hostile
+expression such as ``9999999999*9999999999*...`` is refused, not computed.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+from typing import Any, Optional, Union
+
+from grpo.pipeline.environment import EnvironmentTask, Episode, Finish, Reply
+from grpo.pipeline.tasks import Prompt, render_chat
+
+MAX_EXPRESSION_CHARS = 200
+MAX_DIGITS = 60  # of any number in an expression and of any intermediate result
+_TOKEN = re.compile(r"\s*(?:(\d+)|([-+*()]))")
+_CALL = re.compile(r"\s*calc:\s*(.+?)\s*", re.DOTALL)
+_INTEGER = re.compile(r"\s*(-?(?:0|[1-9][0-9]*))\s*")
+
+TOOL_INSTRUCTION = "Write calc: <expression> to use the calculator (+ - * on integers). Answer with the integer alone."
+
+
+class CalculatorError(ValueError):
+    """The expression is not one the calculator computes; the message says why (it is the tool's answer)."""
+
+
+def _tokens(text: str) -> list[Union[int, str]]:
+    if len(text) > MAX_EXPRESSION_CHARS:
+        raise CalculatorError(f"expression longer than {MAX_EXPRESSION_CHARS} characters")
+    out: list[Union[int, str]] = []
+    pos, text = 0, text.rstrip()
+    while pos < len(text):
+        m = _TOKEN.match(text, pos)
+        if m is None:
+            raise CalculatorError(f"unexpected {text[pos:].strip()[:1]!r}")
+        number, op = m.groups()
+        if number is not None and len(number) > MAX_DIGITS:
+            raise CalculatorError(f"a number has more than {MAX_DIGITS} digits")
+        out.append(int(number) if number is not None else op)
+        pos = m.end()
+    if not out:
+        raise CalculatorError("empty expression")
+    return out
+
+
+class _Parser:
+    """expr := term (('+'|'-') term)*; term := factor ('*' factor)*; factor := ['-'] (integer | '(' expr ')')."""
+
+    def __init__(self, tokens: list[Union[int, str]]) -> None:
+        self.tokens, self.pos, self.depth = tokens, 0, 0
+
+    def _peek(self) -> Union[int, str, None]:
+        return self.tokens[self.pos] if self.pos < len(self.tokens) else None
+
+    def _take(self) -> Union[int, str, None]:
+        token = self._peek()
+        self.pos += 1
+        return token
+
+    @staticmethod
+    def _bounded(value: int) -> int:
+        if len(str(abs(value))) > MAX_DIGITS:
+            raise CalculatorError(f"a result has more than {MAX_DIGITS} digits")
+        return value
+
+    def expression(self) -> int:
+        value = self.term()
+        while self._peek() in ("+", "-"):
+            op = self._take()
+            value = self._bounded(value + self.term() if op == "+" else value - self.term())
+        return value
+
+    def term(self) -> int:
+        value = self.factor()
+        while self._peek() == "*":
+            self._take()
+            value = self._bounded(value * self.factor())
+        return value
+
+    def factor(self) -> int:
+        token = self._take()
+        if token == "-":
+            return -self.factor()
+        if token == "(":
+            self.depth += 1
+            if self.depth > 20:
+                raise CalculatorError("parentheses nested too deep")
+            value = self.expression()
+            if self._take() != ")":
+                raise CalculatorError("missing ')'")
+            self.depth -= 1
+            return value
+        if isinstance(token, int):
+            return token
+        raise CalculatorError("expected a number" if token is None else f"unexpected {token!r}")
+
+
+def evaluate(expression: str) -> int:
+    """The value of an integer expression of ``+ - *`` and parentheses; CalculatorError for anything else."""
+    parser = _Parser(_tokens(expression))
+    value = parser.expression()
+    if parser.pos != len(parser.tokens):
+        raise CalculatorError(f"unexpected {parser.tokens[parser.pos]!r}")
+    return value
+
+
+def parse_integer(text: str) -> Optional[int]:
+    """The integer `text` states (spaces around it allowed, no leading zeros, no '+'), or None."""
+    m = _INTEGER.fullmatch(text)
+    if m is None or m.group(1) == "-0" or len(m.group(1)) > MAX_DIGITS:
+        return None
+    return int(m.group(1))
+
+
+class CalculatorEpisode(Episode):
+    """One episode: a turn ``calc: <expression>`` gets the value (or ``error: ...``) as a `tool_role` message; any
+    other turn is the answer. `calls` counts the calculator calls."""
+
+    def __init__(self, tool: bool, tool_role: str) -> None:
+        self.tool, self.tool_role, self.calls = tool, tool_role, 0
+
+    def step(self, turn: str) -> Union[Reply, Finish]:
+        call = _CALL.fullmatch(turn) if self.tool else None
+        if call is None:
+            return Finish(turn)
+        self.calls += 1
+        try:
+            return Reply(str(evaluate(call.group(1))), self.tool_role)
+        except CalculatorError as e:
+            return Reply(f"error: {e}", self.tool_role)
+
+
+class LongArithmeticTask(EnvironmentTask):
+    """``a<op>b`` with operands of `min_digits`..`max_digits` digits and `op` drawn from `operators` (``*``, ``+``,
+    ``-``), asked as `question` in the chat template; with `tool` the system turn explains the calculator
+    (`TOOL_INSTRUCTION`). Held-out split: `heldout_size` distinct items from `heldout_seed`, never drawn by `sample`."""
+
+    def __init__(self, min_digits: int = 4, max_digits: int = 6, operators: str = "*", heldout_size: int = 64,
+                 heldout_seed: int = 20261126, question: str = "{expression}=", tool: bool = True,
+                 tool_role: str = "tool") -> None:
+        if not 1 <= min_digits <= max_digits <= 20:
+            raise ValueError(f"LongArithmeticTask needs 1 <= min_digits <= max_digits <= 20, got {min_digits}, {max_digits}")
+        if not operators or set(operators) - set("*+-"):
+            raise ValueError(f"LongArithmeticTask.operators must be made of '*', '+' and '-', got {operators!r}")
+        if heldout_size < 1:
+            raise ValueError(f"LongArithmeticTask.heldout_size must be >= 1, got {heldout_size}")
+        if "{expression}" not in question:
+            raise ValueError(f"LongArithmeticTask.question must contain {{expression}}, got {question!r}")
+        self.min_digits, self.max_digits, self.operators = min_digits, max_digits, operators
+        self.question, self.tool, self.tool_role = question, bool(tool), tool_role
+        self.tokenizer: Any = None
+        rng = random.Random(f"long-arith-heldout:{heldout_seed}")
+        held: dict[str, str] = {}
+        for _ in range(heldout_size * 100):
+            expression, answer = self._draw(rng)
+            held.setdefault(expression, answer)
+            if len(held) == heldout_size:
+                break
+        else:
+            raise ValueError(f"LongArithmeticTask: could not draw {heldout_size} distinct held-out items")
+        self._heldout = held
+
+    def _draw(self, rng: random.Random) -> tuple[str, str]:
+        a, b = (rng.randint(10 ** (d - 1) if d > 1 else 0, 10**d - 1)
+                for d in (rng.randint(self.min_digits, self.max_digits) for _ in range(2)))
+        op = rng.choice(self.operators)
+        expression = f"{a}{op}{b}"
+        return expression, str(evaluate(expression))
+
+    def bind_tokenizer(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+
+    def render(self, expression: str) -> str:
+        """The prompt text of `expression`: `question` as the user turn, after the tool's instruction (with `tool`)."""
+        return render_chat(self.tokenizer, self.question.format(expression=expression),
+                           TOOL_INSTRUCTION if self.tool else None)
+
+    def sample(self, rng: random.Random, n: int) -> list[Prompt]:
+        out: list[Prompt] = []
+        while len(out) < n:
+            expression, answer = self._draw(rng)
+            if expression not in self._heldout:
+                out.append(Prompt(self.render(expression), answer))
+        return out
+
+    def eval_prompts(self) -> list[Prompt]:
+        return [Prompt(self.render(e), a) for e, a in self._heldout.items()]
+
+    def can_sample(self, prompt: Prompt) -> bool:
+        digits = rf"\d{{{self.min_digits},{self.max_digits}}}"
+        for expression in re.findall(rf"{digits}[{re.escape(self.operators)}]{digits}", prompt.text):
+            if prompt.text == self.render(expression) and expression not in self._heldout:
+                return True
+        return False
+
+    def start(self, prompt: Prompt) -> CalculatorEpisode:
+        return CalculatorEpisode(self.tool, self.tool_role)
+
+
+class LongAnswerReward:
+    """1.0 when the answer is exactly the reference integer (spaces around it allowed), else 0.0."""
+
+    def __call__(self, prompt: Prompt, completion: str) -> float:
+        got = parse_integer(completion)
+        return 1.0 if prompt.answer is not None and got is not None and got == int(prompt.answer) else 0.0
+
+    def parses(self, prompt: Prompt, completion: str) -> bool:
+        """Whether the answer states an integer at all (eval/unparsed_fraction)."""
+        return parse_integer(completion) is not None

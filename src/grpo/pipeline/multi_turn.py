@@ -1,0 +1,155 @@
+"""Multi-turn rollouts: the built-in pipeline with an environment (data=calculator; grpo.pipeline.environment).
+
+Each step samples prompts from an `EnvironmentTask` as `LocalRolloutPipeline` does (a pure function of seed and step),
+plays `group_size` episodes per prompt through the run's server (grpo.pipeline.episodes) and scores each episode's
+answer with the run's rewards. A group's sequences are the trajectories: the prompt, then the model's turns (in the
+loss, with the sampler's log-probs) and the environment's tokens (masked out of the loss, as the prompt is).
+
+What composes: groups, several updates per batch, asynchronous rollouts (the producer thread calls `rollout_batch`;
+each turn passes the server's gate, so a sync lands between turns, and every turn records its weight versions),
+`train.padding_free`, `train.prefix_sharing` (the shared prefix is the prompt, before the first model token), FSDP2
+(rank 0 generates) and every sync mode (the endpoint is read anew every turn).
+"""
+
+from __future__ import annotations
+
+import time
+from contextlib import nullcontext
+from pathlib import Path
+from typing import Any, Mapping, Optional
+
+from grpo import faults
+from grpo.inference.client import Completion
+from grpo.pipeline.base import PipelineContext
+from grpo.pipeline.environment import MAX_TOKENS, TURN_CUT, EnvironmentTask, EpisodeLimits, Trajectory
+from grpo.pipeline.episodes import EpisodeRunner, episode_metrics
+from grpo.pipeline.group import Group
+from grpo.pipeline.local import LocalRolloutPipeline, weighted_reward
+
+
+class MultiTurnPipeline(LocalRolloutPipeline):
+    """`prompts_per_step` prompts x `group_size` episodes per step; `max_new_tokens` caps each model turn,
+    `max_turns` the model turns of an episode and `max_episode_tokens` its whole sequence (null: model.max_seq_len).
+    What happens at each limit: grpo.pipeline.environment."""
+
+    def __init__(
+        self,
+        task: Any,
+        rewards: Mapping[str, Any],
+        prompts_per_step: int = 8,
+        group_size: int = 8,
+        max_new_tokens: int = 16,
+        max_turns: int = 4,
+        max_episode_tokens: Optional[int] = None,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        seeded_sampling: bool = True,
+        rollout_logprobs: bool = True,
+    ) -> None:
+        super().__init__(task, rewards, prompts_per_step, group_size, max_new_tokens, temperature, top_p,
+                         seeded_sampling, rollout_logprobs)
+        if not isinstance(self.task, EnvironmentTask):
+            raise ValueError(f"data.task ({type(self.task).__name__}) is not an environment: a multi-turn task "
+                             "subclasses grpo.pipeline.environment.EnvironmentTask (docs/multi_turn.md)")
+        if max_turns < 1:
+            raise ValueError(f"data.max_turns must be >= 1, got {max_turns}")
+        if max_episode_tokens is not None and max_episode_tokens < 2:
+            raise ValueError(f"data.max_episode_tokens must be >= 2 or null (model.max_seq_len), got {max_episode_tokens}")
+        self.max_turns = int(max_turns)
+        self.max_episode_tokens = max_episode_tokens
+        self.runner: Optional[EpisodeRunner] = None
+
+    def setup(self, ctx: PipelineContext) -> None:
+        super().setup(ctx)
+        total = self.max_episode_tokens if self.max_episode_tokens is not None else ctx.max_seq_len
+        if total > ctx.max_seq_len:
+            raise ValueError(f"data.max_episode_tokens={total} is more than model.max_seq_len={ctx.max_seq_len}: the "
+                             "batcher would drop every longer episode; lower it or leave it null")
+        self.runner = EpisodeRunner(self.task, ctx.tokenizer, self.limits(total), lock=self._lock)
+
+    def limits(self, max_seq_len: int) -> EpisodeLimits:
+        """The episode limits, `max_episode_tokens` defaulting to `max_seq_len`."""
+        total = self.max_episode_tokens if self.max_episode_tokens is not None else max_seq_len
+        return EpisodeLimits(self.max_turns, self.max_new_tokens, total)
+
+    def rollout_batch(self, step: int) -> tuple[list[Group], dict[str, float]]:
+        """The groups of rollout batch `step` (whole episodes) and its metrics; changes nothing on `self`."""
+        ctx, runner = self.ctx, self.runner
+        assert ctx is not None and runner is not None, "MultiTurnPipeline.setup() was not called"
+        prompts, ids, dropped_long = self._tokenized_prompts(step)
+        fits = [i for i, x in enumerate(ids) if len(x) < runner.limits.max_episode_tokens]
+        if not fits:
+            raise ValueError(f"every prompt of step {step} has >= data.max_episode_tokens tokens")
+        dropped_long += len(ids) - len(fits)
+        prompts, ids = [prompts[i] for i in fits], [ids[i] for i in fits]
+        faults.kill_server_generating(step + 1, Path(ctx.run_dir) / "logs" / "vllm.pid")
+        t0 = time.monotonic()
+        episodes = runner.run(self._generate, prompts, ids, self.group_size, self._sampling_seed(step).get("seed"),
+                              self.rollout_logprobs)
+        gen_s = time.monotonic() - t0
+        flat = [t for group in episodes for t in group]
+        groups, reward_metrics = self._groups(episodes)
+        model_tokens = sum(t.model_tokens for t in flat)
+        metrics = {
+            **reward_metrics,
+            **episode_metrics(flat),
+            "completion/mean_tokens": model_tokens / len(flat),
+            "completion/max_tokens": float(max(t.model_tokens for t in flat)),
+            "completion/truncated_fraction": sum(t.end in (TURN_CUT, MAX_TOKENS) for t in flat) / len(flat),
+            "generation/seconds": gen_s,
+            "generation/tokens_per_s": model_tokens / gen_s if gen_s > 0 else 0.0,
+            "data/dropped_prompts_too_long": float(dropped_long),
+        }
+        return groups, metrics
+
+    def _generate(self, prompt_ids: list[list[int]], n: int, max_tokens: int, seed: Optional[int]) -> list[list[Completion]]:
+        """One round of model turns through the server's gate, at the endpoint served now."""
+        ctx = self.ctx
+        with ctx.generation_gate.generating() if ctx.generation_gate is not None else nullcontext():
+            endpoint = ctx.endpoint()  # inside the gate: a restart it waited for may have moved the server
+            outs = self._client(endpoint.base_url).generate(
+                prompt_ids, n=n, max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p,
+                model=endpoint.model, detokenize=False, logprobs=self.rollout_logprobs,
+                **({} if seed is None else {"seed": seed}),
+            )
+        for c in (c for per_prompt in outs for c in per_prompt):
+            if c.weight_version < 0 or c.last_weight_version < c.weight_version:
+                raise RuntimeError(f"inference server at {endpoint.base_url} reported weight versions "
+                                   f"{c.weight_version} .. {c.last_weight_version} for a turn; multi-turn rollouts "
+                                   "need grpo.inference.server's /generate, which reports them")
+        return outs
+
+    def _groups(self, episodes: list[list[Trajectory]]) -> tuple[list[Group], dict[str, float]]:
+        """Each prompt's episodes as one group, scored by the rewards on their answers; the reward metrics."""
+        per_reward: dict[str, list[float]] = {name: [] for name in self.rewards}
+        totals: list[float] = []
+        groups = []
+        for trajectories in episodes:
+            scores = []
+            for t in trajectories:
+                total, values = weighted_reward(self.rewards, t.prompt, t.answer)
+                for name, value in values.items():
+                    per_reward[name].append(value)
+                scores.append(total)
+            totals += scores
+            groups.append(trajectory_group(trajectories, scores, self.temperature))
+        metrics = {**{f"reward/{name}": sum(v) / len(v) for name, v in per_reward.items()},
+                   "reward/weighted": sum(totals) / len(totals)}
+        return groups, metrics
+
+
+def trajectory_group(trajectories: list[Trajectory], scores: list[float], temperature: float) -> Group:
+    """The group of one prompt's episodes: tokens and masks as played, the sampler's log-probs, and the weight
+    versions of every turn (`turn_versions`; the group's `weight_version` is the oldest turn's admission version,
+    `last_weight_version` the newest turn's finish version)."""
+    n = len(trajectories)
+    turn_versions = [[(r.weight_version, r.last_weight_version) for r in t.turns] for t in trajectories]
+    return Group(
+        tokens=[list(t.tokens) for t in trajectories], masks=[list(t.masks) for t in trajectories],
+        scores=[float(s) for s in scores], advantages=[None] * n,
+        inference_logprobs=[None if t.logprobs is None else list(t.logprobs) for t in trajectories],
+        ref_logprobs=[None] * n, temperatures=[float(temperature)] * n, zero_advantage=[False] * n,
+        weight_version=min(v for per in turn_versions for v, _ in per),
+        last_weight_version=max(v for per in turn_versions for _, v in per),
+        turn_versions=turn_versions,
+    )
