@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -39,7 +40,8 @@ def test_a_taken_name_cannot_be_given_to_another_function():
 def test_the_config_enum_is_the_registry_names():
     from grpo.config import schema
 
-    assert [m.value for m in schema.AdvantageNorm] == list(ADVANTAGE_ESTIMATORS.names()) == ["group", "batch", "none"]
+    assert [m.value for m in schema.AdvantageNorm] == list(ADVANTAGE_ESTIMATORS.names()) == [
+        "group", "batch", "none", "dr_grpo", "rloo"]
     assert [m.value for m in schema.Aggregation] == list(AGGREGATIONS.names())
     assert [m.value for m in schema.KLEstimator] == list(KL_ESTIMATORS.names()) == ["k1", "k2", "k3"]
     assert [m.value for m in schema.LRSchedule] == list(LR_SCHEDULES.names())
@@ -153,3 +155,51 @@ print(batch.micro_batches[0].advantages.tolist())
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=tmp_path, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip().splitlines()[-1] == "[0.0, 0.0, 1.0]"
+
+
+def test_rloo_baseline_is_the_mean_of_the_other_samples():
+    scores = torch.tensor([1.0, 0.0, 0.0, 1.0], dtype=F64)
+    rloo = ADVANTAGE_ESTIMATORS.get("rloo", "k")
+    assert rloo(scores, scores).tolist() == pytest.approx([1 - 1 / 3, 0 - 2 / 3, 0 - 2 / 3, 1 - 1 / 3])
+    # The baseline excludes the sample itself: raising one score moves its own advantage by exactly that much
+    # (a baseline that included it would absorb a 1/G share) and every other advantage by -delta / (G - 1).
+    raised = scores.clone()
+    raised[0] += 3.0
+    moved = rloo(raised, raised) - rloo(scores, scores)
+    assert moved.tolist() == pytest.approx([3.0, -1.0, -1.0, -1.0])
+    # G / (G - 1) times the group-centred advantage; a group of one has no other sample: 0.
+    assert rloo(scores, scores).tolist() == pytest.approx((4 / 3 * (scores - scores.mean())).tolist())
+    assert rloo(torch.tensor([5.0], dtype=F64), scores).tolist() == [0.0]
+
+
+def test_dr_grpo_is_the_mean_only_advantage():
+    scores = torch.tensor([2.0, 0.0, 1.0], dtype=F64)
+    assert ADVANTAGE_ESTIMATORS.get("dr_grpo", "k")(scores, scores).tolist() == [1.0, -1.0, 0.0]
+    assert ADVANTAGE_ESTIMATORS.get("dr_grpo", "k") is ADVANTAGE_ESTIMATORS.get("none", "k")
+
+
+def test_the_documented_own_estimator_example_runs(tmp_path):
+    """docs/algorithms.md, "An estimator of your own": the example script registers its estimator, then runs the
+    trainer's entry point, which takes `train.advantage_norm=best_gets_one` (the config composes with it; --cfg job
+    trains nothing), and the batcher computes that estimator's advantages."""
+    repo = Path(__file__).resolve().parents[1]
+    example = repo / "examples" / "own_estimator" / "train_with_my_estimator.py"
+    page = (repo / "docs" / "algorithms.md").read_text()
+    assert str(example.relative_to(repo)) in page
+    code = example.read_text().split('"""', 2)[2].strip()  # the file after its docstring is the page's code block
+    assert f"```python\n{code}\n```" in page
+    out = subprocess.run([sys.executable, str(example), "~experiment", "train.advantage_norm=best_gets_one",
+                          "--cfg", "job"], capture_output=True, text=True, cwd=repo, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "advantage_norm: best_gets_one" in out.stdout
+    script = f"""
+import runpy
+runpy.run_path({str(example)!r})
+from grpo.pipeline.batch import prepare_batch
+groups = [{{"tokens": [[1, 2, 3]] * 3, "masks": [[-100, 2, 3]] * 3, "scores": [0.0, 2.0, 2.0]}}]
+batch = prepare_batch(groups, advantage_norm="best_gets_one", max_seq_len=8, micro_batch_size=4, pad_token_id=0)
+print(batch.micro_batches[0].advantages.tolist())
+"""
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=tmp_path, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == "[0.0, 1.0, 1.0]"

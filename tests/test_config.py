@@ -255,10 +255,16 @@ def test_every_yaml_default_equals_its_schema_default():
 
 
 def test_a_loss_option_is_grpo_with_what_differs():
-    """conf/loss/dapo.yaml and dr_grpo.yaml build on grpo.yaml (`defaults: [grpo]`) and list only what differs: the
+    """conf/loss/dapo.yaml, dr_grpo.yaml, gspo.yaml and cispo.yaml build on grpo.yaml (`defaults: [grpo]`) and list only what differs: the
     composed loss is grpo's with those keys changed, and the files hold nothing else."""
     base = OmegaConf.to_container(_compose(["loss=grpo"]).loss)
-    for option, differs in {"dapo": {"clip_eps_high": 0.28}, "dr_grpo": {"aggregation": "seq_mean_token_sum_norm"}}.items():
+    options = {
+        "dapo": {"clip_eps_high": 0.28}, "dr_grpo": {"aggregation": "seq_mean_token_sum_norm"},
+        "gspo": {"_target_": "grpo.trainer.loss.GSPOLoss", "clip_eps": 3e-4, "clip_eps_high": 4e-4,
+                 "aggregation": "seq_mean_token_mean"},
+        "cispo": {"_target_": "grpo.trainer.loss.CISPOLoss", "clip_eps": 1.0, "clip_eps_high": 0.28},
+    }
+    for option, differs in options.items():
         composed = OmegaConf.to_container(_compose([f"loss={option}"]).loss)
         assert {k: getattr(v, "value", v) for k, v in composed.items()} == {**base, **differs}, option
         own = OmegaConf.to_container(OmegaConf.load(CONF / "loss" / f"{option}.yaml"))

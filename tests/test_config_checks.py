@@ -355,7 +355,7 @@ def test_resuming_a_finished_run_says_how_to_go_on_instead_of_starting_a_server(
 
 
 @pytest.mark.parametrize("override, needle", [
-    ("loss.clip_eps=-0.1", "clip_eps must be in (0, 1), got -0.1"),
+    ("loss.clip_eps=-0.1", "clip_eps must be in (0, 1], got -0.1"),
     ("loss.kl_coef=-1", "kl_coef must be >= 0, got -1"),
     ("loss.dual_clip=0.5", "dual_clip must be > 1, got 0.5"),
 ])
@@ -363,6 +363,33 @@ def test_a_bad_loss_setting_is_a_config_error_before_the_server_starts(tmp_path,
     """The loss validates itself when built; validate builds it, so a sweep's bad value is a ConfigError naming it."""
     with pytest.raises(ConfigError, match="loss \\(grpo.trainer.loss.GRPOLoss\\): " + re.escape(needle)):
         _validate([override], tmp_path)
+
+
+@pytest.mark.parametrize("overrides, needle", [
+    (["loss.token_mask=[1.5,2.0]"], "loss (grpo.trainer.loss.GRPOLoss): loss.token_mask must be [low, high] with 0 < low < 1 < high"),
+    (["loss.sequence_mask=[0.5]"], "loss (grpo.trainer.loss.GRPOLoss): loss.sequence_mask must be [low, high]"),
+    (["loss=cispo", "loss.dual_clip=2.0"], "loss (grpo.trainer.loss.CISPOLoss): loss.dual_clip does not apply to CISPO"),
+    (["loss.token_mask=[0.5,2.0]", "data.rollout_logprobs=false"],
+     "data.rollout_logprobs=false trains each rollout as on-policy, but loss.token_mask=[0.5, 2.0] mask tokens by "
+     "pi_old / vLLM's sampling probability"),
+    (["loss.sequence_mask=[0.9,1.1]", "train.ppo_epochs=2", "train.steps=4"],
+     "loss.sequence_mask=[0.9, 1.1] with 2 updates per batch (train.ppo_epochs x train.mini_batches) and "
+     "loss.old_logprobs=rollout would compare vLLM's log-probs with weights the batch's updates already moved"),
+])
+def test_an_off_policy_mask_or_cispo_setting_that_cannot_work_is_refused_at_start_up(tmp_path, overrides, needle):
+    """Issue 40: the masks' bands and CISPO's refusal of a dual clip are checked when validate builds the loss."""
+    with pytest.raises(ConfigError, match=re.escape(needle)):
+        _validate(overrides, tmp_path)
+
+
+def test_dynamic_sampling_is_a_local_pipeline_setting_refused_for_atropos(tmp_path):
+    """Issue 40: Atropos environments choose what they send; data=atropos has no dynamic_sampling key, so the override
+    fails when the config is composed, naming it."""
+    from hydra.errors import ConfigCompositionException
+
+    with pytest.raises(ConfigCompositionException) as e:
+        _validate(["data=atropos", "data.dynamic_sampling=true"], tmp_path)
+    assert "dynamic_sampling" in str(e.value) + str(e.value.__cause__)
 
 
 @pytest.mark.parametrize("overrides, needle", [

@@ -296,7 +296,19 @@ class _GatherSync(SyncStrategy):
         return {"sync/seconds": 0.0, "sync/version": float(self.version)}
 
 
-def _train_one_step(rank: int, world: int, port: int, model_dir: str, out_root: str) -> None:
+def _loss(name: str):
+    """The losses the FSDP2 runs train with: GRPO's, and GSPO with both off-policy masks (issue 40: a loss that is
+    not token-separable, whose sequence terms pool tokens that may sit in one rank's micro-batch)."""
+    from grpo.trainer.loss import GRPOLoss, GSPOLoss
+
+    if name == "gspo_masks":
+        # The scripted rollout log-probs lie ~3.5 nats above the tiny model's: bands that mask some tokens only.
+        return GSPOLoss(clip_eps=0.01, clip_eps_high=0.01, aggregation="seq_mean_token_mean",
+                        token_mask=[0.02, 50.0], sequence_mask=[0.01, 100.0])
+    return GRPOLoss()
+
+
+def _train_one_step(rank: int, world: int, port: int, model_dir: str, out_root: str, loss: str = "grpo") -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank))
     from omegaconf import OmegaConf
@@ -306,7 +318,6 @@ def _train_one_step(rank: int, world: int, port: int, model_dir: str, out_root: 
     from grpo.trainer import distributed
     from grpo.trainer.checkpoint import CheckpointManager
     from grpo.trainer.loop import GRPOTrainer
-    from grpo.trainer.loss import GRPOLoss
     from grpo.trainer.metrics import MetricsLogger
     from grpo.trainer.optim import build_scheduler
 
@@ -328,7 +339,7 @@ def _train_one_step(rank: int, world: int, port: int, model_dir: str, out_root: 
     sync = _GatherSync() if rank0 else FollowerSync()
     trainer = GRPOTrainer(
         train_cfg=cfg, model=model, tokenizer=tokenizer, optimizer=optimizer,
-        scheduler=build_scheduler(optimizer, "constant", 0, 1), loss_fn=GRPOLoss(), pipeline=pipeline, sync=sync,
+        scheduler=build_scheduler(optimizer, "constant", 0, 1), loss_fn=_loss(loss), pipeline=pipeline, sync=sync,
         checkpoints=CheckpointManager(run_dir, keep=1),
         metrics=MetricsLogger(run_dir, log_cfg, cfg, 1, 0) if rank0 else NullMetrics(),
         device=info.device, start_step=0, dist=info,
@@ -342,7 +353,7 @@ def _train_one_step(rank: int, world: int, port: int, model_dir: str, out_root: 
         row = json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[0])
         (Path(out_root) / f"result_world{world}.json").write_text(json.dumps(
             {"loss": row["loss"], "grad_norm": row["grad_norm"], "logprob_diff": row["grpo/logprob_diff"],
-             "checksum": sync.checksum, "names": sync.names}))
+             "checksum": sync.checksum, "names": sync.names, "masked": row["mismatch/masked_fraction"]}))
         torch.save({k: v.detach().clone() for k, v in gathered.items()}, Path(out_root) / f"gathered_world{world}.pt")
     if info.enabled:
         # Both ranks leave together: rank 1 tearing gloo down while rank 0 still wrote its files once aborted rank 1
@@ -363,6 +374,25 @@ def one_step_runs(tmp_path_factory, tiny_qwen2_dir) -> Path:
     os.environ.pop("WORLD_SIZE"), os.environ.pop("RANK"), os.environ.pop("LOCAL_RANK")
     mp.spawn(_train_one_step, args=(2, free_port(), str(tiny_qwen2_dir), str(out)), nprocs=2, join=True)
     return out
+
+
+def test_fsdp2_gspo_with_off_policy_masks_matches_one_process(tmp_path, tiny_qwen2_dir):
+    """Issue 40: GSPO's sequence ratio and both masks under FSDP2 (its log-probs through the sharded forward, the
+    loss unfused) give the one-process loss and update."""
+    import torch.multiprocessing as mp
+
+    from conftest import free_port
+
+    _train_one_step(0, 1, free_port(), str(tiny_qwen2_dir), str(tmp_path), "gspo_masks")
+    os.environ.pop("WORLD_SIZE"), os.environ.pop("RANK"), os.environ.pop("LOCAL_RANK")
+    mp.spawn(_train_one_step, args=(2, free_port(), str(tiny_qwen2_dir), str(tmp_path), "gspo_masks"), nprocs=2,
+             join=True)
+    one = json.loads((tmp_path / "result_world1.json").read_text())
+    two = json.loads((tmp_path / "result_world2.json").read_text())
+    assert 0 < one["masked"] < 1 and one["loss"] != 0
+    assert abs(two["loss"] - one["loss"]) < 1e-5 and abs(two["masked"] - one["masked"]) < 1e-6
+    assert abs(two["grad_norm"] - one["grad_norm"]) < 1e-5 * max(1.0, one["grad_norm"])
+    assert abs(two["checksum"] - one["checksum"]) < 1e-5 * abs(one["checksum"])
 
 
 def test_fsdp2_two_gloo_ranks_match_one_process(one_step_runs):

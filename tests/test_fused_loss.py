@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from grpo.trainer.logprobs import can_fuse, fused_token_loss, naive_token_logprobs
-from grpo.trainer.loss import GRPOLoss
+from grpo.trainer.loss import CISPOLoss, GRPOLoss, GSPOLoss
 
 
 @pytest.fixture(scope="module")
@@ -49,7 +49,18 @@ LOSSES = {
     "seq_mean_token_mean": dict(aggregation="seq_mean_token_mean"),
     "dr_grpo": dict(aggregation="seq_mean_token_sum_norm"),
     "dr_grpo_fixed_norm": dict(aggregation="seq_mean_token_sum_norm", max_tokens_norm=32),
+    # Off-policy masks: the token band is token-separable, the sequence band on the current log-probs is not (the
+    # fused path's two passes).
+    "token_mask": dict(token_mask=[0.8, 1.25]),
+    "sequence_mask": dict(sequence_mask=[0.97, 1.03], aggregation="seq_mean_token_mean"),
+    "gspo": dict(cls=GSPOLoss, clip_eps=0.01, clip_eps_high=0.02, aggregation="seq_mean_token_mean"),
+    "cispo": dict(cls=CISPOLoss, clip_eps=1.0, clip_eps_high=0.28),
 }
+
+
+def _loss(name: str):
+    kwargs = dict(LOSSES[name])
+    return kwargs.pop("cls", GRPOLoss)(**kwargs)
 
 
 def _grads(model):
@@ -62,7 +73,7 @@ def _grads(model):
 @pytest.mark.parametrize("name", list(LOSSES))
 def test_fused_equals_unfused(model, name, chunk):
     ids, attn, labels, mask, rollout, ref, adv, temps = _inputs(model)
-    loss_fn = GRPOLoss(**LOSSES[name])
+    loss_fn = _loss(name)
     # Normalisers of a bigger optimizer step, as under gradient accumulation.
     kw = dict(ref_logprobs=ref, total_tokens=71.0, total_sequences=6.0, max_tokens=17.0)
 
@@ -75,7 +86,8 @@ def test_fused_equals_unfused(model, name, chunk):
     (ref_loss * 3.0).backward()  # a scale on the loss (FSDP world size, accumulation) reaches every gradient
     want = _grads(model)
 
-    loss, metrics, fused_lp = fused_token_loss(model, ids, attn, labels, temps, loss_of, chunk_size=chunk)
+    loss, metrics, fused_lp = fused_token_loss(model, ids, attn, labels, temps, loss_of, chunk_size=chunk,
+                                               separable=loss_fn.token_separable)
     (loss * 3.0).backward()
     got = _grads(model)
 
@@ -85,7 +97,9 @@ def test_fused_equals_unfused(model, name, chunk):
     for k in metrics:
         assert metrics[k] == pytest.approx(ref_metrics[k], abs=1e-5), k
     # The inputs do exercise the clip (TIS clips its weight instead: its PPO ratio is 1 by construction).
-    assert ref_metrics["grpo/tis_capped" if name == "tis" else "grpo/clipped_fraction"] > 0
+    acted = {"tis": "grpo/tis_capped", "token_mask": "mismatch/masked_fraction",
+             "sequence_mask": "mismatch/masked_sequences"}.get(name, "grpo/clipped_fraction")
+    assert ref_metrics[acted] > 0
     assert got.keys() == want.keys() and len(got) > 5
     for n in want:
         torch.testing.assert_close(got[n], want[n], atol=1e-5, rtol=1e-4, msg=n)
@@ -107,6 +121,9 @@ def test_can_fuse_needs_a_separable_loss_and_a_linear_head(model, tiny_qwen2_dir
     from transformers import AutoModelForCausalLM
 
     assert can_fuse(model, GRPOLoss())
+    assert can_fuse(model, GSPOLoss()) and not GSPOLoss().token_separable  # two passes
+    assert not GRPOLoss(sequence_mask=[0.5, 2.0]).token_separable
+    assert GRPOLoss(sequence_mask=[0.5, 2.0], old_logprobs="recompute").token_separable  # pi_old is a constant
     assert not can_fuse(model, lambda *a, **k: None)  # an arbitrary callable makes no separability promise
     lora_head = get_peft_model(
         AutoModelForCausalLM.from_pretrained(tiny_qwen2_dir, dtype=torch.float32),

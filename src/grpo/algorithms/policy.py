@@ -2,7 +2,8 @@
 
 Each registered objective is ``fn(log_ratio, advantages, mask, clip) -> PolicyObjective`` on ``[B, T]`` tensors:
 ``log_ratio = log pi - log pi_old`` (with grad through log pi), ``advantages`` per token, ``mask`` 1 at loss tokens
-(for objectives that pool a sequence's tokens). `grpo.trainer.loss.GRPOLoss` uses ``ppo_clip``.
+(for objectives that pool a sequence's tokens). `grpo.trainer.loss.GRPOLoss` uses ``ppo_clip``, ``GSPOLoss``
+``gspo_clip`` and ``CISPOLoss`` ``cispo``.
 """
 
 from __future__ import annotations
@@ -67,3 +68,31 @@ def ppo_clip(log_ratio: torch.Tensor, advantages: torch.Tensor, mask: torch.Tens
         dual_clipped = (advantages < 0) & (obj < floor)
         obj = torch.where(advantages < 0, torch.maximum(obj, floor), obj)
     return PolicyObjective(obj, r, dual_clipped)
+
+
+def sequence_log_ratio(log_ratio: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """``[B]``: the mean of each sequence's token log-ratios over its loss tokens (0 for a row without one), the log
+    of the geometric mean of its token ratios."""
+    return (log_ratio * mask).sum(dim=1) / mask.sum(dim=1).clamp(min=1)
+
+
+@POLICY_OBJECTIVES.register("gspo_clip")
+def gspo_clip(log_ratio: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, clip: ClipRange) -> PolicyObjective:
+    """GSPO (Zheng et al. 2025, "Group Sequence Policy Optimization"): PPO's clipped objective on the sequence-level
+    ratio s_i = exp(mean of sequence i's token log-ratios), the same s_i at each of its tokens. The gradient reaches
+    every token of the sequence through the mean (each gets 1/|y_i| of it), and is 0 for the whole sequence where
+    the clip binds. The clip range is that of a geometric mean: far narrower than a token ratio's (the paper:
+    3e-4 / 4e-4)."""
+    seq = sequence_log_ratio(log_ratio, mask)
+    return ppo_clip(seq[:, None].expand_as(log_ratio), advantages, mask, clip)
+
+
+@POLICY_OBJECTIVES.register("cispo")
+def cispo(log_ratio: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, clip: ClipRange) -> PolicyObjective:
+    """CISPO (MiniMax-M1, 2025): the importance weight clip(r, 1 - low, 1 + high) detached, times A times the log-prob
+    of every token. No token's gradient is dropped (the weight bounds it instead): the gradient at each token is
+    w A grad(log pi). The log-prob enters as ``log_ratio`` (log pi - log pi_old, pi_old a constant), which has the
+    same gradient and a value of 0 on-policy. No dual clip (nothing to floor: the weight is already bounded)."""
+    r = ratio(log_ratio)
+    weight = r.clamp(1.0 - clip.low, 1.0 + clip.high).detach()
+    return PolicyObjective(weight * advantages * log_ratio, r, torch.zeros_like(advantages, dtype=torch.bool))

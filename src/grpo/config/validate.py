@@ -66,6 +66,7 @@ def validate(cfg: DictConfig, run_dir: Path | None = None) -> None:
     check_data(cfg, info.choices.get("experiment"))
     check_async(cfg)
     check_rollout_logprobs(cfg)
+    check_off_policy_masks(cfg)
     check_logging(cfg)
     if run_dir is not None:
         check_run_dir(run_dir)
@@ -266,6 +267,8 @@ def check_rollout_logprobs(cfg: DictConfig) -> None:
          "rollout policy", "set loss.kl_coef=0"),
         (bool(option(cfg.mode, "in_flight_updates", False)), "mode.in_flight_updates=true samples rollouts from a "
          "mix of weights", "set mode.in_flight_updates=false"),
+        (_masks(loss) != [], f"{' and '.join(_masks(loss))} mask tokens by pi_old / vLLM's sampling probability",
+         "leave them null"),
     ]
     for wrong, what, fix in needs:
         if wrong:
@@ -273,6 +276,25 @@ def check_rollout_logprobs(cfg: DictConfig) -> None:
                 f"data.rollout_logprobs=false trains each rollout as on-policy, but {what}, which needs vLLM's "
                 f"log-probs: {fix}, or keep data.rollout_logprobs=true"
             )
+
+
+def _masks(loss: DictConfig) -> list[str]:
+    """The off-policy masks a loss config sets (`loss.token_mask=[..]`, ...)."""
+    return [f"loss.{k}={list(loss[k])}" for k in ("token_mask", "sequence_mask") if loss.get(k) is not None]
+
+
+def check_off_policy_masks(cfg: DictConfig) -> None:
+    """The masks compare vLLM's log-probs with pi_old; with several updates per batch and pi_old taken from the
+    current weights (`loss.old_logprobs=rollout`) they would also mask the batch's own updates' movement."""
+    train, masks = cfg.train, _masks(cfg.loss)
+    updates = train.ppo_epochs * train.mini_batches
+    if masks and updates > 1 and cfg.loss.get("old_logprobs", "rollout") == "rollout":
+        raise ConfigError(
+            f"{' and '.join(masks)} with {updates} updates per batch (train.ppo_epochs x train.mini_batches) and "
+            "loss.old_logprobs=rollout would compare vLLM's log-probs with weights the batch's updates already moved, "
+            "masking the policy's own movement; set loss.old_logprobs=recompute (pi_old: the trainer's log-probs "
+            "before the batch's first update)"
+        )
 
 
 def check_async_source(cfg: DictConfig) -> None:

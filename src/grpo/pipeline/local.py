@@ -19,6 +19,7 @@ from grpo import faults
 from grpo.inference.client import InferenceClient
 from grpo.options import instantiation_cause
 from grpo.pipeline.base import DataPipeline, PipelineContext
+from grpo.pipeline.dynamic_sampling import refill
 from grpo.pipeline.group import Group
 from grpo.pipeline.tasks import Prompt, Task
 
@@ -115,6 +116,8 @@ class LocalRolloutPipeline(DataPipeline):
         top_p: float = 1.0,
         seeded_sampling: bool = True,
         rollout_logprobs: bool = True,
+        dynamic_sampling: bool = False,
+        max_refill_rounds: int = 3,
     ) -> None:
         if prompts_per_step < 1 or group_size < 1 or max_new_tokens < 1:
             raise ValueError(
@@ -128,6 +131,9 @@ class LocalRolloutPipeline(DataPipeline):
             raise ValueError(f"data.temperature must be > 0 (the loss divides logits by it), got {temperature}")
         if not 0 < top_p <= 1:
             raise ValueError(f"data.top_p must be in (0, 1] (1 = the whole distribution), got {top_p}")
+        if max_refill_rounds < 0:
+            raise ValueError(f"data.max_refill_rounds must be >= 0 (0 = drop zero-variance groups, never refill), "
+                             f"got {max_refill_rounds}")
         self.task: Task = _build(task, "data.task")
         if not callable(getattr(self.task, "sample", None)):
             raise ValueError(f"data.task ({type(self.task).__name__}) has no sample(rng, n) method; a task subclasses "
@@ -140,6 +146,10 @@ class LocalRolloutPipeline(DataPipeline):
         self.top_p = float(top_p)
         self.seeded_sampling = bool(seeded_sampling)
         self.rollout_logprobs = bool(rollout_logprobs)
+        # DAPO's dynamic sampling (grpo.pipeline.dynamic_sampling): groups whose rewards all agree are dropped and
+        # fresh prompts refill the batch, at most max_refill_rounds extra generation rounds.
+        self.dynamic_sampling = bool(dynamic_sampling)
+        self.max_refill_rounds = int(max_refill_rounds)
         self.ctx: Optional[PipelineContext] = None
         # One InferenceClient per thread that generates (a requests.Session is not meant to be shared), all closed by
         # close(); the lock guards the list and the tokenizer (a Rust tokenizer may refuse concurrent use).
@@ -172,17 +182,19 @@ class LocalRolloutPipeline(DataPipeline):
             self._local.url = url
         return self._local.client
 
-    def prompts_for_step(self, step: int) -> list[Prompt]:
-        """The prompts of optimizer step `step`: a pure function of (seed, step)."""
+    def prompts_for_step(self, step: int, refill_round: int = 0, count: Optional[int] = None) -> list[Prompt]:
+        """The prompts of optimizer step `step` (`count`, default data.prompts_per_step): a pure function of (seed,
+        step), and of the round for dynamic sampling's refill rounds (round 0 is the step's own prompts)."""
         assert self.ctx is not None, "LocalRolloutPipeline.setup() was not called"
         # A string seed hashes deterministically (sha512), and seed/step pairs never collide as seed + step would.
-        rng = random.Random(f"grpo-local:{self.ctx.seed}:{step}")
-        return self.task.sample(rng, self.prompts_per_step)
+        key = f"grpo-local:{self.ctx.seed}:{step}" + (f":refill:{refill_round}" if refill_round else "")
+        return self.task.sample(random.Random(key), self.prompts_per_step if count is None else count)
 
-    def _tokenized_prompts(self, step: int) -> tuple[list[Prompt], list[list[int]], int]:
+    def _tokenized_prompts(self, step: int, refill_round: int = 0, count: Optional[int] = None
+                           ) -> tuple[list[Prompt], list[list[int]], int]:
         """The step's prompts that fit max_seq_len, their token ids, and how many were dropped as too long."""
         ctx = self.ctx
-        prompts = self.prompts_for_step(step)
+        prompts = self.prompts_for_step(step, refill_round, count)
         # add_special_tokens=False: chat templates already carry their special tokens; plain prompts need none.
         with self._lock:
             ids = [ctx.tokenizer.encode(p.text, add_special_tokens=False) for p in prompts]
@@ -198,35 +210,56 @@ class LocalRolloutPipeline(DataPipeline):
 
     def rollout_batch(self, step: int) -> tuple[list[Group], dict[str, float]]:
         """The groups of rollout batch `step` and its generation metrics; changes nothing on `self` (threads may call
-        it at once)."""
+        it at once). With dynamic sampling, only groups whose rewards differ, refilled by further rounds."""
         ctx = self.ctx
         assert ctx is not None, "LocalRolloutPipeline.setup() was not called"
-        prompts, ids, dropped_long = self._tokenized_prompts(step)
+        faults.kill_server_generating(step + 1, Path(ctx.run_dir) / "logs" / "vllm.pid")
+        scorer = _Scorer(self.rewards, ctx.tokenizer)
+        totals = {"seconds": 0.0, "dropped_long": 0}
+
+        def generate(refill_round: int, count: int) -> list[Group]:
+            return self._generate_round(step, refill_round, count, scorer, totals)
+
+        refill_metrics: dict[str, float] = {}
+        if self.dynamic_sampling:
+            refilled = refill(generate, self.prompts_per_step, self.max_refill_rounds)
+            groups, refill_metrics = refilled.groups, refilled.metrics()
+        else:
+            groups = generate(0, self.prompts_per_step)
+        gen_s = totals["seconds"]
+        metrics = {
+            **scorer.metrics(),
+            "generation/seconds": gen_s,
+            "generation/tokens_per_s": scorer.tokens / gen_s if gen_s > 0 else 0.0,
+            "data/dropped_prompts_too_long": float(totals["dropped_long"]),
+            **refill_metrics,
+        }
+        return groups, metrics
+
+    def _generate_round(self, step: int, refill_round: int, count: int, scorer: "_Scorer", totals: dict[str, Any]
+                        ) -> list[Group]:
+        """One generation round of rollout batch `step`: `count` prompts, `group_size` completions each, scored into
+        groups; adds its seconds and too-long prompts to `totals`."""
+        ctx = self.ctx
+        prompts, ids, dropped_long = self._tokenized_prompts(step, refill_round, count)
         # Completions never push a sequence past max_seq_len (it would be dropped by the batcher).
         max_tokens = min(self.max_new_tokens, ctx.max_seq_len - max(len(x) for x in ids))
-        faults.kill_server_generating(step + 1, Path(ctx.run_dir) / "logs" / "vllm.pid")
         t0 = time.monotonic()
         # Through the sync's gate: a restarting sync waits for these requests, and holds new ones until it is done.
         with ctx.generation_gate.generating() if ctx.generation_gate is not None else nullcontext():
             endpoint = ctx.endpoint()  # inside the gate: a restart it waited for may have moved the server
             outs = self._client(endpoint.base_url).generate(
                 ids, n=self.group_size, max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p,
-                model=endpoint.model, detokenize=False, logprobs=self.rollout_logprobs, **self._sampling_seed(step),
+                model=endpoint.model, detokenize=False, logprobs=self.rollout_logprobs,
+                **self._sampling_seed(step, refill_round),
             )
-        gen_s = time.monotonic() - t0
-        scorer = _Scorer(self.rewards, ctx.tokenizer)
+        totals["seconds"] += time.monotonic() - t0
+        totals["dropped_long"] += dropped_long
         with self._lock:
-            groups = [self._group(prompt, prompt_ids, completions, scorer, endpoint.base_url)
-                      for prompt, prompt_ids, completions in zip(prompts, ids, outs)]
-        metrics = {
-            **scorer.metrics(),
-            "generation/seconds": gen_s,
-            "generation/tokens_per_s": scorer.tokens / gen_s if gen_s > 0 else 0.0,
-            "data/dropped_prompts_too_long": float(dropped_long),
-        }
-        return groups, metrics
+            return [self._group(prompt, prompt_ids, completions, scorer, endpoint.base_url)
+                    for prompt, prompt_ids, completions in zip(prompts, ids, outs)]
 
-    def _sampling_seed(self, step: int) -> dict[str, int]:
+    def _sampling_seed(self, step: int, refill_round: int = 0) -> dict[str, int]:
         """The step's base seed, or nothing when seeded_sampling is off.
 
         Seeded, a run re-run from its saved config draws the same rollouts (same weights, same server settings), so
@@ -236,7 +269,8 @@ class LocalRolloutPipeline(DataPipeline):
         """
         if not self.seeded_sampling:
             return {}
-        return {"seed": (self.ctx.seed * 1_000_003 + step) % (2**31)}
+        # A refill round's base lies 2^20 steps on (no run has that many), so its streams are its own.
+        return {"seed": (self.ctx.seed * 1_000_003 + step + (refill_round << 20)) % (2**31)}
 
     def _group(self, prompt: Prompt, prompt_ids: list[int], completions: list, scorer: "_Scorer", url: str) -> Group:
         if len(completions) != self.group_size:

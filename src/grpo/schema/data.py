@@ -40,6 +40,10 @@ class LocalDataConfig:
     # vLLM's log-prob of each sampled token (pi_old with loss.old_logprobs=rollout, TIS, grpo/logprob_diff); false
     # trains the rollouts as on-policy (pi_old = the trainer's own log-probs), for one update per synced batch.
     rollout_logprobs: bool = True
+    # DAPO's dynamic sampling: drop groups whose rewards all agree and refill the batch with fresh prompts
+    # (grpo.pipeline.dynamic_sampling); max_refill_rounds bounds the extra generation rounds per rollout batch.
+    dynamic_sampling: bool = False
+    max_refill_rounds: int = 3
 
 
 @dataclass

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional
 
 from grpo.algorithms.aggregation import AGGREGATIONS
 from grpo.algorithms.kl import KL_ESTIMATORS
@@ -32,6 +32,10 @@ class LossConfig:
     aggregation: Aggregation = Aggregation.token_mean
     max_tokens_norm: Optional[int] = None
     old_logprobs: OldLogprobs = OldLogprobs.rollout
+    # [low, high] or null. Typed Any, not Optional[List[float]]: a typed list left null is a ListConfig that code
+    # walking the config cannot iterate; GRPOLoss checks the band (two numbers, low < 1 < high).
+    token_mask: Any = None
+    sequence_mask: Any = None
 
 
 __all__ = ["Aggregation", "KLEstimator", "LossConfig", "OldLogprobs"]

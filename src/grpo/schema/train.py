@@ -51,7 +51,8 @@ class TrainConfig:
     warmup_steps: int = 0
     # null disables gradient clipping.
     max_grad_norm: Optional[float] = 1.0
-    # group | batch | none: how rewards become advantages when the server sends none.
+    # group | batch | dr_grpo (= none) | rloo | a registered name: how rewards become advantages when the server
+    # sends none.
     advantage_norm: AdvantageNorm = AdvantageNorm.group
     # Token chunk size of the log-prob computation (never builds [B, T, vocab] float32 logits at once).
     logprob_chunk: int = 512

@@ -194,43 +194,41 @@ class _FusedLinearLoss(torch.autograd.Function):
     cheap next to a ``[chunk, V]`` block) to get ``d loss / d logp`` for those tokens, and the same buffer then
     becomes the gradient of the logits in place, from which the hidden-state and weight gradients follow. That is
     three matmuls per chunk, as many as the naive path, instead of four for recompute-in-backward, with at most one
-    ``[chunk, V]`` block alive. It is exact only because the loss is token-separable (``GRPOLoss.token_separable``):
+    ``[chunk, V]`` block alive. It is exact because the loss is token-separable (``GRPOLoss.token_separable``):
     token i's gradient depends on token i's log-prob alone, so log-probs of chunks not yet computed cannot change it.
+    A loss that is not (``separable=False``: GSPO's sequence ratio) gets every chunk's log-probs first and its
+    gradients in a second pass over the chunks.
     """
 
     @staticmethod
-    def forward(ctx, h, weight, bias, target, inv_temp, flat_index, shape, loss_of, chunk_size, out):  # type: ignore[override]
+    def forward(ctx, h, weight, bias, target, inv_temp, flat_index, shape, loss_of, chunk_size, out, separable):  # type: ignore[override]
         need_h, need_w, need_b = h.requires_grad, weight.requires_grad, bias is not None and bias.requires_grad
-        grad_h = torch.empty_like(h) if need_h else None
-        grad_w = torch.zeros_like(weight) if need_w else None
-        grad_b = torch.zeros_like(bias) if need_b else None
+        grads = (torch.empty_like(h) if need_h else None, torch.zeros_like(weight) if need_w else None,
+                 torch.zeros_like(bias) if need_b else None)
         full = torch.zeros(shape, dtype=torch.float32, device=h.device)
         flat = full.view(-1)
         for s in range(0, h.shape[0], chunk_size):
             sl = slice(s, s + chunk_size)
-            it = inv_temp[sl]
-            grad = _scaled_logits(h[sl], weight, bias, it)
-            picked = grad.gather(1, target[sl, None]).squeeze(1)
-            m = grad.max(dim=1).values
-            z = grad.sub_(m[:, None]).exp_().sum(dim=1)  # grad now holds exp(logit - max)
-            flat[flat_index[sl]] = picked - (z.log() + m)
-            with torch.enable_grad():
-                leaf = full.detach().requires_grad_(True)
-                (g_full,) = torch.autograd.grad(loss_of(leaf, with_metrics=False)[0], leaf)
-            g = g_full.view(-1)[flat_index[sl]] * it
-            # d loss / d rawlogit = g * (onehot(target) - softmax), in place in the chunk's one buffer.
-            grad.mul_((-g / z)[:, None]).scatter_add_(1, target[sl, None], g[:, None])
-            grad = grad.to(h.dtype)
-            if need_h:
-                torch.mm(grad, weight, out=grad_h[sl])
-            if need_w:
-                grad_w.addmm_(grad.t(), h[sl])
-            if need_b:
-                grad_b.add_(grad.sum(0))
+            grad, logprobs, z = _chunk_softmax(h[sl], weight, bias, inv_temp[sl], target[sl])
+            flat[flat_index[sl]] = logprobs
+            if separable:  # this chunk's gradient needs no later chunk's log-probs: take it now
+                g = _loss_grad(loss_of, full).view(-1)[flat_index[sl]] * inv_temp[sl]
+                grad = _logit_grad(grad, g, z, target[sl]).to(h.dtype)  # rebound: the float32 block is freed
+                _head_backward(grad, h[sl], weight, grads, sl)
             del grad
+        if not separable:
+            # A token's gradient depends on other tokens' log-probs (GSPO's sequence ratio): all log-probs first,
+            # then a second pass over the chunks (four matmuls per chunk, as the unfused path, one block alive).
+            g_all = _loss_grad(loss_of, full).view(-1)[flat_index] * inv_temp
+            for s in range(0, h.shape[0], chunk_size):
+                sl = slice(s, s + chunk_size)
+                grad, _, z = _chunk_softmax(h[sl], weight, bias, inv_temp[sl], target[sl])
+                grad = _logit_grad(grad, g_all[sl], z, target[sl]).to(h.dtype)
+                _head_backward(grad, h[sl], weight, grads, sl)
+                del grad
         loss, metrics = loss_of(full)
         out["logprobs"], out["metrics"] = full, metrics
-        ctx.grads = (grad_h, grad_w, grad_b)
+        ctx.grads = grads
         return loss.detach()
 
     @staticmethod
@@ -238,7 +236,42 @@ class _FusedLinearLoss(torch.autograd.Function):
         grads, ctx.grads = ctx.grads, None
         if not bool(grad_loss == 1):  # scaled losses (accumulation weights, FSDP): in place, no second [V, H] copy
             grads = tuple(None if g is None else g.mul_(grad_loss.to(g.dtype)) for g in grads)
-        return (*grads, None, None, None, None, None, None, None)
+        return (*grads, None, None, None, None, None, None, None, None)
+
+
+def _chunk_softmax(h, weight, bias, inv_temp, target) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One chunk's ``exp(logit - max)`` block (the buffer its gradient is built in), the log-probs of ``target`` and
+    the softmax normaliser ``z``."""
+    grad = _scaled_logits(h, weight, bias, inv_temp)
+    picked = grad.gather(1, target[:, None]).squeeze(1)
+    m = grad.max(dim=1).values
+    z = grad.sub_(m[:, None]).exp_().sum(dim=1)  # grad now holds exp(logit - max)
+    return grad, picked - (z.log() + m), z
+
+
+def _loss_grad(loss_of, full: torch.Tensor) -> torch.Tensor:
+    """d loss / d logprobs at the ``[B, T]`` log-probs ``full`` (a leaf of its own; no metrics)."""
+    with torch.enable_grad():
+        leaf = full.detach().requires_grad_(True)
+        (g_full,) = torch.autograd.grad(loss_of(leaf, with_metrics=False)[0], leaf)
+    return g_full
+
+
+def _logit_grad(block: torch.Tensor, g: torch.Tensor, z: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """d loss / d rawlogit = g * (onehot(target) - softmax), in place in the chunk's ``exp(logit - max)`` block, from
+    ``g`` = d loss / d logprob times the inverse temperature."""
+    return block.mul_((-g / z)[:, None]).scatter_add_(1, target[:, None], g[:, None])
+
+
+def _head_backward(grad, h, weight, grads, sl) -> None:
+    """Adds one chunk's hidden-state, head-weight and bias gradients (``grads``) from its logits' gradient."""
+    grad_h, grad_w, grad_b = grads
+    if grad_h is not None:
+        torch.mm(grad, weight, out=grad_h[sl])
+    if grad_w is not None:
+        grad_w.addmm_(grad.t(), h)
+    if grad_b is not None:
+        grad_b.add_(grad.sum(0))
 
 
 def fused_hidden_loss(
@@ -248,12 +281,14 @@ def fused_hidden_loss(
     temperatures: Optional[torch.Tensor],
     loss_of: Callable[[torch.Tensor], tuple[torch.Tensor, dict]],
     chunk_size: int = 512,
+    separable: bool = True,
 ) -> tuple[torch.Tensor, dict, torch.Tensor]:
     """``loss_of(hidden_logprobs(...))`` from final hidden states ``[B, T, H]`` and a plain ``nn.Linear`` head, with
     the head's backward done chunk by chunk in the forward (``_FusedLinearLoss``).
 
-    ``loss_of(logprobs, with_metrics=True)`` maps ``[B, T]`` log-probs to ``(scalar loss, metrics)`` and must be
-    token-separable; it is called once per chunk with ``with_metrics=False`` and once at the end. Returns
+    ``loss_of(logprobs, with_metrics=True)`` maps ``[B, T]`` log-probs to ``(scalar loss, metrics)``; ``separable``:
+    it is token-separable and is called once per chunk with ``with_metrics=False`` (else once, after every chunk's
+    log-probs, and the chunks' logits are computed a second time), and once at the end. Returns
     ``(loss with grad, metrics, detached [B, T] log-probs)``; the loss's backward sends the precomputed gradients
     into ``hidden`` and the head.
     """
@@ -263,7 +298,8 @@ def fused_hidden_loss(
     flat_index = sel.reshape(-1).nonzero().squeeze(1)
     out: dict = {}
     loss = _FusedLinearLoss.apply(
-        hidden[sel], head.weight, head.bias, labels[sel], inv_temp, flat_index, (B, T), loss_of, chunk_size, out
+        hidden[sel], head.weight, head.bias, labels[sel], inv_temp, flat_index, (B, T), loss_of, chunk_size, out,
+        separable,
     )
     return loss, out["metrics"], out["logprobs"]
 
@@ -278,16 +314,19 @@ def fused_token_loss(
     chunk_size: int = 512,
     packed: bool = False,
     shared: bool = False,
+    separable: bool = True,
 ) -> tuple[torch.Tensor, dict, torch.Tensor]:
     """``loss_of(token_logprobs(...))`` through ``fused_hidden_loss``: the same loss, metrics and gradients, with
-    three matmuls per chunk of the output projection instead of four. Needs ``can_fuse(model, loss)``."""
+    three matmuls per chunk of the output projection instead of four (``separable``, the loss's
+    ``token_separable``; else four, in two passes). Needs ``can_fuse(model, loss)``."""
     hidden, head = _final_hidden(model, input_ids, attention_mask, packed, labels, shared)
-    return fused_hidden_loss(hidden, head, labels, temperatures, loss_of, chunk_size)
+    return fused_hidden_loss(hidden, head, labels, temperatures, loss_of, chunk_size, separable)
 
 
 def can_fuse(model: nn.Module, loss_fn: object) -> bool:
-    """Whether ``fused_token_loss`` applies: a plain ``nn.Linear`` head and a loss declared token-separable."""
-    return bool(getattr(loss_fn, "token_separable", False)) and type(backbone_and_head(model)[1]) is nn.Linear
+    """Whether ``fused_token_loss`` applies: a plain ``nn.Linear`` head and a loss that declares whether it is
+    token-separable (a ``token_separable`` attribute, True or False; an arbitrary callable makes no promise)."""
+    return isinstance(getattr(loss_fn, "token_separable", None), bool) and type(backbone_and_head(model)[1]) is nn.Linear
 
 
 def _module_chunk(head: nn.Module, h: torch.Tensor, target: torch.Tensor, inv_temp: torch.Tensor) -> torch.Tensor:

@@ -456,7 +456,7 @@ class GRPOTrainer:
         if self.fused:
             loss, m, _ = fused_token_loss(
                 self.model, mb.input_ids, mb.attention_mask, mb.labels, mb.temperatures, loss_of,
-                chunk_size=self.cfg.logprob_chunk, **self.layout,
+                chunk_size=self.cfg.logprob_chunk, separable=self.loss_fn.token_separable, **self.layout,
             )
             return loss, m
         logprobs = self.token_logprobs(

@@ -16,13 +16,21 @@ and the rollout log-probs, applies the TIS weights and reports the metrics.
 
 from __future__ import annotations
 
-from typing import Any, Optional
+import math
+from typing import Any, Optional, Sequence
 
 import torch
 
 from grpo.algorithms.aggregation import AGGREGATIONS, Totals
 from grpo.algorithms.kl import KL_ESTIMATORS
-from grpo.algorithms.policy import MAX_LOG_RATIO, POLICY_OBJECTIVES, ClipRange, OldLogprobs, ratio
+from grpo.algorithms.policy import (
+    MAX_LOG_RATIO,
+    POLICY_OBJECTIVES,
+    ClipRange,
+    OldLogprobs,
+    ratio,
+    sequence_log_ratio,
+)
 
 
 class GRPOLoss:
@@ -48,6 +56,14 @@ class GRPOLoss:
             (Dr. GRPO: a sequence's token sum / ``max_tokens_norm`` (or the longest completion), then mean over
             sequences).
         max_tokens_norm: constant divisor of ``seq_mean_token_sum_norm``; None = the longest completion.
+        token_mask: ``[low, high]`` with low < 1 < high, or None: a token whose trainer/sampler ratio (below) leaves
+            the band gets no loss and no gradient (IcePop-style masking of tokens where vLLM's numerics and the
+            trainer's disagree); the normalisers still count it.
+        sequence_mask: ``[low, high]``, or None: a sequence whose geometric-mean trainer/sampler ratio (exp of the
+            mean token log-ratio) leaves the band gets no loss and no gradient at any token.
+            The trainer side of both ratios is pi_old: the recomputed log-probs with ``old_logprobs="recompute"``,
+            else the current ones (which also move with the updates of a batch: use ``recompute`` with several
+            updates per batch). A row without sampler log-probs is never masked.
         old_logprobs: the pi_old of the PPO ratio. ``rollout``: the rollout (vLLM) log-probs, as above.
             ``recompute``: the trainer's own log-probs at the start of the rollout batch's first update (one extra
             forward without grad; verl's recompute_log_prob), passed as ``old_logprobs``: the ratio is
@@ -58,11 +74,11 @@ class GRPOLoss:
             so the clip never binds), hence use ``recompute`` with ``tis_cap``.
     """
 
-    # Every term is a function of one token's log-prob and constants (normalisers come from the mask or the
-    # arguments), so the gradient at token i depends on logprobs[i] alone. The fused log-prob path relies on it.
-    token_separable = True
     # The registered policy objective (grpo.algorithms.policy) the ratio goes through.
     objective = "ppo_clip"
+    # True when the objective pools a sequence's tokens (GSPO's sequence ratio): the gradient at a token then depends
+    # on the log-probs of the other tokens of its sequence.
+    objective_pools_sequences = False
 
     def __init__(
         self,
@@ -75,9 +91,12 @@ class GRPOLoss:
         aggregation: str = "token_mean",
         max_tokens_norm: Optional[int] = None,
         old_logprobs: str = "rollout",
+        token_mask: Optional[Sequence[float]] = None,
+        sequence_mask: Optional[Sequence[float]] = None,
     ):
-        if not 0 < clip_eps < 1:
-            raise ValueError(f"clip_eps must be in (0, 1), got {clip_eps}")
+        # clip_eps = 1: no lower bound on the ratio (CISPO's usual setting).
+        if not 0 < clip_eps <= 1:
+            raise ValueError(f"clip_eps must be in (0, 1], got {clip_eps}")
         if clip_eps_high is not None and clip_eps_high <= 0:
             raise ValueError(f"clip_eps_high must be > 0, got {clip_eps_high}")
         if dual_clip is not None and dual_clip <= 1:
@@ -101,7 +120,18 @@ class GRPOLoss:
         self.aggregation = aggregation
         self.max_tokens_norm = max_tokens_norm
         self.old_logprobs = old_logprobs
+        self.token_mask = _band(token_mask, "token_mask")
+        self.sequence_mask = _band(sequence_mask, "sequence_mask")
         self._objective_fn = POLICY_OBJECTIVES.get(self.objective, "objective")
+
+    @property
+    def token_separable(self) -> bool:
+        """True when the gradient at token i depends on ``logprobs[i]`` alone (every other input is a constant or a
+        normaliser), which lets the fused log-prob path take each chunk's gradient before the next chunk's log-probs
+        exist; otherwise it takes two passes. False for an objective that pools a sequence (GSPO), and for the
+        sequence mask on the current log-probs (``old_logprobs="rollout"``)."""
+        moving_sequence_mask = self.sequence_mask is not None and self.old_logprobs != OldLogprobs.recompute
+        return not (self.objective_pools_sequences or moving_sequence_mask)
 
     @property
     def zero_advantage_adds_nothing(self) -> bool:
@@ -112,7 +142,7 @@ class GRPOLoss:
     def __repr__(self) -> str:
         # What train.py logs at start-up: the settings, not an object address.
         fields = ("clip_eps", "clip_eps_high", "dual_clip", "tis_cap", "kl_coef", "kl_estimator", "aggregation",
-                  "max_tokens_norm", "old_logprobs")
+                  "max_tokens_norm", "old_logprobs", "token_mask", "sequence_mask")
         values = {f: getattr(self, f) for f in fields}
         # Enum members from the typed config read as their plain values.
         values = {f: getattr(v, "value", v) for f, v in values.items()}
@@ -174,12 +204,15 @@ class GRPOLoss:
         if self.kl_coef > 0:
             per_token = per_token + self.kl_coef * kl
 
-        per_token = per_token * mask  # zero (not NaN) at masked positions
+        # Zero (not NaN) outside the loss mask and at the tokens the off-policy masks drop; the normalisers below
+        # keep counting the dropped tokens, so the loss of the rest does not change with how many were dropped.
+        per_token = per_token * mask * r["keep"]
         max_tokens = self.max_tokens_norm if self.max_tokens_norm is not None else max_tokens
         loss = self._aggregate_fn(per_token, mask, Totals(total_tokens, total_sequences, max_tokens))
         if not with_metrics:
             return loss, {}
-        return loss, self._metrics(logprobs.detach(), r, adv, mask, valid, kl, dual_active)
+        return loss, {**self._metrics(logprobs.detach(), r, adv, mask, valid, kl, dual_active),
+                      **self._mismatch_metrics(r, mask)}
 
     def _ratios(
         self, logprobs: torch.Tensor, inference_logprobs: torch.Tensor, valid: torch.Tensor,
@@ -204,19 +237,56 @@ class GRPOLoss:
             old = rollout
         if self.tis_cap is not None:
             tis_w = tis_src.clamp(max=self.tis_cap)
+        # The trainer/sampler mismatch at tokens with sampler log-probs (0 elsewhere): log pi_old - log mu, pi_old the
+        # recomputed log-probs or the current ones.
+        sampled = valid & torch.isfinite(inf)
+        trainer = old if old_logprobs is not None else lp_det
+        mismatch = torch.where(sampled, trainer - rollout, torch.zeros_like(lp_det))
+        token_out, seq_out = self._outside_bands(mismatch, sampled)
+        keep = (~(token_out | seq_out[:, None])).to(logprobs.dtype)
         return {"rollout": rollout, "ratio": ratio_det, "old": old, "pg_log_ratio": logprobs - old, "tis_src": tis_src,
-                "tis_w": tis_w}
+                "tis_w": tis_w, "sampled": sampled, "mismatch": mismatch, "keep": keep, "seq_out": seq_out}
+
+    def _outside_bands(self, mismatch: torch.Tensor, sampled: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``[B, T]`` tokens whose trainer/sampler ratio leaves ``token_mask`` and ``[B]`` sequences whose geometric
+        mean ratio leaves ``sequence_mask`` (all False for a band that is off)."""
+        token_out = torch.zeros_like(sampled)
+        seq_out = torch.zeros(sampled.shape[0], dtype=torch.bool, device=sampled.device)
+        if self.token_mask is not None:
+            low, high = (math.log(b) for b in self.token_mask)
+            token_out = sampled & ((mismatch < low) | (mismatch > high))
+        if self.sequence_mask is not None:
+            low, high = (math.log(b) for b in self.sequence_mask)
+            seq = sequence_log_ratio(mismatch, sampled.to(mismatch.dtype))
+            seq_out = sampled.any(dim=1) & ((seq < low) | (seq > high))
+        return token_out, seq_out
+
+    @torch.no_grad()
+    def _mismatch_metrics(self, r: dict[str, Any], mask: torch.Tensor) -> dict[str, float]:
+        """How far the sampler's log-probs are from the trainer's at the sampled tokens (x = log pi_old - log mu):
+        ``mismatch/kl`` is KL(mu || pi_old) by Schulman's k3 (exp(x) - 1 - x, samples from mu), ``mismatch/kl_k1``
+        the mean of -x; and the share of loss tokens and sequences the off-policy masks dropped. 0 for identical
+        log-probs, and when the sampler sent none."""
+        x = r["mismatch"]
+        sampled = r["sampled"].to(x.dtype)
+        n = sampled.sum().clamp(min=1)
+        seqs = (mask.sum(dim=1) > 0).sum().clamp(min=1)
+        return {
+            "mismatch/kl": float(((torch.expm1(x) - x) * sampled).sum() / n),
+            "mismatch/kl_k1": float((-x * sampled).sum() / n),
+            "mismatch/masked_fraction": float(((1 - r["keep"]) * mask).sum() / mask.sum().clamp(min=1)),
+            "mismatch/masked_sequences": float(r["seq_out"].sum() / seqs),
+        }
 
     @torch.no_grad()
     def _metrics(
         self, lp_det: torch.Tensor, r: dict[str, Any], adv: torch.Tensor, mask: torch.Tensor, valid: torch.Tensor,
         kl: torch.Tensor, dual_active: torch.Tensor,
     ) -> dict[str, float]:
-        lo, hi = 1.0 - self.clip_eps, 1.0 + self.clip_eps_high
+        """The clip, ratio, KL and advantage metrics of one micro-batch, averaged over its loss tokens."""
         n = mask.sum().clamp(min=1)
         pr = r["pg_ratio"].detach()
-        low = valid & (adv < 0) & (pr < lo)
-        high = valid & (adv > 0) & (pr > hi)
+        low, high = self._clipped(pr, adv, valid)
         log_r_old = (lp_det - r["old"]) * mask
         metrics = {
             "grpo/mean_ratio": float((r["ratio"] * mask).sum() / n),
@@ -238,3 +308,50 @@ class GRPOLoss:
             metrics["grpo/tis_weight"] = float((r["tis_w"] * mask).sum() / n)
             metrics["grpo/tis_capped"] = float((valid & (r["tis_src"] > self.tis_cap)).sum() / n)
         return metrics
+
+    def _clipped(self, pr: torch.Tensor, adv: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Tokens where the clip took the gradient away, below and above the range: PPO's pessimistic min binds
+        only on the side the advantage pushes the ratio towards."""
+        low = valid & (adv < 0) & (pr < 1.0 - self.clip_eps)
+        high = valid & (adv > 0) & (pr > 1.0 + self.clip_eps_high)
+        return low, high
+
+
+class GSPOLoss(GRPOLoss):
+    """GSPO (Zheng et al. 2025): ``GRPOLoss`` with the sequence-level ratio s_i = exp(mean of sequence i's token
+    log-ratios), clipped per sequence (``grpo.algorithms.policy.gspo_clip``): a sequence whose ratio leaves
+    [1 - clip_eps, 1 + clip_eps_high] on its advantage's side adds no gradient at any token. Same arguments as
+    ``GRPOLoss``; conf/loss/gspo.yaml sets the paper's clip range and the per-sequence aggregation."""
+
+    objective = "gspo_clip"
+    objective_pools_sequences = True
+
+
+class CISPOLoss(GRPOLoss):
+    """CISPO (MiniMax-M1, 2025): the importance weight clip(r, 1 - clip_eps, 1 + clip_eps_high), detached, times A
+    times the log-prob of every token (``grpo.algorithms.policy.cispo``): every token with a non-zero advantage keeps
+    a gradient, bounded by the weight. Same arguments as ``GRPOLoss`` except ``dual_clip`` (refused: the weight is
+    bounded already); ``clip_eps=1`` leaves the weight unbounded below, as the paper does."""
+
+    objective = "cispo"
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        if kwargs.get("dual_clip") is not None:
+            raise ValueError("loss.dual_clip does not apply to CISPO (its importance weight is clipped and detached, "
+                             "so no objective is left to floor); set loss.dual_clip=null")
+        super().__init__(*args, **kwargs)
+
+    def _clipped(self, pr: torch.Tensor, adv: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Tokens whose weight was clipped, for either sign of the advantage (their gradient is bounded, not gone)."""
+        return valid & (pr < 1.0 - self.clip_eps), valid & (pr > 1.0 + self.clip_eps_high)
+
+
+def _band(band: Optional[Sequence[float]], key: str) -> Optional[tuple[float, float]]:
+    """``[low, high]`` of an off-policy mask as floats, None when off; ValueError naming ``loss.<key>`` unless
+    0 < low < 1 < high (a band that excludes ratio 1 would mask the on-policy tokens)."""
+    if band is None:
+        return None
+    values = tuple(float(b) for b in band)
+    if len(values) != 2 or not 0 < values[0] < 1 < values[1]:
+        raise ValueError(f"loss.{key} must be [low, high] with 0 < low < 1 < high (e.g. [0.5, 2.0]), got {list(band)}")
+    return values
