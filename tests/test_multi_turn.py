@@ -322,13 +322,13 @@ def test_the_calculator_data_option_builds_and_refuses_a_task_that_is_no_environ
         instantiate(cfg, _recursive_=False)
 
 
-
-
 @pytest.mark.parametrize("overrides, needle", [
     (["data.max_episode_tokens=600"], "data.max_episode_tokens=600 is more than model.max_seq_len=512"),
     (["data.max_episode_tokens=300", "server.max_model_len=256"],
      "data.max_episode_tokens=300 is more than server.max_model_len=256"),
     (["data.max_episode_tokens=300"], None),
+    # data=calculator composes the local pipeline's dynamic-sampling keys; refilling is not built for episodes.
+    (["data.dynamic_sampling=true"], "data.dynamic_sampling=true is not built for multi-turn episodes"),
 ])
 def test_start_up_refuses_an_episode_bound_past_the_sequence_bounds(overrides, needle):
     from hydra import compose, initialize_config_dir

@@ -234,6 +234,9 @@ def check_data(cfg: DictConfig, experiment: str | None = None) -> None:
         if max_episode is not None and max_len is not None and max_episode > max_len:
             raise ConfigError(f"data.max_episode_tokens={max_episode} is more than {bound}={max_len}, which bounds "
                               f"a whole episode; lower data.max_episode_tokens (null = model.max_seq_len) or raise {bound}")
+    if "max_turns" in cfg.data and cfg.data.get("dynamic_sampling", False):
+        raise ConfigError("data.dynamic_sampling=true is not built for multi-turn episodes yet (the episode runner "
+                          "plays one round per step); set data.dynamic_sampling=false")
     per_step = int(cfg.data.get("prompts_per_step", 0)) * int(cfg.data.get("group_size", 0))
     needed = cfg.train.micro_batch_size * cfg.train.grad_accum
     if per_step < needed:

@@ -45,7 +45,11 @@ class MultiTurnPipeline(LocalRolloutPipeline):
         top_p: float = 1.0,
         seeded_sampling: bool = True,
         rollout_logprobs: bool = True,
+        dynamic_sampling: bool = False,
+        max_refill_rounds: int = 3,
     ) -> None:
+        if dynamic_sampling:  # rollout_batch below plays one round of episodes; refilling is the local pipeline's
+            raise ValueError("data.dynamic_sampling is not built for multi-turn episodes yet; set it to false")
         super().__init__(task, rewards, prompts_per_step, group_size, max_new_tokens, temperature, top_p,
                          seeded_sampling, rollout_logprobs)
         if not isinstance(self.task, EnvironmentTask):

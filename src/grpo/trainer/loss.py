@@ -196,11 +196,7 @@ class GRPOLoss:
             obj = obj * r["tis_w"]
         per_token = -obj
 
-        kl_ref = r["rollout"]
-        if ref_logprobs is not None:
-            ref = ref_logprobs.to(logprobs.dtype)
-            kl_ref = torch.where(valid & torch.isfinite(ref), ref, r["rollout"])
-        kl = self.kl(logprobs, kl_ref)
+        kl = self.kl(logprobs, self._kl_reference(r["rollout"], ref_logprobs, valid))
         if self.kl_coef > 0:
             per_token = per_token + self.kl_coef * kl
 
@@ -213,6 +209,14 @@ class GRPOLoss:
             return loss, {}
         return loss, {**self._metrics(logprobs.detach(), r, adv, mask, valid, kl, dual_active),
                       **self._mismatch_metrics(r, mask)}
+
+    @staticmethod
+    def _kl_reference(rollout: torch.Tensor, ref_logprobs: Optional[torch.Tensor], valid: torch.Tensor) -> torch.Tensor:
+        """The log-probs the KL term measures against: the reference model's where given, else the rollout's."""
+        if ref_logprobs is None:
+            return rollout
+        ref = ref_logprobs.to(rollout.dtype)
+        return torch.where(valid & torch.isfinite(ref), ref, rollout)
 
     def _ratios(
         self, logprobs: torch.Tensor, inference_logprobs: torch.Tensor, valid: torch.Tensor,
