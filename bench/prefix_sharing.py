@@ -76,7 +76,7 @@ def measure(shape: str, threads: int, rounds: int) -> dict:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from grpo.pipeline.batch import prepare_batch
+    from grpo.pipeline.batching import prepare_batch
     from grpo.recipes.warmstart import build_warmstart_dir
 
     torch.set_num_threads(threads)

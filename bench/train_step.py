@@ -5,7 +5,7 @@
 One optimizer step on one micro-batch of B sequences (prompt P tokens, completions of random length in [C/2, C]),
 full fine-tuning, AdamW (lr 1e-6), gradient clip 1.0, clip eps 0.2, no KL, token-mean over the batch:
 
-- ours: ``grpo.pipeline.batch.prepare_batch`` (outside the timed region) → ``grpo.trainer.logprobs.fused_token_loss``
+- ours: ``grpo.pipeline.batching.prepare_batch`` (outside the timed region) → ``grpo.trainer.logprobs.fused_token_loss``
   → ``grpo.trainer.loss.GRPOLoss(aggregation="token_mean")`` → backward → clip → ``build_optimizer`` AdamW step.
 - trl: a real ``trl.GRPOTrainer`` (dummy reward, one-row dataset, ``loss_type="dapo"`` = token sum / tokens in the
   batch, ``beta=0``, ``temperature=1``) and its own ``compute_loss(model, inputs)`` (→ ``_compute_loss`` →
@@ -74,7 +74,7 @@ def setup(args):
     n_tokens = int(d["cmask"].sum())
 
     if args.impl == "ours":
-        from grpo.pipeline.batch import prepare_batch
+        from grpo.pipeline.batching import prepare_batch
         from grpo.trainer.logprobs import fused_token_loss
         from grpo.trainer.loss import GRPOLoss
         from grpo.trainer.optim import build_optimizer

@@ -13,7 +13,7 @@ from typing import Any, Optional
 from grpo.pipeline.atropos_env import GRPOTaskEnv
 from grpo.pipeline.environment import TurnRenderer
 from grpo.pipeline.tasks import Prompt
-from grpo.trainer.batch import IGNORE_INDEX
+from grpo.trainer.train_batch import IGNORE_INDEX
 
 TURNS = 3
 

@@ -17,7 +17,7 @@ from grpo.algorithms.policy import POLICY_OBJECTIVES, ClipRange
 from grpo.algorithms.registry import Registry
 from grpo.algorithms.schedules import LR_SCHEDULES
 from grpo.conf import CONFIG_DIR
-from grpo.pipeline.batch import prepare_batch
+from grpo.pipeline.batching import prepare_batch
 
 F64 = torch.float64
 
@@ -142,7 +142,7 @@ def best_gets_one(scores, batch_scores):
 
 from hydra import compose, initialize_config_dir
 from grpo.config import register_configs
-from grpo.pipeline.batch import prepare_batch
+from grpo.pipeline.batching import prepare_batch
 
 register_configs()
 with initialize_config_dir(config_dir={str(conf)!r}, version_base="1.3"):
@@ -195,7 +195,7 @@ def test_the_documented_own_estimator_example_runs(tmp_path):
     script = f"""
 import runpy
 runpy.run_path({str(example)!r})
-from grpo.pipeline.batch import prepare_batch
+from grpo.pipeline.batching import prepare_batch
 groups = [{{"tokens": [[1, 2, 3]] * 3, "masks": [[-100, 2, 3]] * 3, "scores": [0.0, 2.0, 2.0]}}]
 batch = prepare_batch(groups, advantage_norm="best_gets_one", max_seq_len=8, micro_batch_size=4, pad_token_id=0)
 print(batch.micro_batches[0].advantages.tolist())

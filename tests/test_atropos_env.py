@@ -15,7 +15,7 @@ import pytest
 from grpo.inference.client import Endpoint
 from grpo.pipeline.atropos import AtroposPipeline
 from grpo.pipeline.base import PipelineContext
-from grpo.trainer.batch import IGNORE_INDEX
+from grpo.trainer.train_batch import IGNORE_INDEX
 from test_atropos_pipeline import _start_run_api, _stop
 
 pytestmark = [pytest.mark.vllm]

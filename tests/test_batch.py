@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from grpo.pipeline.batch import BatchError, prepare_batch
+from grpo.pipeline.batching import BatchError, prepare_batch
 
 PAD = 256
 VOCAB = 259

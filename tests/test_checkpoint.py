@@ -285,7 +285,7 @@ def test_a_damaged_latest_checkpoint_is_refused_at_start_up_naming_the_file_and_
     from omegaconf import OmegaConf
 
     from grpo.config.run_dir import check_resume_has_steps_left
-    from grpo.options import ConfigError
+    from grpo.config_values import ConfigError
     from grpo.trainer.checkpoint import checkpoint_problems
 
     model = load(tiny_qwen2_dir)

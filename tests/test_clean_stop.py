@@ -110,7 +110,7 @@ def test_a_resume_into_another_dir_stopped_before_its_first_checkpoint_names_the
 
     from grpo.config import ConfigError
     from grpo.config.run_dir import check_run_dir_unused, raise_for_resume_dir
-    from grpo.run import record_provenance
+    from grpo.run_records import record_provenance
     from grpo.stop import report_stop
 
     a, b = tmp_path / "A", tmp_path / "B"

@@ -320,7 +320,7 @@ def test_instantiation_cause_is_the_error_the_config_caused():
     from hydra.errors import InstantiationException
     from hydra.utils import instantiate
 
-    from grpo.options import instantiation_cause
+    from grpo.config_values import instantiation_cause
 
     # A component that instantiates a node of its own in __init__ (as pipelines build their task): two wrappers,
     # which a one-level unwrap (the loss check's and the data build's before) left as a traceback.
@@ -340,7 +340,7 @@ def test_a_hub_model_in_the_local_cache_is_checked_against_model_num_layers(tmp_
     only the first blocks, silently (local directories were already checked; hub ids were not)."""
     import huggingface_hub.constants
 
-    from grpo.options import ConfigError
+    from grpo.config_values import ConfigError
     from grpo.recipes.model_checks import check_model
 
     repo = tmp_path / "models--acme--deep-7b"
@@ -394,7 +394,7 @@ def test_mode_none_reload_is_a_setting_the_readme_can_offer():
     assert _compose(["mode=none"]).mode.reload == "inplace"
     assert instantiate(_compose(["mode=none", "mode.reload=restart"]).mode).reload == "restart"
     from grpo.config.validate import validate
-    from grpo.options import ConfigError
+    from grpo.config_values import ConfigError
 
     with pytest.raises(ConfigError, match="mode.reload=bogus is not one of inplace, restart"):
         validate(_compose(["mode=none", "mode.reload=bogus"]))

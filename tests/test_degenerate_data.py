@@ -11,7 +11,7 @@ import math
 import pytest
 import torch
 
-from grpo.pipeline.batch import WarnOnce
+from grpo.pipeline.batching import WarnOnce
 from test_batch import make_group, prep
 
 DEGENERATE_KEYS = ("data/no_loss_token_groups", "data/no_loss_token_sequences", "data/impossible_logprobs",

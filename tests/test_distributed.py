@@ -20,12 +20,12 @@ from grpo.conf import CONFIG_DIR
 from grpo.config import ConfigError, register_configs
 from grpo.inference.process import parallel_sizes
 from grpo.pipeline.base import BatchShape, DataPipeline
-from grpo.pipeline.distributed import FollowerPipeline, LeaderPipeline
+from grpo.pipeline.rank_broadcast import FollowerPipeline, LeaderPipeline
 from grpo.sync.base import SyncStrategy
 from grpo.sync.buckets import Bucket, pack, pack_bucket, plan_buckets, unpack_bucket
 from grpo.sync.follower import FollowerSync
-from grpo.trainer.batch import IGNORE_INDEX
 from grpo.trainer.metrics import NullMetrics
+from grpo.trainer.train_batch import IGNORE_INDEX
 from grpo.weights.params import full_state_dict, iter_full_params
 
 REPO = Path(__file__).resolve().parents[1]
@@ -315,19 +315,19 @@ def _train_one_step(rank: int, world: int, port: int, model_dir: str, out_root: 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from grpo.config.schema import LoggingConfig, TrainConfig
-    from grpo.trainer import distributed
+    from grpo.trainer import fsdp
     from grpo.trainer.checkpoint import CheckpointManager
     from grpo.trainer.loop import GRPOTrainer
     from grpo.trainer.metrics import MetricsLogger
     from grpo.trainer.optim import build_scheduler
 
     torch.manual_seed(0)
-    info = distributed.init_from_env("cpu")
+    info = fsdp.init_from_env("cpu")
     run_dir = Path(out_root) / f"world{world}_rank{rank}"
     run_dir.mkdir(parents=True)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     if info.enabled:
-        distributed.shard_model(model)
+        fsdp.shard_model(model)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
     cfg = OmegaConf.structured(TrainConfig(steps=1, micro_batch_size=2, grad_accum=3, checkpoint_every=1,
                                            max_grad_norm=None))
@@ -343,7 +343,7 @@ def _train_one_step(rank: int, world: int, port: int, model_dir: str, out_root: 
         checkpoints=CheckpointManager(run_dir, keep=1),
         metrics=MetricsLogger(run_dir, log_cfg, cfg, 1, 0) if rank0 else NullMetrics(),
         device=info.device, start_step=0, dist=info,
-        logprob_fn=distributed.sharded_token_logprobs(model) if info.enabled else None,
+        logprob_fn=fsdp.sharded_token_logprobs(model) if info.enabled else None,
     )
     trainer.fit()
     trainer.metrics.close()
@@ -359,7 +359,7 @@ def _train_one_step(rank: int, world: int, port: int, model_dir: str, out_root: 
         # Both ranks leave together: rank 1 tearing gloo down while rank 0 still wrote its files once aborted rank 1
         # ("terminate called without an active exception", SIGABRT) in a full-suite run on a loaded 2-core machine.
         torch.distributed.barrier()
-    distributed.destroy()
+    fsdp.destroy()
 
 
 @pytest.fixture(scope="module")
@@ -450,7 +450,7 @@ def _fsdp_phase(info, model_dir: str, run_dir: Path, steps: int, resume: Path | 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from grpo.config.schema import LoggingConfig, TrainConfig
-    from grpo.trainer import distributed
+    from grpo.trainer import fsdp
     from grpo.trainer.checkpoint import CheckpointManager
     from grpo.trainer.loop import GRPOTrainer
     from grpo.trainer.loss import GRPOLoss
@@ -458,7 +458,7 @@ def _fsdp_phase(info, model_dir: str, run_dir: Path, steps: int, resume: Path | 
     from grpo.trainer.optim import build_scheduler
 
     rank0 = info.is_rank0
-    model = distributed.shard_model(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32))
+    model = fsdp.shard_model(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32))
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
     scheduler = build_scheduler(optimizer, "cosine", 1, 4)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
@@ -478,7 +478,7 @@ def _fsdp_phase(info, model_dir: str, run_dir: Path, steps: int, resume: Path | 
         sync=_GatherSync() if rank0 else FollowerSync(),
         checkpoints=CheckpointManager(run_dir, keep=1),
         metrics=MetricsLogger(run_dir, log_cfg, cfg, steps, start) if rank0 else NullMetrics(),
-        device=info.device, start_step=start, dist=info, logprob_fn=distributed.sharded_token_logprobs(model),
+        device=info.device, start_step=start, dist=info, logprob_fn=fsdp.sharded_token_logprobs(model),
     )
     trainer.fit()
     trainer.metrics.close()
@@ -491,9 +491,9 @@ def _fsdp_phase(info, model_dir: str, run_dir: Path, steps: int, resume: Path | 
 def _resume_worker(rank: int, world: int, port: int, model_dir: str, out_root: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank))
-    from grpo.trainer import distributed
+    from grpo.trainer import fsdp
 
-    info = distributed.init_from_env("cpu")
+    info = fsdp.init_from_env("cpu")
     out = Path(out_root)
     runs = {name: out / f"{name}_rank{rank}" for name in ("straight", "first")}
     for d in runs.values():
@@ -509,7 +509,7 @@ def _resume_worker(rank: int, world: int, port: int, model_dir: str, out_root: s
         torch.save({"straight": straight, "first": first, "resumed": resumed, "straight_rows": straight_rows,
                     "resumed_rows": resumed_rows}, out / "resume_results.pt")
     torch.distributed.barrier()  # both ranks leave together (see _train_one_step)
-    distributed.destroy()
+    fsdp.destroy()
 
 
 def test_fsdp2_two_plus_two_steps_with_resume_equal_four_straight(tmp_path, tiny_qwen2_dir):

@@ -12,7 +12,7 @@ import pytest
 
 from grpo.inference.client import Endpoint
 from grpo.pipeline.base import BatchShape, PipelineContext
-from grpo.pipeline.batch import prepare_batch
+from grpo.pipeline.batching import prepare_batch
 from grpo.pipeline.dynamic_sampling import informative, refill
 from grpo.pipeline.group import Group
 from grpo.pipeline.local import LocalRolloutPipeline

@@ -296,7 +296,7 @@ def test_training_metrics_identical_with_eval_on_and_off(eval_run, tmp_path, tra
 
 
 def test_objective_selects_last_eval_value(tmp_path):
-    from grpo.run import check_objective, objective_value
+    from grpo.run_records import check_objective, objective_value
 
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in [
         {"step": 0, "eval/accuracy": 0.1}, {"step": 1, "reward/mean": 0.5},
@@ -313,8 +313,8 @@ def test_objective_selects_last_eval_value(tmp_path):
 def test_an_objective_that_names_no_metric_is_a_config_error_at_start_up_not_after_the_run(tmp_path):
     """Before, `train.objective=eval/acuracy` trained the whole run, then ended in a ValueError traceback that also
     turned the completed run's summary.json into 'failed'; `eval=off train.objective=eval/accuracy` was a traceback."""
-    from grpo.options import ConfigError
-    from grpo.run import check_objective, objective_value
+    from grpo.config_values import ConfigError
+    from grpo.run_records import check_objective, objective_value
 
     with pytest.raises(ConfigError, match="train.objective=eval/acuracy is not a metric the evaluator logs; did you "
                                           "mean eval/accuracy"):

@@ -13,7 +13,7 @@ from grpo.pipeline.base import PipelineContext
 from grpo.pipeline.local import LocalRolloutPipeline
 from grpo.pipeline.rewards import DigitFractionReward
 from grpo.pipeline.tasks import DigitsTask
-from grpo.trainer.batch import IGNORE_INDEX
+from grpo.trainer.train_batch import IGNORE_INDEX
 
 
 def _data_cfg(name: str):
@@ -101,7 +101,7 @@ def test_config_errors(tokenizer):
 
 @pytest.mark.vllm
 def test_digits_groups_through_vllm(vllm_url, tokenizer):
-    from grpo.pipeline.batch import prepare_batch
+    from grpo.pipeline.batching import prepare_batch
 
     pipe = _pipeline("local_digits", prompts_per_step=4, group_size=4, temperature=0.8)
     pipe.setup(_ctx(tokenizer, vllm_url, version=7))
@@ -188,7 +188,7 @@ def test_seeded_sampling_repeats_the_step_and_unseeded_does_not(vllm_url, tokeni
 def test_rollouts_without_log_probs_sample_the_same_tokens_and_train_as_on_policy(vllm_url, tokenizer):
     import torch
 
-    from grpo.pipeline.batch import prepare_batch
+    from grpo.pipeline.batching import prepare_batch
     from grpo.trainer.loss import GRPOLoss
 
     def step_0(rollout_logprobs: bool) -> list:
@@ -219,7 +219,7 @@ def test_rollouts_without_log_probs_sample_the_same_tokens_and_train_as_on_polic
 
 @pytest.mark.vllm
 def test_gsm8k_groups_and_length_cap(vllm_url, tokenizer):
-    from grpo.pipeline.batch import prepare_batch
+    from grpo.pipeline.batching import prepare_batch
 
     # max_seq_len leaves room for only a few completion tokens after the longest chat-rendered prompt.
     pipe = _pipeline("local_gsm8k", prompts_per_step=2, group_size=4, max_new_tokens=64)

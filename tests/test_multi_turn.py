@@ -30,7 +30,7 @@ from grpo.pipeline.environment import (
 from grpo.pipeline.episodes import EpisodeRunner
 from grpo.pipeline.multi_turn import MultiTurnPipeline
 from grpo.pipeline.tasks import Prompt
-from grpo.trainer.batch import IGNORE_INDEX
+from grpo.trainer.train_batch import IGNORE_INDEX
 
 
 @pytest.fixture(scope="module")
@@ -263,7 +263,7 @@ def test_environment_tokens_get_no_gradient_and_sampler_logprobs_match_the_train
     logits there is zero; at model tokens the trainer's fp32 log-probs equal vLLM's."""
     from transformers import AutoModelForCausalLM
 
-    from grpo.pipeline.batch import prepare_batch
+    from grpo.pipeline.batching import prepare_batch
     from grpo.trainer.loss import GRPOLoss
 
     _, episodes, _, groups = played
@@ -362,7 +362,7 @@ def test_atropos_multi_turn_groups_train_on_the_assistant_segments_only(vllm_ser
     from transformers import AutoModelForCausalLM
 
     from grpo.pipeline.atropos import AtroposPipeline
-    from grpo.pipeline.batch import prepare_batch
+    from grpo.pipeline.batching import prepare_batch
     from multi_turn_env import TURNS, user_message
     from test_atropos_pipeline import _start_run_api, _stop
 

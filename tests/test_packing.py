@@ -11,14 +11,14 @@ import torch
 from omegaconf import OmegaConf
 
 from grpo.config.schema import TrainConfig
-from grpo.pipeline.batch import prepare_batch
+from grpo.pipeline.batching import prepare_batch
 from grpo.pipeline.group import Group
-from grpo.trainer.batch import IGNORE_INDEX, BatchSource
 from grpo.trainer.logprobs import fused_token_loss, packed_inputs, token_logprobs
 from grpo.trainer.loop import GRPOTrainer
 from grpo.trainer.loss import GRPOLoss
 from grpo.trainer.metrics import NullMetrics
 from grpo.trainer.minibatch import token_budget_groups, token_budget_split, update_plan
+from grpo.trainer.train_batch import IGNORE_INDEX, BatchSource
 
 
 def _model(model_dir):

@@ -15,16 +15,16 @@ from omegaconf import OmegaConf
 
 from grpo.config.schema import LoggingConfig, TrainConfig
 from grpo.pipeline.base import BatchShape, DataPipeline
-from grpo.pipeline.batch import prepare_batch
+from grpo.pipeline.batching import prepare_batch
 from grpo.pipeline.group import Group
 from grpo.sync.base import SyncStrategy
-from grpo.trainer.batch import IGNORE_INDEX
 from grpo.trainer.checkpoint import CheckpointManager
 from grpo.trainer.loop import GRPOTrainer
 from grpo.trainer.loss import CISPOLoss, GRPOLoss, GSPOLoss
 from grpo.trainer.metrics import MetricsLogger
 from grpo.trainer.minibatch import split_mini_batches, update_plan
 from grpo.trainer.optim import build_scheduler
+from grpo.trainer.train_batch import IGNORE_INDEX
 
 
 def _groups(seed: int, n_groups: int = 2, group_size: int = 4) -> list[Group]:

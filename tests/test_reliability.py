@@ -218,7 +218,7 @@ def test_low_disk_is_a_clear_error(tmp_path, monkeypatch):
 # ---------------------------------------------------------------------------------------------------- Atropos input
 def _loss_is_finite(groups: list[dict], missing: int) -> None:
     """prepare_batch counts `missing` sequences without log-probs and the GRPO loss over them stays finite."""
-    from grpo.pipeline.batch import prepare_batch
+    from grpo.pipeline.batching import prepare_batch
     from grpo.trainer.loss import GRPOLoss
 
     batch = prepare_batch(groups, advantage_norm="group", max_seq_len=64, micro_batch_size=8, pad_token_id=0,

@@ -293,7 +293,7 @@ def test_served_weights_skip_the_fsyncs_and_stay_loadable(tiny_qwen2_dir, tmp_pa
 def test_a_resume_keeps_each_earlier_sessions_record_in_order(tmp_path):
     """Before, a resume in place wrote its .hydra/ and provenance.json over the earlier session's: the command and
     config of the run's first session were gone. Now each is moved into sessions/NN/ first."""
-    from grpo.run import keep_earlier_session
+    from grpo.run_records import keep_earlier_session
 
     run = tmp_path / "run"
     run.mkdir()
@@ -345,7 +345,7 @@ def test_each_session_gets_its_own_vllm_log(tmp_path):
     import sys
 
     from conftest import REPO
-    from grpo.run import keep_earlier_server_log
+    from grpo.run_records import keep_earlier_server_log
 
     run = tmp_path / "run"
     (run / "logs").mkdir(parents=True)

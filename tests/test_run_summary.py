@@ -9,7 +9,7 @@ import re
 import pytest
 
 from grpo.conf import CONFIG_DIR
-from grpo.run import RunSummary
+from grpo.run_records import RunSummary
 
 
 def test_first10_and_last10_reward_means_cover_every_step_of_a_resumed_run(tmp_path):
@@ -27,7 +27,7 @@ def test_first10_and_last10_reward_means_cover_every_step_of_a_resumed_run(tmp_p
 
 def test_a_run_with_only_its_first_evaluation_does_not_read_as_no_change(tmp_path):
     """eval.at_end=false and no eval inside the run: the line said "held-out accuracy 0.382 -> 0.382"."""
-    from grpo.run import done_message
+    from grpo.run_records import done_message
 
     rows = [{"step": 0, "eval/accuracy": 0.382}, {"step": 1, "reward/mean": 0.5}]
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
@@ -38,7 +38,7 @@ def test_a_run_with_only_its_first_evaluation_does_not_read_as_no_change(tmp_pat
 def test_steps_run_counts_optimizer_steps_when_a_rollout_batch_has_several(tmp_path):
     """train.ppo_epochs x train.mini_batches = 4: a 4-step run has one rollout batch (its reward on the batch's first
     row). summary.json and the done line said "1 steps" while grpo.report said 4."""
-    from grpo.run import done_message
+    from grpo.run_records import done_message
 
     rows = [{"step": 1, "reward/mean": 0.5, "loss": 0.1}, {"step": 2, "loss": 0.2}, {"step": 3, "loss": 0.1},
             {"step": 4, "loss": 0.0}]
@@ -82,7 +82,7 @@ def test_report_of_a_dir_without_runs_is_a_one_line_error(tmp_path, capsys, make
 
 def test_a_completed_run_ends_with_a_line_saying_how_it_went_and_where_its_outputs_are(tmp_path):
     """Before, a run ended with its progress bar: the run dir was named only among the start-up lines."""
-    from grpo.run import done_message
+    from grpo.run_records import done_message
 
     rows = [{"step": 0, "eval/accuracy": 0.25}, {"step": 1, "reward/mean": 0.5},
             {"step": 2, "reward/mean": 0.7, "eval/accuracy": 0.5}]
@@ -98,8 +98,8 @@ def test_resuming_a_run_with_another_model_or_data_is_refused_naming_the_runs_co
     overrides) continued the tiny digits run on the default job's model name and arithmetic data, silently."""
     from omegaconf import OmegaConf
 
-    from grpo.options import ConfigError
-    from grpo.run import check_resume_identity, record_provenance
+    from grpo.config_values import ConfigError
+    from grpo.run_records import check_resume_identity, record_provenance
 
     def cfg(offline: str, data: str):
         return OmegaConf.create({"train": {"resume": str(tmp_path)}, "model": {
@@ -131,8 +131,8 @@ def test_resuming_with_another_optimizer_layers_or_lora_shape_is_refused_before_
     from hydra import compose, initialize_config_dir
 
     from grpo.config import register_configs
-    from grpo.options import ConfigError
-    from grpo.run import check_resume_identity, record_provenance
+    from grpo.config_values import ConfigError
+    from grpo.run_records import check_resume_identity, record_provenance
 
     register_configs()
     with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
@@ -151,7 +151,7 @@ def test_a_second_trainer_in_a_run_dir_in_use_stops_naming_the_holder(tmp_path):
     import sys
     from pathlib import Path
 
-    from grpo.run import lock_run_dir, unlock_run_dir
+    from grpo.run_records import lock_run_dir, unlock_run_dir
 
     run = tmp_path / "run"
     lock_run_dir(run)  # this process is the running trainer
@@ -176,7 +176,7 @@ def test_a_summary_that_cannot_be_written_is_logged_and_never_left_half_written(
     summary.finish([0.5])
     first = (tmp_path / "summary.json").read_text()
     (tmp_path / ".summary.json.tmp").mkdir()  # the temporary file cannot be written
-    with caplog.at_level(logging.ERROR, logger="grpo.run"):
+    with caplog.at_level(logging.ERROR, logger="grpo.run_records"):
         summary.fail(RuntimeError("the run's own error"))
     assert "could not write" in caplog.text and "failed" in caplog.text
     assert (tmp_path / "summary.json").read_text() == first  # the earlier record, whole
@@ -199,10 +199,10 @@ def test_a_finished_trainer_leaves_no_lock_file_and_a_killed_ones_is_taken_over(
     import subprocess
     import sys
 
-    from grpo.run import lock_run_dir, unlock_run_dir
+    from grpo.run_records import lock_run_dir, unlock_run_dir
 
     run = tmp_path / "run"
-    code = f"from pathlib import Path; from grpo.run import lock_run_dir; lock_run_dir(Path({str(run)!r}))"
+    code = f"from pathlib import Path; from grpo.run_records import lock_run_dir; lock_run_dir(Path({str(run)!r}))"
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
     assert run.is_dir() and not (run / ".grpo.lock").exists()
     (run / ".grpo.lock").write_text("pid 999999999\n")  # a killed trainer's: no process holds the lock

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from grpo.config import ConfigError
-from grpo.pipeline.batch import prepare_batch
+from grpo.pipeline.batching import prepare_batch
 from grpo.pipeline.group import Group
 from grpo.trainer.loss import GRPOLoss
 from grpo.trainer.minibatch import without_zero_advantage_rows

@@ -370,7 +370,7 @@ def test_an_external_server_that_does_not_answer_is_a_config_error(tmp_path):
 
     from omegaconf import OmegaConf
 
-    from grpo.options import ConfigError
+    from grpo.config_values import ConfigError
     from grpo.sync.base import SyncContext
     from grpo.sync.save_and_reload import SaveAndReloadSync
 

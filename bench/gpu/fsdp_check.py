@@ -24,7 +24,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "src"))
 from grpo.pipeline.base import DataPipeline  # noqa: E402  (after the sys.path insert)
 from grpo.sync.base import SyncStrategy  # noqa: E402
-from grpo.trainer.batch import IGNORE_INDEX  # noqa: E402
+from grpo.trainer.train_batch import IGNORE_INDEX  # noqa: E402
 
 
 def groups(n_groups: int = 4, group_size: int = 4, seed: int = 1) -> list[dict]:
@@ -97,9 +97,9 @@ def run(out: str, preset: str, device: str = "cuda") -> None:
 
     from grpo.config.schema import LoggingConfig, TrainConfig
     from grpo.models.tiny import build_model_dir
-    from grpo.pipeline.distributed import FollowerPipeline, LeaderPipeline
+    from grpo.pipeline.rank_broadcast import FollowerPipeline, LeaderPipeline
     from grpo.sync.follower import FollowerSync
-    from grpo.trainer import distributed
+    from grpo.trainer import fsdp
     from grpo.trainer.checkpoint import CheckpointManager
     from grpo.trainer.loop import GRPOTrainer
     from grpo.trainer.loss import GRPOLoss
@@ -107,7 +107,7 @@ def run(out: str, preset: str, device: str = "cuda") -> None:
     from grpo.trainer.optim import build_scheduler
 
     torch.manual_seed(0)
-    info = distributed.init_from_env(device)
+    info = fsdp.init_from_env(device)
     if info.enabled and not info.is_rank0:
         torch.distributed.barrier()
     model_dir = build_model_dir(preset, seed=0, dtype="float32")
@@ -115,7 +115,7 @@ def run(out: str, preset: str, device: str = "cuda") -> None:
         torch.distributed.barrier()
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(info.device)
     if info.enabled:
-        distributed.shard_model(model)
+        fsdp.shard_model(model)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
     cfg = OmegaConf.structured(TrainConfig(steps=1, micro_batch_size=2, grad_accum=4, checkpoint_every=1000,
                                            max_grad_norm=None))
@@ -133,7 +133,7 @@ def run(out: str, preset: str, device: str = "cuda") -> None:
         train_cfg=cfg, model=model, tokenizer=tokenizer, optimizer=optimizer,
         scheduler=build_scheduler(optimizer, "constant", 0, 1), loss_fn=GRPOLoss(), pipeline=pipeline, sync=sync,
         checkpoints=CheckpointManager(run_dir, keep=1), metrics=metrics, device=info.device,
-        start_step=0, dist=info, logprob_fn=distributed.sharded_token_logprobs(model) if info.enabled else None,
+        start_step=0, dist=info, logprob_fn=fsdp.sharded_token_logprobs(model) if info.enabled else None,
     )
     t0 = time.perf_counter()
     trainer.fit()
@@ -145,7 +145,7 @@ def run(out: str, preset: str, device: str = "cuda") -> None:
             "logprob_diff": row["grpo/logprob_diff"], "checksum_after_step": sync.checksum,
             "gather_seconds": sync.seconds, "step_seconds": time.perf_counter() - t0,
             "device": torch.cuda.get_device_name(info.device) if info.device.type == "cuda" else "cpu"}, indent=1))
-    distributed.destroy()
+    fsdp.destroy()
 
 
 def compare(a: str, b: str) -> None:

@@ -19,21 +19,21 @@ from hydra.errors import InstantiationException
 from hydra.utils import get_class, instantiate
 from omegaconf import DictConfig
 
+from grpo.config_values import ConfigError, instantiation_cause
 from grpo.models.loading import load_tokenizer, pick_device
-from grpo.options import ConfigError, instantiation_cause
 from grpo.pipeline.base import BatchShape, DataPipeline, PipelineContext
-from grpo.pipeline.distributed import FollowerPipeline, LeaderPipeline
 from grpo.pipeline.evaluation import EvalContext, Evaluator, build_evaluator
+from grpo.pipeline.rank_broadcast import FollowerPipeline, LeaderPipeline
 from grpo.pipeline.rollout_queue import AsyncRollouts
 from grpo.recipes.initial_weights import resolve_model_dir
 from grpo.recipes.trainable_model import build_model
-from grpo.run import check_objective, release_device_memory
+from grpo.run_records import check_objective, release_device_memory
 from grpo.serving.checks import check_server_fits_model
 from grpo.sync.base import SyncContext, SyncStrategy
 from grpo.sync.follower import FollowerSync
-from grpo.trainer import distributed
+from grpo.trainer import fsdp
 from grpo.trainer.checkpoint import CheckpointManager, read_trainer_state
-from grpo.trainer.distributed import DistInfo
+from grpo.trainer.fsdp import DistInfo
 from grpo.trainer.loop import GRPOTrainer, rollout_batches
 from grpo.trainer.metrics import MetricsLogger, NullMetrics
 from grpo.trainer.optim import build_optimizer, build_scheduler
@@ -71,7 +71,7 @@ class RunParts:
         closed even when one before it raises: the server this run started is always stopped."""
         with contextlib.ExitStack() as teardown:
             if self.dist is not None:
-                teardown.callback(distributed.destroy)
+                teardown.callback(fsdp.destroy)
             teardown.callback(self.sync.shutdown)
             teardown.callback(release_device_memory)
             for part in (self.trainer, self.data, self.evaluator, self.metrics):  # run last to first: metrics first
@@ -130,9 +130,9 @@ def build_data(cfg: DictConfig) -> DataPipeline:
 
 def start_processes(cfg: DictConfig) -> tuple[DistInfo | None, torch.device]:
     """Under torchrun, join the process group (FSDP2 across the ranks); returns (DistInfo or None, device)."""
-    if distributed.world_size() <= 1:
+    if fsdp.world_size() <= 1:
         return None, pick_device(cfg.train.device)
-    dist_info = distributed.init_from_env(cfg.train.device)
+    dist_info = fsdp.init_from_env(cfg.train.device)
     return dist_info, dist_info.device
 
 
@@ -217,6 +217,6 @@ def build_trainer(parts: RunParts) -> GRPOTrainer:
         loss_fn=parts.loss_fn, pipeline=source, sync=sync, checkpoints=checkpoints, metrics=parts.metrics,
         device=parts.device, start_step=start_step, start_batch=start_batch, dist=parts.dist,
         evaluator=parts.evaluator,
-        logprob_fn=distributed.sharded_token_logprobs(model) if parts.dist is not None else None,
+        logprob_fn=fsdp.sharded_token_logprobs(model) if parts.dist is not None else None,
     )
     return parts.trainer

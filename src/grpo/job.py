@@ -14,10 +14,10 @@ from typing import Any, NoReturn
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 
+from grpo.config_values import ConfigError
 from grpo.inference.process import ServerStartError
-from grpo.options import ConfigError
 from grpo.pipeline.base import DataSourceError
-from grpo.run import (
+from grpo.run_records import (
     RunSummary,
     device_memory,
     discard_unstarted_run_dir,

@@ -26,7 +26,7 @@ from grpo.conf import CONFIG_DIR
 from grpo.config import ConfigError, register_configs, validate
 from grpo.config.command_line import check_command_line, rank_hydra_args
 from grpo.job import Job, config_error, interrupt_on_sigterm
-from grpo.run import check_resume_identity
+from grpo.run_records import check_resume_identity
 from grpo.trainer.metrics import plot_curves
 
 register_configs()

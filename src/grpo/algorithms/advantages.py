@@ -2,7 +2,7 @@
 
 Each is ``fn(scores, batch_scores) -> advantages``: ``scores`` is the group's ``[G]`` float64 rewards,
 ``batch_scores`` every reward of the optimizer step's batch ``[N]`` (for estimators that normalise across groups);
-the result is ``[G]``. The batcher (`grpo.pipeline.batch`) calls the estimator for each group whose data source sent
+the result is ``[G]``. The batcher (`grpo.pipeline.batching`) calls the estimator for each group whose data source sent
 no advantages. Register your own with ``@ADVANTAGE_ESTIMATORS.register("name")`` before the config schema is imported
 (docs/algorithms.md, "An estimator of your own"), or pass the function itself to ``prepare_batch(advantage_norm=...)``.
 """

@@ -17,7 +17,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from grpo.conf import CONFIG_DIR
 from grpo.config.command_line import command_name
-from grpo.options import ConfigError
+from grpo.config_values import ConfigError
 from grpo.pipeline.evaluation import ATROPOS_EVAL_EXAMPLE, eval_enabled
 from grpo.pipeline.local import LocalRolloutPipeline
 

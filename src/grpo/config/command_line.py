@@ -20,7 +20,7 @@ from hydra.core.override_parser.overrides_parser import OverridesParser
 from omegaconf import OmegaConf
 from omegaconf.errors import ValidationError
 
-from grpo.options import ConfigError
+from grpo.config_values import ConfigError
 from grpo.schema import EvalConfig, RootConfig
 
 # Flags that add a config directory to Hydra's search path (`--config-dir DIR`, `-cd DIR`, `--config-dir=DIR`).

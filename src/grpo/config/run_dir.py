@@ -1,6 +1,6 @@
 """Checks of the run dir and of `train.resume` before a run writes anything: the dir is writable with room for
 checkpoints and holds no other run, a sweep's dir no earlier jobs, and a resume names a run dir with a complete,
-undamaged checkpoint and steps left. `validate` runs the run-dir checks of a job, `grpo.run.RunDirGuard` all of them
+undamaged checkpoint and steps left. `validate` runs the run-dir checks of a job, `grpo.run_records.RunDirGuard` all of them
 before Hydra writes `.hydra/` into the dir."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from typing import NoReturn
 
 from omegaconf import DictConfig
 
-from grpo.options import ConfigError
+from grpo.config_values import ConfigError
 from grpo.trainer.checkpoint import COMPLETE, CheckpointManager, checkpoint_problems, read_trainer_state
 
 # Below this much free space in the run dir, a full checkpoint of even a small model may not fit.
@@ -66,7 +66,7 @@ def check_sweep_dir_unused(sweep_dir: Path) -> None:
 
 def resumed_from(run_dir: Path) -> Path | None:
     """The run dir whose checkpoint `run_dir`'s run was resumed from into `run_dir` (provenance.json's
-    `resumed_from`, written by grpo.run.record_provenance); None for a fresh run or one resumed in place."""
+    `resumed_from`, written by grpo.run_records.record_provenance); None for a fresh run or one resumed in place."""
     try:
         given = json.loads((run_dir / "provenance.json").read_text()).get("resumed_from")
     except (OSError, ValueError, AttributeError):
@@ -100,7 +100,7 @@ def check_run_dir_unused(cfg: DictConfig, run_dir: Path) -> None:
 
 
 def check_resume_exists(cfg: DictConfig) -> None:
-    """`train.resume` names an existing path. Run by `grpo.run.RunDirGuard` before Hydra creates the run dir: a
+    """`train.resume` names an existing path. Run by `grpo.run_records.RunDirGuard` before Hydra creates the run dir: a
     resume's default run dir is train.resume, so a mistyped or pruned path was created (.hydra/, train.log) and then
     refused as having 'no complete checkpoint'. A checkpoint that no longer exists (train.keep_checkpoints prunes
     older ones) gets its run dir named."""

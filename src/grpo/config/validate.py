@@ -11,7 +11,7 @@ from omegaconf import DictConfig
 
 from grpo.config import checks
 from grpo.config.run_dir import check_resume_exists, check_resume_has_steps_left, check_run_dir, check_run_dir_unused
-from grpo.options import ConfigError, instantiation_cause, option
+from grpo.config_values import ConfigError, instantiation_cause, option
 from grpo.pipeline.local import LocalRolloutPipeline
 from grpo.pipeline.rollout_queue import check_batches_in_flight, queue_capacity
 from grpo.recipes.model_checks import check_model, check_model_files

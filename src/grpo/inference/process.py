@@ -18,9 +18,9 @@ from typing import Any, Mapping, Sequence
 
 import requests
 
+from grpo.config_values import ConfigError, option
 from grpo.inference import identity, vllm_plugin
 from grpo.inference.client import InferenceClient
-from grpo.options import ConfigError, option
 
 log = logging.getLogger(__name__)
 # Seconds before the first "starting vLLM ..." progress line, and the most between two: the gap doubles from the

@@ -33,7 +33,7 @@ from pydantic import Field
 from grpo.models.tiny import TINY_PRESETS, build_model_dir
 from grpo.pipeline.rewards import AnswerFormatReward, DigitFractionReward, MathAnswerReward
 from grpo.pipeline.tasks import DigitsTask, GSM8KTask, Prompt, Task
-from grpo.trainer.batch import IGNORE_INDEX
+from grpo.trainer.train_batch import IGNORE_INDEX
 
 log = logging.getLogger(__name__)
 

@@ -8,10 +8,10 @@ from pathlib import Path
 from typing import Any, Callable, ClassVar, Optional
 
 from grpo.inference.client import Endpoint
-from grpo.pipeline.batch import WarnOnce, prepare_batch
+from grpo.pipeline.batching import WarnOnce, prepare_batch
 from grpo.pipeline.group import Group
 from grpo.serving.gate import GenerationGate
-from grpo.trainer.batch import BatchSource, PreparedBatch
+from grpo.trainer.train_batch import BatchSource, PreparedBatch
 
 
 @dataclass(frozen=True)

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional, Union
 
 from grpo.pipeline.tasks import Prompt, Task
-from grpo.trainer.batch import IGNORE_INDEX
+from grpo.trainer.train_batch import IGNORE_INDEX
 
 # How an episode ended (Trajectory.end; each counted in the `episode/end_*` metrics).
 FINISHED, TURN_CUT, MAX_TURNS, MAX_TOKENS = "finished", "turn_cut", "max_turns", "max_tokens"

@@ -1,6 +1,6 @@
 """The wire format: one GRPO group (completions of one prompt), as Atropos' run-api hands it out and as the local
 rollout pipeline produces it. `parse_group` is the one validator of a group from outside; `Group` is what both
-pipelines hand to the batcher (grpo.pipeline.batch).
+pipelines hand to the batcher (grpo.pipeline.batching).
 
 Wire shape (atroposlib 0.4.0; docs/architecture.md):
 
@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from numbers import Real
 from typing import Any, Optional, Union
 
-from grpo.trainer.batch import IGNORE_INDEX
+from grpo.trainer.train_batch import IGNORE_INDEX
 
 # A sequence's advantage from the server: one number, or one per token (unshifted); None = from the scores.
 Advantage = Union[float, list[float], None]
@@ -105,7 +105,7 @@ def _is_int(x: Any) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
-# The trainer holds a group's numbers as float32 (grpo.pipeline.batch._collate), so the wire format stops at its
+# The trainer holds a group's numbers as float32 (grpo.pipeline.batching._collate), so the wire format stops at its
 # range: past it a score of 1e200 made its group's spread overflow to a zero advantage, an advantage of 1e39 stopped
 # the run in the batcher (no float32 holds it), a log-prob of -1e39 became -inf. torch.finfo(torch.float32).max:
 FLOAT32_MAX = 3.4028234663852886e38

@@ -16,8 +16,8 @@ from pathlib import Path
 from typing import Any, Mapping, Optional
 
 from grpo import faults
+from grpo.config_values import instantiation_cause
 from grpo.inference.client import InferenceClient
-from grpo.options import instantiation_cause
 from grpo.pipeline.base import DataPipeline, PipelineContext
 from grpo.pipeline.dynamic_sampling import refill
 from grpo.pipeline.group import Group

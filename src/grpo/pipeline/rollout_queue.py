@@ -65,10 +65,10 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from grpo.pipeline.base import DataPipeline, PipelineContext
-from grpo.pipeline.batch import WarnOnce
+from grpo.pipeline.batching import WarnOnce
 from grpo.pipeline.group import Group
 from grpo.schema.train import StalePolicy
-from grpo.trainer.batch import PreparedBatch
+from grpo.trainer.train_batch import PreparedBatch
 
 log = logging.getLogger(__name__)
 

@@ -14,10 +14,10 @@ from urllib.parse import urlparse
 from huggingface_hub import try_to_load_from_cache
 from omegaconf import DictConfig
 
+from grpo.config_values import ConfigError
 from grpo.models.loading import ATTN_IMPLEMENTATIONS
 from grpo.models.packaged import PACKAGED_MODELS, PackagedModelMissing, gguf_path
 from grpo.models.tiny import offline_presets
-from grpo.options import ConfigError
 from grpo.recipes.warmstart import WARMSTART_PRESETS
 
 # Files whose presence makes a directory a model: a config plus weights in any format transformers loads.

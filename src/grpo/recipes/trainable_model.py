@@ -9,11 +9,11 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig
 
+from grpo.config_values import ConfigError
 from grpo.models.loading import compile_decoder_layers, load_model, pick_dtype, prepare_for_training, set_attention
-from grpo.options import ConfigError
 from grpo.sync.base import SyncContext, SyncStrategy
-from grpo.trainer import distributed
-from grpo.trainer.distributed import DistInfo
+from grpo.trainer import fsdp
+from grpo.trainer.fsdp import DistInfo
 from grpo.trainer.layers import apply_lora, freeze_to_layers, resolve_layer_indices
 from grpo.trainer.prefix import unsupported_reason
 
@@ -46,7 +46,7 @@ def build_model(cfg: DictConfig, sync: SyncStrategy, sync_ctx: SyncContext, resu
     else:
         freeze_to_layers(model, indices)
     if dist_info is not None:
-        distributed.shard_model(model)
+        fsdp.shard_model(model)
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     log.info("model %s: %.2fM trainable parameters in layers %s", type(model).__name__, trainable / 1e6,
              cfg.layers.indices)

@@ -10,8 +10,8 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
+from grpo.config_values import ConfigError
 from grpo.inference.process import parallel_sizes
-from grpo.options import ConfigError
 
 
 def _port_free(host: str, port: int) -> bool:

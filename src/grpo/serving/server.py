@@ -16,9 +16,9 @@ from pathlib import Path
 from typing import Any, Mapping, Protocol, Sequence
 
 from grpo import faults
+from grpo.config_values import ConfigError, option
 from grpo.inference.client import Endpoint, InferenceClient, InferenceServerError, ServerUnreachable
 from grpo.inference.process import VLLMServer
-from grpo.options import ConfigError, option
 from grpo.serving.gate import GenerationGate
 
 log = logging.getLogger(__name__)

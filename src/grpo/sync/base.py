@@ -12,8 +12,8 @@ from typing import Any, ClassVar, Iterator, Literal, Mapping, Optional, Sequence
 
 import torch.nn as nn
 
+from grpo.config_values import ConfigError, option
 from grpo.inference.client import Endpoint, InferenceServerError
-from grpo.options import ConfigError, option
 from grpo.serving.server import InferenceServer, Replica
 from grpo.sync.arrival import check_arrival
 

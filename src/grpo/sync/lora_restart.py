@@ -11,7 +11,7 @@ from typing import Any
 
 import torch.nn as nn
 
-from grpo.options import ConfigError, option
+from grpo.config_values import ConfigError, option
 from grpo.sync.base import SyncContext, SyncStrategy
 from grpo.sync.weight_dirs import prune, save_and_load
 from grpo.weights.hf_dir import save_model_weights

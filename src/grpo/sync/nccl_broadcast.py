@@ -29,7 +29,7 @@ from typing import Any, Iterable
 import torch
 import torch.nn as nn
 
-from grpo.options import ConfigError, option
+from grpo.config_values import ConfigError, option
 from grpo.serving.server import Replica
 from grpo.sync.base import SyncContext, SyncStrategy
 from grpo.sync.buckets import Bucket, pack_bucket, plan_buckets

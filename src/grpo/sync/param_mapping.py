@@ -17,7 +17,7 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
-from grpo.options import option
+from grpo.config_values import option
 
 # HF projection -> (vLLM fused projection, index of the shard in the fused rows).
 FUSED_PROJECTIONS = {

@@ -29,8 +29,8 @@ from typing import Any
 
 import torch.nn as nn
 
+from grpo.config_values import ConfigError, option
 from grpo.inference.client import Endpoint, InferenceServerError
-from grpo.options import ConfigError, option
 from grpo.serving.server import Replica
 from grpo.sync.base import SyncContext, SyncStrategy
 from grpo.sync.weight_dirs import prune, save_and_load

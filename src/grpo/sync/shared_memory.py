@@ -29,9 +29,9 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from grpo.config_values import ConfigError
 from grpo.inference import vllm_plugin
 from grpo.inference.process import parallel_sizes
-from grpo.options import ConfigError
 from grpo.serving.server import Replica
 from grpo.sync.base import SyncContext, SyncStrategy
 from grpo.sync.param_mapping import MappingError, build_views, plan_mapping

@@ -33,7 +33,7 @@ import torch
 from torch import nn
 
 from grpo import faults
-from grpo.trainer import distributed
+from grpo.trainer import fsdp
 from grpo.weights import params
 from grpo.weights.hf_dir import (
     load_model_weights,
@@ -256,15 +256,15 @@ class CheckpointManager:
         it returns the checkpoint there and None elsewhere. It ends with a collective that carries rank 0's outcome,
         so no rank runs ahead of a checkpoint being written and a failed write raises on every rank."""
         model_state, optimizer_state = params.full_state_dicts(model, optimizer)
-        rng_states = distributed.gather_object(_rng_state())
+        rng_states = fsdp.gather_object(_rng_state())
         path, error = None, None
-        if distributed.is_rank0():
+        if fsdp.is_rank0():
             try:
                 path = self.save(step, model, tokenizer, optimizer, scheduler, state, model_state=model_state,
                                  optimizer_state=optimizer_state, rng_states=rng_states)
             except BaseException as e:  # noqa: BLE001 - re-raised below, after the other ranks have heard of it
                 error = e
-        failed = distributed.broadcast_object(None if error is None else repr(error))
+        failed = fsdp.broadcast_object(None if error is None else repr(error))
         if error is not None:
             raise error
         if failed is not None:
@@ -294,13 +294,13 @@ class CheckpointManager:
         optimizer_state: dict = {}
         small: Optional[dict] = None
         error: Optional[BaseException] = None
-        if distributed.is_rank0():
+        if fsdp.is_rank0():
             try:
                 model_state, optimizer_state, small = _read_checkpoint(path, model, optimizer, scheduler)
             except BaseException as e:  # noqa: BLE001 - re-raised below, after the other ranks have heard of it
                 error = e
         # The small files, or rank 0's error, before any rank enters the weight broadcasts.
-        small = distributed.broadcast_object(small if error is None else repr(error))
+        small = fsdp.broadcast_object(small if error is None else repr(error))
         if error is not None:
             raise error
         if not isinstance(small, dict):
@@ -316,7 +316,7 @@ class CheckpointManager:
             scheduler.load_state_dict(small["scheduler"])
         rng = small["rng"]
         if isinstance(rng, list):
-            rng = rng[distributed.rank()] if len(rng) == distributed.world_size() else rng[0]
+            rng = rng[fsdp.rank()] if len(rng) == fsdp.world_size() else rng[0]
         _set_rng_state(rng)
         return small["state"]
 

@@ -16,8 +16,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from grpo.trainer.batch import IGNORE_INDEX
 from grpo.trainer.prefix import shared_layout
+from grpo.trainer.train_batch import IGNORE_INDEX
 
 
 def _causal_lm(model: nn.Module) -> nn.Module:

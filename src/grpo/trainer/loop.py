@@ -11,17 +11,17 @@ from typing import Any, Callable, Optional, Protocol
 import torch
 
 from grpo import faults
-from grpo.options import ConfigError
+from grpo.config_values import ConfigError
 from grpo.schema.train import TrainConfig
 from grpo.sync.base import SyncStrategy
-from grpo.trainer import distributed
-from grpo.trainer.batch import BatchSource, PreparedBatch, TrainBatch
+from grpo.trainer import fsdp
 from grpo.trainer.checkpoint import CheckpointManager
 from grpo.trainer.flops import ModelFlops, pad_fraction, peak_tflops, perf_metrics
 from grpo.trainer.logprobs import can_fuse, fused_token_loss, token_logprobs
 from grpo.trainer.metrics import MetricsLogger, NullMetrics
 from grpo.trainer.minibatch import update_plan, without_zero_advantage_rows
 from grpo.trainer.prefix import shared_row_lengths
+from grpo.trainer.train_batch import BatchSource, PreparedBatch, TrainBatch
 
 log = logging.getLogger(__name__)
 
@@ -152,7 +152,7 @@ class GRPOTrainer:
         device: torch.device,
         start_step: int = 0,
         start_batch: Optional[int] = None,
-        dist: Optional[distributed.DistInfo] = None,
+        dist: Optional[fsdp.DistInfo] = None,
         logprob_fn: Optional[Callable[..., torch.Tensor]] = None,
         evaluator: Optional[StepEvaluator] = None,
     ) -> None:
@@ -177,7 +177,7 @@ class GRPOTrainer:
         self.nonfinite_in_a_row = self.nonfinite_total = 0
         self.params = [p for p in model.parameters() if p.requires_grad]
         # The loss's gradient taken chunk by chunk in the forward (3 matmuls per chunk instead of 4); FSDP2 keeps
-        # the unfused path through its registered forward method (`logprob_fn`, distributed.sharded_token_logprobs).
+        # the unfused path through its registered forward method (`logprob_fn`, fsdp.sharded_token_logprobs).
         self.fused = bool(train_cfg.fused_loss) and self.dist is None and can_fuse(model, loss_fn)
         self.token_logprobs = logprob_fn or (lambda *batch, **kw: token_logprobs(model, *batch, **kw))
         # Padding-free forwards (each micro-batch packed into one row) and the token budget of a micro-batch.
@@ -415,9 +415,9 @@ class GRPOTrainer:
         micro_batches, scale = [(mb, 1.0) for mb in batch.micro_batches], 1.0
         forwarded_loss_tokens = sum(float(mb.loss_mask.sum()) for mb in batch.micro_batches)
         if self.dist is not None:
-            mine, pad = distributed.rank_share(batch.micro_batches, self.dist.rank, self.dist.world_size)
+            mine, pad = fsdp.rank_share(batch.micro_batches, self.dist.rank, self.dist.world_size)
             micro_batches = [(mb, 1.0) for mb in mine] + [(batch.micro_batches[0], 0.0)] * pad
-            scale = distributed.loss_scale(self.dist.world_size)
+            scale = fsdp.loss_scale(self.dist.world_size)
         for mb, weight in micro_batches:
             mb = mb.to(self.device)
             loss, m = self.micro_batch_loss(mb, batch)
@@ -434,7 +434,7 @@ class GRPOTrainer:
             for k, v in m.items():
                 sums[k] = sums.get(k, 0.0) + w * float(v)
         if self.dist is not None:
-            reduced = distributed.all_reduce_sum({**sums, "__loss": loss_total}, self.dist.device)
+            reduced = fsdp.all_reduce_sum({**sums, "__loss": loss_total}, self.dist.device)
             loss_total = reduced.pop("__loss")
             sums = reduced
         return loss_total, sums

@@ -18,7 +18,7 @@ from typing import Optional
 
 import torch
 
-from grpo.trainer.batch import IGNORE_INDEX, PreparedBatch, TrainBatch
+from grpo.trainer.train_batch import IGNORE_INDEX, PreparedBatch, TrainBatch
 
 # Padding value of each TrainBatch field when rows of different lengths are gathered into one micro-batch. Padded
 # positions carry no loss (labels IGNORE_INDEX, loss_mask 0) and, right-padded, never influence earlier positions.

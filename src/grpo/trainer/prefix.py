@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from grpo.trainer.batch import IGNORE_INDEX
+from grpo.trainer.train_batch import IGNORE_INDEX
 
 
 @dataclass

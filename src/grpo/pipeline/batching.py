@@ -16,7 +16,7 @@ import torch
 
 from grpo.algorithms.advantages import ADVANTAGE_ESTIMATORS, AdvantageEstimator
 from grpo.pipeline.group import Group, MalformedGroup, parse_group
-from grpo.trainer.batch import IGNORE_INDEX, PreparedBatch, TrainBatch
+from grpo.trainer.train_batch import IGNORE_INDEX, PreparedBatch, TrainBatch
 
 log = logging.getLogger(__name__)
 

@@ -4,8 +4,8 @@ other ranks receive it. Both are `BatchSource`s, as the trainer expects of any d
 from __future__ import annotations
 
 from grpo.pipeline.base import DataPipeline
-from grpo.trainer import distributed
-from grpo.trainer.batch import BatchSource, PreparedBatch
+from grpo.trainer import fsdp
+from grpo.trainer.train_batch import BatchSource, PreparedBatch
 
 
 class LeaderPipeline(BatchSource):
@@ -15,7 +15,7 @@ class LeaderPipeline(BatchSource):
         self.inner = inner
 
     def next_batch(self, step: int) -> PreparedBatch:
-        return distributed.broadcast_object(self.inner.next_batch(step))
+        return fsdp.broadcast_object(self.inner.next_batch(step))
 
     def metrics(self) -> dict[str, float]:
         return self.inner.metrics()
@@ -34,4 +34,4 @@ class FollowerPipeline(BatchSource):
     """Ranks > 0: the batch rank 0 broadcast; no server, no rollouts of their own."""
 
     def next_batch(self, step: int) -> PreparedBatch:
-        return distributed.broadcast_object(None)
+        return fsdp.broadcast_object(None)

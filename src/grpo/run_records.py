@@ -29,7 +29,7 @@ from grpo.config.run_dir import (
     check_sweep_dir_unused,
     held_run,
 )
-from grpo.options import ConfigError
+from grpo.config_values import ConfigError
 from grpo.trainer.metrics import read_metrics
 
 log = logging.getLogger(__name__)
