@@ -94,9 +94,10 @@ def test_two_batches_in_flight_stop_and_resume_train_each_batch_once_in_order(tm
     assert max(r["async/staleness_max"] for r in rows[2:]) == 2
 
 
-# lora_restart restarts vLLM at every sync (~2 min for 3 steps): slow, out of the default run; its drain is also
+# lora_restart restarts vLLM at every sync (~2 min for 3 steps) and lora_only takes ~35 s: slow, out of the default
+# run (lora_only's in-flight swap: tests/test_sync_modes.py); lora_restart's drain is also
 # exercised by the crash test below, and lora_restart itself by tests/test_sync_modes.py.
-@pytest.mark.parametrize("mode, steps", [("none", 4), ("lora_only", 4),
+@pytest.mark.parametrize("mode, steps", [("none", 4), pytest.param("lora_only", 4, marks=pytest.mark.slow),
                                          pytest.param("lora_restart", 3, marks=pytest.mark.slow)])
 def test_each_cpu_mode_under_async_rollouts_records_the_generation_stall(tmp_path, mode, steps, request):
     """A sync lands while the producer generates (k=1): in place (none: reload; lora_only: adapter hot-swap) or by a

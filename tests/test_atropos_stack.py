@@ -57,6 +57,7 @@ def _log(tmp_path) -> str:
     return (tmp_path / "stack.log").read_text(errors="replace")[-4000:]
 
 
+@pytest.mark.slow  # 20-60 s of the CI suite's 25-minute budget: run with `pytest -m slow`
 def test_stack_trains_from_the_environment(tmp_path):
     proc, api_url, server_port = _start_stack(tmp_path, steps=3)
     seen: set = set()

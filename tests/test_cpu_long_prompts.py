@@ -24,6 +24,7 @@ REPO = Path(__file__).resolve().parents[1]
 register_configs()
 
 
+@pytest.mark.slow  # 20-60 s of the CI suite's 25-minute budget: run with `pytest -m slow`
 def test_seeded_requests_with_prompts_beyond_a_steps_token_budget_are_served(tiny_qwen2_dir, tmp_path):
     from grpo.inference.process import VLLMServer
 

@@ -18,6 +18,7 @@ from test_train_e2e import assert_clean, metrics, run_train
 MARGIN = 0.15
 
 
+@pytest.mark.slow  # 20-60 s of the CI suite's 25-minute budget: run with `pytest -m slow`
 @pytest.mark.vllm
 def test_default_run_raises_heldout_accuracy(tmp_path):
     run_dir = tmp_path / "default"

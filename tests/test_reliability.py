@@ -125,6 +125,7 @@ def test_server_hang_and_crash_restart_on_current_weights_then_clear_error_and_r
 
 
 # ---------------------------------------------------------------------------------------------------- SIGTERM
+@pytest.mark.slow  # 20-60 s of the CI suite's 25-minute budget: run with `pytest -m slow`
 @pytest.mark.vllm
 def test_sigterm_in_each_phase_keeps_a_valid_checkpoint_and_resume_continues(tmp_path, tiny_qwen2_dir, shared_server):
     # (A SIGTERM in generation of a run with a server of its own, which it stops: tests/test_clean_stop.py.)

@@ -73,6 +73,7 @@ def test_a_sweep_into_a_fresh_or_never_trained_dir_is_let_through(tmp_path):
     check_sweep_dir_unused(tmp_path)
 
 
+@pytest.mark.slow  # 20-60 s of the CI suite's 25-minute budget: run with `pytest -m slow`
 @pytest.mark.vllm  # its job starts a vLLM server
 def test_a_sweep_job_whose_data_source_dies_after_training_is_failed_not_skipped(tmp_path):
     """A data source lost mid-run (run-api killed after some steps) was handled as a config problem: the job was
