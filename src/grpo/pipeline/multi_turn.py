@@ -32,26 +32,12 @@ class MultiTurnPipeline(LocalRolloutPipeline):
     `max_turns` the model turns of an episode and `max_episode_tokens` its whole sequence (null: model.max_seq_len).
     What happens at each limit: grpo.pipeline.environment."""
 
-    def __init__(
-        self,
-        task: Any,
-        rewards: Mapping[str, Any],
-        prompts_per_step: int = 8,
-        group_size: int = 8,
-        max_new_tokens: int = 16,
-        max_turns: int = 4,
-        max_episode_tokens: Optional[int] = None,
-        temperature: float = 1.0,
-        top_p: float = 1.0,
-        seeded_sampling: bool = True,
-        rollout_logprobs: bool = True,
-        dynamic_sampling: bool = False,
-        max_refill_rounds: int = 3,
-    ) -> None:
-        if dynamic_sampling:  # rollout_batch below plays one round of episodes; refilling is the local pipeline's
+    def __init__(self, task: Any, rewards: Mapping[str, Any], max_turns: int = 4,
+                 max_episode_tokens: Optional[int] = None, **local: Any) -> None:
+        """`local`: every other key of `LocalRolloutPipeline` (prompts_per_step, group_size, max_new_tokens, ...)."""
+        if local.get("dynamic_sampling"):  # rollout_batch below plays one round of episodes, no refill rounds
             raise ValueError("data.dynamic_sampling is not built for multi-turn episodes yet; set it to false")
-        super().__init__(task, rewards, prompts_per_step, group_size, max_new_tokens, temperature, top_p,
-                         seeded_sampling, rollout_logprobs)
+        super().__init__(task, rewards, **local)
         if not isinstance(self.task, EnvironmentTask):
             raise ValueError(f"data.task ({type(self.task).__name__}) is not an environment: a multi-turn task "
                              "subclasses grpo.pipeline.environment.EnvironmentTask (docs/multi_turn.md)")

@@ -20,6 +20,8 @@ from typing import Any, Iterable, Mapping, Optional
 import torch
 import torch.nn as nn
 
+from grpo.weights.params import is_sharded
+
 log = logging.getLogger(__name__)
 
 # Relative difference of two float64 sums of the same values summed in another order stays many orders below this.
@@ -66,11 +68,6 @@ def compare(expected: Mapping[str, float], served: Mapping[str, float]) -> tuple
         return False, float("inf")
     worst = max(abs(expected[n] - served[n]) / max(abs(expected[n]), 1e-12) for n in common)
     return worst <= MATCH_TOLERANCE, worst
-
-
-def is_sharded(model: nn.Module) -> bool:
-    """True for an FSDP2 model (DTensor parameters): its full sums need every rank, so it is not fingerprinted."""
-    return any(hasattr(p, "full_tensor") for p in model.parameters())
 
 
 def check_arrival(model: nn.Module, client: Any, version: int, *, fingerprint: bool = True) -> dict[str, float]:
