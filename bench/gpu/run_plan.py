@@ -1,0 +1,107 @@
+"""Run a plan of real-model jobs on a lent GPU, detached, so that a lease's calls only start it and collect results.
+
+    setsid nohup python3 bench/gpu/run_plan.py PLAN --out /tmp/plan_out > /tmp/plan_out.log 2>&1 &
+    bash bench/gpu/real_model.sh collect        # copies /tmp/plan_out to $OUT and prints the progress
+
+PLAN is a text file of waves separated by blank lines; the waves run one after the other, the jobs of a wave at once
+(each started once the previous one's vLLM server is ready: vLLM's memory profiling fails when two servers start
+on one GPU together). A job line is `name | experiment | overrides...` for `python train.py`, or
+`name | trl | experiment seed` for TRL's GRPOTrainer on that experiment (bench/trl_arith.py). Every job's log,
+metrics.jsonl, summary.json and the tail of its evaluation samples land flat in --out, and `jobs.jsonl` there has one
+row per job (start, end, wall seconds, return code, wave, how many jobs shared the GPU). Lines starting with # are
+comments.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+RUNS = Path("/tmp/runs")
+
+
+def parse_plan(text: str) -> list[list[list[str]]]:
+    """Waves of jobs, each job [name, experiment, *overrides]."""
+    waves: list[list[list[str]]] = [[]]
+    for line in text.splitlines():
+        line = line.strip()
+        if line.startswith("#"):
+            continue
+        if not line:
+            if waves[-1]:
+                waves.append([])
+            continue
+        name, kind, *rest = (part.strip() for part in line.split("|"))
+        waves[-1].append([name, kind, *" ".join(rest).split()])
+    return [w for w in waves if w]
+
+
+def command(job: list[str], out: Path) -> list[str]:
+    name, kind, *args = job
+    if kind == "trl":
+        experiment, seed, *extra = args
+        return [sys.executable, "bench/trl_arith.py", "--experiment", experiment, "--vllm", "--seed", seed,
+                "--out", str(out / f"{name}.json"), *extra]
+    return [sys.executable, "train.py", f"experiment={kind}", "logging.progress_bar=false",
+            f"hydra.run.dir={RUNS / name}", *args]
+
+
+def server_ready(log: Path) -> bool:
+    return log.exists() and "vLLM ready at" in log.read_text(errors="replace")
+
+
+def collect(job: list[str], out: Path) -> None:
+    run = RUNS / job[0]
+    for src, dst in (("metrics.jsonl", "metrics.jsonl"), ("summary.json", "summary.json"), ("logs/vllm.log", "vllm.log")):
+        if (run / src).exists():
+            shutil.copy(run / src, out / f"{job[0]}.{dst}")
+    samples = run / "eval_samples.jsonl"
+    if samples.exists():
+        (out / f"{job[0]}.eval_samples_tail.txt").write_bytes(samples.read_bytes()[-3000:])
+
+
+def run_wave(wave: list[list[str]], index: int, out: Path) -> None:
+    procs = []
+    for job in wave:
+        log = out / f"{job[0]}.log"
+        t0 = time.time()
+        proc = subprocess.Popen(command(job, out), stdout=log.open("w"), stderr=subprocess.STDOUT)
+        procs.append((job, proc, t0))
+        # Stagger: the next server starts once this one is up (or this job ended, or 300 s passed).
+        while job is not wave[-1] and proc.poll() is None and not server_ready(log) and time.time() - t0 < 300:
+            time.sleep(2)
+    pending = list(procs)
+    while pending:
+        for item in list(pending):
+            job, proc, t0 = item
+            if proc.poll() is None:
+                continue
+            pending.remove(item)
+            collect(job, out)
+            row = {"name": job[0], "command": " ".join(command(job, out)), "wave": index, "jobs_in_wave": len(wave),
+                   "start": time.strftime("%H:%M:%S", time.gmtime(t0)), "wall_s": round(time.time() - t0, 1),
+                   "rc": proc.returncode}
+            with (out / "jobs.jsonl").open("a") as f:
+                f.write(json.dumps(row) + "\n")
+        time.sleep(2)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("plan", type=Path)
+    ap.add_argument("--out", type=Path, default=Path("/tmp/plan_out"))
+    args = ap.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    shutil.copy(args.plan, args.out / "plan.txt")
+    for i, wave in enumerate(parse_plan(args.plan.read_text())):
+        run_wave(wave, i, args.out)
+    (args.out / "DONE").write_text(time.strftime("%Y-%m-%d %H:%M:%S UTC\n", time.gmtime()))
+
+
+if __name__ == "__main__":
+    main()
