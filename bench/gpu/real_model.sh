@@ -77,9 +77,11 @@ case "${1:-}" in
   collect)  # wait until the plan is done or SECONDS passed, then copy what it has written so far
     end=$((SECONDS + ${2:-0}))
     while [ ! -f /tmp/plan_out/DONE ] && [ $SECONDS -lt $end ]; do sleep 5; done
-    cp /tmp/plan_out/* "$out"/ 2>/dev/null
     cat /tmp/plan_out/jobs.jsonl 2>/dev/null; ls /tmp/plan_out | wc -l
     for m in /tmp/runs/*/metrics.jsonl; do echo "${m%/metrics.jsonl}: $(wc -l < $m) rows"; eval_rows $m; done
-    nvidia-smi --query-gpu=memory.used,utilization.gpu --format=csv,noheader ;;
+    nvidia-smi --query-gpu=memory.used,utilization.gpu --format=csv,noheader
+    # Everything in one archive too: a call brings back only a few files.
+    for r in /tmp/runs/*/; do cp "$r/metrics.jsonl" "/tmp/plan_out/$(basename "$r").metrics.partial.jsonl" 2>/dev/null; done
+    tar czf "$out/plan_out.tgz" -C /tmp/plan_out . ;;
   *) echo "usage: $0 setup|baseline|train SEED|lr_sweep LRS|gen_probe|trl SEED [overrides]"; exit 2 ;;
 esac
