@@ -68,7 +68,7 @@ def test_a_dead_replica_is_restarted_alone_counted_and_bounded(caplog):
     server.replicas[1].process.up = False
     assert server.recover(ServerUnreachable("no answer")) is True  # the caller retries
     assert weights.restored == [102] and server.restarts == 1
-    assert "inference server 1 (http://127.0.0.1:102) exited; restart 1 of 1 on weight version 3" in caplog.text
+    assert "inference server replica 1 (http://127.0.0.1:102) exited; restart 1 of 1 on weight version 3" in caplog.text
     assert [r.restarts for r in server.replicas] == [0, 1] and all(r.available for r in server.replicas)
     server.replicas[0].process.up = False
     with pytest.raises(RuntimeError, match=r"giving up after 1 restarts \(server.max_restarts=1\)"):

@@ -159,8 +159,9 @@ class InferenceServer:
         # A server started with a run token (GRPO_SERVER_TOKEN in its environment) needs it for weight calls.
         client = InferenceClient(url, token=os.environ.get("GRPO_SERVER_TOKEN"))
         if not client.health():  # the user's URL: a message, not a traceback
-            raise ConfigError(f"the external server {url} does not answer /health: start that server first "
-                              "(grpo-serve <vLLM args>), or drop server.external_url(s) and the run starts its own")
+            key = "external_url" if option(self._cfg, "external_url") else "external_urls"
+            raise ConfigError(f"server.{key}={url} does not answer /health: start that server first "
+                              f"(grpo-serve <vLLM args>), or drop server.{key} and the run starts its own")
         served = client.weight_version()
         if served != version:
             # Rollouts carry the server's versions and the trainer compares them with its own (staleness): one
@@ -281,19 +282,25 @@ class InferenceServer:
         tail = process.log_tail(40)
         if self.restarts >= limit:
             raise RuntimeError(
-                f"inference server {replica.index} ({replica.url}) {state}; giving up after {limit} restarts "
-                f"(server.max_restarts={limit}). Log {process.log_path}, tail:\n{tail}"
+                f"{self._name(replica)} {state}; giving up after {limit} restarts (server.max_restarts={limit}). "
+                f"Log {process.log_path}, tail:\n{tail}"
             )
         self.restarts += 1
         replica.restarts += 1
-        log.warning("inference server %d (%s) %s; restart %d of %d on weight version %d", replica.index, replica.url,
-                    state, self.restarts, limit, self._weights.version)
+        log.warning("%s %s; restart %d of %d on weight version %d", self._name(replica), state, self.restarts, limit,
+                    self._weights.version)
         replica.available = False  # requests go to the other replicas while it starts
         try:
             self._weights.restore_replica(replica)
         finally:
             replica.available = True
         return True
+
+    def _name(self, replica: Replica) -> str:
+        """How messages name `replica`: "inference server", and which replica when there are several."""
+        if len(self.replicas) == 1:
+            return "inference server"
+        return f"inference server replica {replica.index} ({replica.url})"
 
     def recover(self, error: BaseException) -> bool:
         """`error` interrupted generation or a sync: when it means a replica died, restart it (bounded) and return
