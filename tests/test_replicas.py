@@ -22,7 +22,6 @@ from grpo.inference.routing import ReplicaLoad, RoutedClient, Share, water_fill
 from grpo.sync.base import worst_arrival
 from grpo.sync.nccl_broadcast import transfer_ranks
 
-
 register_configs()  # the structured schemas the YAML groups extend
 
 
@@ -191,9 +190,8 @@ def test_mode_none_reloads_every_replica(replica_pair, tiny_qwen2_dir, tmp_path,
 
 @pytest.mark.vllm
 def test_mode_lora_only_hot_swaps_into_every_replica(replica_pair, tiny_qwen2_dir, tmp_path, monkeypatch):
-    from test_sync_modes import lora_model
-
     from grpo.sync.lora_hotswap import LoraHotSwapSync
+    from test_sync_modes import lora_model
 
     sync = _attached_sync(LoraHotSwapSync(adapter_prefix=f"replicas-{tmp_path.name}"), replica_pair, tiny_qwen2_dir,
                           tmp_path, monkeypatch)
@@ -238,3 +236,17 @@ def test_two_replicas_serve_a_run_and_one_killed_mid_run_is_restarted_alone(tmp_
     assert len(server_starts(run)) == 2  # replica 0: its start and its restart
     assert len(server_starts(run, "vllm-replica1.log")) == 1  # replica 1: never restarted
     assert_clean(marker)
+
+
+def test_a_resume_keeps_every_replicas_earlier_log(tmp_path):
+    from grpo.run_records import keep_earlier_server_log
+
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    for session in ("1", "2"):
+        (logs / "vllm.log").write_text(session)
+        (logs / "vllm-replica1.log").write_text(session)
+        assert keep_earlier_server_log(tmp_path) == logs / f"vllm.{session}.log"
+    assert sorted(p.name for p in logs.iterdir()) == ["vllm-replica1.1.log", "vllm-replica1.2.log", "vllm.1.log",
+                                                      "vllm.2.log"]
+    assert (logs / "vllm-replica1.2.log").read_text() == "2"

@@ -147,7 +147,11 @@ class InferenceServer:
             for i in range(replica_count(server_cfg))
         ]
         try:
-            self._each_of(processes, lambda process: process.start())
+            # Side by side, all from this thread: a server gets SIGTERM when the thread that started it ends.
+            for process in processes:
+                process.start(wait=False)
+            for process in processes:
+                process.wait_started()
         except BaseException:
             for process in processes:
                 process.stop()
@@ -202,16 +206,13 @@ class InferenceServer:
 
     # ------------------------------------------------------------------ every replica
     def each(self, call: Callable[[Replica], T]) -> list[T]:
-        """`call(replica)` for every replica at once (a weight load, a restart); their results in replica order.
-        The first error is raised once every call has ended."""
-        return self._each_of(self.replicas, call)
-
-    @staticmethod
-    def _each_of(items: Sequence[Any], call: Callable[[Any], T]) -> list[T]:
-        if len(items) <= 1:
-            return [call(item) for item in items]
-        with ThreadPoolExecutor(len(items), thread_name_prefix="grpo-replica") as pool:
-            futures = [pool.submit(call, item) for item in items]
+        """`call(replica)` for every replica at once (a weight load, an RPC), in threads of its own; their results in
+        replica order. The first error is raised once every call has ended. Never a call that starts a server: it
+        gets SIGTERM when the thread that started it ends."""
+        if len(self.replicas) <= 1:
+            return [call(replica) for replica in self.replicas]
+        with ThreadPoolExecutor(len(self.replicas), thread_name_prefix="grpo-replica") as pool:
+            futures = [pool.submit(call, replica) for replica in self.replicas]
         errors = [f.exception() for f in futures if f.exception() is not None]
         if errors:
             raise errors[0]
@@ -228,15 +229,18 @@ class InferenceServer:
 
     def restart(self, *, weight_version: int, model: Path | None = None,
                 lora_modules: Mapping[str, Path] | None = None) -> None:
-        """Restart every replica (at once) on `model` and/or with `lora_modules` preloaded, reporting
+        """Restart every replica (side by side) on `model` and/or with `lora_modules` preloaded, reporting
         `weight_version` (a sync whose weights load only at start-up). Replicas started elsewhere cannot be:
         RuntimeError."""
         for replica in self.replicas:
             if replica.process is None:
                 raise RuntimeError(f"the inference server at {replica.url} was started elsewhere "
                                    "(server.external_url(s)): this run cannot restart it")
-        self.each(lambda replica: replica.process.restart(model=model, lora_modules=lora_modules,
-                                                          weight_version=weight_version))
+        # Side by side, all from this thread: a server gets SIGTERM when the thread that started it ends.
+        for replica in self.replicas:
+            replica.process.restart(model=model, lora_modules=lora_modules, weight_version=weight_version, wait=False)
+        for replica in self.replicas:
+            replica.process.wait_started()
 
     def metrics(self) -> dict[str, float]:
         """`server/restarts` so far in this session and, with several replicas, each one's generation requests

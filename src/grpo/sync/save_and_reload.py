@@ -164,30 +164,39 @@ class SaveAndReloadSync(SyncStrategy):
             # The engines run the reload between their steps: generation stalls that long; requests in flight are
             # preempted by the prefix-cache reset and go on with the new weights (none is lost).
             with self.stalling():
-                inplace = all(self.server.each(lambda replica: self._reload_replica(replica, out, version)))
+                errors = self.server.each(lambda replica: self._try_reload(replica, out, version))
+            # Here, not in the reload threads: a server restarted there would get SIGTERM once its thread ended.
+            inplace = all([self._redo_reload(replica, out, version, error)
+                           for replica, error in zip(self.server.replicas, errors) if error is not None])
         self.served_dir = out
         prune(self.ctx.run_dir, "served_weights", keep={out})
         return {"sync/inplace": float(inplace)}
 
-    def _reload_replica(self, replica: Replica, out: Path, version: int) -> bool:
-        """`replica` reloads `out` in place; True when it did. One that died or hung meanwhile is restarted alone on
-        the served weights like any crash (counted in server/restarts, bounded by server.max_restarts), then
-        reloaded; one that still refuses is restarted on `out` (False)."""
+    @staticmethod
+    def _try_reload(replica: Replica, out: Path, version: int) -> InferenceServerError | None:
+        """`replica` reloads `out` in place: None, or the error of a replica this run launched."""
         try:
             replica.client.reload_weights(str(out), version=version)
-            return True
+            return None
         except InferenceServerError as error:
             if replica.process is None:
                 raise  # started elsewhere: nothing we can restart
-            self.server.check_health()
-            try:
+            return error
+
+    def _redo_reload(self, replica: Replica, out: Path, version: int, error: InferenceServerError) -> bool:
+        """After `replica` failed to reload `out`: one that died or hung is restarted alone on the served weights like
+        any crash (counted in server/restarts, bounded by server.max_restarts) and reloaded (True); one that still
+        refuses is restarted on `out` (False)."""
+        self.server.check_health()
+        try:
+            with self.stalling():
                 replica.client.reload_weights(str(out), version=version)
-                return True
-            except InferenceServerError:
-                log.warning("in-place reload of %s on replica %d failed (%s); restarting it on them", out,
-                            replica.index, error)
+            return True
+        except InferenceServerError:
+            log.warning("in-place reload of %s on replica %d failed (%s); restarting it on them", out, replica.index,
+                        error)
         # The restart drains first: rollouts in flight finish on the old server, new ones wait for the new one.
-        with self.server.gate.held():
+        with self.stalling(drain=True):
             replica.process.restart(model=out, weight_version=version)
         return False
 
