@@ -50,8 +50,9 @@ def check_server(cfg: DictConfig, choice: str | None, cuda: bool) -> None:
     replicas = replica_count(cfg.server)
     if port_fixed and not 1 <= cfg.server.port <= 65536 - replicas:
         # Else the bind below fails with Python's OverflowError traceback.
-        raise ConfigError(f"server.port={cfg.server.port} is not a TCP port: use 1-65535 (replica i listens on "
-                          "server.port + i), or null to pick a free one")
+        several = f" (replica i listens on server.port + i, up to {cfg.server.port + replicas - 1})" if replicas > 1 else ""
+        raise ConfigError(f"server.port={cfg.server.port} is not a TCP port{several}: use 1-65535, or null to pick "
+                          "a free one")
     for port in range(cfg.server.port, cfg.server.port + replicas) if port_fixed and not external else ():
         if not _port_free(cfg.server.host, port):
             raise ConfigError(

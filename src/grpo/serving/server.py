@@ -42,6 +42,15 @@ def external_urls(server_cfg: Any) -> list[str]:
     return [str(u).rstrip("/").removesuffix("/v1") for u in urls]
 
 
+def external_setting(server_cfg: Any) -> str:
+    """The setting that names the servers started elsewhere, for messages: `server.external_url=...` or
+    `server.external_urls=[...]`."""
+    urls = option(server_cfg, "external_urls")
+    if urls:
+        return f"server.external_urls=[{','.join(str(u) for u in urls)}]"
+    return f"server.external_url={option(server_cfg, 'external_url')}"
+
+
 def replica_count(server_cfg: Any) -> int:
     """How many replicas the `server` config asks for: one per external URL, else `server.replicas`."""
     return len(external_urls(server_cfg)) or int(option(server_cfg, "replicas", 1) or 1)

@@ -12,7 +12,7 @@ from typing import Any
 import torch.nn as nn
 
 from grpo.config_values import ConfigError
-from grpo.serving.server import external_urls
+from grpo.serving.server import external_setting, external_urls
 from grpo.sync.base import SyncContext, SyncStrategy
 from grpo.sync.weight_dirs import prune, save_and_load
 from grpo.weights.hf_dir import save_model_weights
@@ -40,7 +40,7 @@ class LoraRestartSync(SyncStrategy):
         super().check_config(cfg, cuda=cuda, world_size=world_size)
         if external_urls(cfg.server):  # else a RuntimeError traceback once the model was built
             raise ConfigError(f"mode=lora_restart restarts the vLLM server at every sync, so it cannot use a server "
-                              f"started elsewhere (server.external_url(s)={external_urls(cfg.server)}); use "
+                              f"started elsewhere ({external_setting(cfg.server)}); use "
                               "mode=lora_only (adapters hot-swapped into that server), or drop server.external_url(s)")
 
     def launch(self, ctx: SyncContext) -> None:

@@ -31,7 +31,7 @@ import torch.nn as nn
 
 from grpo.config_values import ConfigError, option
 from grpo.inference.client import Endpoint, InferenceServerError
-from grpo.serving.server import Replica, external_urls
+from grpo.serving.server import Replica, external_setting, external_urls
 from grpo.sync.base import SyncContext, SyncStrategy
 from grpo.sync.weight_dirs import prune, save_and_load
 from grpo.weights.params import save_full_weights
@@ -77,7 +77,7 @@ class SaveAndReloadSync(SyncStrategy):
                               "a thread of its own while the trainer goes on)")
         if reload == "restart" and external_urls(cfg.server):  # else a RuntimeError at the first sync
             raise ConfigError(f"mode.reload=restart restarts the vLLM server at every sync, so it cannot use a server "
-                              f"started elsewhere (server.external_url(s)={external_urls(cfg.server)}); use "
+                              f"started elsewhere ({external_setting(cfg.server)}); use "
                               "mode.reload=inplace, or drop server.external_url(s)")
 
     def launch(self, ctx: SyncContext) -> None:
