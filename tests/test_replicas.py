@@ -250,3 +250,31 @@ def test_a_resume_keeps_every_replicas_earlier_log(tmp_path):
     assert sorted(p.name for p in logs.iterdir()) == ["vllm-replica1.1.log", "vllm-replica1.2.log", "vllm.1.log",
                                                       "vllm.2.log"]
     assert (logs / "vllm-replica1.2.log").read_text() == "2"
+
+
+def test_an_asynchronous_batch_from_replicas_at_different_versions_keeps_only_groups_within_max_staleness():
+    """Replicas take a sync one after another (or one restarts on older weights): a rollout batch can hold groups of
+    several versions. Each group carries its own replica's version, so those more than train.max_staleness versions
+    behind the trainer are dropped and the trained ones stay within the bound."""
+    from test_async_rollouts import Scripted, Server, make
+
+    class TwoReplicas(Scripted):
+        """Group 0 from an up-to-date replica, group 1 from one two versions behind."""
+
+        def next_groups(self, step):
+            groups = super().next_groups(step)
+            groups[1].weight_version = groups[1].last_weight_version = max(groups[0].weight_version - 2, 0)
+            return groups
+
+    server, inner = Server(), TwoReplicas()
+    src = make(inner, server, k=1)
+    try:
+        rows = []
+        for b in range(4):
+            src.next_batch(b)
+            rows.append(src.metrics())
+            server.version += 1
+    finally:
+        src.close()
+    assert all(r["async/staleness_max"] <= 1 for r in rows)
+    assert sum(r["async/dropped_groups"] for r in rows) >= 2  # the lagging replica's groups once it lags by 2
