@@ -36,7 +36,8 @@ class ServerConfig:
     chunked_prefill: Optional[bool] = None
     max_lora_rank: int = 64
     startup_timeout_s: float = 300.0
-    # Restarts allowed after a crash or a failed health check before the run stops.
+    # Restarts of a replica allowed after a crash or a failed health check (each replica counts its own) before the
+    # run stops.
     max_restarts: int = 3
     extra_args: list[str] = field(default_factory=list)
     # CUDA device index for vLLM when trainer and server share a host.

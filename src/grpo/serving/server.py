@@ -274,7 +274,7 @@ class InferenceServer:
 
     def check_health(self) -> bool:
         """Restart each dead or unresponsive replica alone on the current weights (the others keep serving), up to
-        server.max_restarts times in the run; raise after that. True when it restarted one, False when all were
+        server.max_restarts times each in this session; raise after that. True when it restarted one, False when all were
         healthy."""
         restarted = False
         with self._health_lock:
@@ -293,14 +293,14 @@ class InferenceServer:
         limit = int(option(self._cfg, "max_restarts", 3))
         state = "exited" if not process.running() else f"not answering /health within {self.health_timeout_s:g}s"
         tail = process.log_tail(40)
-        if self.restarts >= limit:
+        if replica.restarts >= limit:  # each replica's own bound: one that keeps dying does not spend the others'
             raise RuntimeError(
                 f"{self._name(replica)} {state}; giving up after {limit} restarts (server.max_restarts={limit}). "
                 f"Log {process.log_path}, tail:\n{tail}"
             )
         self.restarts += 1
         replica.restarts += 1
-        log.warning("%s %s; restart %d of %d on weight version %d", self._name(replica), state, self.restarts, limit,
+        log.warning("%s %s; restart %d of %d on weight version %d", self._name(replica), state, replica.restarts, limit,
                     self._weights.version)
         replica.available = False  # requests go to the other replicas while it starts
         try:
