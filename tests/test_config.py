@@ -44,7 +44,7 @@ def _targets(node, path=""):
                 yield v, path
             else:
                 yield from _targets(v, f"{path}.{k}" if path else str(k))
-    elif OmegaConf.is_list(node):
+    elif OmegaConf.is_list(node) and node._is_none() is False:  # noqa: SLF001 - a null list (server.devices) has no items
         for i, v in enumerate(node):
             yield from _targets(v, f"{path}[{i}]")
 

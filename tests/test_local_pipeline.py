@@ -146,7 +146,7 @@ def test_rollout_batches_from_two_threads_at_once_keep_each_batch_its_own(vllm_u
     def generate(step: int) -> None:
         start.wait()
         results[step] = pipe.rollout_batch(step)
-        clients[step] = pipe._client(vllm_url)  # noqa: SLF001 - the client this thread generated with
+        clients[step] = pipe._client(Endpoint(vllm_url, None, 0))  # noqa: SLF001 - the client this thread generated with
 
     threads = [threading.Thread(target=generate, args=(step,)) for step in (3, 4)]
     for t in threads:

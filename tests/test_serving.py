@@ -18,6 +18,7 @@ class Process:
 
     def __init__(self, pid: int, up: bool = True) -> None:
         self.pid, self.up, self.log_path, self.stopped = pid, up, Path(f"/tmp/vllm-{pid}.log"), False
+        self.url = f"http://127.0.0.1:{pid}"
 
     def healthy(self, timeout: float) -> bool:
         return self.up
@@ -57,7 +58,7 @@ def two_replicas(max_restarts: int) -> tuple[InferenceServer, Weights]:
     server, weights = InferenceServer(), Weights()
     # What `launch` records (the server config and the sync that drives it), without starting vLLM.
     server._cfg, server._weights = OmegaConf.create({"max_restarts": max_restarts}), weights
-    server.replicas = [Replica(Client(), Process(101)), Replica(Client(), Process(102))]
+    server.replicas = [Replica(Client(), Process(101), index=0), Replica(Client(), Process(102), index=1)]
     return server, weights
 
 
@@ -67,11 +68,14 @@ def test_a_dead_replica_is_restarted_alone_counted_and_bounded(caplog):
     server.replicas[1].process.up = False
     assert server.recover(ServerUnreachable("no answer")) is True  # the caller retries
     assert weights.restored == [102] and server.restarts == 1
-    assert "inference server exited; restart 1 of 1 on weight version 3" in caplog.text
-    server.replicas[0].process.up = False
+    assert "inference server replica 1 (http://127.0.0.1:102) exited; restart 1 of 1 on weight version 3" in caplog.text
+    assert [r.restarts for r in server.replicas] == [0, 1] and all(r.available for r in server.replicas)
+    server.replicas[0].process.up = False  # the other replica has a bound of its own
+    assert server.check_health() is True and weights.restored == [102, 101] and server.restarts == 2
+    server.replicas[1].process.up = False
     with pytest.raises(RuntimeError, match=r"giving up after 1 restarts \(server.max_restarts=1\)"):
         server.check_health()
-    assert weights.restored == [102]
+    assert weights.restored == [102, 101]
 
 
 def test_an_error_that_is_not_the_servers_is_not_retried():

@@ -284,13 +284,22 @@ def keep_earlier_session(run_dir: Path) -> Path | None:
 def keep_earlier_server_log(run_dir: Path) -> Path | None:
     """Before this session's server writes `logs/vllm.log` (appended to across its restarts), move an earlier
     session's to `logs/vllm.<n>.log` (1 the first, then in order): appended across resumes, a resumed run's start-up
-    progress lines quoted the previous run's last messages. Returns where it went, or None when there was none."""
+    progress lines quoted the previous run's last messages. The other replicas' logs (`vllm-replica<i>.log`) move the
+    same way. Returns where `vllm.log` went, or None when there was none."""
     logs = run_dir / "logs"
+    for replica_log in sorted(logs.glob("vllm-replica*.log")):
+        if "." not in replica_log.stem:  # this session's name, not an earlier one's vllm-replica<i>.<n>.log
+            _keep_earlier(replica_log)
     current = logs / "vllm.log"
-    if not current.is_file():
-        return None
-    taken = [int(p.stem.split(".", 1)[1]) for p in logs.glob("vllm.*.log") if p.stem.split(".", 1)[1].isdigit()]
-    dest = logs / f"vllm.{max(taken, default=0) + 1}.log"
+    return _keep_earlier(current) if current.is_file() else None
+
+
+def _keep_earlier(current: Path) -> Path:
+    """Move `<name>.log` to `<name>.<n>.log`, n one past the highest taken."""
+    name = current.stem
+    taken = [int(p.stem.split(".", 1)[1]) for p in current.parent.glob(f"{name}.*.log")
+             if p.stem.split(".", 1)[1].isdigit()]
+    dest = current.with_name(f"{name}.{max(taken, default=0) + 1}.log")
     current.rename(dest)
     return dest
 

@@ -119,13 +119,16 @@ def last_step(run_dir: Path) -> Optional[int]:
 
 
 def server_state(run_dir: Path, external_url: Optional[str]) -> str:
-    """Whether the vLLM server this run started is gone (its pid file is removed on stop, its group checked)."""
+    """Whether the vLLM servers this run started are gone (each pid file is removed on stop, its group checked):
+    `logs/vllm.pid` of replica 0 and `logs/vllm-replica<i>.pid` of the others (grpo.serving.server.replica_log)."""
     if external_url:
         return f"attached to {external_url}, which this run did not start; it keeps running"
-    log_path, pid_path = run_dir / "logs" / "vllm.log", run_dir / "logs" / "vllm.pid"
+    log_path = run_dir / "logs" / "vllm.log"
     if not log_path.exists():
         return "none was started yet"
-    if pid_path.exists():
+    for pid_path in [run_dir / "logs" / "vllm.pid", *sorted((run_dir / "logs").glob("vllm-replica*.pid"))]:
+        if not pid_path.exists():
+            continue
         pid = int(pid_path.read_text().strip() or 0)
         try:
             os.killpg(pid, 0)
@@ -177,7 +180,7 @@ def report_stop(
         checkpoint=checkpoint,
         resume_command=command(argv, overrides, run_dir, source) if checkpoint is not None else None,
         rerun_command=command(argv, overrides),
-        server=server_state(run_dir, cfg.server.get("external_url")),
+        server=server_state(run_dir, cfg.server.get("external_url") or ", ".join(cfg.server.get("external_urls") or [])),
         curves=write_curves(run_dir, bool(cfg.logging.plot)),
         checkpoint_every=int(cfg.train.checkpoint_every),
     )

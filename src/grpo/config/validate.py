@@ -16,6 +16,7 @@ from grpo.pipeline.local import LocalRolloutPipeline
 from grpo.pipeline.rollout_queue import check_batches_in_flight, queue_capacity
 from grpo.recipes.model_checks import check_model, check_model_files
 from grpo.serving.checks import check_server
+from grpo.serving.server import replica_count
 from grpo.trainer.layers import resolve_layer_indices
 from grpo.trainer.metrics import tensorboard_writer_class
 from grpo.trainer.optim import build_optimizer
@@ -64,6 +65,7 @@ def validate(cfg: DictConfig, run_dir: Path | None = None) -> None:
     check_train(cfg)
     check_prefix_sharing(cfg)
     check_data(cfg, info.choices.get("experiment"))
+    check_replicas_reach_the_data(cfg)
     check_async(cfg)
     check_rollout_logprobs(cfg)
     check_off_policy_masks(cfg)
@@ -206,6 +208,25 @@ def check_async(cfg: DictConfig) -> None:
             f"train.max_staleness={k} trains on groups sampled up to {k} syncs ago; loss.old_logprobs=recompute "
             "without loss.tis_cap would take pi_old from the current weights and ignore that gap. Use "
             "loss.old_logprobs=rollout (the default: the ratio is against vLLM's log-probs) or set loss.tis_cap."
+        )
+
+
+def check_replicas_reach_the_data(cfg: DictConfig) -> None:
+    """Several replicas need a data source the trainer generates for (its requests are spread over them): a source
+    that generates on its own (Atropos environments) samples from the one server URL it was given."""
+    replicas = replica_count(cfg.server)
+    target = cfg.data.get("_target_")
+    if replicas == 1 or target is None:
+        return
+    try:
+        own = get_class(target).asynchronous_source
+    except Exception:  # an optional source's package missing: building the source says so, with its hint
+        return
+    if own:
+        raise ConfigError(
+            f"server.replicas={replicas} with data={target.rsplit('.', 1)[-1]}: its environments sample from the one "
+            "server URL they are given, so the other replicas would stay idle; use one replica (server.replicas=1) "
+            "or a local data pipeline (data=local_*), whose requests the trainer spreads over the replicas"
         )
 
 

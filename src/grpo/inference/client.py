@@ -60,12 +60,22 @@ class Completion:
 
 @dataclass(frozen=True)
 class Endpoint:
-    """What a caller needs to sample from the policy being trained: where the server is, which model name to put
-    in requests (the adapter name in LoRA modes; None = the server's default) and the weight version it serves."""
+    """What a caller needs to sample from the policy being trained: where the servers are, which model name to put
+    in requests (the adapter name in LoRA modes; None = the server's default) and the weight version they serve."""
 
     base_url: str
     model: str | None
     version: int
+    # Every replica to spread requests over (grpo.inference.routing.RoutedClient); empty = `base_url` alone.
+    replica_urls: tuple[str, ...] = ()
+    # The load those replicas carry (a grpo.inference.routing.ReplicaLoad shared by the run's routers); None = a
+    # router counts its own requests only.
+    load: Any = None
+
+    @property
+    def urls(self) -> tuple[str, ...]:
+        """The replicas to sample from (at least `base_url`)."""
+        return self.replica_urls or (self.base_url,)
 
 
 def parse_generate_response(body: dict[str, Any]) -> list[Completion]:

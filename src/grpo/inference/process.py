@@ -244,8 +244,10 @@ class VLLMServer:
         return env
 
     # ------------------------------------------------------------------ lifecycle
-    def start(self, timeout: float | None = None) -> None:
-        """Launch and wait until /health answers; ServerStartError (with the log tail) otherwise."""
+    def start(self, timeout: float | None = None, wait: bool = True) -> None:
+        """Launch and wait until /health answers; ServerStartError (with the log tail) otherwise. `wait=False` returns
+        once the process runs (several servers start side by side; `wait_started` each). Call it from a thread that
+        lives as long as the server: the server gets SIGTERM when the thread that started it ends."""
         if self.running():
             raise ServerStartError(f"server already running (pid {self.pid})")
         if not Path(self.model).exists():
@@ -277,6 +279,11 @@ class VLLMServer:
         )
         # The pid (= process group id) of the running server, for operators and fault tests.
         self.pid_path.write_text(f"{self.proc.pid}\n")
+        if wait:
+            self.wait_started(timeout)
+
+    def wait_started(self, timeout: float | None = None) -> None:
+        """`wait_healthy` for `timeout` seconds, by default server.startup_timeout_s."""
         self.wait_healthy(timeout if timeout is not None else float(option(self.cfg, "startup_timeout_s", 300)))
 
     def wait_healthy(self, timeout: float) -> None:
@@ -403,8 +410,9 @@ class VLLMServer:
         model: str | Path | None = None,
         lora_modules: Mapping[str, str | Path] | None = None,
         weight_version: int | None = None,
+        wait: bool = True,
     ) -> None:
-        """Stop, optionally switch weights / preloaded adapters / version, start again."""
+        """Stop, optionally switch weights / preloaded adapters / version, start again (`wait`: as in `start`)."""
         self.stop()
         if model is not None:
             self.model = str(model)
@@ -418,7 +426,7 @@ class VLLMServer:
         deadline = time.monotonic() + 10
         while port_in_use(self.host, self.port) and time.monotonic() < deadline:
             time.sleep(0.1)
-        self.start()
+        self.start(wait=wait)
 
     def start_up_phase(self) -> str:
         """` (<vLLM's last log message>)`, shortened, or "" when the log has none yet: what a start-up is busy with."""

@@ -21,7 +21,8 @@ from pathlib import Path
 from typing import Any, Callable, Mapping, Optional
 
 from grpo import faults
-from grpo.inference.client import Completion, Endpoint, InferenceClient
+from grpo.inference.client import Completion, Endpoint
+from grpo.inference.routing import RoutedClient, routed_client
 from grpo.pipeline.environment import EnvironmentTask, EpisodeLimits
 from grpo.pipeline.episodes import EpisodeRunner
 from grpo.pipeline.local import build_rewards, weighted_reward
@@ -148,7 +149,7 @@ class Evaluator:
         self.dropped_prompts = 0
         self.total_seconds = 0.0
         self.started = time.monotonic()
-        self._client: Optional[InferenceClient] = None
+        self._client: Optional[RoutedClient] = None
 
     # ------------------------------------------------------------------ lifecycle
     def setup(self, ctx: EvalContext) -> None:
@@ -204,7 +205,7 @@ class Evaluator:
         t0 = time.monotonic()
         faults.kill_server_evaluating(step, self.ctx.run_dir / "logs" / "vllm.pid")  # test-only (GRPO_FAULT)
         endpoint = self.ctx.endpoint()
-        client = self._client_for(endpoint.base_url)
+        client = self._client_for(endpoint)
         longest = max(len(x) for x in self.prompt_ids)
         max_tokens = max(1, min(self.max_new_tokens, self.ctx.max_seq_len - longest))
         # _score decodes the token ids itself: the server need not detokenize, nor compute log-probs.
@@ -226,15 +227,16 @@ class Evaluator:
         metrics["eval/seconds"] = seconds
         return metrics
 
-    def _client_for(self, url: str) -> InferenceClient:
-        # The sync strategy may restart the server on another URL; follow it.
-        if self._client is None or self._client.base_url != url.rstrip("/").removesuffix("/v1"):
+    def _client_for(self, endpoint: Endpoint) -> RoutedClient:
+        # Follow the server's replicas (a restart may take one out for a while, or move them); requests spread over
+        # them by load like the rollouts'.
+        if self._client is None or self._client.urls != endpoint.urls:
             if self._client is not None:
                 self._client.close()
-            self._client = InferenceClient(url, max_concurrency=self.max_concurrency)
+            self._client = routed_client(endpoint, max_concurrency=self.max_concurrency)
         return self._client
 
-    def _episodes(self, client: InferenceClient, model: Optional[str], n: int, temperature: float,
+    def _episodes(self, client: RoutedClient, model: Optional[str], n: int, temperature: float,
                   seed: Optional[int]) -> list[list[_Scored]]:
         """`n` whole episodes of every held-out prompt (grpo.pipeline.episodes), each scored on its answer and counted
         by its model tokens and its oldest turn's weight version."""

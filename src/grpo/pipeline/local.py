@@ -17,7 +17,8 @@ from typing import Any, Mapping, Optional
 
 from grpo import faults
 from grpo.config_values import instantiation_cause
-from grpo.inference.client import InferenceClient
+from grpo.inference.client import Endpoint
+from grpo.inference.routing import RoutedClient, routed_client
 from grpo.pipeline.base import DataPipeline, PipelineContext
 from grpo.pipeline.dynamic_sampling import refill
 from grpo.pipeline.group import Group
@@ -151,7 +152,7 @@ class LocalRolloutPipeline(DataPipeline):
         self.dynamic_sampling = bool(dynamic_sampling)
         self.max_refill_rounds = int(max_refill_rounds)
         self.ctx: Optional[PipelineContext] = None
-        # One InferenceClient per thread that generates (a requests.Session is not meant to be shared), all closed by
+        # One client per thread that generates (a requests.Session is not meant to be shared), all closed by
         # close(); the lock guards the list and the tokenizer (a Rust tokenizer may refuse concurrent use).
         self._local = threading.local()
         self._clients: list[Any] = []
@@ -169,17 +170,17 @@ class LocalRolloutPipeline(DataPipeline):
         self.ctx = ctx
         self.task.bind_tokenizer(ctx.tokenizer)
 
-    def _client(self, url: str):
-        """This thread's client of the server at `url` (the sync strategy may restart the server on another URL)."""
-        if getattr(self._local, "url", None) != url:
+    def _client(self, endpoint: Endpoint) -> RoutedClient:
+        """This thread's client of `endpoint`'s replicas (a restart may take one out for a while, or move them)."""
+        if getattr(self._local, "urls", None) != endpoint.urls:
             with self._lock:
                 old = getattr(self._local, "client", None)
                 if old is not None:
                     old.close()
                     self._clients.remove(old)
-                self._local.client = InferenceClient(url)
+                self._local.client = routed_client(endpoint)
                 self._clients.append(self._local.client)
-            self._local.url = url
+            self._local.urls = endpoint.urls
         return self._local.client
 
     def prompts_for_step(self, step: int, refill_round: int = 0, count: Optional[int] = None) -> list[Prompt]:
@@ -248,7 +249,7 @@ class LocalRolloutPipeline(DataPipeline):
         # Through the sync's gate: a restarting sync waits for these requests, and holds new ones until it is done.
         with ctx.generation_gate.generating() if ctx.generation_gate is not None else nullcontext():
             endpoint = ctx.endpoint()  # inside the gate: a restart it waited for may have moved the server
-            outs = self._client(endpoint.base_url).generate(
+            outs = self._client(endpoint).generate(
                 ids, n=self.group_size, max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p,
                 model=endpoint.model, detokenize=False, logprobs=self.rollout_logprobs,
                 **self._sampling_seed(step, refill_round),

@@ -97,7 +97,7 @@ class MultiTurnPipeline(LocalRolloutPipeline):
         ctx = self.ctx
         with ctx.generation_gate.generating() if ctx.generation_gate is not None else nullcontext():
             endpoint = ctx.endpoint()  # inside the gate: a restart it waited for may have moved the server
-            outs = self._client(endpoint.base_url).generate(
+            outs = self._client(endpoint).generate(
                 prompt_ids, n=n, max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p,
                 model=endpoint.model, detokenize=False, logprobs=self.rollout_logprobs,
                 **({} if seed is None else {"seed": seed}),

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import List, Optional
 
 
 @dataclass
@@ -15,6 +15,12 @@ class ServerConfig:
     port: Optional[int] = None
     # Attach to a server someone else started at this URL instead of launching one.
     external_url: Optional[str] = None
+    # vLLM servers (replicas) the run launches, each a process of its own on its own port (and GPU: `devices`);
+    # requests are spread over them and every sync reaches each (docs/replicas.md).
+    replicas: int = 1
+    # Attach to several servers started elsewhere (http://host:port each), one replica per URL; the several-URL form
+    # of external_url (set one or the other).
+    external_urls: Optional[List[str]] = None
     # Share of device memory for weights + KV cache (on CPU: of host memory for the KV cache).
     gpu_memory_utilization: float = 0.2
     # KV cache size in GiB (vLLM --kv-cache-memory-bytes); when set, gpu_memory_utilization no longer sizes it. The
@@ -30,11 +36,14 @@ class ServerConfig:
     chunked_prefill: Optional[bool] = None
     max_lora_rank: int = 64
     startup_timeout_s: float = 300.0
-    # Restarts allowed after a crash or a failed health check before the run stops.
+    # Restarts of a replica allowed after a crash or a failed health check (each replica counts its own) before the
+    # run stops.
     max_restarts: int = 3
     extra_args: list[str] = field(default_factory=list)
     # CUDA device index for vLLM when trainer and server share a host.
     device: Optional[int] = None
+    # CUDA device index of each replica (one per replica, `replicas` of them); null = `device` for every replica.
+    devices: Optional[List[int]] = None
     # Cap (seconds) on how long vLLM's worker busy-polls after each message before sleeping; null = vLLM's 1 s.
     busy_loop_s: Optional[float] = None
     # Other names the served base model answers to besides its directory (e.g. model.name, for Atropos envs).

@@ -1,6 +1,7 @@
 """Checks of `server.*` before the server starts, beside the server they configure: a GPU for server=gpu, knobs in
-range, a free port (or an external server named), and a `max_model_len` within the model's positions. Each raises
-ConfigError; vLLM's own refusals came after its start-up, as tracebacks in its log."""
+range, replicas that add up (a device each on a GPU), free ports (or external servers named), and a
+`max_model_len` within the model's positions. Each raises ConfigError; vLLM's own refusals came after its
+start-up, as tracebacks in its log."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from omegaconf import DictConfig
 
 from grpo.config_values import ConfigError
 from grpo.inference.process import parallel_sizes
+from grpo.serving.server import external_urls, replica_count
 
 
 def _port_free(host: str, port: int) -> bool:
@@ -26,12 +28,14 @@ def _port_free(host: str, port: int) -> bool:
 
 
 def check_server(cfg: DictConfig, choice: str | None, cuda: bool) -> None:
-    """The server's port is free (or an external server is named), its knobs are in range, and `server=gpu`
-    (`choice`, the server group's option) has a GPU to run on."""
-    if choice == "gpu" and cfg.server.external_url is None and not cuda:
+    """The server's ports are free (or external servers are named), its knobs are in range, its replicas add up,
+    and `server=gpu` (`choice`, the server group's option) has a GPU to run on."""
+    external = bool(external_urls(cfg.server))
+    if choice == "gpu" and not external and not cuda:
         # Else vLLM starts on the CPU with the GPU settings and fails on one of them (e.g. max_model_len).
         raise ConfigError("server=gpu runs the vLLM server on a CUDA GPU and none is visible here; use server=cpu "
                           "(the vLLM CPU engine), or attach to a GPU server with server.external_url=http://host:port")
+    check_replicas(cfg, choice)
     kv_cache_gb = cfg.server.get("kv_cache_gb")
     if kv_cache_gb is not None and kv_cache_gb <= 0:
         raise ConfigError(f"server.kv_cache_gb must be a positive number of GiB or null, got {kv_cache_gb}")
@@ -43,14 +47,48 @@ def check_server(cfg: DictConfig, choice: str | None, cuda: bool) -> None:
             f"{list(cfg.server.extra_args)} asks for several: set server.worker_in_engine_process=false"
         )
     port_fixed = cfg.server.port is not None  # null: the launcher picks a free port
-    if port_fixed and not 1 <= cfg.server.port <= 65535:
+    replicas = replica_count(cfg.server)
+    if port_fixed and not 1 <= cfg.server.port <= 65536 - replicas:
         # Else the bind below fails with Python's OverflowError traceback.
-        raise ConfigError(f"server.port={cfg.server.port} is not a TCP port: use 1-65535, or null to pick a free one")
-    if cfg.server.external_url is None and port_fixed and not _port_free(cfg.server.host, cfg.server.port):
-        raise ConfigError(
-            f"server.port={cfg.server.port} on {cfg.server.host} is already in use; pick a free port "
-            "(server.port=...) or attach to that server with server.external_url=http://host:port"
-        )
+        several = f" (replica i listens on server.port + i, up to {cfg.server.port + replicas - 1})" if replicas > 1 else ""
+        raise ConfigError(f"server.port={cfg.server.port} is not a TCP port{several}: use 1-65535, or null to pick "
+                          "a free one")
+    for port in range(cfg.server.port, cfg.server.port + replicas) if port_fixed and not external else ():
+        if not _port_free(cfg.server.host, port):
+            raise ConfigError(
+                f"server.port={cfg.server.port}: port {port} on {cfg.server.host} is already in use (replica i "
+                "listens on server.port + i); pick a free port (server.port=...) or attach to that server with "
+                "server.external_url=http://host:port"
+            )
+
+
+def check_replicas(cfg: DictConfig, choice: str | None) -> None:
+    """`server.replicas` >= 1; `server.external_url` or `server.external_urls`, not both, and as many URLs as
+    replicas; `server.devices` one per replica (on a GPU, required for several)."""
+    server = cfg.server
+    replicas, urls, devices = server.get("replicas", 1), server.get("external_urls"), server.get("devices")
+    if not isinstance(replicas, int) or replicas < 1:
+        raise ConfigError(f"server.replicas must be a whole number >= 1 (vLLM servers to launch), got {replicas}")
+    if urls is not None and server.get("external_url"):
+        raise ConfigError("set server.external_url (one server started elsewhere) or server.external_urls (several), "
+                          f"not both: got {server.external_url} and {list(urls)}")
+    if urls is not None:
+        if not urls:
+            raise ConfigError("server.external_urls is empty: list the servers' URLs, or null to launch servers")
+        if replicas not in (1, len(urls)):
+            raise ConfigError(f"server.replicas={replicas} but server.external_urls lists {len(urls)} servers: the "
+                              "run attaches to one replica per URL; drop server.replicas or make them agree")
+        return
+    if server.get("external_url") and replicas > 1:
+        raise ConfigError(f"server.replicas={replicas} with server.external_url: the run attaches to that one server "
+                          "and launches none; list several servers in server.external_urls=[http://h1:p1,...]")
+    if devices is not None and len(devices) != replicas:
+        raise ConfigError(f"server.devices={list(devices)} names {len(devices)} device(s) for server.replicas="
+                          f"{replicas}: give one CUDA index per replica, or null")
+    if choice == "gpu" and replicas > 1 and devices is None:
+        raise ConfigError(f"server.replicas={replicas} on GPUs needs a GPU per replica: set server.devices "
+                          f"(e.g. server.devices=[{', '.join(str(i + 1) for i in range(replicas))}]); replicas sharing "
+                          "one GPU would each claim server.gpu_memory_utilization of it")
 
 
 def check_server_fits_model(cfg: DictConfig, model_dir: str | Path) -> None:
@@ -62,7 +100,7 @@ def check_server_fits_model(cfg: DictConfig, model_dir: str | Path) -> None:
         positions = json.loads((Path(model_dir) / "config.json").read_text()).get("max_position_embeddings")
     except (OSError, ValueError):
         return  # not a directory with a readable config: loading the model says what is wrong
-    if cfg.server.get("external_url") is None and max_len is not None and positions and max_len > positions:
+    if not external_urls(cfg.server) and max_len is not None and positions and max_len > positions:
         raise ConfigError(
             f"server.max_model_len={max_len} exceeds the model's max_position_embeddings={positions} "
             f"({Path(model_dir) / 'config.json'}), which vLLM refuses: set server.max_model_len={positions} (or less)"

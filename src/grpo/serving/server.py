@@ -1,27 +1,86 @@
-"""The inference server a run samples from: the vLLM replicas it launched, or the one it attached to.
+"""The inference server a run samples from: the vLLM replicas it launched, or those it attached to.
 
-It owns their processes (launch, health check, bounded restart, shutdown), says where requests go (`endpoint`), and
-holds the generation gate that a weight sync closes while it takes a replica away. What a replica serves is the
-weight sync's business: the server asks the sync that drives it (`ServedWeights`) for the weight version and to bring
-a restarted replica back to the current weights. One replica today; `replicas` is a list so that several can be held
-(issue 42), and the accessors that assume one (`replica`, `url`, `client`, `process`) refuse when there are more.
+It owns their processes (launch, health check, bounded restart of a dead replica alone, shutdown), says where
+requests go (`endpoint`: every replica that serves, and the load they share, grpo.inference.routing), and holds the
+generation gate that a weight sync closes while it takes the replicas away. What a replica serves is the weight
+sync's business: the server asks the sync that drives it (`ServedWeights`) for the weight version and to bring a
+restarted replica back to the current weights. `server.replicas=N` launches N vLLM processes, each on its own port
+(`server.port` + i when fixed) and device (`server.devices[i]`); `server.external_urls` attaches to N started
+elsewhere. The accessors that assume one replica (`replica`, `url`, `client`, `process`) refuse when there are more:
+a sync addresses each replica (`replicas`, `each`). Why N processes and not vLLM's own data parallelism:
+docs/replicas.md.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping, Protocol, Sequence
+from typing import Any, Callable, Mapping, Protocol, Sequence, TypeVar
 
 from grpo import faults
 from grpo.config_values import ConfigError, option
 from grpo.inference.client import Endpoint, InferenceClient, InferenceServerError, ServerUnreachable
 from grpo.inference.process import VLLMServer
+from grpo.inference.routing import ReplicaLoad
 from grpo.serving.gate import GenerationGate
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+def external_urls(server_cfg: Any) -> list[str]:
+    """The URLs of the servers started elsewhere that the run attaches to (`server.external_urls`, or the one of
+    `server.external_url`), without a trailing /v1; empty when the run launches its own."""
+    urls = option(server_cfg, "external_urls") or ([option(server_cfg, "external_url")]
+                                                   if option(server_cfg, "external_url") else [])
+    return [str(u).rstrip("/").removesuffix("/v1") for u in urls]
+
+
+def external_setting(server_cfg: Any) -> str:
+    """The setting that names the servers started elsewhere, for messages: `server.external_url=...` or
+    `server.external_urls=[...]`."""
+    urls = option(server_cfg, "external_urls")
+    if urls:
+        return f"server.external_urls=[{','.join(str(u) for u in urls)}]"
+    return f"server.external_url={option(server_cfg, 'external_url')}"
+
+
+def replica_count(server_cfg: Any) -> int:
+    """How many replicas the `server` config asks for: one per external URL, else `server.replicas`."""
+    return len(external_urls(server_cfg)) or int(option(server_cfg, "replicas", 1) or 1)
+
+
+def replica_config(server_cfg: Any, index: int) -> Any:
+    """The `server` config of replica `index`: its port (`server.port` + index when fixed) and its device
+    (`server.devices[index]`, else `server.device`). Replica 0 of a single-replica run keeps the node itself."""
+    devices = option(server_cfg, "devices")
+    if index == 0 and not devices:
+        return server_cfg
+    if dataclasses.is_dataclass(server_cfg):
+        values = dataclasses.asdict(server_cfg)
+    elif isinstance(server_cfg, Mapping):
+        values = dict(server_cfg)
+    else:  # an OmegaConf node
+        from omegaconf import OmegaConf
+
+        values = OmegaConf.to_container(server_cfg, resolve=True)
+    if values.get("port") is not None:
+        values["port"] = int(values["port"]) + index
+    if devices:
+        values["device"] = int(devices[index])
+    return values
+
+
+def replica_log(run_dir: Path, index: int) -> Path:
+    """Replica `index`'s vLLM log: `logs/vllm.log` for the first (its pid beside it in `logs/vllm.pid`, where the
+    fault injection and `grpo-stop` look), `logs/vllm-replica<i>.log` for the others."""
+    return Path(run_dir) / "logs" / ("vllm.log" if index == 0 else f"vllm-replica{index}.log")
 
 
 @dataclass
@@ -32,6 +91,12 @@ class Replica:
     client: InferenceClient
     process: VLLMServer | None = None
     external_url: str | None = None
+    # Position in the run's replicas (the `i` of its metrics, `server/replica<i>/...`).
+    index: int = 0
+    # False while the server restarts it: requests go to the other replicas meanwhile.
+    available: bool = True
+    # Restarts of this replica in this session.
+    restarts: int = 0
 
     @property
     def url(self) -> str:
@@ -51,7 +116,7 @@ class ServedWeights(Protocol):
 
 
 class InferenceServer:
-    """The vLLM replicas of a run (one today) and everything about their processes; see the module docstring."""
+    """The vLLM replicas of a run and everything about their processes; see the module docstring."""
 
     # A hung (stopped, deadlocked) server accepts the connection but never answers; this bounds the wait.
     health_timeout_s: float = 10.0
@@ -62,6 +127,11 @@ class InferenceServer:
         self.gate = GenerationGate()
         # Restarts of a dead or hung replica so far in this session (`server/restarts` in every metrics row).
         self.restarts = 0
+        # Generation requests in flight and sent, per replica URL: every router of the run shares it.
+        self.load = ReplicaLoad()
+        # One health check at a time: a sync's replicas (`each`) and the producer thread may ask together, and a
+        # dead replica must be restarted once.
+        self._health_lock = threading.Lock()
         self._cfg: Any = None
         self._weights: ServedWeights | None = None
 
@@ -71,40 +141,52 @@ class InferenceServer:
         lora_modules: Mapping[str, Path] | None = None, enable_lora: bool = False,
         env: Mapping[str, str] | None = None, extra_args: Sequence[str] = (),
     ) -> None:
-        """Start a vLLM server on `model` (the `server` config node `server_cfg`; its log in
-        `<run_dir>/logs/vllm.log`), or attach to `server.external_url`, serving `weights.version`."""
+        """Start `server.replicas` vLLM servers on `model` at once (the `server` config node `server_cfg`; replica
+        i's log in `replica_log(run_dir, i)`), or attach to `server.external_urls` / `server.external_url`, serving
+        `weights.version`. When one fails to start, those started are stopped and the error raised."""
         self._cfg, self._weights = server_cfg, weights
-        external = option(server_cfg, "external_url")
-        if external:
-            self.replicas = [self._attach(external, weights.version)]
+        urls = external_urls(server_cfg)
+        if urls:
+            self.replicas = [self._attach(url, weights.version, i) for i, url in enumerate(urls)]
             return
-        process = VLLMServer(
-            model, server_cfg, log_path=Path(run_dir) / "logs" / "vllm.log", lora_modules=lora_modules,
-            extra_args=extra_args, enable_lora=enable_lora, served_model_name=list(served_names),
-            weight_version=weights.version, env=env,
-        )
-        process.start()
-        self.replicas = [Replica(InferenceClient(process.url, token=process.token), process)]  # token: weight calls
+        processes = [
+            VLLMServer(model, replica_config(server_cfg, i), log_path=replica_log(run_dir, i),
+                       lora_modules=lora_modules, extra_args=extra_args, enable_lora=enable_lora,
+                       served_model_name=list(served_names), weight_version=weights.version, env=env)
+            for i in range(replica_count(server_cfg))
+        ]
+        try:
+            # Side by side, all from this thread: a server gets SIGTERM when the thread that started it ends.
+            for process in processes:
+                process.start(wait=False)
+            for process in processes:
+                process.wait_started()
+        except BaseException:
+            for process in processes:
+                process.stop()
+            raise
+        # token: the weight-changing calls of a server this run launched need it.
+        self.replicas = [Replica(InferenceClient(p.url, token=p.token), p, index=i) for i, p in enumerate(processes)]
 
-    def _attach(self, external: str, version: int) -> Replica:
-        url = external.rstrip("/").removesuffix("/v1")
+    def _attach(self, url: str, version: int, index: int) -> Replica:
         # A server started with a run token (GRPO_SERVER_TOKEN in its environment) needs it for weight calls.
         client = InferenceClient(url, token=os.environ.get("GRPO_SERVER_TOKEN"))
         if not client.health():  # the user's URL: a message, not a traceback
-            raise ConfigError(f"server.external_url={external} does not answer /health: start that server first "
-                              "(grpo-serve <vLLM args>), or drop server.external_url and the run starts its own")
+            key = "external_url" if option(self._cfg, "external_url") else "external_urls"
+            raise ConfigError(f"server.{key}={url} does not answer /health: start that server first "
+                              f"(grpo-serve <vLLM args>), or drop server.{key} and the run starts its own")
         served = client.weight_version()
         if served != version:
             # Rollouts carry the server's versions and the trainer compares them with its own (staleness): one
             # scale. A server attached from an earlier run may count from elsewhere.
-            log.info("attached server reports weight version %d; setting it to the run's %d", served, version)
+            log.info("attached server %s reports weight version %d; setting it to the run's %d", url, served, version)
             client.set_weight_version(version)
-        return Replica(client, external_url=url)
+        return Replica(client, external_url=url, index=index)
 
-    # ------------------------------------------------------------------ the one replica of today
+    # ------------------------------------------------------------------ the accessors of one replica
     @property
     def replica(self) -> Replica:
-        """The run's replica (one today; several are issue 42's)."""
+        """The run's replica, when it has one (a call that must reach every replica uses `replicas` or `each`)."""
         if not self.replicas:
             raise RuntimeError("inference server not launched")
         if len(self.replicas) > 1:
@@ -128,37 +210,76 @@ class InferenceServer:
 
     @property
     def external(self) -> bool:
-        """True when the server was started elsewhere (`server.external_url`): never restarted or stopped here."""
+        """True when the replicas were started elsewhere (`server.external_url(s)`): never restarted or stopped."""
         return any(replica.process is None for replica in self.replicas)
 
+    # ------------------------------------------------------------------ every replica
+    def each(self, call: Callable[[Replica], T]) -> list[T]:
+        """`call(replica)` for every replica at once (a weight load, an RPC), in threads of its own; their results in
+        replica order. The first error is raised once every call has ended. Never a call that starts a server: it
+        gets SIGTERM when the thread that started it ends."""
+        if len(self.replicas) <= 1:
+            return [call(replica) for replica in self.replicas]
+        with ThreadPoolExecutor(len(self.replicas), thread_name_prefix="grpo-replica") as pool:
+            futures = [pool.submit(call, replica) for replica in self.replicas]
+        errors = [f.exception() for f in futures if f.exception() is not None]
+        if errors:
+            raise errors[0]
+        return [f.result() for f in futures]
+
     def endpoint(self, model: str | None, version: int) -> Endpoint:
-        """Where to sample `model` (None = the server's default) served at weight `version`."""
-        return Endpoint(base_url=self.url, model=model, version=version)
+        """Where to sample `model` (None = the server's default) served at weight `version`: every replica that
+        serves now (not one being restarted), and the load they share."""
+        serving = [r.url for r in self.replicas if r.available] or [r.url for r in self.replicas]
+        if not serving:
+            raise RuntimeError("inference server not launched")
+        return Endpoint(base_url=serving[0], model=model, version=version, replica_urls=tuple(serving),
+                        load=self.load)
 
     def restart(self, *, weight_version: int, model: Path | None = None,
                 lora_modules: Mapping[str, Path] | None = None) -> None:
-        """Restart every replica on `model` and/or with `lora_modules` preloaded, reporting `weight_version` (a sync
-        whose weights load only at start-up). Replicas started elsewhere cannot be: RuntimeError."""
+        """Restart every replica (side by side) on `model` and/or with `lora_modules` preloaded, reporting
+        `weight_version` (a sync whose weights load only at start-up). Replicas started elsewhere cannot be:
+        RuntimeError."""
         for replica in self.replicas:
             if replica.process is None:
                 raise RuntimeError(f"the inference server at {replica.url} was started elsewhere "
-                                   "(server.external_url): this run cannot restart it")
-            replica.process.restart(model=model, lora_modules=lora_modules, weight_version=weight_version)
+                                   "(server.external_url(s)): this run cannot restart it")
+        # Side by side, all from this thread: a server gets SIGTERM when the thread that started it ends.
+        for replica in self.replicas:
+            replica.process.restart(model=model, lora_modules=lora_modules, weight_version=weight_version, wait=False)
+        for replica in self.replicas:
+            replica.process.wait_started()
+
+    def metrics(self) -> dict[str, float]:
+        """`server/restarts` so far in this session and, with several replicas, each one's generation requests
+        sent (`server/replica<i>/requests`, a prompt with its n completions being one) and restarts."""
+        out = {"server/restarts": float(self.restarts)}
+        if len(self.replicas) > 1:
+            out["server/replicas"] = float(len(self.replicas))
+            out["server/failovers"] = float(self.load.failovers)
+            for replica in self.replicas:
+                out[f"server/replica{replica.index}/requests"] = float(self.load.sent.get(replica.url, 0))
+                out[f"server/replica{replica.index}/restarts"] = float(replica.restarts)
+        return out
 
     # ------------------------------------------------------------------ health
     def prepare_step(self, step: int) -> None:
         """Before optimizer step `step` (1-based): make sure every replica is up (restart a dead one, bounded)."""
-        # GRPO_FAULT (tests) kills or stops our server here, so the health check below must notice.
-        for replica in self.replicas:
-            faults.server_faults(step, replica.process.pid if replica.process is not None else None)
+        # GRPO_FAULT (tests) kills or stops our first replica here, so the health check below must notice.
+        if self.replicas:
+            first = self.replicas[0].process
+            faults.server_faults(step, first.pid if first is not None else None)
         self.check_health()
 
     def check_health(self) -> bool:
-        """Restart a dead or unresponsive replica on the current weights, up to server.max_restarts times in the
-        run; raise after that. True when it restarted one, False when all were healthy."""
+        """Restart each dead or unresponsive replica alone on the current weights (the others keep serving), up to
+        server.max_restarts times each in this session; raise after that. True when it restarted one, False when all were
+        healthy."""
         restarted = False
-        for replica in self.replicas:
-            restarted = self._check_replica(replica) or restarted
+        with self._health_lock:
+            for replica in self.replicas:
+                restarted = self._check_replica(replica) or restarted
         return restarted
 
     def _check_replica(self, replica: Replica) -> bool:
@@ -172,16 +293,27 @@ class InferenceServer:
         limit = int(option(self._cfg, "max_restarts", 3))
         state = "exited" if not process.running() else f"not answering /health within {self.health_timeout_s:g}s"
         tail = process.log_tail(40)
-        if self.restarts >= limit:
+        if replica.restarts >= limit:  # each replica's own bound: one that keeps dying does not spend the others'
             raise RuntimeError(
-                f"inference server {state}; giving up after {limit} restarts (server.max_restarts={limit}). "
+                f"{self._name(replica)} {state}; giving up after {limit} restarts (server.max_restarts={limit}). "
                 f"Log {process.log_path}, tail:\n{tail}"
             )
         self.restarts += 1
-        log.warning("inference server %s; restart %d of %d on weight version %d", state, self.restarts, limit,
+        replica.restarts += 1
+        log.warning("%s %s; restart %d of %d on weight version %d", self._name(replica), state, replica.restarts, limit,
                     self._weights.version)
-        self._weights.restore_replica(replica)
+        replica.available = False  # requests go to the other replicas while it starts
+        try:
+            self._weights.restore_replica(replica)
+        finally:
+            replica.available = True
         return True
+
+    def _name(self, replica: Replica) -> str:
+        """How messages name `replica`: "inference server", and which replica when there are several."""
+        if len(self.replicas) == 1:
+            return "inference server"
+        return f"inference server replica {replica.index} ({replica.url})"
 
     def recover(self, error: BaseException) -> bool:
         """`error` interrupted generation or a sync: when it means a replica died, restart it (bounded) and return

@@ -40,6 +40,22 @@ class SyncContext:
     extra: dict = field(default_factory=dict)
 
 
+def worst_arrival(per_replica: Sequence[Mapping[str, float]]) -> dict[str, float]:
+    """One replica's arrival figures as they are; several replicas' under `sync/replica<i>/<name>` each, and the
+    worst under `sync/<name>`: the lowest served version and match, the largest difference."""
+    if len(per_replica) == 1:
+        return dict(per_replica[0])
+    out: dict[str, float] = {}
+    worst = {"sync/served_version": min, "sync/weights_match": min, "sync/weights_max_rel_diff": max}
+    for key, pick in worst.items():
+        values = [figures[key] for figures in per_replica if key in figures]
+        if values:
+            out[key] = float(pick(values))
+    for i, figures in enumerate(per_replica):
+        out |= {f"sync/replica{i}/{key.removeprefix('sync/')}": value for key, value in figures.items()}
+    return out
+
+
 class SyncStrategy(ABC):
     """How trained weights reach the vLLM server. One instance per run; it holds the run's `InferenceServer`
     (`.server`, grpo.serving), launches it with what its mode needs and moves the weights into it."""
@@ -147,18 +163,18 @@ class SyncStrategy(ABC):
     def check_arrival(self, model: nn.Module) -> dict[str, float]:
         """After a sync: the version each replica serves and whether its weights equal the trainer's (a fingerprint
         of a few parameters, grpo.sync.arrival). The LoRA modes report the served version only: their base weights
-        never change, and the adapter lives outside the model's parameters. Nothing without a server (ranks > 0)."""
+        never change, and the adapter lives outside the model's parameters. Nothing without a server (ranks > 0).
+        With several replicas, each one's figures under `sync/replica<i>/` and the worst of them under `sync/`."""
         if not self.server.replicas:
             return {}
         t0 = time.perf_counter()
-        out: dict[str, float] = {}
         try:
-            for replica in self.server.replicas:
-                out |= check_arrival(model, replica.client, self.version, fingerprint=not self.uses_lora)
+            per_replica = self.server.each(
+                lambda replica: check_arrival(model, replica.client, self.version, fingerprint=not self.uses_lora))
         except InferenceServerError as error:  # a dead server is the next generation's to restart, not the check's
             log.warning("the arrival check after the sync to version %d failed: %s", self.version, error)
             return {"sync/arrival_check_failed": 1.0}
-        return {**out, "sync/arrival_check_seconds": time.perf_counter() - t0}
+        return {**worst_arrival(per_replica), "sync/arrival_check_seconds": time.perf_counter() - t0}
 
     def recover(self, error: BaseException) -> bool:
         """`error` interrupted generation, an evaluation or a sync: True when the server restarted a replica that

@@ -29,6 +29,7 @@ class LoraHotSwapSync(SyncStrategy):
         self._current: str | None = None
         self._current_dir: Path | None = None
         self._previous: str | None = None
+        self._previous_dir: Path | None = None
 
     def _name(self, version: int) -> str:
         return f"{self.adapter_prefix}-v{version}"
@@ -37,16 +38,18 @@ class LoraHotSwapSync(SyncStrategy):
         self._start_server(ctx, Path(ctx.model_dir))
         if ctx.resume_weights:
             self._current, self._current_dir = self._name(self.version), Path(ctx.resume_weights)
-            self.server.client.load_lora(self._current, str(self._current_dir))
+            self.server.each(lambda replica: replica.client.load_lora(self._current, str(self._current_dir)))
 
     @property
     def served_model(self) -> str | None:
         return self._current
 
     def restore_replica(self, replica: Replica) -> None:
-        # A fresh server holds no hot-swapped adapter: load the current one again under its name.
+        # A fresh server holds no hot-swapped adapter: load the previous one (still named by the requests in flight
+        # on the other replicas, and unloaded from every replica at the next sync) and the current one again.
         replica.process.restart(weight_version=self.version)
-        self._previous = None
+        if self._previous is not None:
+            replica.client.load_lora(self._previous, str(self._previous_dir))
         if self._current is not None:
             replica.client.load_lora(self._current, str(self._current_dir))
 
@@ -54,15 +57,20 @@ class LoraHotSwapSync(SyncStrategy):
         return save_and_load(self, "adapters", lambda d: save_adapter(model, d), self._swap_in, step)
 
     def _swap_in(self, out: Path, version: int) -> None:
-        name = self._name(version)
-        # vLLM adds and removes adapters between engine steps: generation stalls that long, nothing is paused.
-        with self.stalling():
-            self.server.client.load_lora(name, str(out))
+        name, previous = self._name(version), self._previous
+
+        def swap(replica: Replica) -> None:
+            replica.client.load_lora(name, str(out))
             # Unload the adapter from two syncs ago; the one just replaced may still have requests in flight.
-            if self._previous is not None:
-                self.server.client.unload_lora(self._previous)
+            if previous is not None:
+                replica.client.unload_lora(previous)
+
+        # vLLM adds and removes adapters between engine steps: generation stalls that long, nothing is paused. Every
+        # replica holds the new adapter before any request names it (`served_model` switches after this).
+        with self.stalling():
+            self.server.each(swap)
         self._previous, self._current = self._current, name
-        self.server.client.set_weight_version(version)
+        self.server.each(lambda replica: replica.client.set_weight_version(version))
         keep = {out} | ({self._current_dir} if self._current_dir else set())
-        self._current_dir = out
+        self._previous_dir, self._current_dir = self._current_dir, out
         prune(self.ctx.run_dir, "adapters", keep=keep)

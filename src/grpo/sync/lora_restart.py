@@ -11,7 +11,8 @@ from typing import Any
 
 import torch.nn as nn
 
-from grpo.config_values import ConfigError, option
+from grpo.config_values import ConfigError
+from grpo.serving.server import external_setting, external_urls
 from grpo.sync.base import SyncContext, SyncStrategy
 from grpo.sync.weight_dirs import prune, save_and_load
 from grpo.weights.hf_dir import save_model_weights
@@ -37,10 +38,10 @@ class LoraRestartSync(SyncStrategy):
     @classmethod
     def check_config(cls, cfg: Any, *, cuda: bool, world_size: int = 1) -> None:
         super().check_config(cfg, cuda=cuda, world_size=world_size)
-        if option(cfg.server, "external_url"):  # else a RuntimeError traceback once the model was built
+        if external_urls(cfg.server):  # else a RuntimeError traceback once the model was built
             raise ConfigError(f"mode=lora_restart restarts the vLLM server at every sync, so it cannot use a server "
-                              f"started elsewhere (server.external_url={cfg.server.external_url}); use mode=lora_only "
-                              "(adapters hot-swapped into that server), or drop server.external_url")
+                              f"started elsewhere ({external_setting(cfg.server)}); use "
+                              "mode=lora_only (adapters hot-swapped into that server), or drop server.external_url(s)")
 
     def launch(self, ctx: SyncContext) -> None:
         self._adapter_dir = Path(ctx.resume_weights) if ctx.resume_weights else None

@@ -4,13 +4,14 @@ Built on vLLM's own weight-transfer engine (``--weight-transfer-config {"backend
 0.26 and 0.32:
 
 1. launch: the server starts with the NCCL engine; the trainer (NCCL rank 0, on its own GPU) and every vLLM
-   worker (ranks 1..) join one group: `POST /grpo/weight_transfer/init` runs vLLM's `init_weight_transfer_engine`
+   worker of every replica (ranks 1.., replica after replica: `transfer_ranks`) join one group: `POST /grpo/weight_transfer/init` runs vLLM's `init_weight_transfer_engine`
    on the workers while the trainer joins with vLLM's `trainer_init` (same rendezvous, same PyNccl code).
 2. sync: the trainer's parameters, under their Hugging Face names, unfused (vLLM's `load_weights` fuses q/k/v and
    gate/up and shards for tensor parallelism itself), are packed into flat buckets of at most `bucket_mb`
    (`grpo.sync.buckets`); generation is paused, `POST /grpo/weight_transfer/update` runs one vLLM weight-update
    session with one `update_weights` call per bucket while the trainer broadcasts the buckets in the same order,
-   then the prefix cache is reset, the version bumped and generation resumed.
+   then the prefix cache is reset, the version bumped and generation resumed. With several replicas every one is
+   paused and runs its session at once: the trainer's one broadcast per bucket reaches all their workers.
 
 Works with vLLM tensor parallelism (every rank receives the full tensors and keeps its shard) and with an FSDP2
 trainer (each parameter is gathered with `full_tensor()`; all trainer ranks iterate, rank 0 sends).
@@ -30,7 +31,7 @@ import torch
 import torch.nn as nn
 
 from grpo.config_values import ConfigError, option
-from grpo.serving.server import Replica
+from grpo.serving.server import Replica, external_urls
 from grpo.sync.base import SyncContext, SyncStrategy
 from grpo.sync.buckets import Bucket, pack_bucket, plan_buckets
 from grpo.sync.param_mapping import FUSED_PROJECTIONS, MappingError, normalize_vllm_name, plan_mapping
@@ -64,6 +65,16 @@ def check_against_vllm(specs: list[tuple[str, Any, tuple]], vllm_params: list[di
     """Every HF name must land on vLLM's (fused) parameters and cover all of them (shapes checked when vLLM runs
     one worker; with tensor parallelism only the names). Raises MappingError naming each problem."""
     plan_mapping({n: s for n, _, s in specs}, {p["name"]: tuple(p["shape"]) for p in vllm_params}, config)
+
+
+def transfer_ranks(workers_per_replica: list[int]) -> tuple[int, list[int]]:
+    """The one NCCL group of a sync to several replicas: its size (the trainer, rank 0, and every worker) and each
+    replica's first rank (its `rank_offset`), replica after replica."""
+    offsets, rank = [], 1
+    for workers in workers_per_replica:
+        offsets.append(rank)
+        rank += workers
+    return rank, offsets
 
 
 def _free_port(host: str) -> int:
@@ -110,13 +121,24 @@ class NCCLBroadcastSync(SyncStrategy):
                 "mode=broadcast sends weights by NCCL from the trainer's GPU to vLLM's GPU(s) and needs CUDA; none "
                 "is visible here. Use mode=none, mode=lora_only or mode=lora_restart on this machine."
             )
-        dev = cfg.server.device
-        if cfg.server.external_url is None and (dev is None or (isinstance(dev, int) and dev < world_size)):
-            raise ConfigError(
-                f"mode=broadcast needs vLLM on GPUs the trainer does not use (NCCL cannot join two ranks on one "
-                f"GPU): set server.device to a GPU index >= {world_size} (server.device={dev}); e.g. trainer on "
-                f"GPU 0, server.device=1"
-            )
+        if external_urls(cfg.server):
+            pass  # the servers run elsewhere, on GPUs of their own
+        elif option(cfg.server, "devices"):
+            devices = list(cfg.server.devices)
+            if min(devices) < world_size or len(set(devices)) != len(devices):
+                raise ConfigError(
+                    f"mode=broadcast needs each vLLM replica on a GPU of its own that the trainer does not use (NCCL "
+                    f"cannot join two ranks on one GPU): server.devices={devices} must be distinct indices >= "
+                    f"{world_size}, e.g. server.devices=[{world_size}, {world_size + 1}]"
+                )
+        else:
+            dev = cfg.server.device
+            if dev is None or (isinstance(dev, int) and dev < world_size):
+                raise ConfigError(
+                    f"mode=broadcast needs vLLM on GPUs the trainer does not use (NCCL cannot join two ranks on one "
+                    f"GPU): set server.device to a GPU index >= {world_size} (server.device={dev}); e.g. trainer on "
+                    f"GPU 0, server.device=1"
+                )
         super().check_config(cfg, cuda=cuda, world_size=world_size)  # FSDP2: every rank iterates the parameters, rank 0 sends each as it is gathered
 
     def __init__(self, sync_every: int = 1, bucket_mb: float = 512, num_buffers: int = 2,
@@ -148,27 +170,36 @@ class NCCLBroadcastSync(SyncStrategy):
             WEIGHT_TRANSFER_FLAG, WEIGHT_TRANSFER_CONFIG]
         self._start_server(ctx, Path(ctx.resume_weights or ctx.model_dir), extra_args=engine)
         if self.server.external and ctx.resume_weights:
-            self.server.client.reload_weights(str(ctx.resume_weights), version=self.version)
+            self.server.each(lambda replica: replica.client.reload_weights(str(ctx.resume_weights),
+                                                                           version=self.version))
         self._init_group()
 
     def _init_group(self) -> None:
+        """The trainer and every worker of every replica join one NCCL group (mode.master_address: where the workers
+        reach the trainer's rendezvous, an address of the trainer's host that they can reach)."""
         from vllm.distributed.weight_transfer.nccl_common import trainer_init
 
-        workers = self.server.client.rpc("grpo_param_info")
-        self._vllm_params = workers[0]
-        self.world_size = 1 + len(workers)
+        workers = self.server.each(lambda replica: replica.client.rpc("grpo_param_info"))
+        self._vllm_params = workers[0][0]
+        self._workers_per_replica = [len(w) for w in workers]
+        self.world_size, offsets = transfer_ranks(self._workers_per_replica)
         port = self.master_port or _free_port(self.master_address)
-        body = {"master_address": self.master_address, "master_port": port, "world_size": self.world_size,
-                "rank_offset": 1, "bucket_bytes": self.bucket_bytes, "num_buffers": self.num_buffers}
         t0 = time.perf_counter()
-        call = _Call(self.server.client.weight_transfer_init, body, self.timeout_s)
+        calls = [
+            _Call(replica.client.weight_transfer_init, {
+                "master_address": self.master_address, "master_port": port, "world_size": self.world_size,
+                "rank_offset": offset, "bucket_bytes": self.bucket_bytes, "num_buffers": self.num_buffers,
+            }, self.timeout_s)
+            for replica, offset in zip(self.server.replicas, offsets)
+        ]
         torch.cuda.set_device(self.device)
         self.group = trainer_init({"master_address": self.master_address, "master_port": port,
                                    "world_size": self.world_size})
-        call.get(self.timeout_s)
+        for call in calls:
+            call.get(self.timeout_s)
         self._stream = torch.cuda.Stream(self.device)
-        log.info("NCCL weight-transfer group up: trainer + %d vLLM worker(s), %.2f s", len(workers),
-                 time.perf_counter() - t0)
+        log.info("NCCL weight-transfer group up: trainer + %d vLLM worker(s) of %d replica(s), %.2f s",
+                 self.world_size - 1, len(calls), time.perf_counter() - t0)
 
     def restore_replica(self, replica: Replica) -> None:
         # A restarted server has a fresh engine: push the current weights again after it joins a new group.
@@ -195,21 +226,21 @@ class NCCLBroadcastSync(SyncStrategy):
                 "num_buffers": self.num_buffers, "weight_version": version}
         # Generation stalls for the transfer only: paused ("keep": requests in flight freeze, then go on).
         with self.stalling():
-            client = self.server.client
-            client.pause()
+            self.server.each(lambda replica: replica.client.pause())
             t_paused = time.perf_counter()
             try:
-                call = _Call(client.weight_transfer_update, body, self.timeout_s)
+                calls = [_Call(replica.client.weight_transfer_update, body, self.timeout_s)
+                         for replica in self.server.replicas]
                 self._broadcast(buckets, named)
-                answer = call.get(self.timeout_s)
+                answers = [call.get(self.timeout_s) for call in calls]
             finally:
-                client.resume()
+                self.server.each(lambda replica: replica.client.resume())
         self.version = version
         t1 = time.perf_counter()
         return {
             "sync/seconds": t1 - t0,
             "sync/paused_seconds": t1 - t_paused,
-            "sync/server_seconds": float(answer.get("seconds", 0.0)),
+            "sync/server_seconds": max(float(answer.get("seconds", 0.0)) for answer in answers),
             "sync/bytes": float(sum(b.nbytes for b in buckets)),
             "sync/buckets": float(len(buckets)),
             "sync/version": float(version),
@@ -244,7 +275,7 @@ class NCCLBroadcastSync(SyncStrategy):
     def _check_names(self, model: nn.Module) -> None:
         """Before the first transfer: every HF name maps onto vLLM's parameters (fail loudly, never drop)."""
         specs = weight_specs(model)
-        if self.world_size == 2:
+        if max(self._workers_per_replica) == 1:  # no tensor parallelism: the shapes are whole
             check_against_vllm(specs, self._vllm_params, model.config)
         else:
             missing = [n for n, _, _ in specs if not _maps_by_name(n, {p["name"] for p in self._vllm_params})]

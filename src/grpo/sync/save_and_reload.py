@@ -31,7 +31,7 @@ import torch.nn as nn
 
 from grpo.config_values import ConfigError, option
 from grpo.inference.client import Endpoint, InferenceServerError
-from grpo.serving.server import Replica
+from grpo.serving.server import Replica, external_setting, external_urls
 from grpo.sync.base import SyncContext, SyncStrategy
 from grpo.sync.weight_dirs import prune, save_and_load
 from grpo.weights.params import save_full_weights
@@ -75,17 +75,17 @@ class SaveAndReloadSync(SyncStrategy):
             raise ConfigError(f"mode.reload={reload} is not one of {', '.join(RELOADS)} (inplace: vLLM reloads the "
                               "saved weights in place; restart: it restarts on them every sync; background: inplace on "
                               "a thread of its own while the trainer goes on)")
-        if reload == "restart" and option(cfg.server, "external_url"):  # else a RuntimeError at the first sync
+        if reload == "restart" and external_urls(cfg.server):  # else a RuntimeError at the first sync
             raise ConfigError(f"mode.reload=restart restarts the vLLM server at every sync, so it cannot use a server "
-                              f"started elsewhere (server.external_url={cfg.server.external_url}); use "
-                              "mode.reload=inplace, or drop server.external_url")
+                              f"started elsewhere ({external_setting(cfg.server)}); use "
+                              "mode.reload=inplace, or drop server.external_url(s)")
 
     def launch(self, ctx: SyncContext) -> None:
         self.served_dir = Path(ctx.resume_weights or ctx.model_dir)
         self._start_server(ctx, self.served_dir)
         if self.server.external and ctx.resume_weights:
             # An attached server still serves whatever it had: load the checkpoint's weights into it.
-            self.server.client.reload_weights(str(self.served_dir), version=self.version)
+            self.server.each(lambda replica: replica.client.reload_weights(str(self.served_dir), version=self.version))
 
     def restore_replica(self, replica: Replica) -> None:
         # In-place reloads leave the server's command line on the initial weights; restart on the served ones.
@@ -117,7 +117,7 @@ class SaveAndReloadSync(SyncStrategy):
     def _timed_reload(self, out: Path, version: int) -> float:
         t0 = time.perf_counter()
         try:
-            self.server.client.reload_weights(str(out), version=version)
+            self.server.each(lambda replica: replica.client.reload_weights(str(out), version=version))
             return time.perf_counter() - t0
         finally:
             self._landed.set()
@@ -156,30 +156,53 @@ class SaveAndReloadSync(SyncStrategy):
         super().shutdown()
 
     def _serve_weights(self, out: Path, version: int) -> dict[str, float]:
-        method = "restart" if self.reload == "restart" else "inplace"  # background redoes a failed reload in place
-        if method == "inplace":
-            try:
-                # The engine runs the reload between its steps: generation stalls that long; requests in flight are
-                # preempted by the prefix-cache reset and go on with the new weights (none is lost).
-                with self.stalling():
-                    self.server.client.reload_weights(str(out), version=version)
-            except InferenceServerError as error:
-                if self.server.external:
-                    raise  # nothing we can restart
-                if self.server.check_health():
-                    # It died or hung: restarted on the served weights like any crash (counted in server/restarts,
-                    # bounded by server.max_restarts; before, restarted here unsaid and unbounded), then reloaded.
-                    with self.stalling():
-                        self.server.client.reload_weights(str(out), version=version)
-                else:
-                    log.warning("in-place reload of %s failed (%s); restarting vLLM on it", out, error)
-                    method = "restart"
-        if method == "restart":
-            if self.server.external:
-                raise RuntimeError("mode=none with reload=restart needs a server this trainer launched")
-            # The restart drains first: rollouts in flight finish on the old server, new ones wait for the new one.
-            with self.stalling(drain=True):
-                self.server.restart(model=out, weight_version=version)
+        """Every replica serves `out` at `version`: reloaded in place (all at once), or restarted on it."""
+        if self.reload == "restart":  # background redoes a failed reload in place
+            self._restart_on(out, version)
+            inplace = False
+        else:
+            # The engines run the reload between their steps: generation stalls that long; requests in flight are
+            # preempted by the prefix-cache reset and go on with the new weights (none is lost).
+            with self.stalling():
+                errors = self.server.each(lambda replica: self._try_reload(replica, out, version))
+            # Here, not in the reload threads: a server restarted there would get SIGTERM once its thread ended.
+            inplace = all([self._redo_reload(replica, out, version, error)
+                           for replica, error in zip(self.server.replicas, errors) if error is not None])
         self.served_dir = out
         prune(self.ctx.run_dir, "served_weights", keep={out})
-        return {"sync/inplace": float(method == "inplace")}
+        return {"sync/inplace": float(inplace)}
+
+    @staticmethod
+    def _try_reload(replica: Replica, out: Path, version: int) -> InferenceServerError | None:
+        """`replica` reloads `out` in place: None, or the error of a replica this run launched."""
+        try:
+            replica.client.reload_weights(str(out), version=version)
+            return None
+        except InferenceServerError as error:
+            if replica.process is None:
+                raise  # started elsewhere: nothing we can restart
+            return error
+
+    def _redo_reload(self, replica: Replica, out: Path, version: int, error: InferenceServerError) -> bool:
+        """After `replica` failed to reload `out`: one that died or hung is restarted alone on the served weights like
+        any crash (counted in server/restarts, bounded by server.max_restarts) and reloaded (True); one that still
+        refuses is restarted on `out` (False)."""
+        self.server.check_health()
+        try:
+            with self.stalling():
+                replica.client.reload_weights(str(out), version=version)
+            return True
+        except InferenceServerError:
+            log.warning("in-place reload of %s on replica %d failed (%s); restarting it on them", out, replica.index,
+                        error)
+        # The restart drains first: rollouts in flight finish on the old server, new ones wait for the new one.
+        with self.stalling(drain=True):
+            replica.process.restart(model=out, weight_version=version)
+        return False
+
+    def _restart_on(self, out: Path, version: int) -> None:
+        if self.server.external:
+            raise RuntimeError("mode=none with reload=restart needs servers this trainer launched")
+        # The restart drains first: rollouts in flight finish on the old servers, new ones wait for the new ones.
+        with self.stalling(drain=True):
+            self.server.restart(model=out, weight_version=version)

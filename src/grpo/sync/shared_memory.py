@@ -32,7 +32,7 @@ import torch.nn as nn
 from grpo.config_values import ConfigError
 from grpo.inference import vllm_plugin
 from grpo.inference.process import parallel_sizes
-from grpo.serving.server import Replica
+from grpo.serving.server import Replica, replica_count
 from grpo.sync.base import SyncContext, SyncStrategy
 from grpo.sync.param_mapping import MappingError, build_views, plan_mapping
 
@@ -99,6 +99,14 @@ class SharedMemorySync(SyncStrategy):
     @classmethod
     def check_config(cls, cfg: Any, *, cuda: bool, world_size: int = 1) -> None:
         """One vLLM worker (no tensor/pipeline/data parallelism): the trainer trains views of its tensors."""
+        replicas = replica_count(cfg.server)
+        if replicas > 1:
+            raise ConfigError(
+                f"mode=shared_vllm trains the tensors of one vLLM server in place, so it cannot serve {replicas} "
+                "replicas (server.replicas / server.external_urls): each would hold weights of its own that the "
+                "trainer does not train. Use mode=none or mode=lora_only (every replica reloads each sync) or "
+                "mode=broadcast on GPUs, or server.replicas=1 to keep mode=shared_vllm."
+            )
         sizes = parallel_sizes(cfg.server.extra_args)
         if any(v > 1 for v in sizes.values()):
             what = ", ".join(f"{k} parallel {v}" for k, v in sizes.items() if v > 1)

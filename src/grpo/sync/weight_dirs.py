@@ -38,8 +38,8 @@ def save_and_load(
     version = sync.version + 1
     out = save(versioned_dir(sync.ctx.run_dir, kind, version))
     t_saved = time.perf_counter()
-    process = sync.server.process
-    if process is not None:  # GRPO_FAULT (tests): the server dies while the sync runs
+    process = sync.server.replicas[0].process if sync.server.replicas else None
+    if process is not None:  # GRPO_FAULT (tests): the (first) server dies while the sync runs
         faults.kill_server_syncing(step, process.pid_path)
     extra = dict(load(out, version) or {})
     sync.version = version

@@ -298,7 +298,8 @@ class GRPOTrainer:
                        {"sync/seconds": 0.0, "sync/version": float(self.sync.version),
                         "sync/gen_stall_seconds": 0.0, "sync/drain_seconds": 0.0})
             row["memory/peak_gb"] = peak_memory_gb(self.device)
-            row["server/restarts"] = float(self.sync.server.restarts)  # so far in this session (a restart in an eval: next row)
+            # Restarts so far in this session (a restart in an eval: next row); with replicas, each one's requests.
+            row.update(self.sync.server.metrics())
             row.update(process_stats())
         if math.isfinite(rows[0].get("reward/mean", math.nan)):  # a batch with no group has no reward
             self.rewards.append(float(rows[0]["reward/mean"]))
