@@ -1,6 +1,7 @@
 """Runs across nodes (issue 42, part 2), the parts testable on one CPU host: every rank sees rank 0's run files (the
-start-up check), rank 0's result or failure reaches every rank, and two torchrun "nodes" (`--nnodes 2`, c10d
-rendezvous on 127.0.0.1, gloo) train, checkpoint and resume against one vLLM server."""
+start-up check), rank 0's result or failure reaches every rank, two torchrun "nodes" (`--nnodes 2`, c10d
+rendezvous on 127.0.0.1, gloo) train, checkpoint and resume against one vLLM server, and the Slurm recipe
+(scripts/slurm/grpo_multinode.sbatch) builds commands that split the nodes and compose with Hydra, without Slurm."""
 
 from __future__ import annotations
 
@@ -129,7 +130,7 @@ def _run_two_nodes(run_dir: Path, overrides: list[str], env: dict[str, str]) -> 
     assert_clean(marker)
 
 
-@pytest.mark.slow  # ~TBD s on the shared 2-core machine (two torchrun agents, two trainers, one attached vLLM)
+@pytest.mark.slow  # 75 s on the shared 2-core machine, the session's vLLM start-up included
 @pytest.mark.vllm
 def test_two_torchrun_nodes_train_checkpoint_and_resume(tmp_path, train_server, tiny_qwen2_dir):
     """`torchrun --nnodes 2 --nproc-per-node 1` twice, as two nodes would start it: one process group over both
@@ -156,3 +157,106 @@ def test_two_torchrun_nodes_train_checkpoint_and_resume(tmp_path, train_server, 
     assert [r["step"] for r in rows] == [1, 2, 3]
     assert rows[-1]["sync/version"] == 3.0  # the weight version goes on from the checkpoint's
     assert json.loads((run_dir / "checkpoints" / "step_000003" / "trainer_state.json").read_text())["step"] == 3
+
+
+# ---------------------------------------------------------------- the Slurm recipe, without Slurm
+SBATCH = REPO / "scripts" / "slurm" / "grpo_multinode.sbatch"
+
+
+def _recipe(tmp_path: Path, nodes: list[str], overrides: list[str], **settings: str) -> subprocess.CompletedProcess:
+    """The sbatch script run as Slurm would run it on a job of `nodes`, in dry-run mode: `scontrol` (Slurm's, absent
+    here) is a stand-in that lists the nodes; each srun command's arguments land in tmp_path/out."""
+    bin_dir, out = tmp_path / "bin", tmp_path / "out"
+    bin_dir.mkdir(exist_ok=True)
+    out.mkdir(exist_ok=True)
+    scontrol = bin_dir / "scontrol"
+    scontrol.write_text('#!/bin/sh\n[ "$1 $2" = "show hostnames" ] || exit 2\n' + "".join(f"echo {n}\n" for n in nodes))
+    scontrol.chmod(0o755)
+    env = dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}", SLURM_JOB_NODELIST="n[1-9]", SLURM_JOB_ID="77",
+               SLURM_SUBMIT_DIR=str(tmp_path), GRPO_SLURM_DRY_RUN=str(out), PYTHON=sys.executable, **settings)
+    return subprocess.run(["bash", str(SBATCH), *overrides], env=env, capture_output=True, text=True, timeout=60)
+
+
+def _args(tmp_path: Path, name: str) -> list[str]:
+    return (tmp_path / "out" / f"{name}.args").read_text().split("\0")[:-1]
+
+
+def _run_task(args: list[str], tmp_path: Path, **env: str) -> list[str]:
+    """One srun task's `bash -c` script run here with PYTHON a stand-in that records each command it was given (one
+    line each, CUDA_VISIBLE_DEVICES first): what that node would start."""
+    record = tmp_path / "started.txt"
+    fake = tmp_path / "bin" / "fake_python"
+    fake.write_text(f'#!/bin/sh\necho "${{CUDA_VISIBLE_DEVICES:-}} $*" >> {record}\n')
+    fake.chmod(0o755)
+    task = args[args.index("bash"):]
+    subprocess.run(task, env=dict(os.environ, PYTHON=str(fake), **env), check=True, timeout=60)
+    return sorted(record.read_text().splitlines())
+
+
+def test_slurm_recipe_is_valid_bash_and_refuses_a_job_without_trainer_nodes(tmp_path):
+    subprocess.run(["bash", "-n", str(SBATCH)], check=True)
+    out = _recipe(tmp_path, ["n1"], [], MODEL="m")
+    assert out.returncode == 1 and "leaves none for the trainer" in out.stderr
+    out = _recipe(tmp_path, ["n1", "n2"], [])  # no MODEL
+    assert out.returncode != 0 and "set MODEL" in out.stderr
+
+
+def test_slurm_recipe_splits_the_nodes_and_its_trainer_command_composes(tmp_path):
+    model = "Qwen/Qwen2.5-3B-Instruct"
+    out = _recipe(tmp_path, ["n1", "n2", "n3"], ["model=qwen3b", "mode=broadcast", "train.steps=5"], MODEL=model,
+                  GPUS_PER_NODE="4", GPUS_PER_REPLICA="2", VLLM_ARGS="--max-model-len 4096")
+    assert out.returncode == 0, out.stderr
+    replicas, trainer = _args(tmp_path, "replicas"), _args(tmp_path, "trainer")
+    # The last node serves, the others train; the replicas run where the trainer does not.
+    assert "--nodelist=n3" in replicas and "--nodelist=n1,n2" in trainer
+
+    # The replica node starts two servers of 2 GPUs each, disjoint, on consecutive ports, with grpo's server (its
+    # worker extension) and, for mode=broadcast, vLLM's NCCL weight-transfer engine.
+    started = _run_task(replicas, tmp_path)
+    assert len(started) == 2
+    for gpus, port, line in zip(("0,1", "2,3"), (8000, 8001), started):
+        assert line.startswith(f"{gpus} -m grpo.serve --model {model} --host 0.0.0.0 --port {port} ")
+        assert "--tensor-parallel-size 2 --weight-transfer-config {\"backend\": \"nccl\"} --max-model-len 4096" in line
+
+    # Each trainer node runs torchrun with its rank from Slurm (static rendezvous: global rank 0 on n1).
+    (tmp_path / "started.txt").unlink()
+    (node1,) = _run_task(trainer, tmp_path, SLURM_PROCID="1")
+    assert node1.startswith(" -m torch.distributed.run --nnodes 2 --nproc-per-node 4 --node-rank 1 "
+                            "--master-addr n1 --master-port 29500 ")
+
+    # The trainer's overrides compose with Hydra (`train.py ... --cfg job`): the replicas by URL, the served model.
+    overrides = trainer[trainer.index(str(REPO / "train.py")) + 1:]
+    urls = ["http://n3:8000", "http://n3:8001"]
+    assert f"server.external_urls=[{','.join(urls)}]" in overrides
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    (parsed,) = OverridesParser.create().parse_overrides([o for o in overrides if o.startswith("server.external_urls")])
+    assert parsed.value() == urls
+    from grpo.schema.server import ServerConfig
+
+    if "external_urls" not in ServerConfig.__dataclass_fields__:  # part 1 of issue 42 adds the key (branch replicas)
+        overrides = [o for o in overrides if not o.startswith("server.external_urls")]
+    composed = subprocess.run([sys.executable, str(REPO / "train.py"), *overrides, "--cfg", "job"], cwd=tmp_path,
+                              capture_output=True, text=True, timeout=120)
+    assert composed.returncode == 0, composed.stderr[-3000:]
+    import yaml
+
+    cfg = yaml.safe_load(composed.stdout)
+    assert cfg["model"]["name"] == model and cfg["train"]["steps"] == 5
+    assert cfg["mode"]["_target_"].endswith("NCCLBroadcastSync") and cfg["mode"]["master_address"] == "n1"
+    if "external_urls" in cfg["server"]:
+        assert cfg["server"]["external_urls"] == urls
+
+
+def test_slurm_recipe_mode_none_starts_plain_replicas(tmp_path):
+    """mode=none (reload from the run dir): no NCCL engine on the replicas, no NCCL address for the trainer; one
+    replica per GPU by default."""
+    out = _recipe(tmp_path, ["a", "b", "c", "d"], ["mode=none"], MODEL="/shared/model", VLLM_NODES="2",
+                  GPUS_PER_NODE="2", RUN_DIR="/shared/runs/r1")
+    assert out.returncode == 0, out.stderr
+    replicas, trainer = _args(tmp_path, "replicas"), _args(tmp_path, "trainer")
+    assert "--nodelist=c,d" in replicas and "--nodelist=a,b" in trainer
+    assert "--weight-transfer-config" not in replicas and not any("master_address" in a for a in trainer)
+    assert ["0 ", "1 "] == [line[:2] for line in _run_task(replicas, tmp_path)]
+    assert "server.external_urls=[http://c:8000,http://c:8001,http://d:8000,http://d:8001]" in trainer
+    assert "hydra.run.dir=/shared/runs/r1" in trainer and "model.name=/shared/model" in trainer
