@@ -224,8 +224,9 @@ def test_slurm_recipe_splits_the_nodes_and_its_trainer_command_composes(tmp_path
     assert node1.startswith(" -m torch.distributed.run --nnodes 2 --nproc-per-node 4 --node-rank 1 "
                             "--master-addr n1 --master-port 29500 ")
 
-    # The trainer's overrides compose with Hydra (`train.py ... --cfg job`): the replicas by URL, the served model.
-    overrides = trainer[trainer.index(str(REPO / "train.py")) + 1:]
+    # The trainer's overrides compose with Hydra (`grpo-train ... --cfg job`): the replicas by URL, the served model.
+    assert trainer[trainer.index("--module") + 1] == "grpo.train"  # grpo-train's module: no checkout path needed
+    overrides = trainer[trainer.index("grpo.train") + 1:]
     urls = ["http://n3:8000", "http://n3:8001"]
     assert f"server.external_urls=[{','.join(urls)}]" in overrides
     from hydra.core.override_parser.overrides_parser import OverridesParser
@@ -236,7 +237,7 @@ def test_slurm_recipe_splits_the_nodes_and_its_trainer_command_composes(tmp_path
 
     if "external_urls" not in ServerConfig.__dataclass_fields__:  # part 1 of issue 42 adds the key (branch replicas)
         overrides = [o for o in overrides if not o.startswith("server.external_urls")]
-    composed = subprocess.run([sys.executable, str(REPO / "train.py"), *overrides, "--cfg", "job"], cwd=tmp_path,
+    composed = subprocess.run([sys.executable, "-m", "grpo.train", *overrides, "--cfg", "job"], cwd=tmp_path,
                               capture_output=True, text=True, timeout=120)
     assert composed.returncode == 0, composed.stderr[-3000:]
     import yaml
@@ -250,12 +251,14 @@ def test_slurm_recipe_splits_the_nodes_and_its_trainer_command_composes(tmp_path
 
 def test_slurm_recipe_mode_none_starts_plain_replicas(tmp_path):
     """mode=none (reload from the run dir): no NCCL engine on the replicas, no NCCL address for the trainer; one
-    replica per GPU by default."""
+    replica per GPU by default; the GPUs and CPUs of a node from the job's request."""
     out = _recipe(tmp_path, ["a", "b", "c", "d"], ["mode=none"], MODEL="/shared/model", VLLM_NODES="2",
-                  GPUS_PER_NODE="2", RUN_DIR="/shared/runs/r1")
+                  SLURM_GPUS_PER_NODE="h100:2", SLURM_CPUS_ON_NODE="32", RUN_DIR="/shared/runs/r1")
     assert out.returncode == 0, out.stderr
     replicas, trainer = _args(tmp_path, "replicas"), _args(tmp_path, "trainer")
     assert "--nodelist=c,d" in replicas and "--nodelist=a,b" in trainer
+    assert "--cpus-per-task=32" in replicas and "--cpus-per-task=32" in trainer  # each node's CPUs, not one
+    assert trainer[trainer.index("grpo-trainer") + 2] == "2"  # processes per node: --gpus-per-node's count
     assert "--weight-transfer-config" not in replicas and not any("master_address" in a for a in trainer)
     assert ["0 ", "1 "] == [line[:2] for line in _run_task(replicas, tmp_path)]
     assert "server.external_urls=[http://c:8000,http://c:8001,http://d:8000,http://d:8001]" in trainer
