@@ -130,7 +130,7 @@ def _run_two_nodes(run_dir: Path, overrides: list[str], env: dict[str, str]) -> 
     assert_clean(marker)
 
 
-@pytest.mark.slow  # 75 s on the shared 2-core machine, the session's vLLM start-up included
+@pytest.mark.slow  # 43 s on the shared 2-core machine, plus 26-40 s for the session server when it starts here
 @pytest.mark.vllm
 def test_two_torchrun_nodes_train_checkpoint_and_resume(tmp_path, train_server, tiny_qwen2_dir):
     """`torchrun --nnodes 2 --nproc-per-node 1` twice, as two nodes would start it: one process group over both
