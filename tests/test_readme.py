@@ -30,7 +30,7 @@ README = REPO / "README.md"
 # The pages whose commands are run: the README and every page of the documentation site (mkdocs.yml).
 DOCS = [README, *sorted((REPO / "docs").glob("*.md"))]
 # Programs outside this package that the docs name; what is checked for each is in `external_ok`.
-EXTERNAL = {"bash", "source", "pip", "run-api", "tensorboard", "lint-imports", "ruff", "mkdocs"}
+EXTERNAL = {"bash", "source", "pip", "run-api", "tensorboard", "lint-imports", "ruff", "mkdocs", "export"}
 # The example run dir the README's resume / rerun commands name; the test gives it a real .hydra/config.yaml.
 EXAMPLE_RUN = "outputs/2026-11-21/12-00-00_tiny_qwen2_none"
 SEPARATORS = {"&&", "||", ";", "&", "|"}
@@ -108,6 +108,10 @@ def to_check(argv: list[str]) -> list[str] | None:
         script = next(i for i, a in enumerate(args) if a.endswith(".py"))
         assert args[script] == "train.py", argv
         return [sys.executable, "train.py", *hydra_args(args[script + 1:])]
+    if prog == "sbatch":  # a recipe of scripts/slurm/: it exists, and the train.py overrides it passes on compose
+        script = next(i for i, a in enumerate(args) if a.endswith(".sbatch"))
+        assert (REPO / args[script]).is_file(), argv
+        return [sys.executable, "train.py", *hydra_args(args[script + 1:])]
     if prog == "python" and args[:1] == ["-m"]:
         return [sys.executable, "-m", args[1], "--help"]
     if prog == "grpo-train":
@@ -127,6 +131,8 @@ def external_ok(argv: list[str]) -> None:
     prog, args = argv[0], argv[1:]
     if prog == "bash":
         assert (REPO / args[0]).is_file(), argv
+    elif prog == "export":
+        assert all(re.fullmatch(r"[A-Z_][A-Z0-9_]*=.+", a) for a in args), argv
     elif prog == "mkdocs":
         assert args[:1] in (["build"], ["serve"]) and (REPO / "mkdocs.yml").is_file(), argv
     elif prog == "source":

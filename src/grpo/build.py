@@ -14,11 +14,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as tdist
 from hydra.errors import InstantiationException
 from hydra.utils import get_class, instantiate
 from omegaconf import DictConfig
 
+from grpo.config.run_dir import check_ranks_see_run_files
 from grpo.config_values import ConfigError, instantiation_cause
 from grpo.models.loading import load_tokenizer, pick_device
 from grpo.pipeline.base import BatchShape, DataPipeline, PipelineContext
@@ -90,6 +90,8 @@ def build_parts(cfg: DictConfig, run_dir: Path) -> RunParts:
     dist_info, device = start_processes(cfg)
     rank0 = dist_info is None or dist_info.is_rank0
     model_dir = model_directory(cfg, dist_info)
+    if dist_info is not None:
+        check_ranks_see_run_files(run_dir, model_dir)
     check_server_fits_model(cfg, model_dir)  # before vLLM spends its start-up finding out
     tokenizer = load_tokenizer(model_dir)
     log.info("run %s | run dir %s | model %s | device %s", cfg.name, run_dir, model_dir, device)
@@ -137,14 +139,12 @@ def start_processes(cfg: DictConfig) -> tuple[DistInfo | None, torch.device]:
 
 
 def model_directory(cfg: DictConfig, dist_info: DistInfo | None) -> str:
-    """The HF directory of the initial weights (an offline preset is built here); under torchrun rank 0 builds it
-    while the other ranks wait."""
-    if dist_info is not None and not dist_info.is_rank0:
-        tdist.barrier()
-    model_dir = resolve_model_dir(cfg.model)
-    if dist_info is not None and dist_info.is_rank0:
-        tdist.barrier()
-    return model_dir
+    """The HF directory (or hub id) of the initial weights (an offline preset is built here). Under torchrun rank 0
+    resolves it and every rank uses the one rank 0 names: a rank on another node never builds a preset of its own,
+    which `check_ranks_see_run_files` then requires it to see."""
+    if dist_info is None:
+        return resolve_model_dir(cfg.model)
+    return fsdp.rank0_result(lambda: resolve_model_dir(cfg.model))
 
 
 def resume_checkpoint(cfg: DictConfig) -> Path | None:

@@ -1,18 +1,22 @@
 """Checks of the run dir and of `train.resume` before a run writes anything: the dir is writable with room for
 checkpoints and holds no other run, a sweep's dir no earlier jobs, and a resume names a run dir with a complete,
 undamaged checkpoint and steps left. `validate` runs the run-dir checks of a job, `grpo.run_records.RunDirGuard` all of them
-before Hydra writes `.hydra/` into the dir."""
+before Hydra writes `.hydra/` into the dir. Under torchrun, `check_ranks_see_run_files` checks that every rank sees
+the run dir and the model dir rank 0 uses (a run across nodes needs them on a shared filesystem)."""
 
 from __future__ import annotations
 
 import json
 import shutil
+import socket
+import uuid
 from pathlib import Path
 from typing import NoReturn
 
 from omegaconf import DictConfig
 
 from grpo.config_values import ConfigError
+from grpo.trainer import fsdp
 from grpo.trainer.checkpoint import COMPLETE, CheckpointManager, checkpoint_problems, read_trainer_state
 
 # Below this much free space in the run dir, a full checkpoint of even a small model may not fit.
@@ -172,3 +176,49 @@ def raise_for_resume_dir(resume: Path) -> NoReturn:
     raise ConfigError(f"train.resume={resume} has no complete checkpoint under checkpoints/ (one is written every "
                       "train.checkpoint_every steps, and a run stopped before the first cannot be resumed); start it "
                       "again without train.resume, or name a run dir that has one")
+
+
+# The file rank 0 writes into the run dir for `check_ranks_see_run_files` (removed once every rank has looked).
+SHARED_PROBE = ".shared_filesystem_probe"
+
+
+def check_ranks_see_run_files(run_dir: Path, model_dir: str) -> None:
+    """Under torchrun (every rank calls it): each rank must see rank 0's run dir, since a resume reads its checkpoints
+    on every rank, and rank 0's model dir when it is a local one (an offline preset rank 0 built). Rank 0 writes a
+    random token into the run dir; a rank that reads another (a node-local directory of the same name) or none is on
+    another filesystem. ConfigError on every rank naming each host that does not see them."""
+    if fsdp.world_size() <= 1:
+        return
+    probe = run_dir / SHARED_PROBE
+    shown = None
+    if fsdp.is_rank0():
+        shown = {"run_dir": str(run_dir), "token": uuid.uuid4().hex, "model_dir": model_dir,
+                 "model_dir_is_local": Path(model_dir).is_dir()}
+        probe.write_text(shown["token"])
+    try:
+        shown = fsdp.broadcast_object(shown)
+        problems = fsdp.gather_object(shared_files_problem(**shown))  # returns once every rank has looked
+    finally:
+        if fsdp.is_rank0():
+            probe.unlink(missing_ok=True)
+    problems = fsdp.broadcast_object([p for p in problems or [] if p])
+    if problems:
+        raise ConfigError(
+            "; ".join(problems) + ". A run across nodes needs its run dir (hydra.run.dir, train.resume) and a local "
+            "model dir on a filesystem every node mounts (docs/multi_node.md)")
+
+
+def shared_files_problem(run_dir: str, token: str, model_dir: str, model_dir_is_local: bool) -> str | None:
+    """What this process does not see of rank 0's run files (None when it sees them all)."""
+    missing = []
+    try:
+        seen = (Path(run_dir) / SHARED_PROBE).read_text()
+    except OSError:
+        seen = None
+    if seen != token:
+        missing.append(f"run dir {run_dir}")
+    if model_dir_is_local and not Path(model_dir).is_dir():
+        missing.append(f"model dir {model_dir}")
+    if not missing:
+        return None
+    return f"rank {fsdp.rank()} on host {socket.gethostname()} does not see rank 0's {' or '.join(missing)}"

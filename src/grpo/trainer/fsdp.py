@@ -5,9 +5,11 @@
 Single-process runs never touch this module's collectives: everything is behind `world_size() > 1` (torchrun sets
 WORLD_SIZE). The scheme, chosen for being simple and correct:
 
-- one process group from torchrun's environment (NCCL on CUDA, gloo on CPU), one GPU per rank (LOCAL_RANK);
+- one process group from torchrun's environment (NCCL on CUDA, gloo on CPU), one GPU per rank: the GPU is the
+  rank's LOCAL_RANK (its index on its own node), everything else goes by the global RANK, so `torchrun --nnodes N`
+  needs nothing more (docs/multi_node.md);
 - the model sharded with FSDP2: every transformer block, then the root;
-- rank 0 owns every output (Hydra run dir, metrics.jsonl, checkpoints, the vLLM server and the data pipeline):
+- global rank 0 owns every output (Hydra run dir, metrics.jsonl, checkpoints, the vLLM server and the data pipeline):
   it fetches each step's groups and broadcasts them (`broadcast_object_list`); every rank builds the same
   micro-batches and takes its share (`rank_share`); ranks with fewer micro-batches run a zero-weighted one so
   every rank runs the same number of forward/backward passes (FSDP's collectives must match);
@@ -25,9 +27,10 @@ WORLD_SIZE). The scheme, chosen for being simple and correct:
 from __future__ import annotations
 
 import os
+import socket
 import types
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Sequence, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -74,6 +77,11 @@ def init_from_env(device_type: str = "auto") -> DistInfo:
     ws, r, lr = world_size(), int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0"))
     use_cuda = torch.cuda.is_available() if device_type == "auto" else device_type == "cuda"
     if use_cuda:
+        if lr >= torch.cuda.device_count():
+            # Without this, torch's "invalid device ordinal" names neither the rank nor the host.
+            raise RuntimeError(
+                f"rank {r} has LOCAL_RANK={lr} but host {socket.gethostname()} sees {torch.cuda.device_count()} "
+                "GPU(s): start at most that many processes on it (torchrun --nproc-per-node)")
         torch.cuda.set_device(lr)
         device = torch.device("cuda", lr)
     else:
@@ -127,6 +135,29 @@ def broadcast_object(obj: Any, src: int = 0) -> Any:
     box = [obj if dist.get_rank() == src else None]
     dist.broadcast_object_list(box, src=src)
     return box[0]
+
+
+T = TypeVar("T")
+
+
+def rank0_result(compute: Callable[[], T]) -> T:
+    """`compute()` run by rank 0 alone, its result on every rank (pickled). An exception on rank 0 is raised there
+    and, as a RuntimeError carrying its message, on every other rank: no rank waits forever on a collective that
+    rank 0 never reaches. Without a process group: `compute()`."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return compute()
+    result, error = None, None
+    if dist.get_rank() == 0:
+        try:
+            result = compute()
+        except BaseException as e:  # noqa: BLE001 - re-raised below, after the other ranks have heard of it
+            error = e
+    result, message = broadcast_object((result, None if error is None else f"{type(error).__name__}: {error}"))
+    if error is not None:
+        raise error
+    if message is not None:
+        raise RuntimeError(f"rank 0 failed: {message}")
+    return result
 
 
 def rank_share(items: Sequence[Any], rank_: int, world: int) -> tuple[list[Any], int]:
