@@ -3,6 +3,8 @@ bench/gpu/real_model.sh: ours (metrics.jsonl of `train`) and TRL (the JSON of `t
 and the per-layout runs (``layout_<mode>_<what>.metrics.jsonl``) in a second PNG, ``layouts.png``.
 
     python bench/gpu/real_model_curves.py bench/results/gpu/real_model
+    python bench/gpu/real_model_curves.py bench/results/gpu/real_model/lease5   # a folder of ours_*.metrics.jsonl,
+        # trl_s*.json and algo_*.metrics.jsonl (bench/gpu/run_plan.py's results): curves.png, algorithms.png, table.md
 """
 
 from __future__ import annotations
@@ -38,6 +40,9 @@ def main(folder: str) -> None:
     import matplotlib.pyplot as plt
 
     root = Path(folder)
+    if list(root.glob("ours_*.metrics.jsonl")):
+        compare(root, plt)
+        return
     curves = {f"ours {p.name.split('_')[2].split('.')[0]}": ours_curve(p) for p in sorted(root.glob("lr3e-5_250steps_s*.metrics.jsonl"))}
     trl = {f"TRL {p.stem.split('_')[1]}": trl_curve(p) for p in sorted(root.glob("trl_s*.json"))}
     target = sum(c[-1][1] for c in trl.values()) / len(trl)
@@ -62,6 +67,40 @@ def main(folder: str) -> None:
     (root / "table.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     plot_layouts(root, plt)
+
+
+def compare(root: Path, plt) -> None:
+    """Each of our runs against each TRL run: the training seconds ours took to first reach TRL's final accuracy, over
+    TRL's training seconds; curves.png (ours and TRL) and algorithms.png (the algo_* runs beside ours seed 0)."""
+    ours = {p.name.split(".")[0][5:]: ours_curve(p) for p in sorted(root.glob("ours_*.metrics.jsonl"))}
+    trl = {p.stem: trl_curve(p) for p in sorted(root.glob("trl_s*.json"))}
+    lines = ["| run | accuracy at steps 0, 50, ..., 250 | training s at 250 | "
+             + " | ".join(f"to {t}'s final {c[-1][1]:.3f} ({c[-1][2]:.0f} s): s, ratio" for t, c in trl.items()) + " |",
+             "|---|---|---|" + "---|" * len(trl)]
+    for name, curve in {**ours, **trl}.items():
+        cells = []
+        for c in trl.values():
+            reach = first_reach(curve, c[-1][1])
+            cells.append("never" if reach is None else f"{reach:.0f} s, {reach / c[-1][2]:.2f}x")
+        lines.append(f"| {name} | {', '.join(f'{a:.3f}' for _, a, _ in curve)} | {curve[-1][2]:.0f} | "
+                     + " | ".join(cells) + " |")
+    for filename, runs in (("curves.png", {**ours, **trl}),
+                           ("algorithms.png", {"grpo (ours sync_s0)": ours.get("sync_s0", []),
+                                               **{p.name.split(".")[0][5:]: ours_curve(p)
+                                                  for p in sorted(root.glob("algo_*.metrics.jsonl"))}})):
+        fig, ax = plt.subplots(figsize=(7, 4.2))
+        for name, curve in runs.items():
+            ax.plot([t for *_, t in curve], [a for _, a, _ in curve], marker="o",
+                    ls="--" if name.startswith("trl") else "-", label=name)
+        ax.set_xlabel("training seconds (evaluations taken out)")
+        ax.set_ylabel("held-out greedy accuracy (500 items)")
+        ax.set_title("SmolLM2-135M-Instruct, chat arithmetic, one H100")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        fig.savefig(root / filename, dpi=110)
+    (root / "table.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
 
 
 def plot_layouts(root: Path, plt) -> None:
