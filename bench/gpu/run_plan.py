@@ -6,7 +6,8 @@
 PLAN is a text file of waves separated by blank lines; the waves run one after the other, the jobs of a wave at once
 (each started once the previous one's vLLM server is ready: vLLM's memory profiling fails when two servers start
 on one GPU together). A job line is `name | experiment | overrides...` for `python train.py`, or
-`name | trl | experiment seed` for TRL's GRPOTrainer on that experiment (bench/trl_arith.py). Every job's log,
+`name | trl | experiment seed` for TRL's GRPOTrainer on that experiment (bench/trl_arith.py); a first override
+`torchrun=K` starts train.py under torchrun with K processes (an FSDP2 trainer). Every job's log,
 metrics.jsonl, summary.json and the tail of its evaluation samples land flat in --out, and `jobs.jsonl` there has one
 row per job (start, end, wall seconds, return code, wave, how many jobs shared the GPU). Lines starting with # are
 comments.
@@ -47,8 +48,11 @@ def command(job: list[str], out: Path) -> list[str]:
         experiment, seed, *extra = args
         return [sys.executable, "bench/trl_arith.py", "--experiment", experiment, "--vllm", "--seed", seed,
                 "--out", str(out / f"{name}.json"), *extra]
-    return [sys.executable, "train.py", f"experiment={kind}", "logging.progress_bar=false",
-            f"hydra.run.dir={RUNS / name}", *args]
+    launch = [sys.executable, "train.py"]
+    if args and args[0].startswith("torchrun="):
+        launch = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", args.pop(0).split("=", 1)[1],
+                  "--master-port", str(29500 + sum(map(ord, name)) % 1000), "train.py"]
+    return [*launch, f"experiment={kind}", "logging.progress_bar=false", f"hydra.run.dir={RUNS / name}", *args]
 
 
 def server_ready(log: Path) -> bool:

@@ -1,0 +1,47 @@
+"""The scaling table of bench/gpu/README.md from a plan's results: one row per run (a `<name>.metrics.jsonl` that
+bench/gpu/run_plan.py collected), medians over the steps after the first `--skip` (start-up, compilation).
+
+    python bench/gpu/scale_table.py bench/results/gpu/scale_out_4gpu [--skip 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from pathlib import Path
+
+COLUMNS = {  # metrics.jsonl key -> column heading
+    "time/step_seconds": "step s",
+    "generation/seconds": "generation s",
+    "generation/tokens_per_s": "generation tokens/s",
+    "time/train_seconds": "train s",
+    "sync/seconds": "sync s",
+    "perf/mfu": "MFU",
+}
+
+
+def row(path: Path, skip: int) -> list[str]:
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    steady = [r for r in rows if r.get("step", 0) > skip] or rows
+    cells = []
+    for key in COLUMNS:
+        values = [r[key] for r in steady if isinstance(r.get(key), (int, float))]
+        cells.append(f"{statistics.median(values):.3g}" if values else "-")
+    replicas = sum(1 for k in rows[-1] if k.startswith("server/replica") and k.endswith("/requests")) or 1
+    return [path.name.split(".")[0], str(replicas), str(len(rows)), *cells]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("folder", type=Path)
+    ap.add_argument("--skip", type=int, default=3, help="steps left out at the start")
+    args = ap.parse_args()
+    head = ["run", "replicas", "rows", *COLUMNS.values()]
+    print("| " + " | ".join(head) + " |\n|" + "---|" * len(head))
+    for path in sorted(args.folder.glob("*.metrics.jsonl")):
+        print("| " + " | ".join(row(path, args.skip)) + " |")
+
+
+if __name__ == "__main__":
+    main()

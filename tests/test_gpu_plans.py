@@ -1,0 +1,45 @@
+"""The GPU plans under bench/gpu/plans/ (bench/gpu/run_plan.py runs them on a lent machine, where a bad override
+costs device time): every train.py job composes and passes the start-up checks as on a machine with CUDA and the
+job's torchrun world size; every TRL job names an experiment that exists."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+from hydra.core.global_hydra import GlobalHydra
+
+from grpo.conf import CONFIG_DIR
+from grpo.config import register_configs, validate
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "bench" / "gpu"))
+import run_plan  # noqa: E402
+
+register_configs()
+PLANS = sorted((REPO / "bench" / "gpu" / "plans").glob("*.txt"))
+JOBS = [(plan.name, job) for plan in PLANS for wave in run_plan.parse_plan(plan.read_text()) for job in wave]
+
+
+def test_there_are_plans():
+    assert len(PLANS) >= 4 and len(JOBS) >= 10
+
+
+@pytest.mark.parametrize("plan, job", JOBS, ids=[f"{p}:{j[0]}" for p, j in JOBS])
+def test_plan_job_composes_and_validates(plan, job, tmp_path, monkeypatch):
+    name, kind, *args = job
+    command = run_plan.command(job, tmp_path)
+    if kind == "trl":
+        assert (CONFIG_DIR / "experiment" / f"{args[0]}.yaml").exists() and args[1].isdigit()
+        return
+    world = int(args[0].split("=", 1)[1]) if args and args[0].startswith("torchrun=") else 1
+    assert ("torch.distributed.run" in command) == (world > 1)
+    overrides = [a for a in command[command.index("train.py") + 1:] if not a.startswith("hydra.run.dir=")]
+    monkeypatch.setattr(sys.modules["grpo.config.validate"], "_cuda_available", lambda: True)
+    monkeypatch.setenv("WORLD_SIZE", str(world))
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
+        cfg = compose(config_name="train", overrides=overrides, return_hydra_config=True)
+        validate(cfg, tmp_path / name)
