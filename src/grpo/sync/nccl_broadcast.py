@@ -20,6 +20,7 @@ trainer (each parameter is gathered with `full_tensor()`; all trainer ranks iter
 from __future__ import annotations
 
 import logging
+import os
 import socket
 import threading
 import time
@@ -121,22 +122,25 @@ class NCCLBroadcastSync(SyncStrategy):
                 "mode=broadcast sends weights by NCCL from the trainer's GPU to vLLM's GPU(s) and needs CUDA; none "
                 "is visible here. Use mode=none, mode=lora_only or mode=lora_restart on this machine."
             )
+        # The trainer's ranks on vLLM's host take GPUs 0..k-1 there (torchrun's LOCAL_WORLD_SIZE; across nodes
+        # fewer than WORLD_SIZE); vLLM's GPUs must come after them.
+        local_gpus = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
         if external_urls(cfg.server):
             pass  # the servers run elsewhere, on GPUs of their own
         elif option(cfg.server, "devices"):
             devices = list(cfg.server.devices)
-            if min(devices) < world_size or len(set(devices)) != len(devices):
+            if min(devices) < local_gpus or len(set(devices)) != len(devices):
                 raise ConfigError(
                     f"mode=broadcast needs each vLLM replica on a GPU of its own that the trainer does not use (NCCL "
                     f"cannot join two ranks on one GPU): server.devices={devices} must be distinct indices >= "
-                    f"{world_size}, e.g. server.devices=[{world_size}, {world_size + 1}]"
+                    f"{local_gpus}, e.g. server.devices=[{local_gpus}, {local_gpus + 1}]"
                 )
         else:
             dev = cfg.server.device
-            if dev is None or (isinstance(dev, int) and dev < world_size):
+            if dev is None or (isinstance(dev, int) and dev < local_gpus):
                 raise ConfigError(
                     f"mode=broadcast needs vLLM on GPUs the trainer does not use (NCCL cannot join two ranks on one "
-                    f"GPU): set server.device to a GPU index >= {world_size} (server.device={dev}); e.g. trainer on "
+                    f"GPU): set server.device to a GPU index >= {local_gpus} (server.device={dev}); e.g. trainer on "
                     f"GPU 0, server.device=1"
                 )
         super().check_config(cfg, cuda=cuda, world_size=world_size)  # FSDP2: every rank iterates the parameters, rank 0 sends each as it is gathered
