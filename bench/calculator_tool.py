@@ -199,7 +199,8 @@ def main() -> None:
     parser.add_argument("--plain-share", type=float, default=0.2, help="teacher episodes without the tool offered")
     parser.add_argument("--min-digits", type=int, default=3)
     parser.add_argument("--max-digits", type=int, default=3)
-    parser.add_argument("--warm-only", action="store_true", help="build the warm start, print its first turns, stop")
+    parser.add_argument("--warm-only", action="store_true",
+                        help="build the warm start, print its directory and first turns, stop")
     parser.add_argument("--runs", default="/tmp/calculator_tool_runs")
     parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "calculator_tool.json"))
     args = parser.parse_args()
@@ -211,7 +212,7 @@ def main() -> None:
                                task_args, init=model_dir)
     sft_s = time.monotonic() - t0
     warm = warm_start_quality(model_dir, task_args)
-    print(json.dumps(warm), flush=True)
+    print(json.dumps({"warm_start": str(model_dir), **warm}), flush=True)
     if args.warm_only:
         return
     runs = [grpo_run(model_dir, args, seed, tool) for seed in args.seeds for tool in (True, False)]
