@@ -178,6 +178,46 @@ def test_max_episode_tokens_bounds_every_turn_and_refuses_a_reply_that_does_not_
     assert t.end == MAX_TOKENS and len(t.tokens) == 25 and t.answer == "z" * 7
 
 
+class _RewardsEachTurn(EnvironmentTask):
+    """Replies to each turn with a reward of 0.25 and ends on "done" with a reward of 1.0."""
+
+    def start(self, prompt: Prompt) -> Episode:
+        class _Episode(Episode):
+            def step(self, turn: str):
+                return Finish(turn, reward=1.0) if turn == "done" else Reply("ok", None, reward=0.25)
+
+        return _Episode()
+
+
+class _AnswerIsDone:
+    def __call__(self, prompt, completion):
+        return 2.0 if completion == "done" else 0.0
+
+
+@pytest.mark.parametrize("discount", [1.0, 0.5])
+def test_per_turn_rewards_are_recorded_and_folded_into_the_episode_score(tokenizer, discount):
+    eos = tokenizer.eos_token_id
+    x, done = tokenizer.encode("x") + [eos], tokenizer.encode("done") + [eos]
+    # Two episodes of one group: x, x, done (three turns) and x cut at max_turns=2 (two turns, never finished).
+    long, _ = _run(tokenizer, _RewardsEachTurn(), EpisodeLimits(3, 8, 200), [(x, "stop"), (x, "stop"), (done, "stop")])
+    short, _ = _run(tokenizer, _RewardsEachTurn(), EpisodeLimits(2, 8, 200), [(x, "stop")])
+    assert [r.reward for r in long.turns] == [0.25, 0.25, 1.0] and long.end == FINISHED
+    # The reply to the last turn is not appended (max_turns), but the environment gave its reward.
+    assert [r.reward for r in short.turns] == [0.25, 0.25] and short.end == MAX_TURNS
+    pipeline = MultiTurnPipeline(_RewardsEachTurn(), {"done": (_AnswerIsDone(), 1.0)}, prompts_per_step=1,
+                                 group_size=2, max_new_tokens=8, max_turns=3, turn_reward_discount=discount)
+    [group], metrics = pipeline._groups([[long, short]])
+    # sum_k discount**k r_k, the answer's reward (2.0 for "done") at the last turn.
+    assert group.scores == [0.25 + discount * 0.25 + discount**2 * (1.0 + 2.0), 0.25 + discount * 0.25]
+    assert metrics["reward/weighted"] == 1.0  # the answers' rewards alone: 2.0 and 0.0
+
+
+def test_a_turn_reward_discount_outside_0_1_is_refused():
+    with pytest.raises(ValueError, match="turn_reward_discount must be in"):
+        MultiTurnPipeline(_RewardsEachTurn(), {"done": (_AnswerIsDone(), 1.0)}, prompts_per_step=1, group_size=2,
+                          max_new_tokens=8, turn_reward_discount=0.0)
+
+
 # ---------------------------------------------------------------- against the real server
 class _Counting(EnvironmentTask):
     """A test environment on chat prompts: replies "turn <k>" as a tool message to turn k; ends when the turn

@@ -1,6 +1,6 @@
 """The built-in multi-turn example (data=calculator): arithmetic on numbers too long for the model, with a calculator.
 
-A prompt asks for e.g. ``48213*7719``. The model may call the calculator by writing a turn ``calc: <expression>``;
+A prompt asks for e.g. ``482*771``. The model may call the calculator by writing a turn ``calc: <expression>``;
 the environment answers with the value as a ``tool`` message, and the model goes on. Any other turn is the model's
 answer, which ends the episode; `LongAnswerReward` grades it (exactly the integer). With `tool: false` the prompt does
 not mention the calculator and the first turn is always the answer: the same task without the tool.
@@ -144,7 +144,7 @@ class LongArithmeticTask(EnvironmentTask):
     ``-``), asked as `question` in the chat template; with `tool` the system turn explains the calculator
     (`TOOL_INSTRUCTION`). Held-out split: `heldout_size` distinct items from `heldout_seed`, never drawn by `sample`."""
 
-    def __init__(self, min_digits: int = 4, max_digits: int = 6, operators: str = "*", heldout_size: int = 64,
+    def __init__(self, min_digits: int = 3, max_digits: int = 3, operators: str = "*", heldout_size: int = 64,
                  heldout_seed: int = 20261126, question: str = "{expression}=", tool: bool = True,
                  tool_role: str = "tool") -> None:
         if not 1 <= min_digits <= max_digits <= 20:

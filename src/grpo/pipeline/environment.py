@@ -15,6 +15,10 @@ Limits (`EpisodeLimits`), each ending the episode; the last model turn's text is
 - `max_turn_tokens`: tokens of one model turn; a turn cut there ends the episode unanswered (`end=turn_cut`).
 - `max_episode_tokens`: the whole sequence (prompt, model and environment tokens); a turn cut by it, or an environment
   reply that leaves no room for another model token, ends the episode (`end=max_tokens`; that reply is not appended).
+
+Per-turn rewards (optional): `Reply.reward` / `Finish.reward` is the environment's reward for the turn it answers
+(`TurnRecord.reward`; 0.0 for a turn the environment was not asked about, one cut by a limit). `episode_return` folds
+them and the answer's reward into the one score GRPO normalises within the group.
 """
 
 from __future__ import annotations
@@ -39,13 +43,18 @@ class Reply:
 
     content: str
     role: Optional[str] = "tool"
+    # The environment's reward for the turn it answers (episode_return); counted even when a limit then ends the
+    # episode and the reply is not appended.
+    reward: float = 0.0
 
 
 @dataclass(frozen=True)
 class Finish:
-    """The episode is over: `answer` is the text the run's rewards score (data.rewards)."""
+    """The episode is over: `answer` is the text the run's rewards score (data.rewards); `reward` is the environment's
+    own reward for this last turn (episode_return), on top of those."""
 
     answer: str
+    reward: float = 0.0
 
 
 class Episode(ABC):
@@ -62,6 +71,21 @@ class EnvironmentTask(Task):
     def start(self, prompt: Prompt) -> Episode:
         """A fresh episode for `prompt` (one per sample of a group)."""
         raise NotImplementedError(f"{type(self).__name__} does not implement start(prompt) -> Episode")
+
+
+def episode_return(answer_reward: float, turn_rewards: list[float], discount: float = 1.0) -> float:
+    """An episode's score: sum over its model turns k = 0..K-1 of discount**k * r_k, where r_k is the environment's
+    reward for turn k and the last turn's r_{K-1} also holds `answer_reward` (data.rewards on the answer).
+
+    discount 1.0 (the default) is the plain sum; below 1 a reward earned in fewer turns is worth more. GRPO turns the
+    group's scores into one advantage per episode, which every model token of the episode shares.
+    """
+    if not 0.0 < discount <= 1.0:
+        raise ValueError(f"the turn reward discount must be in (0, 1], got {discount}")
+    if not turn_rewards:
+        return float(answer_reward)
+    last = len(turn_rewards) - 1
+    return sum(discount**k * r for k, r in enumerate(turn_rewards)) + discount**last * float(answer_reward)
 
 
 @dataclass(frozen=True)
@@ -81,13 +105,14 @@ class EpisodeLimits:
 @dataclass
 class TurnRecord:
     """One model turn: its positions [start, end) in the trajectory, the server's weight versions when it was admitted
-    and when it finished, and vLLM's finish reason."""
+    and when it finished, vLLM's finish reason, and the environment's reward for it (0.0 when it was not asked)."""
 
     start: int
     end: int
     weight_version: int
     last_weight_version: int
     finish_reason: Optional[str]
+    reward: float = 0.0
 
 
 @dataclass

@@ -104,6 +104,7 @@ class EpisodeRunner:
             t.end, t.answer = (MAX_TOKENS if cut_by_total else TURN_CUT), text
             return
         reply = t.episode.step(text)
+        t.turns[-1].reward = float(reply.reward)
         if isinstance(reply, Finish):
             t.end, t.answer = FINISHED, reply.answer
             return
@@ -132,4 +133,5 @@ def episode_metrics(trajectories: Sequence[Trajectory]) -> dict[str, float]:
         "episode/tokens_max": float(max(len(t.tokens) for t in trajectories)),
         **{f"episode/end_{reason}_fraction": ends.get(reason, 0) / n for reason in END_REASONS},
         "episode/mixed_version_fraction": mixed / n,
+        "episode/turn_reward_mean": sum(r.reward for t in trajectories for r in t.turns) / n,
     }

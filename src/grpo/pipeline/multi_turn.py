@@ -21,7 +21,7 @@ from typing import Any, Mapping, Optional
 from grpo import faults
 from grpo.inference.client import Completion
 from grpo.pipeline.base import PipelineContext
-from grpo.pipeline.environment import MAX_TOKENS, TURN_CUT, EnvironmentTask, EpisodeLimits, Trajectory
+from grpo.pipeline.environment import MAX_TOKENS, TURN_CUT, EnvironmentTask, EpisodeLimits, Trajectory, episode_return
 from grpo.pipeline.episodes import EpisodeRunner, episode_metrics
 from grpo.pipeline.group import Group
 from grpo.pipeline.local import LocalRolloutPipeline, weighted_reward
@@ -30,10 +30,11 @@ from grpo.pipeline.local import LocalRolloutPipeline, weighted_reward
 class MultiTurnPipeline(LocalRolloutPipeline):
     """`prompts_per_step` prompts x `group_size` episodes per step; `max_new_tokens` caps each model turn,
     `max_turns` the model turns of an episode and `max_episode_tokens` its whole sequence (null: model.max_seq_len).
-    What happens at each limit: grpo.pipeline.environment."""
+    What happens at each limit: grpo.pipeline.environment. An episode's score is `episode_return` of its answer's
+    weighted reward and the environment's per-turn rewards, discounted by `turn_reward_discount` per turn."""
 
     def __init__(self, task: Any, rewards: Mapping[str, Any], max_turns: int = 4,
-                 max_episode_tokens: Optional[int] = None, **local: Any) -> None:
+                 max_episode_tokens: Optional[int] = None, turn_reward_discount: float = 1.0, **local: Any) -> None:
         """`local`: every other key of `LocalRolloutPipeline` (prompts_per_step, group_size, max_new_tokens, ...)."""
         if local.get("dynamic_sampling"):  # rollout_batch below plays one round of episodes, no refill rounds
             raise ValueError("data.dynamic_sampling is not built for multi-turn episodes yet; set it to false")
@@ -45,7 +46,11 @@ class MultiTurnPipeline(LocalRolloutPipeline):
             raise ValueError(f"data.max_turns must be >= 1, got {max_turns}")
         if max_episode_tokens is not None and max_episode_tokens < 2:
             raise ValueError(f"data.max_episode_tokens must be >= 2 or null (model.max_seq_len), got {max_episode_tokens}")
+        if not 0.0 < turn_reward_discount <= 1.0:
+            raise ValueError(f"data.turn_reward_discount must be in (0, 1] (1.0: the plain sum of the turns' rewards), "
+                             f"got {turn_reward_discount}")
         self.max_turns = int(max_turns)
+        self.turn_reward_discount = float(turn_reward_discount)
         self.max_episode_tokens = max_episode_tokens
         self.runner: Optional[EpisodeRunner] = None
 
@@ -110,7 +115,8 @@ class MultiTurnPipeline(LocalRolloutPipeline):
         return outs
 
     def _groups(self, episodes: list[list[Trajectory]]) -> tuple[list[Group], dict[str, float]]:
-        """Each prompt's episodes as one group, scored by the rewards on their answers; the reward metrics."""
+        """Each prompt's episodes as one group, scored by `episode_return` (the rewards on their answers and the
+        environment's per-turn rewards); the reward metrics (`reward/weighted`: the answers' alone)."""
         per_reward: dict[str, list[float]] = {name: [] for name in self.rewards}
         totals: list[float] = []
         groups = []
@@ -120,8 +126,8 @@ class MultiTurnPipeline(LocalRolloutPipeline):
                 total, values = weighted_reward(self.rewards, t.prompt, t.answer)
                 for name, value in values.items():
                     per_reward[name].append(value)
-                scores.append(total)
-            totals += scores
+                totals.append(total)
+                scores.append(episode_return(total, [r.reward for r in t.turns], self.turn_reward_discount))
             groups.append(trajectory_group(trajectories, scores, self.temperature))
         metrics = {**{f"reward/{name}": sum(v) / len(v) for name, v in per_reward.items()},
                    "reward/weighted": sum(totals) / len(totals)}

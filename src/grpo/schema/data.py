@@ -56,6 +56,9 @@ class MultiTurnDataConfig(LocalDataConfig):
     max_turns: int = 4
     # Tokens of a whole episode (prompt, model and environment tokens); null = model.max_seq_len.
     max_episode_tokens: Optional[int] = None
+    # Discount per model turn of the environment's per-turn rewards and the answer's (environment.episode_return);
+    # 1.0 = their plain sum.
+    turn_reward_discount: float = 1.0
 
 
 # ---------------------------------------------------------------- evaluation (conf/eval/)
