@@ -9,6 +9,7 @@ import json
 import os
 from pathlib import Path
 from types import SimpleNamespace
+from unittest import mock
 
 import pytest
 import torch
@@ -379,8 +380,8 @@ def one_step_runs(tmp_path_factory, tiny_qwen2_dir) -> Path:
     from conftest import free_port
 
     out = tmp_path_factory.mktemp("fsdp_one_step")
-    _train_one_step(0, 1, free_port(), str(tiny_qwen2_dir), str(out))
-    os.environ.pop("WORLD_SIZE"), os.environ.pop("RANK"), os.environ.pop("LOCAL_RANK")
+    with mock.patch.dict(os.environ):  # the step sets torchrun's variables; the session's environment keeps none
+        _train_one_step(0, 1, free_port(), str(tiny_qwen2_dir), str(out))
     mp.spawn(_train_one_step, args=(2, free_port(), str(tiny_qwen2_dir), str(out)), nprocs=2, join=True)
     return out
 
@@ -392,8 +393,8 @@ def test_fsdp2_gspo_with_off_policy_masks_matches_one_process(tmp_path, tiny_qwe
 
     from conftest import free_port
 
-    _train_one_step(0, 1, free_port(), str(tiny_qwen2_dir), str(tmp_path), "gspo_masks")
-    os.environ.pop("WORLD_SIZE"), os.environ.pop("RANK"), os.environ.pop("LOCAL_RANK")
+    with mock.patch.dict(os.environ):  # as above: no torchrun variable outlives the in-process step
+        _train_one_step(0, 1, free_port(), str(tiny_qwen2_dir), str(tmp_path), "gspo_masks")
     mp.spawn(_train_one_step, args=(2, free_port(), str(tiny_qwen2_dir), str(tmp_path), "gspo_masks"), nprocs=2,
              join=True)
     one = json.loads((tmp_path / "result_world1.json").read_text())

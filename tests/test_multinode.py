@@ -172,7 +172,8 @@ def _recipe(tmp_path: Path, nodes: list[str], overrides: list[str], **settings: 
     scontrol = bin_dir / "scontrol"
     scontrol.write_text('#!/bin/sh\n[ "$1 $2" = "show hostnames" ] || exit 2\n' + "".join(f"echo {n}\n" for n in nodes))
     scontrol.chmod(0o755)
-    env = dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}", SLURM_JOB_NODELIST="n[1-9]", SLURM_JOB_ID="77",
+    outside = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT")}  # the recipe's own
+    env = dict(outside, PATH=f"{bin_dir}:{os.environ['PATH']}", SLURM_JOB_NODELIST="n[1-9]", SLURM_JOB_ID="77",
                SLURM_SUBMIT_DIR=str(tmp_path), GRPO_SLURM_DRY_RUN=str(out), PYTHON=sys.executable, **settings)
     return subprocess.run(["bash", str(SBATCH), *overrides], env=env, capture_output=True, text=True, timeout=60)
 

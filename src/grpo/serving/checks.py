@@ -55,11 +55,11 @@ def check_server(cfg: DictConfig, choice: str | None, cuda: bool) -> None:
                           "a free one")
     for port in range(cfg.server.port, cfg.server.port + replicas) if port_fixed and not external else ():
         if not _port_free(cfg.server.host, port):
-            raise ConfigError(
-                f"server.port={cfg.server.port}: port {port} on {cfg.server.host} is already in use (replica i "
-                "listens on server.port + i); pick a free port (server.port=...) or attach to that server with "
-                "server.external_url=http://host:port"
-            )
+            where = (f"server.port={cfg.server.port}: port {port} on {cfg.server.host} is already in use (replica i "
+                     "listens on server.port + i)") if replicas > 1 else \
+                f"server.port={port} on {cfg.server.host} is already in use"
+            raise ConfigError(f"{where}; pick a free port (server.port=...) or attach to that server with "
+                              "server.external_url=http://host:port")
 
 
 def check_replicas(cfg: DictConfig, choice: str | None) -> None:
