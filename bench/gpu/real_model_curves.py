@@ -33,6 +33,17 @@ def first_reach(curve: list[tuple[int, float, float]], target: float) -> float |
     return next((t for _, acc, t in curve if acc >= target), None)
 
 
+def save_accuracy_plot(fig, ax, title: str, path: Path, legend_fontsize: int | None = None) -> None:
+    """The axes, title, grid and legend every plot here shares, then the PNG at `path`."""
+    ax.set_xlabel("training seconds (evaluations taken out)")
+    ax.set_ylabel("held-out greedy accuracy (500 items)")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=legend_fontsize)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
 def main(folder: str) -> None:
     import matplotlib
 
@@ -57,13 +68,7 @@ def main(folder: str) -> None:
         lines.append(f"| {name} | {', '.join(f'{a:.3f}' for _, a, _ in curve)} | {curve[-1][2]:.0f} | "
                      f"{'never' if reach is None else f'{reach:.0f}'} | "
                      f"{'-' if reach is None else f'{reach / trl_s:.2f}'} |")
-    ax.set_xlabel("training seconds (evaluations taken out)")
-    ax.set_ylabel("held-out greedy accuracy (500 items)")
-    ax.set_title("SmolLM2-135M-Instruct, chat arithmetic, one H100")
-    ax.grid(alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(root / "curves.png", dpi=110)
+    save_accuracy_plot(fig, ax, "SmolLM2-135M-Instruct, chat arithmetic, one H100", root / "curves.png")
     (root / "table.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     plot_layouts(root, plt)
@@ -92,13 +97,7 @@ def compare(root: Path, plt) -> None:
         for name, curve in runs.items():
             ax.plot([t for *_, t in curve], [a for _, a, _ in curve], marker="o",
                     ls="--" if name.startswith("trl") else "-", label=name)
-        ax.set_xlabel("training seconds (evaluations taken out)")
-        ax.set_ylabel("held-out greedy accuracy (500 items)")
-        ax.set_title("SmolLM2-135M-Instruct, chat arithmetic, one H100")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
-        fig.tight_layout()
-        fig.savefig(root / filename, dpi=110)
+        save_accuracy_plot(fig, ax, "SmolLM2-135M-Instruct, chat arithmetic, one H100", root / filename, 8)
     (root / "table.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
@@ -110,13 +109,7 @@ def plot_layouts(root: Path, plt) -> None:
         curve = ours_curve(path)
         ax.plot([t for *_, t in curve], [a for _, a, _ in curve], marker="o", label=path.name.split(".")[0][7:])
         print(path.name, ", ".join(f"{a:.3f}@{t:.0f}s" for _, a, t in curve))
-    ax.set_xlabel("training seconds (evaluations taken out)")
-    ax.set_ylabel("held-out greedy accuracy (500 items)")
-    ax.set_title("SmolLM2-135M-Instruct, chat arithmetic, per layout (H100s)")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(root / "layouts.png", dpi=110)
+    save_accuracy_plot(fig, ax, "SmolLM2-135M-Instruct, chat arithmetic, per layout (H100s)", root / "layouts.png", 8)
 
 
 if __name__ == "__main__":
