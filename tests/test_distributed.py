@@ -230,13 +230,16 @@ def test_broadcast_layout_errors():
             get_class(cfg.mode._target_).check_config(cfg, cuda=True, world_size=2)
 
 
-def test_broadcast_across_nodes_counts_the_trainer_gpus_of_vllms_host(monkeypatch):
+def test_broadcast_across_nodes_counts_the_trainer_gpus_of_vllms_host():
     """torchrun --nnodes 2 --nproc-per-node 2: four ranks, two on each host; vLLM beside rank 0 needs GPU 2 there, not 4."""
     cls = get_class("grpo.sync.nccl_broadcast.NCCLBroadcastSync")
-    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
-    cls.check_config(_compose(["experiment=qwen3b_broadcast_2gpu", "server.device=2"]), cuda=True, world_size=4)
+    cls.check_config(_compose(["experiment=qwen3b_broadcast_2gpu", "server.device=2"]), cuda=True, world_size=4,
+                     local_world_size=2)
     with pytest.raises(ConfigError, match=r"server.device to a GPU index >= 2 \(server.device=1\)"):
-        cls.check_config(_compose(["experiment=qwen3b_broadcast_2gpu", "server.device=1"]), cuda=True, world_size=4)
+        cls.check_config(_compose(["experiment=qwen3b_broadcast_2gpu", "server.device=1"]), cuda=True, world_size=4,
+                         local_world_size=2)
+    with pytest.raises(ConfigError, match=r"server.device to a GPU index >= 4 \(server.device=2\)"):  # one host
+        cls.check_config(_compose(["experiment=qwen3b_broadcast_2gpu", "server.device=2"]), cuda=True, world_size=4)
 
 
 # ---------------------------------------------------------------- FSDP2 on 2 gloo processes

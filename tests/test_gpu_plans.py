@@ -31,6 +31,10 @@ def test_there_are_plans():
 def test_plan_job_composes_and_validates(plan, job, tmp_path, monkeypatch):
     name, kind, *args = job
     command = run_plan.command(job, tmp_path)
+    gpus = run_plan.job_gpus(job)
+    if gpus is not None:
+        assert gpus and all(g.isdigit() for g in gpus), f"{name}: gpus= takes GPU indices, got {args[0]}"
+        args = args[1:]
     if kind == "trl":
         assert (CONFIG_DIR / "experiment" / f"{args[0]}.yaml").exists() and args[1].isdigit()
         return

@@ -108,9 +108,28 @@ def test_replicas_on_gpus_need_a_device_each_and_broadcast_gpus_apart_from_the_t
     with pytest.raises(ConfigError, match=r"set server.devices \(e.g. server.devices=\[1, 2\]\)"):
         check_replicas(_compose(["server=gpu", "server.replicas=2"]), "gpu")
     broadcast = get_class("grpo.sync.nccl_broadcast.NCCLBroadcastSync")
-    with pytest.raises(ConfigError, match=r"server.devices=\[0, 1\] must be distinct indices >= 1"):
+    with pytest.raises(ConfigError, match=r"server.devices=\[0, 1\] \(each the first of 1 GPU\(s\)\) must give distinct"):
         broadcast.check_config(_compose(["mode=broadcast", "server.replicas=2", "server.devices=[0,1]"]), cuda=True)
     broadcast.check_config(_compose(["mode=broadcast", "server.replicas=2", "server.devices=[1,2]"]), cuda=True)
+    # Tensor parallel 2: each replica spans two GPUs, so [1, 2] overlaps on GPU 2 and [1, 3] does not.
+    tp2 = ["mode=broadcast", "server.replicas=2", "server.extra_args=[--tensor-parallel-size,2]"]
+    with pytest.raises(ConfigError, match=r"each the first of 2 GPU\(s\).*e.g. server.devices=\[1, 3\]"):
+        broadcast.check_config(_compose([*tp2, "server.devices=[1,2]"]), cuda=True)
+    broadcast.check_config(_compose([*tp2, "server.devices=[1,3]"]), cuda=True)
+
+
+def test_a_tensor_parallel_server_takes_its_device_and_the_gpus_after_it_as_the_trainer_numbers_them(monkeypatch,
+                                                                                                    tmp_path):
+    from grpo.inference.process import VLLMServer, server_visible_devices
+
+    assert server_visible_devices(1, 3, None) == "1,2,3"
+    assert server_visible_devices(1, 1, "4,5") == "5"  # index 1 within the trainer's CUDA_VISIBLE_DEVICES
+    with pytest.raises(ConfigError, match=r"GPUs \[1, 2\].*beyond the 2 GPU\(s\) of CUDA_VISIBLE_DEVICES=4,5"):
+        server_visible_devices(1, 2, "4,5")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,3,4,5")
+    server = VLLMServer(tmp_path / "model", {"device": 1, "extra_args": ["--tensor-parallel-size", "3"]},
+                        tmp_path / "vllm.log")
+    assert server.environment()["CUDA_VISIBLE_DEVICES"] == "3,4,5"
 
 
 # ---------------------------------------------------------------------------------------------------- syncs on vLLM

@@ -7,7 +7,9 @@ PLAN is a text file of waves separated by blank lines; the waves run one after t
 (each started once the previous one's vLLM server is ready: vLLM's memory profiling fails when two servers start
 on one GPU together). A job line is `name | experiment | overrides...` for `python train.py`, or
 `name | trl | experiment seed` for TRL's GRPOTrainer on that experiment (bench/trl_arith.py); a first override
-`torchrun=K` starts train.py under torchrun with K processes (an FSDP2 trainer). Every job's log,
+`gpus=2,3` gives the job only those GPUs (CUDA_VISIBLE_DEVICES; inside the job they are numbered 0, 1, ...), and
+then `torchrun=K` starts train.py under torchrun with K processes (an FSDP2 trainer). Jobs of a wave on disjoint
+`gpus=` start together; the others one after another's vLLM is ready. Every job's log,
 metrics.jsonl, summary.json and the tail of its evaluation samples land flat in --out, and `jobs.jsonl` there has one
 row per job (start, end, wall seconds, return code, wave, how many jobs shared the GPU). Lines starting with # are
 comments.
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -42,8 +45,21 @@ def parse_plan(text: str) -> list[list[list[str]]]:
     return [w for w in waves if w]
 
 
+def job_gpus(job: list[str]) -> set[str] | None:
+    """The GPUs a job's `gpus=` override gives it (None: every GPU of the machine)."""
+    args = job[2:]
+    return set(args[0].split("=", 1)[1].split(",")) if args and args[0].startswith("gpus=") else None
+
+
+def job_env(job: list[str]) -> dict[str, str]:
+    gpus = job_gpus(job)
+    return {**os.environ, "CUDA_VISIBLE_DEVICES": ",".join(sorted(gpus, key=int))} if gpus else dict(os.environ)
+
+
 def command(job: list[str], out: Path) -> list[str]:
     name, kind, *args = job
+    if args and args[0].startswith("gpus="):
+        args = args[1:]
     if kind == "trl":
         experiment, seed, *extra = args
         return [sys.executable, "bench/trl_arith.py", "--experiment", experiment, "--vllm", "--seed", seed,
@@ -74,10 +90,14 @@ def run_wave(wave: list[list[str]], index: int, out: Path) -> None:
     for job in wave:
         log = out / f"{job[0]}.log"
         t0 = time.time()
-        proc = subprocess.Popen(command(job, out), stdout=log.open("w"), stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(command(job, out), stdout=log.open("w"), stderr=subprocess.STDOUT, env=job_env(job))
         procs.append((job, proc, t0))
-        # Stagger: the next server starts once this one is up (or this job ended, or 300 s passed).
-        while job is not wave[-1] and proc.poll() is None and not server_ready(log) and time.time() - t0 < 300:
+        # Stagger: the next server starts once this one is up (or this job ended, or 300 s passed), unless every
+        # job after it runs on other GPUs: vLLM's memory profiling fails when two servers start on one GPU together.
+        later = [job_gpus(j) for j in wave[wave.index(job) + 1:]]
+        mine = job_gpus(job)
+        apart = mine is not None and all(g is not None and not (g & mine) for g in later)
+        while later and not apart and proc.poll() is None and not server_ready(log) and time.time() - t0 < 300:
             time.sleep(2)
     pending = list(procs)
     while pending:
@@ -88,6 +108,7 @@ def run_wave(wave: list[list[str]], index: int, out: Path) -> None:
             pending.remove(item)
             collect(job, out)
             row = {"name": job[0], "command": " ".join(command(job, out)), "wave": index, "jobs_in_wave": len(wave),
+                   "gpus": ",".join(sorted(job_gpus(job), key=int)) if job_gpus(job) else "all",
                    "start": time.strftime("%H:%M:%S", time.gmtime(t0)), "wall_s": round(time.time() - t0, 1),
                    "rc": proc.returncode}
             with (out / "jobs.jsonl").open("a") as f:

@@ -1,7 +1,7 @@
 """The scaling table of bench/gpu/README.md from a plan's results: one row per run (a `<name>.metrics.jsonl` that
 bench/gpu/run_plan.py collected), medians over the steps after the first `--skip` (start-up, compilation).
 
-    python bench/gpu/scale_table.py bench/results/gpu/scale_out_4gpu [--skip 3]
+    python bench/gpu/scale_table.py bench/results/gpu/scale_out_4gpu [--skip 3] [--until 60]
 """
 
 from __future__ import annotations
@@ -21,9 +21,9 @@ COLUMNS = {  # metrics.jsonl key -> column heading
 }
 
 
-def row(path: Path, skip: int) -> list[str]:
+def row(path: Path, skip: int, until: int | None = None) -> list[str]:
     rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    steady = [r for r in rows if r.get("step", 0) > skip] or rows
+    steady = [r for r in rows if r.get("step", 0) > skip and (until is None or r.get("step", 0) <= until)] or rows
     cells = []
     for key in COLUMNS:
         values = [r[key] for r in steady if isinstance(r.get(key), (int, float))]
@@ -36,11 +36,13 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("folder", type=Path)
     ap.add_argument("--skip", type=int, default=3, help="steps left out at the start")
+    ap.add_argument("--until", type=int, default=None,
+                    help="last step counted (runs of different lengths compared over the same steps)")
     args = ap.parse_args()
     head = ["run", "replicas", "rows", *COLUMNS.values()]
     print("| " + " | ".join(head) + " |\n|" + "---|" * len(head))
     for path in sorted(args.folder.glob("*.metrics.jsonl")):
-        print("| " + " | ".join(row(path, args.skip)) + " |")
+        print("| " + " | ".join(row(path, args.skip, args.until)) + " |")
 
 
 if __name__ == "__main__":

@@ -57,7 +57,9 @@ def validate(cfg: DictConfig, run_dir: Path | None = None) -> None:
     check_loss(cfg)
     checks.check_clip_can_act(cfg, info)  # after the loss's own range checks
     sync_cls = get_class(cfg.mode._target_)
-    sync_cls.check_config(cfg, cuda=_cuda_available(), world_size=int(os.environ.get("WORLD_SIZE", "1")))
+    local = os.environ.get("LOCAL_WORLD_SIZE")  # torchrun's ranks on this host (fewer than WORLD_SIZE across nodes)
+    sync_cls.check_config(cfg, cuda=_cuda_available(), world_size=int(os.environ.get("WORLD_SIZE", "1")),
+                          local_world_size=int(local) if local else None)
     if cfg.train.device == "cuda" and not _cuda_available():
         raise ConfigError("train.device=cuda but no CUDA device is visible; use train.device=auto or cpu")
     check_model(cfg, cuda=_cuda_available())

@@ -60,6 +60,25 @@ def parallel_sizes(extra_args) -> dict[str, int]:
     return sizes
 
 
+def gpus_per_server(extra_args) -> int:
+    """GPUs one vLLM server spans: tensor x pipeline x data parallel sizes of server.extra_args."""
+    sizes = parallel_sizes(extra_args)
+    return sizes["tensor"] * sizes["pipeline"] * sizes["data"]
+
+
+def server_visible_devices(first: int, count: int, visible: str | None) -> str:
+    """CUDA_VISIBLE_DEVICES of a server whose GPUs are `count` in a row from index `first`, numbered as the trainer
+    numbers them: within the trainer's own CUDA_VISIBLE_DEVICES (`visible`) when it has one, as torch does."""
+    indices = list(range(first, first + count))
+    if not visible:
+        return ",".join(map(str, indices))
+    ids = [v.strip() for v in visible.split(",") if v.strip()]
+    if indices[-1] >= len(ids):
+        raise ConfigError(f"the server's GPUs {indices} (server.device / server.devices, and its parallel sizes) "
+                          f"lie beyond the {len(ids)} GPU(s) of CUDA_VISIBLE_DEVICES={visible}")
+    return ",".join(ids[i] for i in indices)
+
+
 class NotOurServerError(ServerStartError):
     """Something other than the server this launcher started answers on its host:port."""
 
@@ -199,9 +218,12 @@ class VLLMServer:
                 args += ["--lora-modules", *[f"{k}={v}" for k, v in self.lora_modules.items()]]
         if self.worker_in_engine_process:
             args += ["--distributed-executor-backend", "uni"]
-        args += [str(a) for a in option(c, "extra_args", None) or []]
-        args += self.extra_args
-        return args
+        return args + self.all_extra_args
+
+    @property
+    def all_extra_args(self) -> list[str]:
+        """server.extra_args, then the launcher's own (the sync mode's flags)."""
+        return [str(a) for a in option(self.cfg, "extra_args", None) or []] + [str(a) for a in self.extra_args]
 
     @property
     def worker_in_engine_process(self) -> bool:
@@ -214,7 +236,9 @@ class VLLMServer:
         env = {k: v for k, v in os.environ.items() if k not in _TORCHRUN_VARS and not k.startswith("TORCHELASTIC_")}
         device = option(self.cfg, "device")
         if device is not None:
-            env["CUDA_VISIBLE_DEVICES"] = str(device)
+            # A tensor-parallel server takes server.device and the GPUs after it.
+            env["CUDA_VISIBLE_DEVICES"] = server_visible_devices(
+                int(device), gpus_per_server(self.all_extra_args), os.environ.get("CUDA_VISIBLE_DEVICES"))
         if self.enable_lora:
             # Lets /v1/load_lora_adapter and /v1/unload_lora_adapter work (lora_only hot-swap).
             env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"

@@ -40,9 +40,11 @@ class ServerConfig:
     # run stops.
     max_restarts: int = 3
     extra_args: list[str] = field(default_factory=list)
-    # CUDA device index for vLLM when trainer and server share a host.
+    # CUDA device index for vLLM when trainer and server share a host, counted as the trainer counts them (within its
+    # CUDA_VISIBLE_DEVICES). A server with tensor/pipeline parallel size k in extra_args takes this GPU and the k-1
+    # after it (e.g. device=1 with --tensor-parallel-size 3: GPUs 1, 2, 3).
     device: Optional[int] = None
-    # CUDA device index of each replica (one per replica, `replicas` of them); null = `device` for every replica.
+    # First CUDA device index of each replica (one per replica, `replicas` of them); null = `device` for every replica.
     devices: Optional[List[int]] = None
     # Cap (seconds) on how long vLLM's worker busy-polls after each message before sleeping; null = vLLM's 1 s.
     busy_loop_s: Optional[float] = None

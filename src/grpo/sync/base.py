@@ -85,9 +85,11 @@ class SyncStrategy(ABC):
 
     # ------------------------------------------------------------------ start-up checks
     @classmethod
-    def check_config(cls, cfg: Any, *, cuda: bool, world_size: int = 1) -> None:
+    def check_config(cls, cfg: Any, *, cuda: bool, world_size: int = 1,
+                     local_world_size: int | None = None) -> None:
         """Refuse a run config this strategy cannot serve, before any model loads (ConfigError naming the key).
-        `cfg` is the whole run config; subclasses add their own checks to these."""
+        `cfg` is the whole run config; subclasses add their own checks to these. `world_size`: the trainer's ranks;
+        `local_world_size`: those on this host (torchrun's LOCAL_WORLD_SIZE; None = all of them)."""
         sync_every = option(cfg.mode, "sync_every", 1)
         if sync_every < 1:  # the constructor's own check comes only after the run's first start-up lines
             raise ConfigError(f"mode.sync_every must be >= 1 (sync after every N rollout batches), got {sync_every}")

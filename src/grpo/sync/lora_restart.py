@@ -36,8 +36,9 @@ class LoraRestartSync(SyncStrategy):
         self._adapter_dir: Path | None = None
 
     @classmethod
-    def check_config(cls, cfg: Any, *, cuda: bool, world_size: int = 1) -> None:
-        super().check_config(cfg, cuda=cuda, world_size=world_size)
+    def check_config(cls, cfg: Any, *, cuda: bool, world_size: int = 1,
+                     local_world_size: int | None = None) -> None:
+        super().check_config(cfg, cuda=cuda, world_size=world_size, local_world_size=local_world_size)
         if external_urls(cfg.server):  # else a RuntimeError traceback once the model was built
             raise ConfigError(f"mode=lora_restart restarts the vLLM server at every sync, so it cannot use a server "
                               f"started elsewhere ({external_setting(cfg.server)}); use "

@@ -20,7 +20,6 @@ trainer (each parameter is gathered with `full_tensor()`; all trainer ranks iter
 from __future__ import annotations
 
 import logging
-import os
 import socket
 import threading
 import time
@@ -32,6 +31,7 @@ import torch
 import torch.nn as nn
 
 from grpo.config_values import ConfigError, option
+from grpo.inference.process import gpus_per_server
 from grpo.serving.server import Replica, external_urls
 from grpo.sync.base import SyncContext, SyncStrategy
 from grpo.sync.buckets import Bucket, pack_bucket, plan_buckets
@@ -115,25 +115,29 @@ class NCCLBroadcastSync(SyncStrategy):
     fsdp_gather = "params"
 
     @classmethod
-    def check_config(cls, cfg: Any, *, cuda: bool, world_size: int = 1) -> None:
+    def check_config(cls, cfg: Any, *, cuda: bool, world_size: int = 1,
+                     local_world_size: int | None = None) -> None:
         """CUDA, and vLLM on GPUs the trainer's ranks do not use (NCCL cannot join two ranks on one GPU)."""
         if not cuda:
             raise ConfigError(
                 "mode=broadcast sends weights by NCCL from the trainer's GPU to vLLM's GPU(s) and needs CUDA; none "
                 "is visible here. Use mode=none, mode=lora_only or mode=lora_restart on this machine."
             )
-        # The trainer's ranks on vLLM's host take GPUs 0..k-1 there (torchrun's LOCAL_WORLD_SIZE; across nodes
-        # fewer than WORLD_SIZE); vLLM's GPUs must come after them.
-        local_gpus = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+        # The trainer's ranks on vLLM's host take GPUs 0..k-1 there (across nodes fewer than world_size); vLLM's GPUs
+        # must come after them.
+        local_gpus = world_size if local_world_size is None else local_world_size
+        span = gpus_per_server(option(cfg.server, "extra_args", None))  # tensor parallel k: k GPUs per server
         if external_urls(cfg.server):
             pass  # the servers run elsewhere, on GPUs of their own
         elif option(cfg.server, "devices"):
-            devices = list(cfg.server.devices)
-            if min(devices) < local_gpus or len(set(devices)) != len(devices):
+            firsts = list(cfg.server.devices)
+            gpus = [g for first in firsts for g in range(first, first + span)]
+            if min(gpus) < local_gpus or len(set(gpus)) != len(gpus):
                 raise ConfigError(
-                    f"mode=broadcast needs each vLLM replica on a GPU of its own that the trainer does not use (NCCL "
-                    f"cannot join two ranks on one GPU): server.devices={devices} must be distinct indices >= "
-                    f"{local_gpus}, e.g. server.devices=[{local_gpus}, {local_gpus + 1}]"
+                    f"mode=broadcast needs each vLLM replica on GPUs of its own that the trainer does not use (NCCL "
+                    f"cannot join two ranks on one GPU): server.devices={firsts} (each the first of {span} GPU(s)) "
+                    f"must give distinct GPUs >= {local_gpus}, e.g. server.devices="
+                    f"[{', '.join(str(local_gpus + i * span) for i in range(len(firsts)))}]"
                 )
         else:
             dev = cfg.server.device
@@ -143,7 +147,7 @@ class NCCLBroadcastSync(SyncStrategy):
                     f"GPU): set server.device to a GPU index >= {local_gpus} (server.device={dev}); e.g. trainer on "
                     f"GPU 0, server.device=1"
                 )
-        super().check_config(cfg, cuda=cuda, world_size=world_size)  # FSDP2: every rank iterates the parameters, rank 0 sends each as it is gathered
+        super().check_config(cfg, cuda=cuda, world_size=world_size, local_world_size=local_world_size)  # FSDP2: every rank iterates the parameters, rank 0 sends each as it is gathered
 
     def __init__(self, sync_every: int = 1, bucket_mb: float = 512, num_buffers: int = 2,
                  transfer_dtype: str | None = None, master_address: str = "127.0.0.1",

@@ -68,8 +68,9 @@ class SaveAndReloadSync(SyncStrategy):
         self._last_reload_s = 0.0
 
     @classmethod
-    def check_config(cls, cfg: Any, *, cuda: bool, world_size: int = 1) -> None:
-        super().check_config(cfg, cuda=cuda, world_size=world_size)
+    def check_config(cls, cfg: Any, *, cuda: bool, world_size: int = 1,
+                     local_world_size: int | None = None) -> None:
+        super().check_config(cfg, cuda=cuda, world_size=world_size, local_world_size=local_world_size)
         reload = option(cfg.mode, "reload", "inplace")
         if reload not in RELOADS:
             raise ConfigError(f"mode.reload={reload} is not one of {', '.join(RELOADS)} (inplace: vLLM reloads the "

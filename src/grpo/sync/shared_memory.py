@@ -97,7 +97,8 @@ class SharedMemorySync(SyncStrategy):
         self.shared_file: Path | None = None
 
     @classmethod
-    def check_config(cls, cfg: Any, *, cuda: bool, world_size: int = 1) -> None:
+    def check_config(cls, cfg: Any, *, cuda: bool, world_size: int = 1,
+                     local_world_size: int | None = None) -> None:
         """One vLLM worker (no tensor/pipeline/data parallelism): the trainer trains views of its tensors."""
         replicas = replica_count(cfg.server)
         if replicas > 1:
@@ -116,7 +117,7 @@ class SharedMemorySync(SyncStrategy):
                 "mode=broadcast (trainer on its own GPU, weights sent to every vLLM rank by NCCL; set server.device) "
                 "or drop --tensor-parallel-size (tp=1) to keep mode=shared_vllm."
             )
-        super().check_config(cfg, cuda=cuda, world_size=world_size)
+        super().check_config(cfg, cuda=cuda, world_size=world_size, local_world_size=local_world_size)
 
     def launch(self, ctx: SyncContext) -> None:
         # Resuming: vLLM loads the checkpoint, so the shared copy starts from the trained weights. vLLM's CPU backend
