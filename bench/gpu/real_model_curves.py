@@ -4,7 +4,8 @@ and the per-layout runs (``layout_<mode>_<what>.metrics.jsonl``) in a second PNG
 
     python bench/gpu/real_model_curves.py bench/results/gpu/real_model
     python bench/gpu/real_model_curves.py bench/results/gpu/real_model/lease5   # a folder of ours_*.metrics.jsonl,
-        # trl_s*.json and algo_*.metrics.jsonl (bench/gpu/run_plan.py's results): curves.png, algorithms.png, table.md
+        # trl_s*.json, algo_*.metrics.jsonl and layout_*.metrics.jsonl (bench/gpu/run_plan.py's results):
+        # curves.png, algorithms.png, layouts.png, table.md
 """
 
 from __future__ import annotations
@@ -100,6 +101,8 @@ def compare(root: Path, plt) -> None:
         save_accuracy_plot(fig, ax, "SmolLM2-135M-Instruct, chat arithmetic, one H100", root / filename, 8)
     (root / "table.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
+    if list(root.glob("layout_*.metrics.jsonl")):
+        plot_layouts(root, plt)
 
 
 def plot_layouts(root: Path, plt) -> None:
