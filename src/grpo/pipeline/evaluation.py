@@ -137,10 +137,10 @@ class Evaluator:
         if reward_workers < 0:
             raise ValueError(f"data.reward_workers must be >= 0 (0 = grade in the trainer process), got {reward_workers}")
         # Worker processes that grade (grpo.pipeline.grading; data.reward_workers, handed over by build_evaluator),
-        # started by setup().
+        # started by setup(); 0: a grader in this process.
         self.reward_workers = int(reward_workers)
         self._reward_specs = picklable_specs(rewards) if self.reward_workers else None
-        self.grader: Optional[Grader] = None
+        self.grader: Optional[Grader] = None if self.reward_workers else Grader(self.rewards)
         self.correct_reward = correct_reward or next(iter(self.rewards))
         if self.correct_reward not in self.rewards:
             raise ValueError(f"eval.correct_reward={correct_reward!r} is not one of the rewards {sorted(self.rewards)}")
@@ -177,7 +177,7 @@ class Evaluator:
             log.warning("eval: %d of %d held-out prompts dropped (empty or >= max_seq_len tokens)",
                         self.dropped_prompts, len(prompts))
         self.prompts, self.prompt_ids = [prompts[i] for i in keep], [ids[i] for i in keep]
-        if self.grader is None:
+        if self.grader is None:  # the worker processes start here, once
             self.grader = Grader(self.rewards, self._reward_specs, build_rewards, self.reward_workers)
         self.started = time.monotonic()
         log.info("eval: %d held-out prompts, greedy + %d samples each (pass@%d) at temperature %g",
@@ -209,7 +209,7 @@ class Evaluator:
         if self._client is not None:
             self._client.close()
             self._client = None
-        if self.grader is not None:
+        if self.grader is not None and self.reward_workers:
             self.grader.close()
             self.grader = None
 

@@ -144,11 +144,12 @@ class LocalRolloutPipeline(DataPipeline):
         self.rewards = build_rewards(rewards)
         if reward_workers < 0:
             raise ValueError(f"data.reward_workers must be >= 0 (0 = grade in the trainer process), got {reward_workers}")
-        # Processes that grade the completions (grpo.pipeline.grading), started by setup(); they build the rewards
-        # from these plain specs (checked here, so that a reward that cannot reach them fails before the server starts).
+        # Processes that grade the completions (grpo.pipeline.grading), started by setup() (0: a grader in this
+        # process, needing no setup). The workers build the rewards from these plain specs, checked here: a reward
+        # that cannot reach them fails before the server starts.
         self.reward_workers = int(reward_workers)
         self._reward_specs = picklable_specs(rewards) if self.reward_workers else None
-        self.grader: Optional[Grader] = None
+        self.grader: Optional[Grader] = None if self.reward_workers else Grader(self.rewards)
         self.prompts_per_step = int(prompts_per_step)
         self.group_size = int(group_size)
         self.max_new_tokens = int(max_new_tokens)
@@ -178,7 +179,7 @@ class LocalRolloutPipeline(DataPipeline):
             )
         self.ctx = ctx
         self.task.bind_tokenizer(ctx.tokenizer)
-        if self.grader is None:
+        if self.grader is None:  # the worker processes start here, once
             self.grader = Grader(self.rewards, self._reward_specs, build_rewards, self.reward_workers)
 
     def _client(self, endpoint: Endpoint) -> RoutedClient:
@@ -339,7 +340,7 @@ class LocalRolloutPipeline(DataPipeline):
         for client in clients:
             client.close()
         self._local = threading.local()
-        if self.grader is not None:
+        if self.grader is not None and self.reward_workers:
             self.grader.close()
             self.grader = None
 
