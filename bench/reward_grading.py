@@ -8,6 +8,11 @@ Batches of 32 prompts x 8 completions shaped as SmolLM2-135M-Instruct writes the
 different completions per group (the sum written out right or wrong, a bare number, prose, an echoed expression),
 as early in training; "converged", the same right completion 8 times per group, as late in training. "eval" is the
 evaluator's shape: 500 prompts x (1 greedy + 8 samples) of the mixed kind, graded with `parses` as it asks.
+
+"beside a trainer thread": asynchronous rollouts grade on the producer thread while the trainer's thread trains. A
+stand-in trainer thread (small torch ops one after another on one torch thread: Python-heavy, as the step of a
+135M model is) runs a fixed amount of work alone, then while another thread grades mixed batches without pause, in
+this process or through one worker process; its seconds say how much the grading's GIL costs it.
 """
 
 from __future__ import annotations
@@ -49,6 +54,57 @@ def batch(kind: str, prompts: int, seed: int) -> list:
             texts = [texts[rng.randrange(8)]] + texts  # a greedy completion, then 8 samples
         pairs += [(prompt, t) for t in texts]
     return pairs
+
+
+def trainer_work(steps: int = 400) -> float:
+    """Seconds of `steps` stand-in trainer steps: small torch ops whose Python overhead needs the GIL."""
+    import torch
+
+    x, w = torch.randn(32, 64), torch.randn(64, 64, requires_grad=True)
+    t = time.perf_counter()
+    for _ in range(steps):
+        loss = torch.tanh(x @ w).sum()
+        loss.backward()
+        with torch.no_grad():
+            w -= 1e-4 * w.grad
+            w.grad = None
+    return time.perf_counter() - t
+
+
+def beside_trainer(rewards, specs, build, rounds: int) -> dict:
+    """The stand-in trainer's seconds alone, beside in-process grading and beside grading in one worker process."""
+    import threading
+
+    import torch
+
+    from grpo.pipeline.grading import Grader, picklable_specs
+
+    torch.set_num_threads(1)
+    here, pooled = Grader(rewards), Grader(rewards, picklable_specs(specs), build, 1)
+    pooled.grade(batch("mixed", 4, 99))  # started
+    out: dict[str, list[float]] = {"alone": [], "beside in-process grading": [], "beside 1 reward worker": []}
+    try:
+        for r in range(rounds):
+            out["alone"].append(trainer_work())
+            for name, grader in (("beside in-process grading", here), ("beside 1 reward worker", pooled)):
+                stop = threading.Event()
+
+                def grade(grader=grader, stop=stop, seed=r) -> None:
+                    while not stop.is_set():
+                        grader.grade(batch("mixed", 32, seed))
+
+                thread = threading.Thread(target=grade)
+                thread.start()
+                time.sleep(0.05)
+                out[name].append(trainer_work())
+                stop.set()
+                thread.join()
+    finally:
+        pooled.close()
+    medians = {name: statistics.median(v) for name, v in out.items()}
+    print("stand-in trainer, medians of %d: " % rounds + ", ".join(f"{k} {v:.3f} s" for k, v in medians.items()),
+          flush=True)
+    return {"median_s": medians, "seconds": out}
 
 
 def main() -> None:
@@ -102,6 +158,7 @@ def main() -> None:
                   + ", ".join(f"{name} {statistics.median(v):.4f} s" for name, v in seconds.items()), flush=True)
     finally:
         pooled.close()
+    results["beside_trainer"] = beside_trainer(rewards, specs, build_rewards, args.rounds)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(results, indent=1) + "\n")
     print(f"pool start-up {start_s:.2f} s; wrote {args.out}")
