@@ -48,6 +48,15 @@ class Explodes:
         return 0.0
 
 
+class TimeoutBound:
+    """A reward whose value is the timeout math-verify would run under where it is called (0: none)."""
+
+    def __call__(self, prompt: Prompt, completion: str) -> float:  # noqa: ARG002
+        from grpo.pipeline.rewards import _math_verify_timeouts
+
+        return float(_math_verify_timeouts() or 0)
+
+
 class KillsItsProcess:
     """A reward whose process dies while grading (as one killed for memory would)."""
 
@@ -86,13 +95,17 @@ def test_workers_grade_as_the_trainer_process_does():
     assert by_pair[(SUM, "")].total == 0.0 and not by_pair[(SUM, "")].parsed
 
 
-def test_a_reward_that_raises_in_a_worker_is_an_error_naming_it_and_close_ends_the_workers():
+def test_workers_grade_under_math_verify_timeouts_name_a_reward_that_raises_and_end_at_close():
     specs = {"ok": {"_target_": "grpo.pipeline.rewards.BareNumberReward"},
-             "fragile": {"_target_": "test_reward_workers.Explodes", "weight": 0.5}}
+             "fragile": {"_target_": "test_reward_workers.Explodes", "weight": 0.5},
+             "bound": {"_target_": "test_reward_workers.TimeoutBound", "weight": 0.0}}
     before = {p.pid for p in active_children()}
     grader = _grader(specs, 2)
     try:
-        assert [g.total for g in grader.grade([(DIFF, "12"), (DIFF, "14")])] == [1.0, 1.0]
+        grades = grader.grade([(DIFF, "12"), (DIFF, "14")])
+        assert [g.total for g in grades] == [1.0, 1.0]
+        # Graded on the worker's main thread: math-verify's SIGALRM timeouts hold (5 s), unlike on a producer thread.
+        assert [g.values["bound"] for g in grades] == [5.0, 5.0]
         with pytest.raises(RewardError, match=r"reward 'fragile' \(Explodes\) raised ValueError: cannot grade 13"):
             grader.grade([(DIFF, "12"), (DIFF, "13")])
         workers = {p.pid for p in active_children()} - before
