@@ -25,7 +25,8 @@ from grpo.inference.client import Completion, Endpoint
 from grpo.inference.routing import RoutedClient, routed_client
 from grpo.pipeline.environment import EnvironmentTask, EpisodeLimits
 from grpo.pipeline.episodes import EpisodeRunner
-from grpo.pipeline.local import build_rewards, weighted_reward
+from grpo.pipeline.grading import Grader, PendingGrades, picklable_specs
+from grpo.pipeline.local import build_rewards
 from grpo.pipeline.tasks import Prompt, Task
 from grpo.trainer.metrics import EVAL_SAMPLES
 
@@ -119,6 +120,7 @@ class Evaluator:
         enabled: Optional[bool] = True,  # noqa: ARG002 (read by build_evaluator; accepted so the node instantiates)
         max_turns: int = 4,
         max_episode_tokens: Optional[int] = None,
+        reward_workers: int = 0,
     ) -> None:
         if k < 1 or samples_per_prompt < k:
             raise ValueError(f"eval.k must be >= 1 and <= eval.samples_per_prompt, got k={k}, "
@@ -132,6 +134,13 @@ class Evaluator:
                              f"eval.max_concurrency >= 1, got {every}, {samples_logged}, {max_new_tokens}, {max_concurrency}")
         self.task: Task = _build(task)
         self.rewards = build_rewards(rewards)
+        if reward_workers < 0:
+            raise ValueError(f"data.reward_workers must be >= 0 (0 = grade in the trainer process), got {reward_workers}")
+        # Worker processes that grade (grpo.pipeline.grading; data.reward_workers, handed over by build_evaluator),
+        # started by setup(); 0: a grader in this process.
+        self.reward_workers = int(reward_workers)
+        self._reward_specs = picklable_specs(rewards) if self.reward_workers else None
+        self.grader: Optional[Grader] = None if self.reward_workers else Grader(self.rewards)
         self.correct_reward = correct_reward or next(iter(self.rewards))
         if self.correct_reward not in self.rewards:
             raise ValueError(f"eval.correct_reward={correct_reward!r} is not one of the rewards {sorted(self.rewards)}")
@@ -168,6 +177,8 @@ class Evaluator:
             log.warning("eval: %d of %d held-out prompts dropped (empty or >= max_seq_len tokens)",
                         self.dropped_prompts, len(prompts))
         self.prompts, self.prompt_ids = [prompts[i] for i in keep], [ids[i] for i in keep]
+        if self.grader is None:  # the worker processes start here, once
+            self.grader = Grader(self.rewards, self._reward_specs, build_rewards, self.reward_workers)
         self.started = time.monotonic()
         log.info("eval: %d held-out prompts, greedy + %d samples each (pass@%d) at temperature %g",
                  len(self.prompts), self.n, self.k, self.temperature)
@@ -190,13 +201,17 @@ class Evaluator:
         return (self.at_end and step == total_steps) or (self.every > 0 and step % self.every == 0)
 
     def close(self) -> None:
-        """Print a hint when eval took a large share of a long run's wall clock (eval_time_hint); release the client."""
+        """Print a hint when eval took a large share of a long run's wall clock (eval_time_hint); release the client
+        and stop the grading workers."""
         hint = eval_time_hint(self.total_seconds, time.monotonic() - self.started)
         if hint:
             log.warning(hint)
         if self._client is not None:
             self._client.close()
             self._client = None
+        if self.grader is not None and self.reward_workers:
+            self.grader.close()
+            self.grader = None
 
     # ------------------------------------------------------------------ one evaluation
     def evaluate(self, step: int) -> dict[str, float]:
@@ -215,10 +230,12 @@ class Evaluator:
             sampled_scored = self._episodes(client, endpoint.model, self.n, self.temperature, self.seed)
         else:
             # Greedy and sampled requests each send the whole eval set at once; the client bounds the concurrency.
+            # With reward workers the greedy completions are graded while the samples generate.
             greedy = client.generate(self.prompt_ids, n=1, temperature=0.0, **common)
+            greedy_grading = self._submit(greedy)
             sampled = client.generate(self.prompt_ids, n=self.n, temperature=self.temperature, seed=self.seed, **common)
-            greedy_scored = [[self._score(p, outs[0])] for p, outs in zip(self.prompts, greedy)]
-            sampled_scored = [[self._score(p, c) for c in outs] for p, outs in zip(self.prompts, sampled)]
+            greedy_scored = self._scored(greedy, *greedy_grading)
+            sampled_scored = self._scored(sampled, *self._submit(sampled))
         greedy_scored = [per_prompt[0] for per_prompt in greedy_scored]
         metrics = self._metrics(greedy_scored, sampled_scored)
         self._write_samples(step, greedy_scored)
@@ -250,19 +267,34 @@ class Evaluator:
 
         episodes = EpisodeRunner(self.task, self.ctx.tokenizer, limits).run(
             generate, self.prompts, self.prompt_ids, n, seed, logprobs=False)
-        return [[self._score(t.prompt, Completion(
-            token_ids=[tok for r in t.turns for tok in t.tokens[r.start:r.end]], logprobs=None, finish_reason=t.end,
-            weight_version=min(r.weight_version for r in t.turns)), text=t.answer) for t in per_prompt]
-            for per_prompt in episodes]
+        outs = [[Completion(token_ids=[tok for r in t.turns for tok in t.tokens[r.start:r.end]], logprobs=None,
+                            finish_reason=t.end, weight_version=min(r.weight_version for r in t.turns))
+                 for t in per_prompt] for per_prompt in episodes]
+        return self._scored(outs, *self._submit(outs, [[t.answer for t in per_prompt] for per_prompt in episodes]))
 
-    def _score(self, prompt: Prompt, completion: Completion, text: Optional[str] = None) -> _Scored:
-        """`completion` scored on `text` (None: the text its tokens decode to)."""
-        if text is None:
-            text = self.ctx.tokenizer.decode(completion.token_ids, skip_special_tokens=True)
-        total, values = weighted_reward(self.rewards, prompt, text)
-        correct = self.correct_reward in values and values[self.correct_reward] >= self.correct_threshold
-        parsed = all(bool(fn.parses(prompt, text)) for fn, _ in self.rewards.values() if hasattr(fn, "parses"))
-        return _Scored(completion, text, total, correct, parsed)
+    def _submit(self, outs: list[list[Completion]], texts: Optional[list[list[str]]] = None
+                ) -> tuple[list[list[str]], PendingGrades]:
+        """Start grading the completions of each prompt on `texts` (None: the texts their tokens decode to)."""
+        assert self.ctx is not None and self.grader is not None, "Evaluator.setup() was not called"
+        if texts is None:
+            texts = [[self.ctx.tokenizer.decode(c.token_ids, skip_special_tokens=True) for c in per_prompt]
+                     for per_prompt in outs]
+        pairs = [(prompt, text) for prompt, per_prompt in zip(self.prompts, texts) for text in per_prompt]
+        return texts, self.grader.submit(pairs, parses=True)
+
+    def _scored(self, outs: list[list[Completion]], texts: list[list[str]], pending: PendingGrades
+                ) -> list[list[_Scored]]:
+        """The completions of each prompt with their grades (waits for them)."""
+        grades = iter(pending.result())
+        scored = []
+        for per_prompt, per_texts in zip(outs, texts):
+            row = []
+            for completion, text in zip(per_prompt, per_texts):
+                grade = next(grades)
+                correct = self.correct_reward in grade.values and grade.values[self.correct_reward] >= self.correct_threshold
+                row.append(_Scored(completion, text, grade.total, correct, bool(grade.parsed)))
+            scored.append(row)
+        return scored
 
     def _metrics(self, greedy: list[_Scored], sampled: list[list[_Scored]]) -> dict[str, float]:
         everything = greedy + [s for per_prompt in sampled for s in per_prompt]
@@ -348,8 +380,10 @@ def build_evaluator(eval_cfg: Any, data_cfg: Any) -> Optional[Evaluator]:
     try:
         # A multi-turn data source's episode limits hold for its evaluation too.
         limits = {k: data_cfg.get(k) for k in ("max_turns", "max_episode_tokens") if data_cfg.get(k) is not None}
+        # The data's grading workers grade the eval completions too (a pool of the evaluator's own).
+        workers = int(data_cfg.get("reward_workers") or 0) if hasattr(data_cfg, "get") else 0
         evaluator = instantiate(eval_cfg, task=task, rewards=rewards, max_new_tokens=max_new, **limits,
-                                _recursive_=False)
+                                reward_workers=workers, _recursive_=False)
     except InstantiationException as e:
         # Hydra wraps the constructor's error; the user needs the message that names the key to change.
         if isinstance(e.__cause__, (ValueError, TypeError, OSError)):

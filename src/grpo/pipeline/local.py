@@ -21,6 +21,7 @@ from grpo.inference.client import Endpoint
 from grpo.inference.routing import RoutedClient, routed_client
 from grpo.pipeline.base import DataPipeline, PipelineContext
 from grpo.pipeline.dynamic_sampling import refill
+from grpo.pipeline.grading import Grade, Grader, picklable_specs
 from grpo.pipeline.group import Group
 from grpo.pipeline.tasks import Prompt, Task
 
@@ -119,6 +120,7 @@ class LocalRolloutPipeline(DataPipeline):
         rollout_logprobs: bool = True,
         dynamic_sampling: bool = False,
         max_refill_rounds: int = 3,
+        reward_workers: int = 0,
     ) -> None:
         if prompts_per_step < 1 or group_size < 1 or max_new_tokens < 1:
             raise ValueError(
@@ -140,6 +142,14 @@ class LocalRolloutPipeline(DataPipeline):
             raise ValueError(f"data.task ({type(self.task).__name__}) has no sample(rng, n) method; a task subclasses "
                              "grpo.pipeline.tasks.Task (docs/own_task.md, 'A task of your own making')")
         self.rewards = build_rewards(rewards)
+        if reward_workers < 0:
+            raise ValueError(f"data.reward_workers must be >= 0 (0 = grade in the trainer process), got {reward_workers}")
+        # Processes that grade the completions (grpo.pipeline.grading), started by setup() (0: a grader in this
+        # process, needing no setup). The workers build the rewards from these plain specs, checked here: a reward
+        # that cannot reach them fails before the server starts.
+        self.reward_workers = int(reward_workers)
+        self._reward_specs = picklable_specs(rewards) if self.reward_workers else None
+        self.grader: Optional[Grader] = None if self.reward_workers else Grader(self.rewards)
         self.prompts_per_step = int(prompts_per_step)
         self.group_size = int(group_size)
         self.max_new_tokens = int(max_new_tokens)
@@ -169,6 +179,8 @@ class LocalRolloutPipeline(DataPipeline):
             )
         self.ctx = ctx
         self.task.bind_tokenizer(ctx.tokenizer)
+        if self.grader is None:  # the worker processes start here, once
+            self.grader = Grader(self.rewards, self._reward_specs, build_rewards, self.reward_workers)
 
     def _client(self, endpoint: Endpoint) -> RoutedClient:
         """This thread's client of `endpoint`'s replicas (a restart may take one out for a while, or move them)."""
@@ -215,8 +227,8 @@ class LocalRolloutPipeline(DataPipeline):
         ctx = self.ctx
         assert ctx is not None, "LocalRolloutPipeline.setup() was not called"
         faults.kill_server_generating(step + 1, Path(ctx.run_dir) / "logs" / "vllm.pid")
-        scorer = _Scorer(self.rewards, ctx.tokenizer)
-        totals = {"seconds": 0.0, "dropped_long": 0}
+        scorer = _Scorer(self.rewards)
+        totals = {"seconds": 0.0, "dropped_long": 0, "grading_seconds": 0.0}
 
         def generate(refill_round: int, count: int) -> list[Group]:
             return self._generate_round(step, refill_round, count, scorer, totals)
@@ -233,14 +245,15 @@ class LocalRolloutPipeline(DataPipeline):
             "generation/seconds": gen_s,
             "generation/tokens_per_s": scorer.tokens / gen_s if gen_s > 0 else 0.0,
             "data/dropped_prompts_too_long": float(totals["dropped_long"]),
+            "data/grading_seconds": totals["grading_seconds"],
             **refill_metrics,
         }
         return groups, metrics
 
     def _generate_round(self, step: int, refill_round: int, count: int, scorer: "_Scorer", totals: dict[str, Any]
                         ) -> list[Group]:
-        """One generation round of rollout batch `step`: `count` prompts, `group_size` completions each, scored into
-        groups; adds its seconds and too-long prompts to `totals`."""
+        """One generation round of rollout batch `step`: `count` prompts, `group_size` completions each, graded into
+        groups; adds its generation and grading seconds and too-long prompts to `totals`."""
         ctx = self.ctx
         prompts, ids, dropped_long = self._tokenized_prompts(step, refill_round, count)
         # Completions never push a sequence past max_seq_len (it would be dropped by the batcher).
@@ -254,11 +267,30 @@ class LocalRolloutPipeline(DataPipeline):
                 model=endpoint.model, detokenize=False, logprobs=self.rollout_logprobs,
                 **self._sampling_seed(step, refill_round),
             )
-        totals["seconds"] += time.monotonic() - t0
+        t1 = time.monotonic()
+        totals["seconds"] += t1 - t0
         totals["dropped_long"] += dropped_long
+        for completions in outs:
+            self._check_completions(completions, endpoint.base_url)
+        grades = self._grade(prompts, outs, scorer)
+        totals["grading_seconds"] += time.monotonic() - t1
+        return [self._group(prompt_ids, completions, grades[i * self.group_size:(i + 1) * self.group_size])
+                for i, (prompt_ids, completions) in enumerate(zip(ids, outs))]
+
+    def _grade(self, prompts: list[Prompt], outs: list[list[Any]], scorer: "_Scorer") -> list[Grade]:
+        """The grades of every completion of `outs` (prompt by prompt), recorded in `scorer`."""
+        # Graded on the text the tokens decode to, without special tokens (EOS is not an answer character). Decoded
+        # here, once, so the requests ask the server not to detokenize (6 % of generation on the CPU engine).
         with self._lock:
-            return [self._group(prompt, prompt_ids, completions, scorer, endpoint.base_url)
-                    for prompt, prompt_ids, completions in zip(prompts, ids, outs)]
+            pairs = [(prompt, self.ctx.tokenizer.decode(c.token_ids, skip_special_tokens=True))
+                     for prompt, completions in zip(prompts, outs) for c in completions]
+        assert self.grader is not None, "LocalRolloutPipeline.setup() was not called"
+        pending = self.grader.submit(pairs)
+        grades = pending.result()
+        scorer.graded += pending.distinct
+        for completion, grade in zip((c for completions in outs for c in completions), grades):
+            scorer.record(completion, grade)
+        return grades
 
     def _sampling_seed(self, step: int, refill_round: int = 0) -> dict[str, int]:
         """The step's base seed, or nothing when seeded_sampling is off.
@@ -273,7 +305,8 @@ class LocalRolloutPipeline(DataPipeline):
         # A refill round's base lies 2^20 steps on (no run has that many), so its streams are its own.
         return {"seed": (self.ctx.seed * 1_000_003 + step + (refill_round << 20)) % (2**31)}
 
-    def _group(self, prompt: Prompt, prompt_ids: list[int], completions: list, scorer: "_Scorer", url: str) -> Group:
+    def _check_completions(self, completions: list, url: str) -> None:
+        """Refuse a prompt's completions that are not what the requests asked for."""
         if len(completions) != self.group_size:
             raise RuntimeError(f"inference server returned {len(completions)} completions, asked for {self.group_size}")
         for c in completions:
@@ -289,9 +322,11 @@ class LocalRolloutPipeline(DataPipeline):
                     f"{c.last_weight_version} for a completion; rollouts need grpo.inference.server's /generate, which "
                     "reports the version at admission and at finish"
                 )
+
+    def _group(self, prompt_ids: list[int], completions: list, grades: list[Grade]) -> Group:
         group = Group.sampled(
             prompt_ids, [c.token_ids for c in completions], [c.logprobs for c in completions],
-            [scorer.score(prompt, c) for c in completions], self.temperature,
+            [g.total for g in grades], self.temperature,
             # The server's versions when the requests were admitted and when they finished: a sync that landed
             # during generation (asynchronous rollouts) makes them differ.
             weight_version=min(c.weight_version for c in completions),
@@ -305,34 +340,33 @@ class LocalRolloutPipeline(DataPipeline):
         for client in clients:
             client.close()
         self._local = threading.local()
+        if self.grader is not None and self.reward_workers:
+            self.grader.close()
+            self.grader = None
 
 
 class _Scorer:
-    """Scores completions with the weighted rewards of one step and keeps that step's reward and length figures."""
+    """Keeps one rollout batch's reward and length figures, per completion (a completion graded once for several
+    identical ones counts as each of them)."""
 
-    def __init__(self, rewards: dict[str, tuple[Any, float]], tokenizer: Any) -> None:
-        self.rewards = rewards
-        self.tokenizer = tokenizer
+    def __init__(self, rewards: dict[str, tuple[Any, float]]) -> None:
         self.per_reward: dict[str, list[float]] = {name: [] for name in rewards}
         self.totals: list[float] = []
         self.lengths: list[int] = []
         self.truncated = 0
+        # Distinct (prompt, text) pairs graded (grpo.pipeline.grading deduplicates within a round).
+        self.graded = 0
 
     @property
     def tokens(self) -> int:
         return sum(self.lengths)
 
-    def score(self, prompt: Prompt, completion: Any) -> float:
-        # Score the text the tokens decode to, without special tokens (EOS is not an answer character). Decoded here,
-        # once, so the requests ask the server not to detokenize (6 % of generation on the CPU engine).
-        text = self.tokenizer.decode(completion.token_ids, skip_special_tokens=True)
-        total, values = weighted_reward(self.rewards, prompt, text)
-        for name, r in values.items():
+    def record(self, completion: Any, grade: Grade) -> None:
+        for name, r in grade.values.items():
             self.per_reward[name].append(r)
-        self.totals.append(total)
+        self.totals.append(grade.total)
         self.lengths.append(len(completion.token_ids))
         self.truncated += completion.finish_reason == "length"
-        return total
 
     def metrics(self) -> dict[str, float]:
         n = len(self.lengths)
@@ -342,4 +376,5 @@ class _Scorer:
             "completion/mean_tokens": self.tokens / n,
             "completion/max_tokens": float(max(self.lengths)),
             "completion/truncated_fraction": self.truncated / n,
+            "data/graded_fraction": self.graded / n,
         }

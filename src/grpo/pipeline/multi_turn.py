@@ -24,7 +24,7 @@ from grpo.pipeline.base import PipelineContext
 from grpo.pipeline.environment import MAX_TOKENS, TURN_CUT, EnvironmentTask, EpisodeLimits, Trajectory, episode_return
 from grpo.pipeline.episodes import EpisodeRunner, episode_metrics
 from grpo.pipeline.group import Group
-from grpo.pipeline.local import LocalRolloutPipeline, weighted_reward
+from grpo.pipeline.local import LocalRolloutPipeline
 
 
 class MultiTurnPipeline(LocalRolloutPipeline):
@@ -117,17 +117,19 @@ class MultiTurnPipeline(LocalRolloutPipeline):
     def _groups(self, episodes: list[list[Trajectory]]) -> tuple[list[Group], dict[str, float]]:
         """Each prompt's episodes as one group, scored by `episode_return` (the rewards on their answers and the
         environment's per-turn rewards); the reward metrics (`reward/weighted`: the answers' alone)."""
+        assert self.grader is not None, "MultiTurnPipeline.setup() was not called"
+        grades = iter(self.grader.grade([(t.prompt, t.answer) for trajectories in episodes for t in trajectories]))
         per_reward: dict[str, list[float]] = {name: [] for name in self.rewards}
         totals: list[float] = []
         groups = []
         for trajectories in episodes:
             scores = []
             for t in trajectories:
-                total, values = weighted_reward(self.rewards, t.prompt, t.answer)
-                for name, value in values.items():
+                grade = next(grades)
+                for name, value in grade.values.items():
                     per_reward[name].append(value)
-                totals.append(total)
-                scores.append(episode_return(total, [r.reward for r in t.turns], self.turn_reward_discount))
+                totals.append(grade.total)
+                scores.append(episode_return(grade.total, [r.reward for r in t.turns], self.turn_reward_discount))
             groups.append(trajectory_group(trajectories, scores, self.temperature))
         metrics = {**{f"reward/{name}": sum(v) / len(v) for name, v in per_reward.items()},
                    "reward/weighted": sum(totals) / len(totals)}

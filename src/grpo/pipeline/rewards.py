@@ -98,9 +98,20 @@ class MathVerifyReward:
             raise ImportError("MathVerifyReward needs the math-verify package: pip install math-verify==0.9.0") from None
         self._math_verify = math_verify
         self._gold: dict[str, list] = {}
+        # The last completion parsed and its parse: the evaluator asks `parses` right after grading the same text,
+        # and parsing is most of math-verify's time. One tuple, replaced whole, so threads never see a torn pair.
+        self._last: tuple[str, list] | None = None
 
     def _parse(self, text: str) -> list:
         return self._math_verify.parse(text, parsing_timeout=_math_verify_timeouts())
+
+    def _parse_completion(self, text: str) -> list:
+        last = self._last
+        if last is not None and last[0] == text:
+            return last[1]
+        parsed = self._parse(text)
+        self._last = (text, parsed)
+        return parsed
 
     def _gold_of(self, answer: str) -> list:
         if answer not in self._gold:
@@ -110,7 +121,7 @@ class MathVerifyReward:
     def __call__(self, prompt: Prompt, completion: str) -> float:
         if prompt.answer is None:
             return 0.0
-        got = self._parse(completion)
+        got = self._parse_completion(completion)
         if not got or (self.literal_answer and not _LITERAL.fullmatch(str(got[-1]).replace(" ", ""))):
             return 0.0
         same = self._math_verify.verify(self._gold_of(prompt.answer), got, timeout_seconds=_math_verify_timeouts())
@@ -118,7 +129,7 @@ class MathVerifyReward:
 
     def parses(self, prompt: Prompt, completion: str) -> bool:  # noqa: ARG002
         """Whether math-verify extracts any answer from the completion (the evaluator counts those it doesn't)."""
-        return bool(self._parse(completion))
+        return bool(self._parse_completion(completion))
 
 
 # A completion that is one number and nothing else ("132", " -7.", "1,024").

@@ -44,6 +44,9 @@ class LocalDataConfig:
     # (grpo.pipeline.dynamic_sampling); max_refill_rounds bounds the extra generation rounds per rollout batch.
     dynamic_sampling: bool = False
     max_refill_rounds: int = 3
+    # Worker processes that grade the completions (grpo.pipeline.grading), the evaluation's too; 0 = in the trainer
+    # process.
+    reward_workers: int = 0
 
 
 @dataclass
