@@ -263,8 +263,9 @@ def _groups(seed: int = 1):
 class _Pipeline(DataPipeline):
     """Fixed groups every step (the data path is not what this test is about)."""
 
-    def __init__(self, pad_token_id: int) -> None:
-        self.ctx = SimpleNamespace(batch_shape=BatchShape(micro_batch_size=2, max_seq_len=64, pad_token_id=pad_token_id))
+    def __init__(self, pad_token_id: int, micro_batch_size: int = 2) -> None:
+        self.ctx = SimpleNamespace(batch_shape=BatchShape(micro_batch_size=micro_batch_size, max_seq_len=64,
+                                                          pad_token_id=pad_token_id))
 
     def setup(self, ctx):
         pass
@@ -321,7 +322,8 @@ def _loss(name: str):
     return GRPOLoss()
 
 
-def _train_one_step(rank: int, world: int, port: int, model_dir: str, out_root: str, loss: str = "grpo") -> None:
+def _train_one_step(rank: int, world: int, port: int, model_dir: str, out_root: str, loss: str = "grpo",
+                    micro_batch_size: int = 2) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank))
     from omegaconf import OmegaConf
@@ -342,13 +344,15 @@ def _train_one_step(rank: int, world: int, port: int, model_dir: str, out_root: 
     if info.enabled:
         fsdp.shard_model(model)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
-    cfg = OmegaConf.structured(TrainConfig(steps=1, micro_batch_size=2, grad_accum=3, checkpoint_every=1,
+    cfg = OmegaConf.structured(TrainConfig(steps=1, micro_batch_size=micro_batch_size,
+                                           grad_accum=max(1, 6 // micro_batch_size), checkpoint_every=1,
                                            max_grad_norm=None))
     log_cfg = OmegaConf.structured(LoggingConfig(progress_bar=False, plot=False))
     rank0 = rank == 0
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     pad = tokenizer.pad_token_id
-    pipeline = _Pipeline(pad) if not info.enabled else (LeaderPipeline(_Pipeline(pad)) if rank0 else FollowerPipeline())
+    source = _Pipeline(pad, micro_batch_size)
+    pipeline = source if not info.enabled else (LeaderPipeline(source) if rank0 else FollowerPipeline())
     sync = _GatherSync() if rank0 else FollowerSync()
     trainer = GRPOTrainer(
         train_cfg=cfg, model=model, tokenizer=tokenizer, optimizer=optimizer,
@@ -405,6 +409,26 @@ def test_fsdp2_gspo_with_off_policy_masks_matches_one_process(tmp_path, tiny_qwe
     assert 0 < one["masked"] < 1 and one["loss"] != 0
     assert abs(two["loss"] - one["loss"]) < 1e-5 and abs(two["masked"] - one["masked"]) < 1e-6
     assert abs(two["grad_norm"] - one["grad_norm"]) < 1e-5 * max(1.0, one["grad_norm"])
+    assert abs(two["checksum"] - one["checksum"]) < 1e-5 * abs(one["checksum"])
+
+
+@pytest.mark.timeout(240)
+def test_fsdp2_step_of_one_micro_batch_matches_one_process(tmp_path, tiny_qwen2_dir):
+    """A rollout batch that fits one micro-batch (train.skip_zero_advantage leaves few rows): rank 1 runs only the
+    zero-weighted repeat and must still reduce the same metrics as rank 0. On the GPU its missing metric keys made the
+    ranks' all-reduces differ in size and the run hung until NCCL's watchdog aborted it (lease 6)."""
+    import torch.multiprocessing as mp
+
+    from conftest import free_port
+
+    with mock.patch.dict(os.environ):
+        _train_one_step(0, 1, free_port(), str(tiny_qwen2_dir), str(tmp_path), "grpo", 6)
+    mp.spawn(_train_one_step, args=(2, free_port(), str(tiny_qwen2_dir), str(tmp_path), "grpo", 6), nprocs=2,
+             join=True)
+    one = json.loads((tmp_path / "result_world1.json").read_text())
+    two = json.loads((tmp_path / "result_world2.json").read_text())
+    assert one["loss"] != 0 and abs(two["loss"] - one["loss"]) < 1e-5
+    assert abs(two["logprob_diff"] - one["logprob_diff"]) < 1e-5
     assert abs(two["checksum"] - one["checksum"]) < 1e-5 * abs(one["checksum"])
 
 
@@ -643,3 +667,31 @@ def test_server_started_by_a_torchrun_rank_gets_no_rank_variables(monkeypatch, t
     env = VLLMServer(tmp_path / "model", {"device": 1}, tmp_path / "vllm.log").environment()
     assert not set(torchrun_env) & set(env)
     assert env["GRPO_KEEP_ME"] == "1" and env["CUDA_VISIBLE_DEVICES"] == "1"
+
+
+def _sum_keys_of_rank(rank: int, world: int, port: int, out_root: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank))
+    from grpo.trainer import fsdp
+
+    fsdp.init_from_env("cpu")
+    result = {"same": fsdp.all_reduce_sum({"loss": 1.0 + rank, "kl": 2.0})}
+    try:  # rank 1 lacks a key: a clear error on both ranks, not a mismatched collective
+        fsdp.all_reduce_sum({"loss": 1.0, "kl": 2.0} if rank == 0 else {"loss": 1.0})
+    except RuntimeError as error:
+        result["error"] = str(error)
+    (Path(out_root) / f"rank{rank}.json").write_text(json.dumps(result))
+    fsdp.destroy()
+
+
+@pytest.mark.timeout(120)
+def test_metric_sums_over_ranks_refuse_different_keys_on_every_rank(tmp_path):
+    import torch.multiprocessing as mp
+
+    from conftest import free_port
+
+    mp.spawn(_sum_keys_of_rank, args=(2, free_port(), str(tmp_path)), nprocs=2, join=True)
+    for rank in (0, 1):
+        result = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert result["same"] == {"kl": 4.0, "loss": 3.0}
+        assert "different metrics" in result["error"] and f"rank {rank}" in result["error"]

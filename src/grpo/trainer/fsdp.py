@@ -29,6 +29,7 @@ from __future__ import annotations
 import os
 import socket
 import types
+import zlib
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence, TypeVar
 
@@ -174,13 +175,27 @@ def loss_scale(world: int) -> float:
 
 
 def all_reduce_sum(values: dict[str, float], device: torch.device | None = None) -> dict[str, float]:
-    """Sum of each value over ranks (keys must match on every rank)."""
-    if not (dist.is_available() and dist.is_initialized()) or not values:
+    """Sum of each value over ranks. The keys must match on every rank: checked first by a fixed-size collective,
+    because all-reduces of different sizes hang under NCCL (until its watchdog aborts) instead of failing."""
+    if not (dist.is_available() and dist.is_initialized()):
         return dict(values)
     keys = sorted(values)
+    check_same_keys(keys, device)
+    if not keys:
+        return {}
     t = torch.tensor([float(values[k]) for k in keys], dtype=torch.float64, device=device or "cpu")
     dist.all_reduce(t, op=dist.ReduceOp.SUM)
     return dict(zip(keys, t.tolist()))
+
+
+def check_same_keys(keys: list[str], device: torch.device | None = None) -> None:
+    """Raise on every rank when the ranks' sorted `keys` differ (count or names), with this rank's keys."""
+    fingerprint = [float(len(keys)), float(zlib.crc32("\0".join(keys).encode()) & 0xFFFFFF)]
+    t = torch.tensor(fingerprint + [-v for v in fingerprint], dtype=torch.float64, device=device or "cpu")
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    if t[0] != -t[2] or t[1] != -t[3]:
+        raise RuntimeError(f"rank {dist.get_rank()}: the ranks would sum different metrics (a collective mismatch); "
+                           f"this rank has {keys}")
 
 
 def gather_object(obj: Any, dst: int = 0) -> list[Any] | None:

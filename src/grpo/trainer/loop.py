@@ -426,6 +426,9 @@ class GRPOTrainer:
                 loss = loss * float("nan")
             if weight == 0.0:
                 (loss * 0.0).backward()
+                # The same metric keys as the ranks that trained (their sums are reduced together), adding nothing.
+                for k in m:
+                    sums.setdefault(k, 0.0)
                 continue
             (loss * scale if scale != 1.0 else loss).backward()
             loss_total += float(loss.detach())
