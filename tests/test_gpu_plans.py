@@ -4,7 +4,9 @@ job's torchrun world size; every TRL job names an experiment that exists."""
 
 from __future__ import annotations
 
+import json
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -47,3 +49,16 @@ def test_plan_job_composes_and_validates(plan, job, tmp_path, monkeypatch):
     with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
         cfg = compose(config_name="train", overrides=overrides, return_hydra_config=True)
         validate(cfg, tmp_path / name)
+
+
+def test_a_job_that_writes_nothing_is_stopped_and_marked_stalled(tmp_path, monkeypatch):
+    """A hung run must not hold a lease: the runner stops a job silent for --stall-s and records it."""
+    monkeypatch.setattr(run_plan, "RUNS", tmp_path / "runs")
+    monkeypatch.setattr(run_plan, "command", lambda job, out: (
+        ["sleep", "600"] if job[0] == "hung" else [sys.executable, "-c", "print('done')"]))
+    t0 = time.monotonic()
+    run_plan.run_wave([["hung", "x", "gpus=0"], ["quick", "x", "gpus=1"]], 0, tmp_path, stall_s=3)
+    rows = {r["name"]: r for r in map(json.loads, (tmp_path / "jobs.jsonl").read_text().splitlines())}
+    assert rows["hung"]["stalled"] and rows["hung"]["rc"] != 0
+    assert not rows["quick"]["stalled"] and rows["quick"]["rc"] == 0
+    assert time.monotonic() - t0 < 60

@@ -21,6 +21,7 @@ import argparse
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -85,12 +86,37 @@ def collect(job: list[str], out: Path) -> None:
         (out / f"{job[0]}.eval_samples_tail.txt").write_bytes(samples.read_bytes()[-3000:])
 
 
-def run_wave(wave: list[list[str]], index: int, out: Path) -> None:
+def last_progress(job: list[str], log: Path) -> float:
+    """When the job last wrote anything: its log, its metrics.jsonl or its vLLM log (seconds since the epoch)."""
+    run = RUNS / job[0]
+    paths = [log, run / "metrics.jsonl", *(run / "logs").glob("vllm*.log")]
+    return max((p.stat().st_mtime for p in paths if p.exists()), default=0.0)
+
+
+def stop_job(proc: subprocess.Popen, grace: float = 20.0) -> None:
+    """SIGTERM to the job's own process group (torchrun and its ranks; train.py stops its vLLM, which also dies with
+    its parent), SIGKILL after `grace` seconds."""
+    for sig, wait_s in ((signal.SIGTERM, grace), (signal.SIGKILL, 5.0)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(timeout=wait_s)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+def run_wave(wave: list[list[str]], index: int, out: Path, stall_s: float) -> None:
+    """The wave's jobs at once; a job that writes nothing (log, metrics, vLLM log) for `stall_s` seconds is stopped
+    and marked stalled: a hung run must not hold the lease (lease 6 lost 13 minutes to one)."""
     procs = []
     for job in wave:
         log = out / f"{job[0]}.log"
         t0 = time.time()
-        proc = subprocess.Popen(command(job, out), stdout=log.open("w"), stderr=subprocess.STDOUT, env=job_env(job))
+        proc = subprocess.Popen(command(job, out), stdout=log.open("w"), stderr=subprocess.STDOUT, env=job_env(job),
+                                start_new_session=True)
         procs.append((job, proc, t0))
         # Stagger: the next server starts once this one is up (or this job ended, or 300 s passed), unless every
         # job after it runs on other GPUs: vLLM's memory profiling fails when two servers start on one GPU together.
@@ -103,14 +129,17 @@ def run_wave(wave: list[list[str]], index: int, out: Path) -> None:
     while pending:
         for item in list(pending):
             job, proc, t0 = item
-            if proc.poll() is None:
+            stalled = proc.poll() is None and time.time() - max(t0, last_progress(job, out / f"{job[0]}.log")) > stall_s
+            if stalled:
+                stop_job(proc)
+            elif proc.poll() is None:
                 continue
             pending.remove(item)
             collect(job, out)
             row = {"name": job[0], "command": " ".join(command(job, out)), "wave": index, "jobs_in_wave": len(wave),
                    "gpus": ",".join(sorted(job_gpus(job), key=int)) if job_gpus(job) else "all",
                    "start": time.strftime("%H:%M:%S", time.gmtime(t0)), "wall_s": round(time.time() - t0, 1),
-                   "rc": proc.returncode}
+                   "rc": proc.returncode, "stalled": stalled}
             with (out / "jobs.jsonl").open("a") as f:
                 f.write(json.dumps(row) + "\n")
         time.sleep(2)
@@ -120,11 +149,13 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("plan", type=Path)
     ap.add_argument("--out", type=Path, default=Path("/tmp/plan_out"))
+    ap.add_argument("--stall-s", type=float, default=300.0,
+                    help="stop a job that writes nothing (log, metrics, vLLM log) for this many seconds")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     shutil.copy(args.plan, args.out / "plan.txt")
     for i, wave in enumerate(parse_plan(args.plan.read_text())):
-        run_wave(wave, i, args.out)
+        run_wave(wave, i, args.out, args.stall_s)
     (args.out / "DONE").write_text(time.strftime("%Y-%m-%d %H:%M:%S UTC\n", time.gmtime()))
 
 
