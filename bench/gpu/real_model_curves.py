@@ -6,6 +6,8 @@ and the per-layout runs (``layout_<mode>_<what>.metrics.jsonl``) in a second PNG
     python bench/gpu/real_model_curves.py bench/results/gpu/real_model/lease5   # a folder of ours_*.metrics.jsonl,
         # trl_s*.json, algo_*.metrics.jsonl and layout_*.metrics.jsonl (bench/gpu/run_plan.py's results):
         # curves.png, algorithms.png, layouts.png, table.md
+    python bench/gpu/real_model_curves.py FOLDER "shared_vllm, 1 GPU=shared_s0" "broadcast, 2 GPUs=bcast_s0"
+        # layouts.png of those runs (label=run name of a plan), e.g. lease 7's
 """
 
 from __future__ import annotations
@@ -105,15 +107,26 @@ def compare(root: Path, plt) -> None:
         plot_layouts(root, plt)
 
 
-def plot_layouts(root: Path, plt) -> None:
-    """Held-out accuracy against training seconds of each layout's run, one line per file."""
+def plot_layouts(root: Path, plt, runs: dict[str, str] | None = None) -> None:
+    """Held-out accuracy against training seconds of each layout's run, one line per file: the `layout_*` files, or
+    `runs` (label -> run name, e.g. {"broadcast, 2 GPUs": "bcast_s0"}: `<name>.metrics.jsonl` in `root`)."""
+    paths = {label: root / f"{name}.metrics.jsonl" for label, name in (runs or {}).items()} or {
+        p.name.split(".")[0][7:]: p for p in sorted(root.glob("layout_*.metrics.jsonl"))}
     fig, ax = plt.subplots(figsize=(7, 4.2))
-    for path in sorted(root.glob("layout_*.metrics.jsonl")):
+    for label, path in paths.items():
         curve = ours_curve(path)
-        ax.plot([t for *_, t in curve], [a for _, a, _ in curve], marker="o", label=path.name.split(".")[0][7:])
-        print(path.name, ", ".join(f"{a:.3f}@{t:.0f}s" for _, a, t in curve))
+        ax.plot([t for *_, t in curve], [a for _, a, _ in curve], marker="o", label=label)
+        print(label, ", ".join(f"{a:.3f}@{t:.0f}s" for _, a, t in curve))
     save_accuracy_plot(fig, ax, "SmolLM2-135M-Instruct, chat arithmetic, per layout (H100s)", root / "layouts.png", 8)
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    if len(sys.argv) > 2:  # FOLDER LABEL=RUN ...: the layouts plot of those runs only
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        plot_layouts(Path(sys.argv[1]), plt, dict(arg.split("=", 1) for arg in sys.argv[2:]))
+    else:
+        main(sys.argv[1])
