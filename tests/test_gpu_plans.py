@@ -15,6 +15,7 @@ from hydra.core.global_hydra import GlobalHydra
 
 from grpo.conf import CONFIG_DIR
 from grpo.config import register_configs, validate
+from grpo.models.tiny import offline_presets
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "bench" / "gpu"))
@@ -39,6 +40,12 @@ def test_plan_job_composes_and_validates(plan, job, tmp_path, monkeypatch):
         args = args[1:]
     if kind == "trl":
         assert (CONFIG_DIR / "experiment" / f"{args[0]}.yaml").exists() and args[1].isdigit()
+        return
+    if kind == "trl_step":
+        import trl_step
+
+        parsed = trl_step.parser().parse_args(command[2:])
+        assert parsed.preset in offline_presets() and parsed.steps > 1
         return
     world = int(args[0].split("=", 1)[1]) if args and args[0].startswith("torchrun=") else 1
     assert ("torch.distributed.run" in command) == (world > 1)

@@ -31,7 +31,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def main() -> None:
+def parser() -> argparse.ArgumentParser:
+    """The command line (bench/gpu/run_plan.py's `trl_step` jobs are checked against it)."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--preset", default="qwen3b")
     ap.add_argument("--steps", type=int, default=10)
@@ -42,7 +43,11 @@ def main() -> None:
     ap.add_argument("--no-gradient-checkpointing", action="store_true", help="keep activations (ours: "
                     "model.gradient_checkpointing=false)")
     ap.add_argument("--out", required=True)
-    args = ap.parse_args()
+    return ap
+
+
+def main() -> None:
+    args = parser().parse_args()
     # vLLM's external launcher (TRL's colocate mode) joins a torch.distributed group: one process, rank 0.
     for k, v in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
                  "MASTER_PORT": "29517"}.items():

@@ -138,13 +138,18 @@ def ensure_pad_token(tokenizer: Any) -> bool:
     return True
 
 
+def packaged_dir_complete(path: Path) -> bool:
+    """Whether `path` holds a built packaged model (its grpo_packaged.json is written last)."""
+    return (path / "grpo_packaged.json").exists()
+
+
 def build_packaged_model_dir(preset: str, out_dir: str | Path | None = None, progress: bool = True) -> Path:
     """Build (or reuse from the cache) the HF directory of a packaged real model and return its path."""
     if preset not in PACKAGED_MODELS:
         raise ValueError(f"unknown packaged model {preset!r}; known: {', '.join(sorted(PACKAGED_MODELS))}")
     spec = PACKAGED_MODELS[preset]
     final = Path(out_dir) if out_dir else packaged_model_path(preset)
-    if (final / "grpo_packaged.json").exists():
+    if packaged_dir_complete(final):
         return final
     gguf = gguf_path(preset)
     if progress:
@@ -171,7 +176,7 @@ def build_packaged_model_dir(preset: str, out_dir: str | Path | None = None, pro
             "parameters": sum(p.numel() for p in model.parameters()),
             "build_seconds": round(time.perf_counter() - t0, 1)}, indent=1) + "\n")
 
-    path = publish_model_dir(final, write, mode=0o755)
+    path = publish_model_dir(final, write, mode=0o755, complete=packaged_dir_complete)
     if progress:
         print(f"grpo: {preset} ready in {time.perf_counter() - t0:.0f} s: {path}", flush=True)
     return path

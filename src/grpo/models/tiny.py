@@ -127,6 +127,11 @@ def _model_config(preset: str, overrides: dict[str, Any] | None):
     return AutoConfig.for_model(model_type, **spec), tok
 
 
+def model_dir_complete(path: Path) -> bool:
+    """Whether `path` holds a built random-weight model directory (its config and tokenizer are written last)."""
+    return (path / "config.json").exists() and (path / "tokenizer.json").exists()
+
+
 def build_model_dir(
     preset: str,
     seed: int = 0,
@@ -146,7 +151,7 @@ def build_model_dir(
     key = json.dumps({"preset": preset, "seed": seed, "dtype": dtype, "overrides": overrides or {}}, sort_keys=True)
     digest = hashlib.sha256(key.encode()).hexdigest()[:10]
     final = Path(out_dir) if out_dir else cache_root() / f"{preset}-s{seed}-{digest}"
-    if (final / "config.json").exists() and (final / "tokenizer.json").exists():
+    if model_dir_complete(final):
         return final
     config, tok = _model_config(preset, overrides)
     torch_dtype = getattr(torch, dtype)
@@ -164,25 +169,33 @@ def build_model_dir(
             eos_token_id=config.eos_token_id, pad_token_id=config.pad_token_id, do_sample=True
         ).save_pretrained(tmp)
 
-    return publish_model_dir(final, write)
+    return publish_model_dir(final, write, complete=model_dir_complete)
 
 
-def publish_model_dir(final: Path, write: Callable[[Path], None], mode: int | None = None) -> Path:
+def publish_model_dir(final: Path, write: Callable[[Path], None], mode: int | None = None,
+                      complete: Callable[[Path], bool] | None = None) -> Path:
     """`write(tmp)` into a hidden temporary sibling of `final`, then rename it onto `final` (replacing an older
     one), so a half-built model directory never appears under the final name. `mode`: permissions of the directory
-    (mkdtemp makes it private)."""
+    (mkdtemp makes it private). `complete(final)`: whether `final` already holds this very build (the callers' cache
+    check); when another process published it while this one wrote (runs started together, a parallel sweep), that
+    directory is kept, not replaced under the process already loading it, and this copy is dropped."""
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=final.parent))
     try:
         if mode is not None:
             os.chmod(tmp, mode)
         write(tmp)
+        if complete is not None and complete(final):
+            return final
         if final.exists():
             shutil.rmtree(final)
-        os.replace(tmp, final)
-    except BaseException:
+        try:
+            os.replace(tmp, final)
+        except OSError:  # another process renamed its copy onto `final` between the check and the rename
+            if complete is None or not complete(final):
+                raise
+    finally:
         shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return final
 
 

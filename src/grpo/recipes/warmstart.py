@@ -230,6 +230,11 @@ def _load_average() -> list[float] | None:
         return None
 
 
+def warmstart_dir_complete(path: Path) -> bool:
+    """Whether `path` holds a built warm-start model (its metadata is written last)."""
+    return (path / METADATA_FILE).exists() and (path / "config.json").exists()
+
+
 def build_warmstart_dir(name: str = "warm-arith", seed: int = 0, out_dir: str | Path | None = None,
                         progress: bool = True) -> Path:
     """Build (or reuse from the cache) warm-start preset `name` and return its Hugging Face directory.
@@ -241,7 +246,7 @@ def build_warmstart_dir(name: str = "warm-arith", seed: int = 0, out_dir: str | 
 
     spec = _preset(name)
     final = Path(out_dir) if out_dir else warmstart_path(name, seed)
-    if (final / METADATA_FILE).exists() and (final / "config.json").exists():
+    if warmstart_dir_complete(final):
         return final
     t0 = time.monotonic()
     load_before = _load_average()
@@ -277,7 +282,7 @@ def build_warmstart_dir(name: str = "warm-arith", seed: int = 0, out_dir: str | 
         (tmp / METADATA_FILE).write_text(json.dumps(meta, indent=2) + "\n")
 
     # 0o755: mkdtemp makes it private; the cache is shared.
-    publish_model_dir(final, write, mode=0o755)
+    publish_model_dir(final, write, mode=0o755, complete=warmstart_dir_complete)
     log.info("warm-start model %s built in %.1f s (held-out greedy accuracy %.3f)", name, meta["build_seconds"],
              metrics["heldout_greedy_accuracy"])
     return final
