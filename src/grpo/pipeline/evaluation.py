@@ -134,13 +134,10 @@ class Evaluator:
                              f"eval.max_concurrency >= 1, got {every}, {samples_logged}, {max_new_tokens}, {max_concurrency}")
         self.task: Task = _build(task)
         self.rewards = build_rewards(rewards)
-        if reward_workers < 0:
-            raise ValueError(f"data.reward_workers must be >= 0 (0 = grade in the trainer process), got {reward_workers}")
-        # Worker processes that grade (grpo.pipeline.grading; data.reward_workers, handed over by build_evaluator),
-        # started by setup(); 0: a grader in this process.
-        self.reward_workers = int(reward_workers)
-        self._reward_specs = picklable_specs(rewards) if self.reward_workers else None
-        self.grader: Optional[Grader] = None if self.reward_workers else Grader(self.rewards)
+        # Grades in worker processes (grpo.pipeline.grading; data.reward_workers, handed over by build_evaluator)
+        # started by setup(); 0: in this process.
+        self.grader = Grader(self.rewards, picklable_specs(rewards) if reward_workers > 0 else None, build_rewards,
+                             reward_workers)
         self.correct_reward = correct_reward or next(iter(self.rewards))
         if self.correct_reward not in self.rewards:
             raise ValueError(f"eval.correct_reward={correct_reward!r} is not one of the rewards {sorted(self.rewards)}")
@@ -177,8 +174,7 @@ class Evaluator:
             log.warning("eval: %d of %d held-out prompts dropped (empty or >= max_seq_len tokens)",
                         self.dropped_prompts, len(prompts))
         self.prompts, self.prompt_ids = [prompts[i] for i in keep], [ids[i] for i in keep]
-        if self.grader is None:  # the worker processes start here, once
-            self.grader = Grader(self.rewards, self._reward_specs, build_rewards, self.reward_workers)
+        self.grader.start()
         self.started = time.monotonic()
         log.info("eval: %d held-out prompts, greedy + %d samples each (pass@%d) at temperature %g",
                  len(self.prompts), self.n, self.k, self.temperature)
@@ -209,9 +205,7 @@ class Evaluator:
         if self._client is not None:
             self._client.close()
             self._client = None
-        if self.grader is not None and self.reward_workers:
-            self.grader.close()
-            self.grader = None
+        self.grader.close()
 
     # ------------------------------------------------------------------ one evaluation
     def evaluate(self, step: int) -> dict[str, float]:
@@ -275,7 +269,7 @@ class Evaluator:
     def _submit(self, outs: list[list[Completion]], texts: Optional[list[list[str]]] = None
                 ) -> tuple[list[list[str]], PendingGrades]:
         """Start grading the completions of each prompt on `texts` (None: the texts their tokens decode to)."""
-        assert self.ctx is not None and self.grader is not None, "Evaluator.setup() was not called"
+        assert self.ctx is not None, "Evaluator.setup() was not called"
         if texts is None:
             texts = [[self.ctx.tokenizer.decode(c.token_ids, skip_special_tokens=True) for c in per_prompt]
                      for per_prompt in outs]

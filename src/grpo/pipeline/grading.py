@@ -177,22 +177,34 @@ class PendingGrades:
 
 class Grader:
     """Grades batches of (prompt, text) pairs with `rewards` (build_rewards' output), each distinct pair once per
-    batch: in this process when `specs` is None, else in a RewardPool of `workers` processes built from `specs`."""
+    batch: in this process when `workers` is 0, else in a RewardPool of `workers` processes that build the rewards
+    with `build(specs)`. The pool starts with start() (its owner's setup), or else with the first batch."""
 
     def __init__(self, rewards: Mapping[str, tuple[Any, float]], specs: Optional[Mapping[str, Any]] = None,
                  build: Optional[Callable[[Mapping[str, Any]], Any]] = None, workers: int = 0) -> None:
+        if workers < 0:
+            raise ValueError(f"data.reward_workers must be >= 0 (0 = grade in the trainer process), got {workers}")
+        if workers and (specs is None or build is None):
+            raise ValueError("a Grader with reward workers needs the rewards' specs and the function that builds them")
         self.rewards = dict(rewards)
         self.weights = {name: float(weight) for name, (_, weight) in self.rewards.items()}
-        self.pool = RewardPool(specs, build, workers) if workers > 0 else None
+        self.specs, self.build, self.workers = specs, build, int(workers)
+        self.pool: Optional[RewardPool] = None
+
+    def start(self) -> None:
+        """Start the worker processes now (their imports take seconds), unless they run or none are asked for."""
+        if self.workers and self.pool is None:
+            self.pool = RewardPool(self.specs, self.build, self.workers)
 
     def submit(self, pairs: Sequence[Pair], parses: bool = False) -> PendingGrades:
         """Start grading `pairs` (in this process: graded before it returns); `parses`: also ask the rewards' `parses`."""
         index: dict[Pair, int] = {}
         slots = [index.setdefault(pair, len(index)) for pair in pairs]
         distinct = list(index)
-        if self.pool is None:
+        if not self.workers:
             done = [grade_pair(self.rewards, prompt, text, parses) for prompt, text in distinct]
             return PendingGrades(self.weights, slots, [], done)
+        self.start()
         return PendingGrades(self.weights, slots, self.pool.submit(distinct, parses))
 
     def grade(self, pairs: Sequence[Pair], parses: bool = False) -> list[Grade]:
@@ -200,7 +212,7 @@ class Grader:
         return self.submit(pairs, parses).result()
 
     def close(self) -> None:
-        """Stop the worker processes (none in this process's mode)."""
+        """Stop the worker processes (none in this process's mode); a later batch or start() starts them again."""
         if self.pool is not None:
             self.pool.close()
             self.pool = None

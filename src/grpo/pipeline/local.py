@@ -142,14 +142,11 @@ class LocalRolloutPipeline(DataPipeline):
             raise ValueError(f"data.task ({type(self.task).__name__}) has no sample(rng, n) method; a task subclasses "
                              "grpo.pipeline.tasks.Task (docs/own_task.md, 'A task of your own making')")
         self.rewards = build_rewards(rewards)
-        if reward_workers < 0:
-            raise ValueError(f"data.reward_workers must be >= 0 (0 = grade in the trainer process), got {reward_workers}")
-        # Processes that grade the completions (grpo.pipeline.grading), started by setup() (0: a grader in this
-        # process, needing no setup). The workers build the rewards from these plain specs, checked here: a reward
-        # that cannot reach them fails before the server starts.
-        self.reward_workers = int(reward_workers)
-        self._reward_specs = picklable_specs(rewards) if self.reward_workers else None
-        self.grader: Optional[Grader] = None if self.reward_workers else Grader(self.rewards)
+        # Grades the completions (grpo.pipeline.grading), in `reward_workers` processes started by setup() (0: in
+        # this process). The workers build the rewards from plain specs, checked here: a reward that cannot reach
+        # them fails before the server starts.
+        self.grader = Grader(self.rewards, picklable_specs(rewards) if reward_workers > 0 else None, build_rewards,
+                             reward_workers)
         self.prompts_per_step = int(prompts_per_step)
         self.group_size = int(group_size)
         self.max_new_tokens = int(max_new_tokens)
@@ -179,8 +176,7 @@ class LocalRolloutPipeline(DataPipeline):
             )
         self.ctx = ctx
         self.task.bind_tokenizer(ctx.tokenizer)
-        if self.grader is None:  # the worker processes start here, once
-            self.grader = Grader(self.rewards, self._reward_specs, build_rewards, self.reward_workers)
+        self.grader.start()
 
     def _client(self, endpoint: Endpoint) -> RoutedClient:
         """This thread's client of `endpoint`'s replicas (a restart may take one out for a while, or move them)."""
@@ -284,7 +280,6 @@ class LocalRolloutPipeline(DataPipeline):
         with self._lock:
             pairs = [(prompt, self.ctx.tokenizer.decode(c.token_ids, skip_special_tokens=True))
                      for prompt, completions in zip(prompts, outs) for c in completions]
-        assert self.grader is not None, "LocalRolloutPipeline.setup() was not called"
         pending = self.grader.submit(pairs)
         grades = pending.result()
         scorer.graded += pending.distinct
@@ -340,9 +335,7 @@ class LocalRolloutPipeline(DataPipeline):
         for client in clients:
             client.close()
         self._local = threading.local()
-        if self.grader is not None and self.reward_workers:
-            self.grader.close()
-            self.grader = None
+        self.grader.close()
 
 
 class _Scorer:

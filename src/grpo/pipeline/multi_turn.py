@@ -117,7 +117,6 @@ class MultiTurnPipeline(LocalRolloutPipeline):
     def _groups(self, episodes: list[list[Trajectory]]) -> tuple[list[Group], dict[str, float]]:
         """Each prompt's episodes as one group, scored by `episode_return` (the rewards on their answers and the
         environment's per-turn rewards); the reward metrics (`reward/weighted`: the answers' alone)."""
-        assert self.grader is not None, "MultiTurnPipeline.setup() was not called"
         grades = iter(self.grader.grade([(t.prompt, t.answer) for trajectories in episodes for t in trajectories]))
         per_reward: dict[str, list[float]] = {name: [] for name in self.rewards}
         totals: list[float] = []
