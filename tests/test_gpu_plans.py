@@ -69,3 +69,20 @@ def test_a_job_that_writes_nothing_is_stopped_and_marked_stalled(tmp_path, monke
     assert rows["hung"]["stalled"] and rows["hung"]["rc"] != 0
     assert not rows["quick"]["stalled"] and rows["quick"]["rc"] == 0
     assert time.monotonic() - t0 < 60
+
+
+def test_queue_starts_each_job_once_its_gpus_are_free_in_plan_order(tmp_path, monkeypatch):
+    """--queue: a job on free GPUs starts beside a running one; a job needing a busy GPU waits for it, and a later job
+    never overtakes it (a four-GPU job would otherwise wait behind a stream of one-GPU jobs)."""
+    monkeypatch.setattr(run_plan, "RUNS", tmp_path / "runs")
+    seconds = {"long": "3", "short": "0.5", "all": "0.5", "after": "0.1"}
+    monkeypatch.setattr(run_plan, "command", lambda job, out: ["sleep", seconds[job[0]]])
+    run_plan.run_queue([["long", "x", "gpus=0"], ["short", "x", "gpus=1"], ["all", "x"], ["after", "x", "gpus=1"]],
+                       tmp_path, stall_s=60)
+    rows = {r["name"]: r for r in map(json.loads, (tmp_path / "jobs.jsonl").read_text().splitlines())}
+    assert rows["short"]["started_beside"] == ["long"]
+    assert rows["all"]["started_beside"] == []  # waited for both
+    assert rows["after"]["started_beside"] == []  # did not overtake "all" although GPU 1 was free
+    assert all(r["rc"] == 0 for r in rows.values())
+    order = [r["name"] for r in map(json.loads, (tmp_path / "jobs.jsonl").read_text().splitlines())]
+    assert order.index("all") > order.index("long") and order.index("after") > order.index("all")

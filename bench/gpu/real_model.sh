@@ -7,7 +7,7 @@
 #   bash bench/gpu/real_model.sh trl SEED [--steps N]  # TRL's GRPOTrainer on the same experiment (bench/trl_arith.py)
 #   bash bench/gpu/real_model.sh lr_sweep 3e-6,1e-5,3e-5 [overrides]  # those runs at once on the one GPU
 #   bash bench/gpu/real_model.sh gen_probe            # one step's generation: the run's /generate vs LLM.generate
-#   bash bench/gpu/real_model.sh plan FILE            # bench/gpu/run_plan.py FILE detached (setsid): waves of jobs
+#   bash bench/gpu/real_model.sh plan FILE [--queue]  # bench/gpu/run_plan.py FILE detached (setsid): waves of jobs
 #   bash bench/gpu/real_model.sh collect [SECONDS]    # wait up to SECONDS for the plan, copy its results to $OUT
 # EXPERIMENT=smollm2_chat_arith_lora|_broadcast|_fsdp2 picks another layout for train and lr_sweep (default: _shared);
 # LAUNCH="torchrun --nproc-per-node 2" starts train.py under torchrun (the FSDP2 layout).
@@ -72,7 +72,7 @@ case "${1:-}" in
     echo "rc=$?"; grep -v "INFO\|WARNING" "$out/trl_s$seed.log" | tail -4 ;;
   plan)  # detached: it outlives this call (a lease's call returns; the machine keeps it running)
     mkdir -p /tmp/plan_out
-    setsid nohup python3 bench/gpu/run_plan.py "$2" --out /tmp/plan_out > /tmp/plan_out/runner.log 2>&1 < /dev/null &
+    setsid nohup python3 bench/gpu/run_plan.py "$2" "${@:3}" --out /tmp/plan_out > /tmp/plan_out/runner.log 2>&1 < /dev/null &
     sleep 5; cat /tmp/plan_out/runner.log ;;
   collect)  # wait until the plan is done or SECONDS passed, then copy what it has written so far
     end=$((SECONDS + ${2:-0}))

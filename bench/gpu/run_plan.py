@@ -13,7 +13,8 @@ then `torchrun=K` starts train.py under torchrun with K processes (an FSDP2 trai
 `gpus=` start together; the others one after another's vLLM is ready. Every job's log,
 metrics.jsonl, summary.json and the tail of its evaluation samples land flat in --out, and `jobs.jsonl` there has one
 row per job (start, end, wall seconds, return code, wave, how many jobs shared the GPU). Lines starting with # are
-comments.
+comments. With --queue the waves are ignored: each job starts, in plan order, as soon as its GPUs are free (a
+multi-GPU lease counts every GPU's idle second).
 """
 
 from __future__ import annotations
@@ -114,40 +115,71 @@ def stop_job(proc: subprocess.Popen, grace: float = 20.0) -> None:
             continue
 
 
+def start_job(job: list[str], out: Path) -> tuple[list[str], subprocess.Popen, float]:
+    log = out / f"{job[0]}.log"
+    proc = subprocess.Popen(command(job, out), stdout=log.open("w"), stderr=subprocess.STDOUT, env=job_env(job),
+                            start_new_session=True)
+    return job, proc, time.time()
+
+
+def finished(item: tuple[list[str], subprocess.Popen, float], out: Path, stall_s: float, row: dict) -> bool:
+    """Whether the job has ended (or was stopped for writing nothing for `stall_s` seconds: a hung run must not hold
+    the lease, lease 6 lost 13 minutes to one); an ended job's files are collected and its row written."""
+    job, proc, t0 = item
+    stalled = proc.poll() is None and time.time() - max(t0, last_progress(job, out / f"{job[0]}.log")) > stall_s
+    if stalled:
+        stop_job(proc)
+    elif proc.poll() is None:
+        return False
+    collect(job, out)
+    row = {"name": job[0], "command": " ".join(command(job, out)), **row,
+           "gpus": ",".join(sorted(job_gpus(job), key=int)) if job_gpus(job) else "all",
+           "start": time.strftime("%H:%M:%S", time.gmtime(t0)), "wall_s": round(time.time() - t0, 1),
+           "rc": proc.returncode, "stalled": stalled}
+    with (out / "jobs.jsonl").open("a") as f:
+        f.write(json.dumps(row) + "\n")
+    return True
+
+
 def run_wave(wave: list[list[str]], index: int, out: Path, stall_s: float) -> None:
-    """The wave's jobs at once; a job that writes nothing (log, metrics, vLLM log) for `stall_s` seconds is stopped
-    and marked stalled: a hung run must not hold the lease (lease 6 lost 13 minutes to one)."""
+    """The wave's jobs at once, until each has ended or stalled."""
     procs = []
     for job in wave:
-        log = out / f"{job[0]}.log"
-        t0 = time.time()
-        proc = subprocess.Popen(command(job, out), stdout=log.open("w"), stderr=subprocess.STDOUT, env=job_env(job),
-                                start_new_session=True)
-        procs.append((job, proc, t0))
+        item = start_job(job, out)
+        procs.append(item)
         # Stagger: the next server starts once this one is up (or this job ended, or 300 s passed), unless every
         # job after it runs on other GPUs: vLLM's memory profiling fails when two servers start on one GPU together.
         later = [job_gpus(j) for j in wave[wave.index(job) + 1:]]
         mine = job_gpus(job)
         apart = mine is not None and all(g is not None and not (g & mine) for g in later)
+        log, proc, t0 = out / f"{job[0]}.log", item[1], item[2]
         while later and not apart and proc.poll() is None and not server_ready(log) and time.time() - t0 < 300:
             time.sleep(2)
     pending = list(procs)
     while pending:
         for item in list(pending):
-            job, proc, t0 = item
-            stalled = proc.poll() is None and time.time() - max(t0, last_progress(job, out / f"{job[0]}.log")) > stall_s
-            if stalled:
-                stop_job(proc)
-            elif proc.poll() is None:
-                continue
-            pending.remove(item)
-            collect(job, out)
-            row = {"name": job[0], "command": " ".join(command(job, out)), "wave": index, "jobs_in_wave": len(wave),
-                   "gpus": ",".join(sorted(job_gpus(job), key=int)) if job_gpus(job) else "all",
-                   "start": time.strftime("%H:%M:%S", time.gmtime(t0)), "wall_s": round(time.time() - t0, 1),
-                   "rc": proc.returncode, "stalled": stalled}
-            with (out / "jobs.jsonl").open("a") as f:
-                f.write(json.dumps(row) + "\n")
+            if finished(item, out, stall_s, {"wave": index, "jobs_in_wave": len(wave)}):
+                pending.remove(item)
+        time.sleep(2)
+
+
+def overlap(a: set[str] | None, b: set[str] | None) -> bool:
+    """Whether two jobs' GPUs overlap (None: every GPU of the machine)."""
+    return a is None or b is None or bool(a & b)
+
+
+def run_queue(jobs: list[list[str]], out: Path, stall_s: float) -> None:
+    """The jobs in plan order, each started as soon as no running job holds one of its GPUs (a job without `gpus=`
+    holds them all): no GPU waits for the slowest job of a wave. Order is kept (a job never overtakes an earlier one),
+    so a plan lists jobs in order of need and what runs beside what follows from their lengths."""
+    waiting, running, beside = list(jobs), [], {}
+    while waiting or running:
+        while waiting and not any(overlap(job_gpus(waiting[0]), job_gpus(item[0])) for item in running):
+            beside[waiting[0][0]] = [item[0][0] for item in running]  # what ran on the other GPUs when it started
+            running.append(start_job(waiting.pop(0), out))
+        for item in list(running):
+            if finished(item, out, stall_s, {"queue": True, "started_beside": beside[item[0][0]]}):
+                running.remove(item)
         time.sleep(2)
 
 
@@ -157,10 +189,15 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=Path("/tmp/plan_out"))
     ap.add_argument("--stall-s", type=float, default=300.0,
                     help="stop a job that writes nothing (log, metrics, vLLM log) for this many seconds")
+    ap.add_argument("--queue", action="store_true",
+                    help="ignore the waves: start each job, in plan order, once its GPUs are free (jobs need gpus=)")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     shutil.copy(args.plan, args.out / "plan.txt")
-    for i, wave in enumerate(parse_plan(args.plan.read_text())):
+    waves = parse_plan(args.plan.read_text())
+    if args.queue:
+        run_queue([job for wave in waves for job in wave], args.out, args.stall_s)
+    for i, wave in enumerate([] if args.queue else waves):
         run_wave(wave, i, args.out, args.stall_s)
     (args.out / "DONE").write_text(time.strftime("%Y-%m-%d %H:%M:%S UTC\n", time.gmtime()))
 
