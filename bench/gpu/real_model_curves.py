@@ -6,8 +6,8 @@ and the per-layout runs (``layout_<mode>_<what>.metrics.jsonl``) in a second PNG
     python bench/gpu/real_model_curves.py bench/results/gpu/real_model/lease5   # a folder of ours_*.metrics.jsonl,
         # trl_s*.json, algo_*.metrics.jsonl and layout_*.metrics.jsonl (bench/gpu/run_plan.py's results):
         # curves.png, algorithms.png, layouts.png, table.md
-    python bench/gpu/real_model_curves.py FOLDER "shared_vllm, 1 GPU=shared_s0" "broadcast, 2 GPUs=bcast_s0"
-        # layouts.png of those runs (label=run name of a plan), e.g. lease 7's
+    python bench/gpu/real_model_curves.py FOLDER "shared_vllm, 1 GPU=shared_s0" "broadcast, 2 GPUs=bcast_s0" "TRL=trl_s0"
+        # layouts.png and table.md of those runs (label=run name of a plan; a TRL run's <name>.json), e.g. lease 8's
 """
 
 from __future__ import annotations
@@ -109,15 +109,30 @@ def compare(root: Path, plt) -> None:
 
 def plot_layouts(root: Path, plt, runs: dict[str, str] | None = None) -> None:
     """Held-out accuracy against training seconds of each layout's run, one line per file: the `layout_*` files, or
-    `runs` (label -> run name, e.g. {"broadcast, 2 GPUs": "bcast_s0"}: `<name>.metrics.jsonl` in `root`)."""
+    `runs` (label -> run name, e.g. {"broadcast, 2 GPUs": "bcast_s0"}: `<name>.metrics.jsonl` in `root`, or TRL's
+    `<name>.json`, drawn dashed). With a TRL run among `runs`, table.md says when each run first reached TRL's final
+    accuracy, and that time over TRL's."""
     paths = {label: root / f"{name}.metrics.jsonl" for label, name in (runs or {}).items()} or {
         p.name.split(".")[0][7:]: p for p in sorted(root.glob("layout_*.metrics.jsonl"))}
+    curves = {label: trl_curve(path.with_name(path.name.split(".")[0] + ".json")) if not path.exists() else
+              ours_curve(path) for label, path in paths.items()}
+    trl = [c for label, c in curves.items() if not paths[label].exists()]
     fig, ax = plt.subplots(figsize=(7, 4.2))
-    for label, path in paths.items():
-        curve = ours_curve(path)
-        ax.plot([t for *_, t in curve], [a for _, a, _ in curve], marker="o", label=label)
-        print(label, ", ".join(f"{a:.3f}@{t:.0f}s" for _, a, t in curve))
+    lines = ["| run | accuracy at each evaluation | training s at the end |"
+             + (f" s to TRL's final {trl[0][-1][1]:.3f} | / TRL's {trl[0][-1][2]:.0f} s |" if trl else ""),
+             "|---|---|---|" + ("---|---|" if trl else "")]
+    for label, curve in curves.items():
+        ax.plot([t for *_, t in curve], [a for _, a, _ in curve], marker="o", label=label,
+                ls="-" if paths[label].exists() else "--")
+        cells = [label, ", ".join(f"{a:.3f}" for _, a, _ in curve), f"{curve[-1][2]:.0f}"]
+        if trl:
+            reach = first_reach(curve, trl[0][-1][1])
+            cells += ["never"] * 2 if reach is None else [f"{reach:.0f}", f"{reach / trl[0][-1][2]:.2f}"]
+        lines.append("| " + " | ".join(cells) + " |")
     save_accuracy_plot(fig, ax, "SmolLM2-135M-Instruct, chat arithmetic, per layout (H100s)", root / "layouts.png", 8)
+    if runs:
+        (root / "table.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
 
 
 if __name__ == "__main__":
@@ -127,6 +142,6 @@ if __name__ == "__main__":
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
 
-        plot_layouts(Path(sys.argv[1]), plt, dict(arg.split("=", 1) for arg in sys.argv[2:]))
+        plot_layouts(Path(sys.argv[1]), plt, dict(arg.rsplit("=", 1) for arg in sys.argv[2:]))
     else:
         main(sys.argv[1])

@@ -1,5 +1,6 @@
 """The scaling table of bench/gpu/README.md from a plan's results: one row per run (a `<name>.metrics.jsonl` that
-bench/gpu/run_plan.py collected), medians over the steps after the first `--skip` (start-up, compilation).
+bench/gpu/run_plan.py collected, or the `<name>.metrics.partial.jsonl` a `collect` copied while the run was still
+going), medians over the steps after the first `--skip` (start-up, compilation).
 
     python bench/gpu/scale_table.py bench/results/gpu/scale_out_4gpu [--skip 3] [--until 60]
 """
@@ -41,7 +42,10 @@ def main() -> None:
     args = ap.parse_args()
     head = ["run", "replicas", "rows", *COLUMNS.values()]
     print("| " + " | ".join(head) + " |\n|" + "---|" * len(head))
-    for path in sorted(args.folder.glob("*.metrics.jsonl")):
+    finished = sorted(args.folder.glob("*.metrics.jsonl"))
+    names = {p.name.split(".")[0] for p in finished}
+    partial = [p for p in sorted(args.folder.glob("*.metrics.partial.jsonl")) if p.name.split(".")[0] not in names]
+    for path in sorted(finished + partial):
         print("| " + " | ".join(row(path, args.skip, args.until)) + " |")
 
 
