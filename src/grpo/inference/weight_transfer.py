@@ -103,9 +103,10 @@ async def handle_update(request) -> dict:
     t_recv = time.perf_counter()
     if not _streams_cached():
         await engine.collective_rpc("grpo_empty_cache")
+    t_emptied = time.perf_counter()
     # KV blocks cached from the old weights must not be reused.
     await engine.reset_prefix_cache(reset_running_requests=True)
     if "weight_version" in body:
         state.grpo_weight_version = int(body["weight_version"])
     return {"weight_version": getattr(state, "grpo_weight_version", 0), "receive_seconds": t_recv - t0,
-            "seconds": time.perf_counter() - t0}
+            "empty_cache_seconds": t_emptied - t_recv, "seconds": time.perf_counter() - t0}

@@ -249,6 +249,10 @@ class NCCLBroadcastSync(SyncStrategy):
             "sync/seconds": t1 - t0,
             "sync/paused_seconds": t1 - t_paused,
             "sync/server_seconds": max(float(answer.get("seconds", 0.0)) for answer in answers),
+            # Where the server's time goes: receiving the buckets, emptying the CUDA cache (vLLM < 0.32), the rest
+            # the prefix-cache reset (a small model's sync is mostly not the transfer: bench/gpu/README.md, lease 8).
+            "sync/server_receive_seconds": max(float(answer.get("receive_seconds", 0.0)) for answer in answers),
+            "sync/server_empty_cache_seconds": max(float(answer.get("empty_cache_seconds", 0.0)) for answer in answers),
             "sync/bytes": float(sum(b.nbytes for b in buckets)),
             "sync/buckets": float(len(buckets)),
             "sync/version": float(version),
