@@ -1,0 +1,53 @@
+"""The scripts that turn a lease's raw files into bench/gpu/README.md's figures: the time-to-TRL table and the
+scaling table. Their numbers are the issues' bars, so the arithmetic is checked on small files made here."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "bench" / "gpu"))
+import real_model_curves  # noqa: E402
+
+
+def write_ours(path: Path, evals: list[tuple[int, float, float, float]]) -> None:
+    """metrics.jsonl rows: (step, accuracy, run seconds at the evaluation's end, the evaluation's seconds)."""
+    rows = [{"step": s, "eval/accuracy": a, "time/run_seconds": t, "eval/seconds": e} for s, a, t, e in evals]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+def test_layout_table_times_each_run_to_trls_final_accuracy_with_evaluations_taken_out(tmp_path):
+    # Evaluations of 5 s each: training seconds at step 100 are 65 - 5 - 5 - 5 = 50.
+    write_ours(tmp_path / "fast.metrics.jsonl", [(0, 0.15, 5, 5), (50, 0.5, 35, 5), (100, 0.72, 65, 5)])
+    write_ours(tmp_path / "slow.metrics.jsonl", [(0, 0.15, 5, 5), (50, 0.4, 60, 5), (100, 0.70, 120, 5)])
+    trl_rows = [{"step": 0, "eval/accuracy": 0.15, "time/train_seconds": 0.0},
+                {"step": 100, "eval/accuracy": 0.71, "time/train_seconds": 200.0}]
+    (tmp_path / "trl_s0.json").write_text(json.dumps({"rows": trl_rows}))
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    real_model_curves.plot_layouts(tmp_path, plt, {"ours k=1": "fast", "other": "slow", "TRL": "trl_s0"})
+    table = {line.split(" | ")[0].strip("| "): line.split(" | ") for line in
+             (tmp_path / "table.md").read_text().splitlines()[2:]}
+    assert table["ours k=1"][2:5] == ["50", "50", "0.25 |"]  # reaches 0.71 at 50 training s: 0.25x TRL's 200 s
+    assert table["other"][3:5] == ["never", "never |"]  # ends at 0.70, under TRL's final
+    assert table["TRL"][3:5] == ["200", "1.00 |"]
+    assert (tmp_path / "layouts.png").stat().st_size > 0
+
+
+def test_scale_table_reads_a_run_collected_while_it_was_still_going(tmp_path):
+    step_rows = [{"step": s, "generation/tokens_per_s": 1000.0 * s, "server/replica0/requests": 1,
+                  "server/replica1/requests": 1} for s in range(1, 7)]
+    (tmp_path / "r2.metrics.partial.jsonl").write_text("".join(json.dumps(r) + "\n" for r in step_rows))
+    (tmp_path / "r1.metrics.jsonl").write_text(json.dumps({"step": 1, "generation/tokens_per_s": 7.0}) + "\n")
+    (tmp_path / "r1.metrics.partial.jsonl").write_text(json.dumps({"step": 1, "generation/tokens_per_s": 9.0}) + "\n")
+    out = subprocess.run([sys.executable, str(REPO / "bench" / "gpu" / "scale_table.py"), str(tmp_path), "--skip", "3"],
+                         capture_output=True, text=True, check=True).stdout
+    rows = {line.split(" | ")[0].strip("| "): line.split(" | ") for line in out.splitlines()[2:]}
+    assert rows["r2"][1:5] == ["2", "6", "-", "-"] and rows["r2"][5] == "5e+03"  # median of steps 4-6, 2 replicas
+    assert rows["r1"][5] == "7"  # the finished run's file, not its partial copy
