@@ -138,6 +138,43 @@ def test_weight_transfer_fields_for_both_vllm_versions():
     nccl_engine.NCCLWeightTransferUpdateInfo(**build_update_info(bucket, 512, 2, fu))
 
 
+def test_update_route_drives_the_engine_in_order_and_reports_each_phase(monkeypatch):
+    """POST /grpo/weight_transfer/update: one update_weights per bucket between start and finish, the prefix cache reset
+    last, the version set, and the seconds of every phase (the trainer logs them as sync/server_<phase>_seconds).
+    vLLM's engine client is the stand-in here (NCCL needs GPUs); the route's own sequencing is what is tested."""
+    pytest.importorskip("vllm.distributed.weight_transfer.base")
+    import asyncio
+    from types import SimpleNamespace
+
+    from grpo.inference import weight_transfer
+
+    calls = []
+
+    class Engine:
+        def __getattr__(self, name):
+            async def record(*args, **kwargs):
+                calls.append(name)
+            return record
+
+    monkeypatch.setattr(weight_transfer, "_streams_cached", lambda: False)  # vLLM 0.26: caches emptied
+    buckets = [b.update_info() for b in plan_buckets([("a", "float32", (4,)), ("b", "float32", (4,))], 16)]
+    state = SimpleNamespace(engine_client=Engine())
+
+    class Request:
+        app = SimpleNamespace(state=state)
+
+        async def json(self):
+            return {"buckets": buckets, "bucket_bytes": 16, "num_buffers": 2, "weight_version": 7}
+
+    answer = asyncio.run(weight_transfer.handle_update(Request()))
+    assert len(buckets) == 2
+    assert calls == ["start_weight_update", "update_weights", "update_weights", "finish_weight_update",
+                     "collective_rpc", "reset_prefix_cache"]
+    assert tuple(answer["phases"]) == weight_transfer.UPDATE_PHASES and answer["weight_version"] == 7
+    assert all(v >= 0 for v in answer["phases"].values())
+    assert answer["seconds"] >= sum(answer["phases"].values()) - 1e-6
+
+
 # ---------------------------------------------------------------- names (mode=broadcast)
 def _vllm_shapes(model) -> dict[str, tuple]:
     """vLLM's fused layout of an HF Llama/Qwen2 model (q/k/v -> qkv_proj, gate/up -> gate_up_proj)."""

@@ -24,6 +24,8 @@ import time
 from typing import Any, Collection
 
 WIRE_KEYS = ("packed", "packed_buffer_size_bytes", "packed_num_buffers")
+# The phases of an update whose seconds the server reports (the trainer logs each as sync/server_<phase>_seconds).
+UPDATE_PHASES = ("start", "receive", "finish", "empty_cache", "reset_prefix_cache")
 
 
 def wire_params(bucket_bytes: int, num_buffers: int) -> dict[str, Any]:
@@ -95,18 +97,27 @@ async def handle_update(request) -> dict:
     _, update_fields = _nccl_fields()
     bucket_bytes, num_buffers = int(body["bucket_bytes"]), int(body.get("num_buffers", 2))
     t0 = time.perf_counter()
+    phases, lap = {}, [t0]
+
+    def done(phase: str) -> None:  # seconds since the previous phase ended: where a sync's server time goes
+        now = time.perf_counter()
+        phases[phase], lap[0] = now - lap[0], now
+
     await engine.start_weight_update()
+    done("start")
     for bucket in body["buckets"]:
         info = build_update_info(bucket, bucket_bytes, num_buffers, update_fields)
         await engine.update_weights(WeightTransferUpdateRequest(update_info=info))
+    done("receive")
     await engine.finish_weight_update()
-    t_recv = time.perf_counter()
+    done("finish")
     if not _streams_cached():
         await engine.collective_rpc("grpo_empty_cache")
-    t_emptied = time.perf_counter()
+    done("empty_cache")
     # KV blocks cached from the old weights must not be reused.
     await engine.reset_prefix_cache(reset_running_requests=True)
+    done("reset_prefix_cache")
     if "weight_version" in body:
         state.grpo_weight_version = int(body["weight_version"])
-    return {"weight_version": getattr(state, "grpo_weight_version", 0), "receive_seconds": t_recv - t0,
-            "empty_cache_seconds": t_emptied - t_recv, "seconds": time.perf_counter() - t0}
+    return {"weight_version": getattr(state, "grpo_weight_version", 0), "phases": phases,
+            "seconds": time.perf_counter() - t0}

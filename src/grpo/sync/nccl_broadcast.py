@@ -32,6 +32,7 @@ import torch.nn as nn
 
 from grpo.config_values import ConfigError, option
 from grpo.inference.process import gpus_per_server
+from grpo.inference.weight_transfer import UPDATE_PHASES
 from grpo.serving.server import Replica, external_urls
 from grpo.sync.base import SyncContext, SyncStrategy
 from grpo.sync.buckets import Bucket, pack_bucket, plan_buckets
@@ -249,10 +250,10 @@ class NCCLBroadcastSync(SyncStrategy):
             "sync/seconds": t1 - t0,
             "sync/paused_seconds": t1 - t_paused,
             "sync/server_seconds": max(float(answer.get("seconds", 0.0)) for answer in answers),
-            # Where the server's time goes: receiving the buckets, emptying the CUDA cache (vLLM < 0.32), the rest
-            # the prefix-cache reset (a small model's sync is mostly not the transfer: bench/gpu/README.md, lease 8).
-            "sync/server_receive_seconds": max(float(answer.get("receive_seconds", 0.0)) for answer in answers),
-            "sync/server_empty_cache_seconds": max(float(answer.get("empty_cache_seconds", 0.0)) for answer in answers),
+            # Where the server's time goes, phase by phase (a small model's sync is mostly not the transfer:
+            # bench/gpu/README.md, "Lease 8"): the slowest replica's seconds per phase.
+            **{f"sync/server_{phase}_seconds": max(float(answer.get("phases", {}).get(phase, 0.0)) for answer in answers)
+               for phase in UPDATE_PHASES},
             "sync/bytes": float(sum(b.nbytes for b in buckets)),
             "sync/buckets": float(len(buckets)),
             "sync/version": float(version),
