@@ -398,3 +398,13 @@ def test_mode_none_reload_is_a_setting_the_readme_can_offer():
 
     with pytest.raises(ConfigError, match="mode.reload=bogus is not one of inplace, restart"):
         validate(_compose(["mode=none", "mode.reload=bogus"]))
+
+
+def test_broadcast_direct_receive_refuses_a_quantized_server():
+    """mode.receive=direct skips the post-load processing a quantized vLLM model needs: refused at start-up."""
+    broadcast = get_class("grpo.sync.nccl_broadcast.NCCLBroadcastSync")
+    quantized = ["mode=broadcast", "server.device=1", "server.extra_args=[--quantization,fp8]"]
+    with pytest.raises(ConfigError, match="mode.receive=engine"):
+        broadcast.check_config(_compose([*quantized, "mode.receive=direct"]), cuda=True)
+    broadcast.check_config(_compose(quantized), cuda=True)  # the engine's reload handles it
+    broadcast.check_config(_compose(["mode=broadcast", "server.device=1", "mode.receive=direct"]), cuda=True)

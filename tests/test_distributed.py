@@ -175,6 +175,50 @@ def test_update_route_drives_the_engine_in_order_and_reports_each_phase(monkeypa
     assert answer["seconds"] >= sum(answer["phases"].values()) - 1e-6
 
 
+def test_direct_receive_hands_load_weights_the_trainers_tensors_through_one_kept_buffer(monkeypatch):
+    """mode.receive=direct, the worker's side: each bucket the trainer packs (grpo.sync.buckets, the bytes NCCL
+    carries) reaches the model's load_weights as the same named tensors, through one buffer kept across syncs and
+    grown only for a larger bucket. NCCL and vLLM's model are stand-ins (a group that delivers the packed bytes, a
+    model whose load_weights records); the worker's receive loop and buffer are what is tested."""
+    pytest.importorskip("vllm.distributed.weight_transfer.packed_tensor")
+    from types import SimpleNamespace
+
+    from grpo.inference.worker_extension import WeightSyncExtension
+
+    named = _tensors()
+    sent = pack(named, 100)  # [(bytes, Bucket)] as the trainer broadcasts them
+    wire = iter([])
+    received: list[tuple[str, torch.Tensor]] = []
+    buffers: list[int] = []
+
+    class Group:  # NCCL's broadcast: the receiver's buffer gets the sender's bytes
+        def broadcast(self, buf, src, stream):
+            data = next(wire)
+            assert src == 0 and buf.numel() == data.numel()
+            buf.copy_(data)
+            buffers.append(buf.untyped_storage().data_ptr())
+
+    class Model:
+        def load_weights(self, weights):
+            received.extend((n, t.clone()) for n, t in weights)
+
+    class Worker(WeightSyncExtension):
+        device = torch.device("cpu")
+        weight_transfer_engine = SimpleNamespace(model_update_group=Group())
+        model_runner = SimpleNamespace(get_model=Model)
+
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda: SimpleNamespace(synchronize=lambda: None))
+    worker = Worker()
+    for _ in range(2):  # two syncs
+        wire, received[:] = iter(buf for buf, _ in sent), []
+        worker.grpo_receive_buckets([bucket.update_info() for _, bucket in sent])
+        assert [n for n, _ in received] == [n for n, _ in named]
+        for (name, got), (_, want) in zip(received, named):
+            assert got.dtype == want.dtype and got.shape == want.shape and torch.equal(got, want), name
+    assert len(set(buffers)) <= 2  # the first buckets grow the buffer at most once more; the second sync reuses it
+    assert buffers[len(sent):] == [buffers[len(sent) - 1]] * len(sent)
+
+
 # ---------------------------------------------------------------- names (mode=broadcast)
 def _vllm_shapes(model) -> dict[str, tuple]:
     """vLLM's fused layout of an HF Llama/Qwen2 model (q/k/v -> qkv_proj, gate/up -> gate_up_proj)."""

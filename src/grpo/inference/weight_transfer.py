@@ -9,8 +9,10 @@ stable routes instead:
 - ``POST /grpo/weight_transfer/init`` {master_address, master_port, world_size, rank_offset, bucket_bytes,
   num_buffers}: every worker joins the trainer's NCCL group (blocks until the trainer joins too).
 - ``POST /grpo/weight_transfer/update`` {buckets: [{names, dtype_names, shapes}], bucket_bytes, num_buffers,
-  weight_version}: one weight-update session, one `update_weights` call per bucket (each call receives exactly
-  one broadcast; see grpo.sync.buckets), then the prefix cache is reset and the version set.
+  weight_version, receive}: one weight-update session, one `update_weights` call per bucket (each call receives
+  exactly one broadcast; see grpo.sync.buckets), then the prefix cache is reset and the version set. With
+  ``receive: direct`` each worker instead receives every bucket itself, on the engine's NCCL group, into a buffer it
+  keeps, and loads it with the model's `load_weights` (`WeightSyncExtension.grpo_receive_buckets`).
 
 The packed-transfer geometry (`packed`, `packed_buffer_size_bytes`, `packed_num_buffers`) is per update in 0.26
 (`NCCLWeightTransferUpdateInfo`) and per init in 0.32 (`NCCLWeightTransferInitInfo`); `split_wire_fields` puts it
@@ -103,17 +105,21 @@ async def handle_update(request) -> dict:
         now = time.perf_counter()
         phases[phase], lap[0] = now - lap[0], now
 
-    await engine.start_weight_update()
-    done("start")
-    for bucket in body["buckets"]:
-        info = build_update_info(bucket, bucket_bytes, num_buffers, update_fields)
-        await engine.update_weights(WeightTransferUpdateRequest(update_info=info))
-    done("receive")
-    await engine.finish_weight_update()
-    done("finish")
-    if not _streams_cached():
-        await engine.collective_rpc("grpo_empty_cache")
-    done("empty_cache")
+    if body.get("receive") == "direct":  # each worker: its kept buffer, then the model's load_weights
+        await engine.collective_rpc("grpo_receive_buckets", kwargs={"buckets": body["buckets"]})
+        done("receive")
+    else:  # vLLM's weight-transfer engine: one session, one update_weights call per bucket
+        await engine.start_weight_update()
+        done("start")
+        for bucket in body["buckets"]:
+            info = build_update_info(bucket, bucket_bytes, num_buffers, update_fields)
+            await engine.update_weights(WeightTransferUpdateRequest(update_info=info))
+        done("receive")
+        await engine.finish_weight_update()
+        done("finish")
+        if not _streams_cached():
+            await engine.collective_rpc("grpo_empty_cache")
+        done("empty_cache")
     # KV blocks cached from the old weights must not be reused.
     await engine.reset_prefix_cache(reset_running_requests=True)
     done("reset_prefix_cache")

@@ -50,6 +50,42 @@ class WeightSyncExtension:
         if quant_method is not None:
             quant_method.process_weights_after_loading(head)
 
+    def grpo_receive_buckets(self, buckets: list[dict[str, Any]]) -> float:
+        """mode.receive=direct: receive each bucket of the trainer's broadcast (on the NCCL group vLLM's
+        weight-transfer engine joined) into a buffer this worker keeps, and load its tensors with the model's
+        `load_weights`, which copies them into the served tensors (storage kept, so CUDA graphs stay valid).
+        Skips the engine's per-sync layer-wise reload; the buckets' layout is vLLM's packed one
+        (grpo.sync.buckets). Returns seconds taken."""
+        import math
+
+        import torch
+        from vllm.distributed.weight_transfer.packed_tensor import unpack_tensor
+
+        t0 = time.perf_counter()
+        group = self.weight_transfer_engine.model_update_group
+        if group is None:
+            raise RuntimeError("mode.receive=direct: the weight-transfer group is not initialised")
+        model = self._grpo_model()
+        stream = torch.cuda.current_stream()
+        for bucket in buckets:
+            dtypes = [getattr(torch, name) for name in bucket["dtype_names"]]
+            sizes = [math.prod(shape) * dtype.itemsize for shape, dtype in zip(bucket["shapes"], dtypes)]
+            buf = self._grpo_receive_buffer(sum(sizes))
+            group.broadcast(buf, src=0, stream=stream)
+            # The copies run on this stream before the next bucket's receive overwrites the buffer.
+            model.load_weights(unpack_tensor(buf, list(bucket["names"]), bucket["shapes"], dtypes, sizes))
+        stream.synchronize()
+        return time.perf_counter() - t0
+
+    def _grpo_receive_buffer(self, nbytes: int):
+        """A uint8 view of `nbytes` on a buffer kept across syncs (grown when a bucket needs more)."""
+        import torch
+
+        buf = getattr(self, "_grpo_buffer", None)
+        if buf is None or buf.numel() < nbytes:
+            buf = self._grpo_buffer = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        return buf[:nbytes]
+
     def grpo_empty_cache(self) -> None:
         """Release the CUDA caching allocator's unused blocks (after a weight transfer's receive buffers)."""
         import torch

@@ -3,7 +3,19 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from enum import StrEnum
 from typing import Optional
+
+
+class WeightReceive(StrEnum):
+    """``mode.receive`` of mode=broadcast: how vLLM's workers take in the trainer's buckets."""
+
+    # vLLM's weight-transfer engine: a weight-update session with layer-wise reload (start, a call per bucket,
+    # finish); takes any model vLLM loads, quantized ones included.
+    engine = "engine"
+    # Each worker receives the buckets into a buffer it keeps and hands them to the model's load_weights, which
+    # copies them into the served tensors (TRL's and verl's workers do the same); unquantized models only.
+    direct = "direct"
 
 
 @dataclass
@@ -61,3 +73,6 @@ class NCCLBroadcastSyncConfig:
     master_port: Optional[int] = None
     # Longest wait for the group to form or one transfer to finish.
     timeout_s: float = 600.0
+    # How vLLM's workers take the buckets: engine (vLLM's weight-transfer engine) or direct (load_weights from a kept
+    # buffer: no per-sync reload lifecycle or buffer allocation; unquantized models).
+    receive: WeightReceive = WeightReceive.engine

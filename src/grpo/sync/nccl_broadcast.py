@@ -124,6 +124,12 @@ class NCCLBroadcastSync(SyncStrategy):
                 "mode=broadcast sends weights by NCCL from the trainer's GPU to vLLM's GPU(s) and needs CUDA; none "
                 "is visible here. Use mode=none, mode=lora_only or mode=lora_restart on this machine."
             )
+        extra = [str(a).split("=", 1)[0] for a in (option(cfg.server, "extra_args", None) or [])]
+        if str(option(cfg.mode, "receive", "engine")) == "direct" and ("--quantization" in extra or "-q" in extra):
+            raise ConfigError(
+                "mode.receive=direct loads the trainer's tensors with the model's load_weights, without the "
+                "post-load processing a quantized server needs; use mode.receive=engine with --quantization"
+            )
         # The trainer's ranks on vLLM's host take GPUs 0..k-1 there (across nodes fewer than world_size); vLLM's GPUs
         # must come after them.
         local_gpus = world_size if local_world_size is None else local_world_size
@@ -152,10 +158,11 @@ class NCCLBroadcastSync(SyncStrategy):
 
     def __init__(self, sync_every: int = 1, bucket_mb: float = 512, num_buffers: int = 2,
                  transfer_dtype: str | None = None, master_address: str = "127.0.0.1",
-                 master_port: int | None = None, timeout_s: float = 600.0) -> None:
+                 master_port: int | None = None, timeout_s: float = 600.0, receive: str = "engine") -> None:
         super().__init__(sync_every)
         if bucket_mb <= 0 or num_buffers < 1:
             raise ValueError("mode.bucket_mb must be > 0 and mode.num_buffers >= 1")
+        self.receive = str(receive)  # how vLLM's workers take the buckets (grpo.schema.sync.WeightReceive)
         self.bucket_bytes = int(bucket_mb * 1024**2)
         self.num_buffers = int(num_buffers)
         self.transfer_dtype = getattr(torch, transfer_dtype) if transfer_dtype else None
@@ -232,7 +239,7 @@ class NCCLBroadcastSync(SyncStrategy):
             self._check_names(model)
         version = self.version + 1
         body = {"buckets": [b.update_info() for b in buckets], "bucket_bytes": self.bucket_bytes,
-                "num_buffers": self.num_buffers, "weight_version": version}
+                "num_buffers": self.num_buffers, "weight_version": version, "receive": self.receive}
         # Generation stalls for the transfer only: paused ("keep": requests in flight freeze, then go on).
         with self.stalling():
             self.server.each(lambda replica: replica.client.pause())
