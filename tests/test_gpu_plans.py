@@ -47,6 +47,12 @@ def test_plan_job_composes_and_validates(plan, job, tmp_path, monkeypatch):
         parsed = trl_step.parser().parse_args(command[2:])
         assert parsed.preset in offline_presets() and parsed.steps > 1
         return
+    if kind == "gen_probe":
+        import gen_probe
+
+        parsed = gen_probe.parser().parse_args(command[2:])  # unknown variants fail here
+        assert parsed.preset in offline_presets() and parsed.rounds >= 1
+        return
     world = int(args[0].split("=", 1)[1]) if args and args[0].startswith("torchrun=") else 1
     assert ("torch.distributed.run" in command) == (world > 1)
     overrides = [a for a in command[command.index("train.py") + 1:] if not a.startswith("hydra.run.dir=")]

@@ -15,7 +15,8 @@ in a rotating order, with a pause after each (an idle engine's busy-poll must no
 - ``server_seeded`` / ``server_unseeded``: ``InferenceClient.generate`` against ``python -m grpo.inference.server``
   (what ``data.seeded_sampling=true|false`` sends: a base seed per call, or none), ``detokenize=False`` as the local
   pipeline sends it (it decodes the token ids itself); ``server_unseeded_detok``: the same with the server
-  detokenizing (the pipeline's requests before 2026-11-25);
+  detokenizing (the pipeline's requests before 2026-11-25); ``server_unseeded_nologprobs``: no log-probs asked
+  (`data.rollout_logprobs=false`);
 - ``inproc_unseeded`` / ``inproc_seeded``: ``LLM.generate`` in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``:
   the engine core runs here, as in TRL's colocate mode), one request per prompt with ``n=8``;
   ``inproc_unseeded_nologprobs``: the same without the per-token log-prob (what log-probs cost the engine).
@@ -42,21 +43,32 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from common import ROOT, free_port, machine, model_dir  # noqa: E402
 
+VARIANTS = ("server_seeded", "server_unseeded", "server_unseeded_detok", "server_unseeded_flat",
+            "server_unseeded_nologprobs", "inproc_seeded", "inproc_unseeded", "inproc_unseeded_nologprobs",
+            "inproc_unseeded_nodetok")
 
-def main() -> None:
+
+def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--preset", default="qwen3b", help="a bench preset, a real-size one, or smollm2-135m (packaged)")
     ap.add_argument("--workload", choices=["digits", "chat_arith"], default="digits")
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--prompts", type=int, default=None,
+                    help="prompts per step (8 samples each); default: the workload's own (8 digits, 32 chat_arith)")
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--kv-share", type=float, default=0.3)
     ap.add_argument("--gap-s", type=float, default=1.5)
     ap.add_argument("--dtype", default="bfloat16", help="float32 for a CPU smoke run of --preset tiny")
-    ap.add_argument("--variants", nargs="*", default=None, help="a subset of the variants (default: all)")
+    ap.add_argument("--variants", nargs="*", default=None, choices=VARIANTS,
+                    help="a subset of the variants (default: all)")
     ap.add_argument("--profile", action="store_true", help="GPU busy time vs wall of one in-process call")
     ap.add_argument("--gpu-util", action="store_true", help="nvidia-smi utilisation sampled during each call")
     ap.add_argument("--out", required=True)
-    args = ap.parse_args()
+    return ap
+
+
+def main() -> None:
+    args = parser().parse_args()
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # read by the in-process LLM only; the server gets its own env
     sys.path.insert(0, str(ROOT / "src"))
     from transformers import AutoTokenizer
@@ -66,7 +78,7 @@ def main() -> None:
     from grpo.inference.process import VLLMServer
     mdir = model_dir(args.preset)
     tok = AutoTokenizer.from_pretrained(mdir)
-    ids = [tok.encode(p.text, add_special_tokens=False) for p in workload_prompts(args.workload, tok)]
+    ids = [tok.encode(p.text, add_special_tokens=False) for p in workload_prompts(args.workload, tok, args.prompts)]
     tokens_per_round = 8 * len(ids) * args.max_tokens
     log = Path(tempfile.mkdtemp(prefix="gen_probe_")) / "server.log"
     cfg = {"host": "127.0.0.1", "port": free_port(), "gpu_memory_utilization": args.kv_share, "max_model_len": 1024,
@@ -102,10 +114,12 @@ def main() -> None:
             "server_seeded": lambda r: server_run(1000 + r), "server_unseeded": lambda r: server_run(None),
             "server_unseeded_detok": lambda r: server_run(None, detokenize=True),
             "server_unseeded_flat": lambda r: server_run(None, flat_logprobs=True),
+            "server_unseeded_nologprobs": lambda r: server_run(None, logprobs=False),
             "inproc_seeded": lambda r: inproc_run(1000 + r), "inproc_unseeded": lambda r: inproc_run(None),
             "inproc_unseeded_nologprobs": lambda r: inproc_run(None, logprobs=False),
             "inproc_unseeded_nodetok": lambda r: inproc_run(None, detokenize=False),
         }  # fmt: skip
+        assert tuple(variants) == VARIANTS, "VARIANTS (the --variants choices) must name every variant"
         variants = {k: v for k, v in variants.items() if not args.variants or k in args.variants}
         for fn in variants.values():  # warm-up: first requests pay for lazy initialisation
             fn(-1)
@@ -143,18 +157,19 @@ def main() -> None:
         server.stop()
 
 
-def workload_prompts(workload: str, tokenizer) -> list:
-    """One step's prompts: the whole-step digits task (8 prompts) or the real-model chat arithmetic task (32)."""
+def workload_prompts(workload: str, tokenizer, prompts: int | None = None) -> list:
+    """One step's prompts: the whole-step digits task (8 prompts) or the real-model chat arithmetic task (32), or
+    `prompts` of either."""
     from grpo.pipeline.chat_arithmetic import ChatArithmeticTask
     from grpo.pipeline.tasks import DigitsTask
 
     if workload == "digits":
-        return DigitsTask(8).sample(random.Random(0), 8)
+        return DigitsTask(8).sample(random.Random(0), prompts or 8)
     task = ChatArithmeticTask(question="What is {expression}? Reply with the final number only.",
                               system_prompt="You are a helpful assistant.", min_digits=1, max_digits=2,
                               operators="+-")  # fmt: skip
     task.bind_tokenizer(tokenizer)
-    return task.sample(random.Random(0), 32)
+    return task.sample(random.Random(0), prompts or 32)
 
 
 def start_gpu_util_sampler():

@@ -7,7 +7,8 @@ PLAN is a text file of waves separated by blank lines; the waves run one after t
 (each started once the previous one's vLLM server is ready: vLLM's memory profiling fails when two servers start
 on one GPU together). A job line is `name | experiment | overrides...` for `python train.py`, or
 `name | trl | experiment seed` for TRL's GRPOTrainer on that experiment (bench/trl_arith.py), or
-`name | trl_step | --preset qwen3b --steps 20 ...` for TRL's whole step at a preset's size (bench/gpu/trl_step.py); a first override
+`name | trl_step | --preset qwen3b --steps 20 ...` for TRL's whole step at a preset's size (bench/gpu/trl_step.py), or
+`name | gen_probe | --preset qwen3b ...` for bench/gpu/gen_probe.py; a first override
 `gpus=2,3` gives the job only those GPUs (CUDA_VISIBLE_DEVICES; inside the job they are numbered 0, 1, ...), and
 then `torchrun=K` starts train.py under torchrun with K processes (an FSDP2 trainer). Jobs of a wave on disjoint
 `gpus=` start together; the others one after another's vLLM is ready. Every job's log,
@@ -70,8 +71,9 @@ def command(job: list[str], out: Path) -> list[str]:
         experiment, seed, *extra = args
         return [sys.executable, "bench/trl_arith.py", "--experiment", experiment, "--vllm", "--seed", seed,
                 "--out", str(out / f"{name}.json"), *extra]
-    if kind == "trl_step":  # TRL's whole step at a preset's size (bench/gpu/trl_step.py), its arguments as given
-        return [sys.executable, "bench/gpu/trl_step.py", *args, "--out", str(out / f"{name}.json")]
+    if kind in ("trl_step", "gen_probe"):  # bench/gpu/trl_step.py (TRL's whole step at a preset's size) or
+        # bench/gpu/gen_probe.py (our /generate against vLLM in-process), their arguments as given
+        return [sys.executable, f"bench/gpu/{kind}.py", *args, "--out", str(out / f"{name}.json")]
     launch = [sys.executable, "train.py"]
     if args and args[0].startswith("torchrun="):
         launch = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", args.pop(0).split("=", 1)[1],
