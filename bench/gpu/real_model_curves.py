@@ -114,16 +114,17 @@ def plot_layouts(root: Path, plt, runs: dict[str, str] | None = None) -> None:
     accuracy, and that time over TRL's."""
     paths = {label: root / f"{name}.metrics.jsonl" for label, name in (runs or {}).items()} or {
         p.name.split(".")[0][7:]: p for p in sorted(root.glob("layout_*.metrics.jsonl"))}
-    curves = {label: trl_curve(path.with_name(path.name.split(".")[0] + ".json")) if not path.exists() else
+    trl_labels = [label for label, path in paths.items() if not path.exists()]  # a TRL run: <name>.json instead
+    curves = {label: trl_curve(path.with_name(path.name.split(".")[0] + ".json")) if label in trl_labels else
               ours_curve(path) for label, path in paths.items()}
-    trl = [c for label, c in curves.items() if not paths[label].exists()]
+    trl = [curves[label] for label in trl_labels]
     fig, ax = plt.subplots(figsize=(7, 4.2))
     lines = ["| run | accuracy at each evaluation | training s at the end |"
              + (f" s to TRL's final {trl[0][-1][1]:.3f} | / TRL's {trl[0][-1][2]:.0f} s |" if trl else ""),
              "|---|---|---|" + ("---|---|" if trl else "")]
     for label, curve in curves.items():
         ax.plot([t for *_, t in curve], [a for _, a, _ in curve], marker="o", label=label,
-                ls="-" if paths[label].exists() else "--")
+                ls="--" if label in trl_labels else "-")
         cells = [label, ", ".join(f"{a:.3f}" for _, a, _ in curve), f"{curve[-1][2]:.0f}"]
         if trl:
             reach = first_reach(curve, trl[0][-1][1])

@@ -55,11 +55,16 @@ def job_gpus(job: list[str]) -> set[str] | None:
     return set(args[0].split("=", 1)[1].split(",")) if args and args[0].startswith("gpus=") else None
 
 
+def job_port(name: str) -> int:
+    """A rendezvous port of the job's own (torchrun's, or TRL's colocated vLLM's), so jobs running at once differ."""
+    return 29500 + sum(map(ord, name)) % 1000
+
+
 def job_env(job: list[str]) -> dict[str, str]:
     gpus = job_gpus(job)
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": ",".join(sorted(gpus, key=int))} if gpus else dict(os.environ)
     if job[1] in ("trl", "trl_step"):  # TRL's colocated vLLM joins a one-process group: a port of its own per job
-        env["MASTER_PORT"] = str(29500 + sum(map(ord, job[0])) % 1000)
+        env["MASTER_PORT"] = str(job_port(job[0]))
     return env
 
 
@@ -77,7 +82,7 @@ def command(job: list[str], out: Path) -> list[str]:
     launch = [sys.executable, "train.py"]
     if args and args[0].startswith("torchrun="):
         launch = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", args.pop(0).split("=", 1)[1],
-                  "--master-port", str(29500 + sum(map(ord, name)) % 1000), "train.py"]
+                  "--master-port", str(job_port(name)), "train.py"]
     return [*launch, f"experiment={kind}", "logging.progress_bar=false", f"hydra.run.dir={RUNS / name}", *args]
 
 
@@ -192,15 +197,17 @@ def main() -> None:
     ap.add_argument("--stall-s", type=float, default=300.0,
                     help="stop a job that writes nothing (log, metrics, vLLM log) for this many seconds")
     ap.add_argument("--queue", action="store_true",
-                    help="ignore the waves: start each job, in plan order, once its GPUs are free (jobs need gpus=)")
+                    help="ignore the waves: start each job, in plan order, once its GPUs are free (a job without "
+                         "gpus= holds every GPU)")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     shutil.copy(args.plan, args.out / "plan.txt")
     waves = parse_plan(args.plan.read_text())
     if args.queue:
         run_queue([job for wave in waves for job in wave], args.out, args.stall_s)
-    for i, wave in enumerate([] if args.queue else waves):
-        run_wave(wave, i, args.out, args.stall_s)
+    else:
+        for i, wave in enumerate(waves):
+            run_wave(wave, i, args.out, args.stall_s)
     (args.out / "DONE").write_text(time.strftime("%Y-%m-%d %H:%M:%S UTC\n", time.gmtime()))
 
 

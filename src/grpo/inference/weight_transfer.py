@@ -96,8 +96,6 @@ async def handle_update(request) -> dict:
     state = request.app.state
     engine = state.engine_client
     body = await request.json()
-    _, update_fields = _nccl_fields()
-    bucket_bytes, num_buffers = int(body["bucket_bytes"]), int(body.get("num_buffers", 2))
     t0 = time.perf_counter()
     phases, lap = {}, [t0]
 
@@ -109,6 +107,8 @@ async def handle_update(request) -> dict:
         await engine.collective_rpc("grpo_receive_buckets", kwargs={"buckets": body["buckets"]})
         done("receive")
     else:  # vLLM's weight-transfer engine: one session, one update_weights call per bucket
+        _, update_fields = _nccl_fields()
+        bucket_bytes, num_buffers = int(body["bucket_bytes"]), int(body.get("num_buffers", 2))
         await engine.start_weight_update()
         done("start")
         for bucket in body["buckets"]:
