@@ -51,3 +51,26 @@ def test_scale_table_reads_a_run_collected_while_it_was_still_going(tmp_path):
     rows = {line.split(" | ")[0].strip("| "): line.split(" | ") for line in out.splitlines()[2:]}
     assert rows["r2"][1:5] == ["2", "6", "-", "-"] and rows["r2"][5] == "5e+03"  # median of steps 4-6, 2 replicas
     assert rows["r1"][5] == "7"  # the finished run's file, not its partial copy
+
+
+def test_pair_table_times_each_run_to_the_final_accuracy_of_the_trl_run_beside_it(tmp_path):
+    write_ours(tmp_path / "ours_s1.metrics.jsonl", [(0, 0.15, 5, 5), (50, 0.60, 35, 5), (100, 0.70, 65, 5)])
+    write_ours(tmp_path / "ours_s2.metrics.jsonl", [(0, 0.15, 5, 5), (50, 0.65, 35, 5), (100, 0.66, 65, 5)])
+    for seed, final in ((1, 0.72), (2, 0.62)):
+        rows = [{"step": 0, "eval/accuracy": 0.15, "time/train_seconds": 0.0},
+                {"step": 100, "eval/accuracy": final, "time/train_seconds": 80.0}]
+        (tmp_path / f"trl_s{seed}.json").write_text(json.dumps({"rows": rows}))
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    real_model_curves.plot_pairs(tmp_path, plt, [("ours_s1", "trl_s1"), ("ours_s2", "trl_s2")])
+    rows = {line.split(" | ")[0].strip("| "): line.split(" | ") for line in
+            (tmp_path / "pairs.md").read_text().splitlines()[2:]}
+    # Training seconds 0, 25, 50 (evaluations of 5 s out). s1 never reaches its TRL's 0.72; its best within 40 s
+    # (0.5x TRL's 80) is the 0.60 at 25 s, not the 0.70 at 50 s.
+    assert rows["ours_s1"][4:7] == ["0.720", "never", "0.600 |"]
+    # s2 reaches its own TRL's 0.62 (not s1's) at 25 training s: 0.31x.
+    assert rows["ours_s2"][4:7] == ["0.620", "25 s, 0.31x", "0.650 |"]
+    assert (tmp_path / "pairs.png").stat().st_size > 0

@@ -8,6 +8,8 @@ and the per-layout runs (``layout_<mode>_<what>.metrics.jsonl``) in a second PNG
         # curves.png, algorithms.png, layouts.png, table.md
     python bench/gpu/real_model_curves.py FOLDER "shared_vllm, 1 GPU=shared_s0" "broadcast, 2 GPUs=bcast_s0" "TRL=trl_s0"
         # layouts.png and table.md of those runs (label=run name of a plan; a TRL run's <name>.json), e.g. lease 8's
+    python bench/gpu/real_model_curves.py FOLDER --pairs shared_s1:trl_s1 shared_s2:trl_s2
+        # pairs.png and pairs.md: each of our runs against the TRL run beside it (the same seed), e.g. lease 9's
 """
 
 from __future__ import annotations
@@ -136,8 +138,45 @@ def plot_layouts(root: Path, plt, runs: dict[str, str] | None = None) -> None:
     print("\n".join(lines))
 
 
+def pair_rows(root: Path, pairs: list[tuple[str, str]]) -> list[str]:
+    """One Markdown row per (our run, TRL run): both curves' accuracies, training seconds, TRL's final accuracy, when
+    ours first reached it and that time over TRL's; and ours' best accuracy within 0.5x TRL's seconds."""
+    lines = ["| ours | TRL | ours: accuracy at each evaluation (training s at the end) | TRL: accuracy at each "
+             "evaluation (training s) | TRL's final | ours first reaches it: s, / TRL's | ours' best within 0.5x "
+             "TRL's s |", "|---|---|---|---|---|---|---|"]
+    for ours_name, trl_name in pairs:
+        ours, trl = ours_curve(root / f"{ours_name}.metrics.jsonl"), trl_curve(root / f"{trl_name}.json")
+        (_, target, trl_s), reach = trl[-1], first_reach(ours, trl[-1][1])
+        best = max((a for _, a, t in ours if t <= 0.5 * trl_s), default=float("nan"))
+        lines.append(f"| {ours_name} | {trl_name} | {', '.join(f'{a:.3f}' for _, a, _ in ours)} ({ours[-1][2]:.0f}) | "
+                     f"{', '.join(f'{a:.3f}' for _, a, _ in trl)} ({trl_s:.0f}) | {target:.3f} | "
+                     + ("never" if reach is None else f"{reach:.0f} s, {reach / trl_s:.2f}x") + f" | {best:.3f} |")
+    return lines
+
+
+def plot_pairs(root: Path, plt, pairs: list[tuple[str, str]]) -> None:
+    """pairs.png (one colour per pair, TRL dashed) and pairs.md (pair_rows) in `root`."""
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    for colour, (ours_name, trl_name) in enumerate(pairs):
+        for name, curve, style in ((ours_name, ours_curve(root / f"{ours_name}.metrics.jsonl"), "-"),
+                                   (trl_name, trl_curve(root / f"{trl_name}.json"), "--")):
+            ax.plot([t for *_, t in curve], [a for _, a, _ in curve], marker="o", ls=style, color=f"C{colour}",
+                    label=name)
+    save_accuracy_plot(fig, ax, "SmolLM2-135M-Instruct, ours and TRL side by side (H100s)", root / "pairs.png", 8)
+    lines = pair_rows(root, pairs)
+    (root / "pairs.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
 if __name__ == "__main__":
-    if len(sys.argv) > 2:  # FOLDER LABEL=RUN ...: the layouts plot of those runs only
+    if len(sys.argv) > 2 and sys.argv[2] == "--pairs":  # FOLDER --pairs OURS:TRL ...
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        plot_pairs(Path(sys.argv[1]), plt, [tuple(arg.split(":", 1)) for arg in sys.argv[3:]])
+    elif len(sys.argv) > 2:  # FOLDER LABEL=RUN ...: the layouts plot of those runs only
         import matplotlib
 
         matplotlib.use("Agg")
