@@ -74,3 +74,16 @@ def test_pair_table_times_each_run_to_the_final_accuracy_of_the_trl_run_beside_i
     # s2 reaches its own TRL's 0.62 (not s1's) at 25 training s: 0.31x.
     assert rows["ours_s2"][4:7] == ["0.620", "25 s, 0.31x", "0.650 |"]
     assert (tmp_path / "pairs.png").stat().st_size > 0
+
+
+def test_sync_table_shows_the_servers_phases_and_the_worst_weight_match(tmp_path):
+    rows = [{"step": s, "sync/seconds": 0.1 * s, "sync/server_receive_seconds": 0.05, "sync/weights_match": 1.0}
+            for s in range(1, 6)]
+    rows[3]["sync/weights_match"] = 0.0  # one sync whose weights did not arrive as sent
+    (tmp_path / "bcast.metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = subprocess.run([sys.executable, str(REPO / "bench" / "gpu" / "scale_table.py"), str(tmp_path), "--skip", "1",
+                          "--sync"], capture_output=True, text=True, check=True).stdout
+    head, _, line = out.splitlines()
+    cells = dict(zip(head.strip("| ").split(" | "), line.strip("| ").split(" | ")))
+    assert cells["sync s"] == "0.35" and cells["receive s"] == "0.05"  # medians of steps 2-5
+    assert cells["weights match (worst)"] == "0" and cells["start s"] == "-"

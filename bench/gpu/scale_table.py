@@ -2,7 +2,10 @@
 bench/gpu/run_plan.py collected, or the `<name>.metrics.partial.jsonl` a `collect` copied while the run was still
 going), medians over the steps after the first `--skip` (start-up, compilation).
 
-    python bench/gpu/scale_table.py bench/results/gpu/scale_out_4gpu [--skip 3] [--until 60]
+    python bench/gpu/scale_table.py bench/results/gpu/scale_out_4gpu [--skip 3] [--until 60] [--sync]
+
+`--sync` gives the weight sync's columns instead: its seconds, the server's part phase by phase, bytes, and whether the
+served weights matched the trainer's (mode=broadcast's `sync/server_*_seconds`; "-" where a mode has none).
 """
 
 from __future__ import annotations
@@ -22,13 +25,27 @@ COLUMNS = {  # metrics.jsonl key -> column heading
 }
 
 
-def row(path: Path, skip: int, until: int | None = None) -> list[str]:
+SYNC_COLUMNS = {  # the same for the weight sync (--sync)
+    "sync/seconds": "sync s",
+    "sync/server_seconds": "server s",
+    "sync/server_start_seconds": "start s",
+    "sync/server_receive_seconds": "receive s",
+    "sync/server_finish_seconds": "finish s",
+    "sync/server_empty_cache_seconds": "cache emptying s",
+    "sync/server_reset_prefix_cache_seconds": "prefix-cache reset s",
+    "sync/bytes": "bytes",
+    "sync/weights_match": "weights match (worst)",
+}
+
+
+def row(path: Path, skip: int, until: int | None = None, columns: dict[str, str] = COLUMNS) -> list[str]:
     rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
     steady = [r for r in rows if r.get("step", 0) > skip and (until is None or r.get("step", 0) <= until)] or rows
     cells = []
-    for key in COLUMNS:
+    for key in columns:
         values = [r[key] for r in steady if isinstance(r.get(key), (int, float))]
-        cells.append(f"{statistics.median(values):.3g}" if values else "-")
+        summary = min if key == "sync/weights_match" else statistics.median  # any mismatch shows: the worst step
+        cells.append(f"{summary(values):.3g}" if values else "-")
     replicas = sum(1 for k in rows[-1] if k.startswith("server/replica") and k.endswith("/requests")) or 1
     return [path.name.split(".")[0], str(replicas), str(len(rows)), *cells]
 
@@ -39,14 +56,16 @@ def main() -> None:
     ap.add_argument("--skip", type=int, default=3, help="steps left out at the start")
     ap.add_argument("--until", type=int, default=None,
                     help="last step counted (runs of different lengths compared over the same steps)")
+    ap.add_argument("--sync", action="store_true", help="the weight sync's columns (phases, bytes, match)")
     args = ap.parse_args()
-    head = ["run", "replicas", "rows", *COLUMNS.values()]
+    columns = SYNC_COLUMNS if args.sync else COLUMNS
+    head = ["run", "replicas", "rows", *columns.values()]
     print("| " + " | ".join(head) + " |\n|" + "---|" * len(head))
     finished = sorted(args.folder.glob("*.metrics.jsonl"))
     names = {p.name.split(".")[0] for p in finished}
     partial = [p for p in sorted(args.folder.glob("*.metrics.partial.jsonl")) if p.name.split(".")[0] not in names]
     for path in sorted(finished + partial):
-        print("| " + " | ".join(row(path, args.skip, args.until)) + " |")
+        print("| " + " | ".join(row(path, args.skip, args.until, columns)) + " |")
 
 
 if __name__ == "__main__":
