@@ -138,14 +138,14 @@ def plot_layouts(root: Path, plt, runs: dict[str, str] | None = None) -> None:
     print("\n".join(lines))
 
 
-def pair_rows(root: Path, pairs: list[tuple[str, str]]) -> list[str]:
-    """One Markdown row per (our run, TRL run): both curves' accuracies, training seconds, TRL's final accuracy, when
-    ours first reached it and that time over TRL's; and ours' best accuracy within 0.5x TRL's seconds."""
+def pair_rows(pairs: dict[tuple[str, str], tuple[list, list]]) -> list[str]:
+    """One Markdown row per (our run, TRL run) -> (our curve, TRL's curve): both curves' accuracies, training seconds,
+    TRL's final accuracy, when ours first reached it and that time over TRL's; and ours' best accuracy within 0.5x
+    TRL's seconds."""
     lines = ["| ours | TRL | ours: accuracy at each evaluation (training s at the end) | TRL: accuracy at each "
              "evaluation (training s) | TRL's final | ours first reaches it: s, / TRL's | ours' best within 0.5x "
              "TRL's s |", "|---|---|---|---|---|---|---|"]
-    for ours_name, trl_name in pairs:
-        ours, trl = ours_curve(root / f"{ours_name}.metrics.jsonl"), trl_curve(root / f"{trl_name}.json")
+    for (ours_name, trl_name), (ours, trl) in pairs.items():
         (_, target, trl_s), reach = trl[-1], first_reach(ours, trl[-1][1])
         best = max((a for _, a, t in ours if t <= 0.5 * trl_s), default=float("nan"))
         lines.append(f"| {ours_name} | {trl_name} | {', '.join(f'{a:.3f}' for _, a, _ in ours)} ({ours[-1][2]:.0f}) | "
@@ -156,32 +156,29 @@ def pair_rows(root: Path, pairs: list[tuple[str, str]]) -> list[str]:
 
 def plot_pairs(root: Path, plt, pairs: list[tuple[str, str]]) -> None:
     """pairs.png (one colour per pair, TRL dashed) and pairs.md (pair_rows) in `root`."""
+    curves = {(ours, trl): (ours_curve(root / f"{ours}.metrics.jsonl"), trl_curve(root / f"{trl}.json"))
+              for ours, trl in pairs}
     fig, ax = plt.subplots(figsize=(7, 4.2))
-    for colour, (ours_name, trl_name) in enumerate(pairs):
-        for name, curve, style in ((ours_name, ours_curve(root / f"{ours_name}.metrics.jsonl"), "-"),
-                                   (trl_name, trl_curve(root / f"{trl_name}.json"), "--")):
+    for colour, (names, pair) in enumerate(curves.items()):
+        for name, curve, style in zip(names, pair, ("-", "--")):
             ax.plot([t for *_, t in curve], [a for _, a, _ in curve], marker="o", ls=style, color=f"C{colour}",
                     label=name)
     save_accuracy_plot(fig, ax, "SmolLM2-135M-Instruct, ours and TRL side by side (H100s)", root / "pairs.png", 8)
-    lines = pair_rows(root, pairs)
+    lines = pair_rows(curves)
     (root / "pairs.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
 
 if __name__ == "__main__":
-    if len(sys.argv) > 2 and sys.argv[2] == "--pairs":  # FOLDER --pairs OURS:TRL ...
+    if len(sys.argv) > 2:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
 
-        plot_pairs(Path(sys.argv[1]), plt, [tuple(arg.split(":", 1)) for arg in sys.argv[3:]])
-    elif len(sys.argv) > 2:  # FOLDER LABEL=RUN ...: the layouts plot of those runs only
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
-        plot_layouts(Path(sys.argv[1]), plt, dict(arg.rsplit("=", 1) for arg in sys.argv[2:]))
+        if sys.argv[2] == "--pairs":  # FOLDER --pairs OURS:TRL ...
+            plot_pairs(Path(sys.argv[1]), plt, [tuple(arg.split(":", 1)) for arg in sys.argv[3:]])
+        else:  # FOLDER LABEL=RUN ...: the layouts plot of those runs only
+            plot_layouts(Path(sys.argv[1]), plt, dict(arg.rsplit("=", 1) for arg in sys.argv[2:]))
     else:
         main(sys.argv[1])
