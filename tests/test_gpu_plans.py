@@ -50,8 +50,10 @@ def test_plan_job_composes_and_validates(plan, job, tmp_path, monkeypatch):
     if kind == "gen_probe":
         import gen_probe
 
+        from grpo.models.packaged import PACKAGED_MODELS
+
         parsed = gen_probe.parser().parse_args(command[2:])  # unknown variants fail here
-        assert parsed.preset in offline_presets() and parsed.rounds >= 1
+        assert parsed.preset in [*offline_presets(), *PACKAGED_MODELS] and parsed.rounds >= 1
         return
     world = int(args[0].split("=", 1)[1]) if args and args[0].startswith("torchrun=") else 1
     assert ("torch.distributed.run" in command) == (world > 1)
