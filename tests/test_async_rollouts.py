@@ -250,7 +250,7 @@ def test_k0_builds_the_synchronous_pipeline_and_k1_wraps_it():
     assert type(build_data(sync_cfg)) is LocalRolloutPipeline
     wrapped = build_data(async_cfg)
     assert isinstance(wrapped, AsyncRollouts) and type(wrapped.inner) is LocalRolloutPipeline
-    assert wrapped.capacity == 1 and not wrapped._workers  # noqa: SLF001 - nothing runs before the first batch
+    assert wrapped.capacity == 2 and not wrapped._workers  # noqa: SLF001 - k + 1 from the last finished; nothing runs yet
 
 
 def test_generation_gate_drains_in_flight_requests_and_holds_new_ones():
@@ -325,6 +325,46 @@ def test_two_batches_in_flight_generate_at_once_and_are_taken_in_index_order_wit
     assert inner.calls == sorted(set(inner.calls))  # each index claimed once, in order
 
 
+
+def test_one_step_off_with_two_in_flight_overlaps_consecutive_batches_without_exceeding_the_lag():
+    """k = 1, stale_policy=wait, two batches in flight, generation slower than training: batch j + 1 starts once the
+    trainer has finished batch j - 1, while it still waits for batch j, so two generate at once; every group is
+    trained one version behind at most and nothing is dropped."""
+    server = Server()
+    inner = ConcurrentScripted(gen_s=lambda j: 0.08)
+    src = make(inner, server, k=1, in_flight=2)
+    try:
+        rows = train(src, server, 8, train_s=0.01)
+    finally:
+        src.close()
+    assert inner.most_running == 2
+    assert [r["async/rollout_index"] for r in rows] == list(range(8))
+    assert all(r["async/staleness_max"] <= 1 for r in rows)
+    assert max(r["async/staleness_max"] for r in rows) == 1
+    assert sum(r["async/dropped_groups"] for r in rows) == 0
+    assert all(counts_add_up(r) for r in rows)
+
+
+def test_the_wait_bound_counts_from_the_batch_the_trainer_finished_not_the_one_it_took():
+    """k = 1, one batch in flight: while the trainer trains batch 0 (taken, not finished) the producer may generate
+    batch 1 only; batch 2 starts once the trainer asks for batch 1, i.e. has finished batch 0 and synced."""
+    server = Server()
+    inner = ConcurrentScripted(gen_s=lambda j: 0.0)
+    src = make(inner, server, k=1)
+    try:
+        src.next_batch(0)
+        time.sleep(0.3)  # the trainer "trains" batch 0: the producer runs as far as the bound lets it
+        assert inner.calls == [0, 1]
+        server.version += 1  # batch 0's sync
+        src.next_batch(1)
+        deadline = time.monotonic() + 5
+        while 2 not in inner.finished and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert inner.calls == [0, 1, 2]
+        assert src.metrics()["async/staleness_max"] <= 1
+    finally:
+        src.close()
+
 def test_one_batch_in_flight_never_runs_two_calls_at_once():
     inner = ConcurrentScripted(gen_s=lambda j: 0.02)
     src = make(inner, Server(), k=2)
@@ -360,7 +400,7 @@ def test_an_error_with_two_in_flight_discards_the_batches_past_it_and_the_retry_
 
 
 @pytest.mark.parametrize("k, policy, queue, in_flight, inner, message", [
-    (1, "wait", None, 2, ConcurrentScripted, "at most 1 rollout batches"),
+    (1, "wait", None, 3, ConcurrentScripted, "at most 2 rollout batches"),
     (2, "drop", 1, 2, ConcurrentScripted, "at most 1 rollout batches"),
     (2, "wait", None, 2, Scripted, "does one at a time"),
     (2, "wait", None, 0, ConcurrentScripted, "must be >= 1"),

@@ -150,7 +150,7 @@ def test_a_sweep_skips_a_job_whose_config_is_wrong_and_goes_on(tmp_path):
         (["train.max_staleness=1", "train.rollout_queue=3"], "bounds the queue of stale_policy=drop only"),
         # Several batches in flight: more than the queue bound lets run ahead, or a source that generates on its own.
         (["train.rollout_batches_in_flight=2"], "train.rollout_batches_in_flight=2 acts only with asynchronous"),
-        (["train.max_staleness=1", "train.rollout_batches_in_flight=2"], "at most 1 rollout batches may be generated"),
+        (["train.max_staleness=1", "train.rollout_batches_in_flight=3"], "at most 2 rollout batches may be generated"),
         (["train.max_staleness=2", "train.stale_policy=drop", "train.rollout_queue=1", "train.rollout_batches_in_flight=2"],
          "at most 1 rollout batches may be generated"),
         (["~experiment", "train.max_staleness=2", "data=atropos", "train.stale_policy=drop", "train.rollout_batches_in_flight=2"],
@@ -167,6 +167,7 @@ def test_async_rollouts_with_recompute_and_tis_cap_or_rollout_logprobs_pass(tmp_
     _validate(["train.max_staleness=2", "loss.old_logprobs=recompute", "loss.tis_cap=2.0"], tmp_path)
     _validate(["train.max_staleness=1", "train.stale_policy=drop"], tmp_path)
     _validate(["train.max_staleness=2", "train.rollout_batches_in_flight=2"], tmp_path)
+    _validate(["train.max_staleness=1", "train.rollout_batches_in_flight=2"], tmp_path)  # one-step-off, two at once
     _validate(["train.max_staleness=1", "train.stale_policy=drop", "train.rollout_batches_in_flight=2"], tmp_path)
     # Atropos generates on its own: k drops its older groups.
     _validate(["~experiment", "train.max_staleness=2", "data=atropos", "train.stale_policy=drop"], tmp_path)

@@ -12,14 +12,19 @@ and `last_weight_version` (the version served when the last completion came back
 its tokens); a sync that lands during generation makes them differ. A group's lag when the trainer takes it is
 `current version - weight_version` (the oldest token's bound); a group with lag > `max_staleness` is dropped.
 
-When the producer may start batch `j` (the queue bound): when fewer than `capacity` batches are generated and not yet
-taken (`j - taken - 1 < capacity`).
-- `stale_policy=wait` (default): capacity = `max_staleness`. Batch j starts no earlier than the trainer takes batch
-  j - k, and the trainer syncs at most once per batch it trains, so every group is trained with lag <= k: the
-  generator waits instead of producing groups that would be dropped. k = 1 is one-step-off (verl, AReaL's k=1).
-- `stale_policy=drop`: capacity = `train.rollout_queue` (default max_staleness + 1): the producer runs further ahead
-  and idles less; a group whose lag exceeds k when taken is dropped (`async/dropped_groups`) and the trainer takes
-  the next batch, so a step still trains fresh groups.
+When the producer may start batch `j` (the queue bound), by policy:
+- `stale_policy=wait` (default): once the trainer has finished batch j - k - 1 (trained it and synced: it asks for
+  the next batch only then; `done` below), i.e. `j - done - 1 < capacity` with capacity = `max_staleness + 1`. Batch
+  j is trained after batches j - k, ..., j - 1, and the trainer syncs at most once per batch it trains, so every group
+  is trained with lag <= k: the generator waits instead of producing groups that would be dropped. The bound counts
+  from the last batch *finished*, not the last *taken*: while the trainer waits for batch j - k it has already
+  finished j - k - 1, so batch j may generate beside j - k at the same lag bound (the versions gate the start, as
+  AReaL's staleness control does). With one batch in flight that changes little; with two, a generation-bound run
+  at k = 1 overlaps consecutive batches. k = 1 is one-step-off (verl, AReaL's k=1).
+- `stale_policy=drop`: fewer than capacity = `train.rollout_queue` (default max_staleness + 1) batches generated and
+  not yet taken (`j - taken - 1 < capacity`): the producer runs further ahead and idles less; a group whose lag
+  exceeds k when taken is dropped (`async/dropped_groups`) and the trainer takes the next batch, so a step still
+  trains fresh groups.
 
 The producer also turns each batch into micro-batches (advantages, padding: `prepare`), off the trainer's path; the
 trainer takes them ready unless it dropped stale groups from the batch, which it then prepares itself.
@@ -120,6 +125,8 @@ class AsyncRollouts(DataPipeline):
         self._failed = False  # a batch of this epoch failed: its threads claim no further index
         self._next_gen: Optional[int] = None  # the next index a producer thread claims
         self._taken: Optional[int] = None  # the index of the last batch the trainer took (trained or dropped)
+        # The last batch the trainer finished (trained and synced, or dropped): it asks for the next one only then.
+        self._done: Optional[int] = None
         self._idle_s = 0.0  # producer seconds waiting for room since the trainer's last take (summed over threads)
         self.totals = {"generated": 0, "trained": 0, "dropped": 0}
         self.last_metrics: dict[str, float] = {}
@@ -222,6 +229,8 @@ class AsyncRollouts(DataPipeline):
         """The next batch in index order; starts (or restarts, after an error) the producer; raises its error."""
         self._ensure_producer()
         with self._cond:
+            self._done = self._taken  # asking for the next batch: the last one taken is trained and synced
+            self._cond.notify_all()
             index = self._taken + 1
             while index not in self._ready:
                 if self._stop.is_set():
@@ -259,6 +268,7 @@ class AsyncRollouts(DataPipeline):
                 raise RuntimeError("the rollout producer was stopped")
             self._discard_epoch()
             self._next_gen = self._taken + 1
+            self._done = self._taken
             self._workers = [
                 threading.Thread(target=self._produce, args=(self._epoch,), name=f"grpo-rollout-producer-{i}",
                                  daemon=True)
@@ -269,7 +279,9 @@ class AsyncRollouts(DataPipeline):
 
     # ------------------------------------------------------------------ producer side
     def _may_start(self, index: int) -> bool:
-        return index - self._taken - 1 < self.capacity
+        # wait: counted from the last batch finished (the lag bound); drop: from the last taken (a queue bound).
+        reference = self._done if self.stale_policy == "wait" else self._taken
+        return index - reference - 1 < self.capacity
 
     def _ended(self, epoch: int) -> bool:
         return self._stop.is_set() or epoch != self._epoch or self._failed
@@ -318,8 +330,8 @@ class AsyncRollouts(DataPipeline):
 
 def queue_capacity(max_staleness: int, stale_policy: str, rollout_queue: Optional[int]) -> int:
     """Rollout batches the producer may have generated and not yet handed over (module docstring, the queue bound)."""
-    if stale_policy == "wait":
-        return int(max_staleness)
+    if stale_policy == "wait":  # counted from the last batch the trainer finished (module docstring)
+        return int(max_staleness) + 1
     return int(max_staleness) + 1 if rollout_queue is None else int(rollout_queue)
 
 
@@ -330,7 +342,7 @@ def check_batches_in_flight(batches_in_flight: int, capacity: int, inner: type) 
     if batches_in_flight > capacity:
         raise ValueError(
             f"train.rollout_batches_in_flight={batches_in_flight} but at most {capacity} rollout batches may be "
-            "generated ahead of the trainer (train.max_staleness with stale_policy=wait, train.rollout_queue with "
+            "generated ahead of the trainer (train.max_staleness + 1 with stale_policy=wait, train.rollout_queue with "
             "drop): the other threads would only wait; raise train.max_staleness or lower rollout_batches_in_flight")
     if batches_in_flight > 1 and not inner.concurrent_batches:
         raise ValueError(f"train.rollout_batches_in_flight={batches_in_flight} needs a data pipeline that generates "

@@ -91,7 +91,8 @@ class TrainConfig:
     # stale_policy=drop: rollout batches generated ahead of the trainer at most; null = max_staleness + 1.
     rollout_queue: Optional[int] = None
     # Asynchronous rollouts: rollout batches generating at once (producer threads, so /generate calls at the server);
-    # at most the batches the queue bound lets run ahead (max_staleness, or rollout_queue with drop). 1 = one at a time.
+    # at most the batches the queue bound lets run ahead (max_staleness + 1, or rollout_queue with drop). 1 = one at a
+    # time.
     rollout_batches_in_flight: int = 1
     # Threads of the trainer's torch kernels; null = torch's default (one per core). On a CPU machine whose cores
     # the local vLLM server shares, asynchronous rollouts want cores minus the server's threads (its engine decodes
