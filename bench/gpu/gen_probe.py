@@ -24,7 +24,10 @@ in a rotating order, with a pause after each (an idle engine's busy-poll must no
 ``--profile`` then runs ``inproc_unseeded`` once more under ``torch.profiler`` (the engine core and model runner
 run in this process) and reports the GPU's busy time (the sum of its kernels) against the wall time of the call:
 near 1 the decode is GPU-bound, well below 1 the host's per-step work sets the pace. ``--gpu-util`` samples
-``nvidia-smi``'s utilisation every 50 ms and reports its mean inside each timed call.
+``nvidia-smi``'s utilisation every 50 ms and reports its mean inside each timed call. ``--py-spy SECONDS`` samples
+the server's processes (API server and engine core) with py-spy while ``server_unseeded`` calls run back to back,
+then ``server_unseeded_nologprobs`` calls: where the host's per-step work goes, per process, with and without
+log-probs. ``--server-arg=ARG`` (repeatable) passes ARG to the server's vLLM (e.g. ``--server-arg=--disable-log-stats``).
 """
 
 from __future__ import annotations
@@ -34,7 +37,9 @@ import json
 import os
 import random
 import re
+import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -63,6 +68,10 @@ def parser() -> argparse.ArgumentParser:
                     help="a subset of the variants (default: all)")
     ap.add_argument("--profile", action="store_true", help="GPU busy time vs wall of one in-process call")
     ap.add_argument("--gpu-util", action="store_true", help="nvidia-smi utilisation sampled during each call")
+    ap.add_argument("--py-spy", type=float, default=0.0, metavar="SECONDS",
+                    help="sample the server's processes with py-spy for SECONDS per log-probs setting")
+    ap.add_argument("--server-arg", action="append", default=[],
+                    help="an extra vLLM argument for the server (repeatable; write --server-arg=--flag)")
     ap.add_argument("--out", required=True)
     return ap
 
@@ -88,6 +97,7 @@ def main() -> None:
         profiler = {"profiler": "torch", "torch_profiler_dir": str(trace_dir), "torch_profiler_with_stack": False,
                     "ignore_frontend": True}  # fmt: skip
         cfg["extra_args"] = ["--profiler-config", json.dumps(profiler)]
+    cfg["extra_args"] += list(args.server_arg)
     server = VLLMServer(mdir, cfg, log, env={"VLLM_ENABLE_V1_MULTIPROCESSING": "1"})
     server.start()
     try:
@@ -149,6 +159,12 @@ def main() -> None:
         if args.profile:
             result["server_profile"] = profile_server(server.url, lambda: server_run(None), trace_dir)
             print(json.dumps({k: v for k, v in result["server_profile"].items() if k != "top_cpu_ops"}, indent=1))
+        if args.py_spy > 0:
+            result["py_spy"] = {
+                name: py_spy_server(server.pid, fn, args.py_spy, Path(args.out).with_suffix(f".{name}.pyspy.txt"))
+                for name, fn in (("logprobs", lambda: server_run(None)),
+                                 ("nologprobs", lambda: server_run(None, logprobs=False)))
+            }  # fmt: skip
         print(json.dumps({k: v for k, v in result.items() if k in ("median_s", "gpu_util_mean")}, indent=1))
         if "profile" in result:
             print(json.dumps({k: v for k, v in result["profile"].items() if not k.startswith("table")}, indent=1))
@@ -233,6 +249,57 @@ def profile_server(url: str, fn, trace_dir: Path) -> dict:
         "kernel_span_s": span, "kernels": len(kernels),
         "top_cpu_ops": [(k, round(v / 1e3, 2)) for k, v in cpu_ops.most_common(40)],
     }  # fmt: skip
+
+
+def py_spy_server(pid: int | None, fn, seconds: float, raw_path: Path) -> dict:
+    """The server's process tree sampled by py-spy (on-CPU stacks, not pausing it) while `fn` runs back to back for
+    `seconds`: per process, where its samples go (`summarize_stacks`). The raw collapsed stacks stay in `raw_path`."""
+    exe = shutil.which("py-spy")
+    if exe is None or pid is None:
+        return {"error": "py-spy is not installed (scripts/device/make-project-wheels puts its wheel in the kit)"}
+    cmd = [exe, "record", "--pid", str(pid), "--subprocesses", "--nonblocking", "--rate", "250",
+           "--duration", str(int(seconds)), "--format", "raw", "--output", str(raw_path)]  # fmt: skip
+    spy = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    time.sleep(1.0)  # py-spy attaches before the calls begin
+    calls, t_end = 0, time.perf_counter() + seconds
+    while time.perf_counter() < t_end and spy.poll() is None:
+        fn()
+        calls += 1
+    out, _ = spy.communicate(timeout=seconds + 120)
+    if spy.returncode != 0 or not raw_path.exists():
+        return {"error": f"py-spy exited {spy.returncode}: {out[-800:]}", "calls": calls}
+    return {"calls": calls, "raw": raw_path.name, **summarize_stacks(raw_path.read_text(errors="replace"))}
+
+
+def summarize_stacks(collapsed: str, top: int = 25) -> dict:
+    """py-spy's collapsed stacks ("process 12:cmd;frame (file:line);... COUNT" per line) summed per process: its
+    samples, the frames where they were taken (self) and the frames anywhere on their stacks (inclusive, once per
+    stack), line numbers dropped so a function counts as one."""
+    from collections import Counter, defaultdict
+
+    per: dict[str, dict[str, Counter]] = defaultdict(lambda: {"self": Counter(), "inclusive": Counter()})
+    totals: Counter = Counter()
+    for line in collapsed.splitlines():
+        stack, _, count = line.rpartition(" ")
+        if not stack or not count.isdigit():
+            continue
+        frames = stack.split(";")
+        # With --subprocesses a child's stack starts with its ancestors' "process PID:cmd" frames: the last is its own.
+        marks = [i for i, f in enumerate(frames) if f.startswith("process ")]
+        process = frames[marks[-1]][:80] if marks else "?"
+        names = [re.sub(r":\d+\)$", ")", f) for f in frames[(marks[-1] + 1 if marks else 0):]]
+        n = int(count)
+        totals[process] += n
+        if names:
+            per[process]["self"][names[-1]] += n
+        for name in set(names):
+            per[process]["inclusive"][name] += n
+    return {"processes": {
+        proc: {"samples": totals[proc],
+               "self": [(k, v) for k, v in per[proc]["self"].most_common(top)],
+               "inclusive": [(k, v) for k, v in per[proc]["inclusive"].most_common(top)]}
+        for proc, _ in totals.most_common()
+    }}  # fmt: skip
 
 
 def profile_call(fn, expected_tokens: int) -> dict:
