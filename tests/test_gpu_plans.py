@@ -55,6 +55,9 @@ def test_plan_job_composes_and_validates(plan, job, tmp_path, monkeypatch):
         parsed = gen_probe.parser().parse_args(command[2:])  # unknown variants fail here
         assert parsed.preset in [*offline_presets(), *PACKAGED_MODELS] and parsed.rounds >= 1
         return
+    if args and args[0].startswith("pyspy="):
+        rows, seconds = args.pop(0).split("=", 1)[1].split(":")
+        assert int(rows) >= 1 and float(seconds) > 0 and "bench/gpu/pyspy_run.py" in command
     world = int(args[0].split("=", 1)[1]) if args and args[0].startswith("torchrun=") else 1
     assert ("torch.distributed.run" in command) == (world > 1)
     overrides = [a for a in command[command.index("train.py") + 1:] if not a.startswith("hydra.run.dir=")]

@@ -46,6 +46,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from stacks import summarize_stacks  # noqa: E402
+
 from common import ROOT, free_port, machine, model_dir  # noqa: E402
 
 VARIANTS = ("server_seeded", "server_unseeded", "server_unseeded_detok", "server_unseeded_flat",
@@ -269,37 +271,6 @@ def py_spy_server(pid: int | None, fn, seconds: float, raw_path: Path) -> dict:
     if spy.returncode != 0 or not raw_path.exists():
         return {"error": f"py-spy exited {spy.returncode}: {out[-800:]}", "calls": calls}
     return {"calls": calls, "raw": raw_path.name, **summarize_stacks(raw_path.read_text(errors="replace"))}
-
-
-def summarize_stacks(collapsed: str, top: int = 25) -> dict:
-    """py-spy's collapsed stacks ("process 12:cmd;frame (file:line);... COUNT" per line) summed per process: its
-    samples, the frames where they were taken (self) and the frames anywhere on their stacks (inclusive, once per
-    stack), line numbers dropped so a function counts as one."""
-    from collections import Counter, defaultdict
-
-    per: dict[str, dict[str, Counter]] = defaultdict(lambda: {"self": Counter(), "inclusive": Counter()})
-    totals: Counter = Counter()
-    for line in collapsed.splitlines():
-        stack, _, count = line.rpartition(" ")
-        if not stack or not count.isdigit():
-            continue
-        frames = stack.split(";")
-        # With --subprocesses a child's stack starts with its ancestors' "process PID:cmd" frames: the last is its own.
-        marks = [i for i, f in enumerate(frames) if f.startswith("process ")]
-        process = frames[marks[-1]][:80] if marks else "?"
-        names = [re.sub(r":\d+\)$", ")", f) for f in frames[(marks[-1] + 1 if marks else 0):]]
-        n = int(count)
-        totals[process] += n
-        if names:
-            per[process]["self"][names[-1]] += n
-        for name in set(names):
-            per[process]["inclusive"][name] += n
-    return {"processes": {
-        proc: {"samples": totals[proc],
-               "self": [(k, v) for k, v in per[proc]["self"].most_common(top)],
-               "inclusive": [(k, v) for k, v in per[proc]["inclusive"].most_common(top)]}
-        for proc, _ in totals.most_common()
-    }}  # fmt: skip
 
 
 def profile_call(fn, expected_tokens: int) -> dict:

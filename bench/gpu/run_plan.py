@@ -10,8 +10,9 @@ on one GPU together). A job line is `name | experiment | overrides...` for `pyth
 `name | trl_step | --preset qwen3b --steps 20 ...` for TRL's whole step at a preset's size (bench/gpu/trl_step.py), or
 `name | gen_probe | --preset qwen3b ...` for bench/gpu/gen_probe.py; a first override
 `gpus=2,3` gives the job only those GPUs (CUDA_VISIBLE_DEVICES; inside the job they are numbered 0, 1, ...), and
-then `torchrun=K` starts train.py under torchrun with K processes (an FSDP2 trainer). Jobs of a wave on disjoint
-`gpus=` start together; the others one after another's vLLM is ready. Every job's log,
+then `pyspy=ROWS:SECONDS` profiles the run with py-spy for SECONDS once its metrics have ROWS rows
+(bench/gpu/pyspy_run.py), and `torchrun=K` starts train.py under torchrun with K processes (an FSDP2 trainer).
+Jobs of a wave on disjoint `gpus=` start together; the others one after another's vLLM is ready. Every job's log,
 metrics.jsonl, summary.json and the tail of its evaluation samples land flat in --out, and `jobs.jsonl` there has one
 row per job (start, end, wall seconds, return code, wave, how many jobs shared the GPU). Lines starting with # are
 comments. With --queue the waves are ignored: each job starts, in plan order, as soon as its GPUs are free (a
@@ -79,10 +80,14 @@ def command(job: list[str], out: Path) -> list[str]:
     if kind in ("trl_step", "gen_probe"):  # bench/gpu/trl_step.py (TRL's whole step at a preset's size) or
         # bench/gpu/gen_probe.py (our /generate against vLLM in-process), their arguments as given
         return [sys.executable, f"bench/gpu/{kind}.py", *args, "--out", str(out / f"{name}.json")]
+    spy = args.pop(0).split("=", 1)[1].split(":") if args and args[0].startswith("pyspy=") else None
     launch = [sys.executable, "train.py"]
     if args and args[0].startswith("torchrun="):
         launch = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", args.pop(0).split("=", 1)[1],
                   "--master-port", str(job_port(name)), "train.py"]
+    if spy is not None:  # profiled in its steady state (bench/gpu/pyspy_run.py)
+        launch = [sys.executable, "bench/gpu/pyspy_run.py", "--metrics", str(RUNS / name / "metrics.jsonl"),
+                  "--after-rows", spy[0], "--seconds", spy[1], "--out", str(out / name), "--", *launch]
     return [*launch, f"experiment={kind}", "logging.progress_bar=false", f"hydra.run.dir={RUNS / name}", *args]
 
 
