@@ -39,7 +39,7 @@ def run(tmp_path: Path, rows: int, seconds: float, code: int, after_rows: int, s
 
 
 def test_without_py_spy_the_run_ends_with_its_own_code_and_the_reason_is_written(tmp_path, monkeypatch):
-    monkeypatch.setattr(pyspy_run.shutil, "which", lambda name: None)
+    monkeypatch.setattr(shutil, "which", lambda name: None)  # what start_recording looks up
     rc, result = run(tmp_path, rows=3, seconds=2.5, code=3, after_rows=2)
     assert rc == 3
     assert "py-spy is not installed" in result["error"]

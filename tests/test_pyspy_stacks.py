@@ -1,4 +1,4 @@
-"""bench/gpu/stacks.py (gen_probe.py --py-spy, pyspy_run.py) reads py-spy's collapsed stacks of the whole server tree: each stack must count for
+"""bench/gpu/pyspy_stacks.py (gen_probe.py --py-spy, pyspy_run.py) reads py-spy's collapsed stacks of the whole server tree: each stack must count for
 the process that was sampled (the last "process" frame: a child's stack begins with its ancestors'), its own frames
 only, a function once per stack however many of its lines appear, and the frame on top as "self"."""
 
@@ -10,7 +10,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "bench" / "gpu"))
 sys.path.insert(0, str(REPO / "bench"))
-import stacks  # noqa: E402
+import pyspy_stacks  # noqa: E402
 
 API = 'process 10:"python -m grpo.inference.server"'
 CORE = 'process 11:"VLLM::EngineCore"'
@@ -24,7 +24,7 @@ STACKS = "\n".join([
 
 
 def test_stacks_are_summed_per_sampled_process_with_self_and_inclusive_frames():
-    procs = stacks.summarize_stacks(STACKS)["processes"]
+    procs = pyspy_stacks.summarize_stacks(STACKS)["processes"]
     assert list(procs) == [API, CORE]  # most samples first
     api, core = procs[API], procs[CORE]
     assert (api["samples"], core["samples"]) == (10, 7)

@@ -37,16 +37,14 @@ import json
 import os
 import random
 import re
-import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from stacks import summarize_stacks  # noqa: E402
+from pyspy_stacks import finish_recording, start_recording  # noqa: E402
 
 from common import ROOT, free_port, machine, model_dir  # noqa: E402
 
@@ -254,23 +252,17 @@ def profile_server(url: str, fn, trace_dir: Path) -> dict:
 
 
 def py_spy_server(pid: int | None, fn, seconds: float, raw_path: Path) -> dict:
-    """The server's process tree sampled by py-spy (on-CPU stacks, not pausing it) while `fn` runs back to back for
-    `seconds`: per process, where its samples go (`summarize_stacks`). The raw collapsed stacks stay in `raw_path`."""
-    exe = shutil.which("py-spy")
-    if exe is None or pid is None:
-        return {"error": "py-spy is not installed (scripts/device/make-project-wheels puts its wheel in the kit)"}
-    cmd = [exe, "record", "--pid", str(pid), "--subprocesses", "--nonblocking", "--rate", "250",
-           "--duration", str(int(seconds)), "--format", "raw", "--output", str(raw_path)]  # fmt: skip
-    spy = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    time.sleep(1.0)  # py-spy attaches before the calls begin
-    calls, t_end = 0, time.perf_counter() + seconds
-    while time.perf_counter() < t_end and spy.poll() is None:
-        fn()
-        calls += 1
-    out, _ = spy.communicate(timeout=seconds + 120)
-    if spy.returncode != 0 or not raw_path.exists():
-        return {"error": f"py-spy exited {spy.returncode}: {out[-800:]}", "calls": calls}
-    return {"calls": calls, "raw": raw_path.name, **summarize_stacks(raw_path.read_text(errors="replace"))}
+    """The server's process tree sampled by py-spy while `fn` runs back to back for `seconds`: per process, where its
+    samples go (bench/gpu/pyspy_stacks.py). The raw collapsed stacks stay in `raw_path`."""
+    spy = start_recording(pid, seconds, raw_path, rate=250) if pid is not None else None
+    calls = 0
+    if spy is not None:
+        time.sleep(1.0)  # py-spy attaches before the calls begin
+        t_end = time.perf_counter() + seconds
+        while time.perf_counter() < t_end and spy.poll() is None:
+            fn()
+            calls += 1
+    return {"calls": calls, "raw": raw_path.name, **finish_recording(spy, raw_path, seconds)}
 
 
 def profile_call(fn, expected_tokens: int) -> dict:

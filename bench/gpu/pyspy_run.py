@@ -1,6 +1,6 @@
 """Run a command (a training run) and profile it in its steady state: once its metrics.jsonl has ``--after-rows``
 rows, py-spy samples the command's whole process tree (trainer, vLLM's API server, engine core, worker) for
-``--seconds`` without pausing it, and the stacks are summed per process (bench/gpu/stacks.py).
+``--seconds`` without pausing it, and the stacks are summed per process (bench/gpu/pyspy_stacks.py).
 
     python bench/gpu/pyspy_run.py --metrics RUN/metrics.jsonl --after-rows 60 --seconds 30 --out OUT/name -- \\
         python train.py experiment=smollm2_chat_arith_shared ...
@@ -15,14 +15,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import shutil
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from stacks import summarize_stacks  # noqa: E402
+from pyspy_stacks import finish_recording, start_recording  # noqa: E402
 
 
 def parser() -> argparse.ArgumentParser:
@@ -45,15 +44,8 @@ def rows(path: Path) -> int:
 
 def profile(pid: int, args: argparse.Namespace, raw: Path) -> dict:
     """py-spy on `pid` and its children for `args.seconds`; the summary, or why there is none."""
-    exe = shutil.which("py-spy")
-    if exe is None:
-        return {"error": "py-spy is not installed (scripts/device/make-project-wheels puts its wheel in the kit)"}
-    cmd = [exe, "record", "--pid", str(pid), "--subprocesses", "--nonblocking", "--rate", str(args.rate),
-           "--duration", str(max(1, int(args.seconds))), "--format", "raw", "--output", str(raw)]  # fmt: skip
-    spy = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=args.seconds + 120)
-    if spy.returncode != 0 or not raw.exists():
-        return {"error": f"py-spy exited {spy.returncode}: {spy.stdout[-800:]}"}
-    return {"seconds": args.seconds, "rate": args.rate, **summarize_stacks(raw.read_text(errors="replace"))}
+    spy = start_recording(pid, args.seconds, raw, rate=args.rate)
+    return {"seconds": args.seconds, "rate": args.rate, **finish_recording(spy, raw, args.seconds)}
 
 
 def main(argv: list[str] | None = None) -> int:

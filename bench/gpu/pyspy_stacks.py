@@ -1,11 +1,37 @@
-"""py-spy's collapsed stacks summed per process, for the profiles the GPU benchmarks take (bench/gpu/gen_probe.py
---py-spy, bench/gpu/pyspy_run.py): where each process of a run (trainer, vLLM's API server, engine core, worker)
-spends its samples."""
+"""py-spy recordings of a process tree, summed per process, for the profiles the GPU benchmarks take
+(bench/gpu/gen_probe.py --py-spy, bench/gpu/pyspy_run.py): where each process of a run (trainer, vLLM's API server,
+engine core, worker) spends its samples."""
 
 from __future__ import annotations
 
 import re
+import shutil
+import subprocess
 from collections import Counter, defaultdict
+from pathlib import Path
+
+MISSING = "py-spy is not installed (scripts/device/make-project-wheels puts its wheel in the kit)"
+
+
+def start_recording(pid: int, seconds: float, raw: Path, rate: int = 200) -> subprocess.Popen | None:
+    """py-spy recording `pid` and its children for `seconds` into `raw` (collapsed stacks; on-CPU samples only, the
+    processes not paused); None when py-spy is not installed."""
+    exe = shutil.which("py-spy")
+    if exe is None:
+        return None
+    cmd = [exe, "record", "--pid", str(pid), "--subprocesses", "--nonblocking", "--rate", str(rate),
+           "--duration", str(max(1, int(seconds))), "--format", "raw", "--output", str(raw)]  # fmt: skip
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def finish_recording(spy: subprocess.Popen | None, raw: Path, seconds: float) -> dict:
+    """The summary of a recording once py-spy has ended (`summarize_stacks`), or why there is none."""
+    if spy is None:
+        return {"error": MISSING}
+    out, _ = spy.communicate(timeout=seconds + 120)
+    if spy.returncode != 0 or not raw.exists():
+        return {"error": f"py-spy exited {spy.returncode}: {out[-800:]}"}
+    return summarize_stacks(raw.read_text(errors="replace"))
 
 
 def summarize_stacks(collapsed: str, top: int = 25) -> dict:
