@@ -87,3 +87,17 @@ def test_sync_table_shows_the_servers_phases_and_the_worst_weight_match(tmp_path
     cells = dict(zip(head.strip("| ").split(" | "), line.strip("| ").split(" | ")))
     assert cells["sync s"] == "0.35" and cells["receive s"] == "0.05"  # medians of steps 2-5
     assert cells["weights match (worst)"] == "0" and cells["start s"] == "-"
+
+
+def test_pipeline_view_gives_the_mean_step_beside_the_median_and_the_trainers_wait(tmp_path):
+    # Two batches in flight: the step alternates 0.2 s (no wait) and 0.6 s (0.4 s waited for the batch).
+    step_rows = [{"step": s, "time/step_seconds": 0.2 if s % 2 else 0.6,
+                  "async/trainer_wait_seconds": 0.0 if s % 2 else 0.4} for s in range(1, 11)]
+    (tmp_path / "k1x2.metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in step_rows))
+    out = subprocess.run([sys.executable, str(REPO / "bench" / "gpu" / "scale_table.py"), str(tmp_path), "--skip", "2",
+                          "--pipeline"], capture_output=True, text=True, check=True).stdout
+    head = out.splitlines()[0].split(" | ")
+    cells = dict(zip(head, out.splitlines()[2].split(" | ")))
+    assert cells["step s (mean)"] == "0.4"  # steps 3-10: four of 0.2 s and four of 0.6 s
+    assert cells["trainer wait s (mean)"] == "0.2"
+    assert cells["generation s"] == "-"  # not in these rows

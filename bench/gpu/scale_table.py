@@ -2,10 +2,13 @@
 bench/gpu/run_plan.py collected, or the `<name>.metrics.partial.jsonl` a `collect` copied while the run was still
 going), medians over the steps after the first `--skip` (start-up, compilation).
 
-    python bench/gpu/scale_table.py bench/results/gpu/scale_out_4gpu [--skip 3] [--until 60] [--sync]
+    python bench/gpu/scale_table.py bench/results/gpu/scale_out_4gpu [--skip 3] [--until 60] [--sync | --pipeline]
 
 `--sync` gives the weight sync's columns instead: its seconds, the server's part phase by phase, bytes, and whether the
 served weights matched the trainer's (mode=broadcast's `sync/server_*_seconds`; "-" where a mode has none).
+`--pipeline` gives asynchronous rollouts' columns: the step's mean beside its median (two batches in flight make step
+times alternate, and the mean is what a run's length is made of), the trainer's wait for its batch and the
+generator's idle time (means), a batch's generation, training and the arrival check (medians).
 """
 
 from __future__ import annotations
@@ -38,13 +41,27 @@ SYNC_COLUMNS = {  # the same for the weight sync (--sync)
 }
 
 
+PIPELINE_COLUMNS = {  # the same for asynchronous rollouts (--pipeline); "mean:" takes the mean, not the median
+    "mean:time/step_seconds": "step s (mean)",
+    "time/step_seconds": "step s (median)",
+    "mean:async/trainer_wait_seconds": "trainer wait s (mean)",
+    "mean:async/generator_idle_seconds": "generator idle s (mean)",
+    "generation/seconds": "generation s",
+    "time/train_seconds": "train s",
+    "sync/arrival_check_seconds": "arrival check s",
+}
+
+
 def row(path: Path, skip: int, until: int | None = None, columns: dict[str, str] = COLUMNS) -> list[str]:
     rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
     steady = [r for r in rows if r.get("step", 0) > skip and (until is None or r.get("step", 0) <= until)] or rows
     cells = []
-    for key in columns:
+    for column in columns:
+        stat, _, key = column.rpartition(":")
         values = [r[key] for r in steady if isinstance(r.get(key), (int, float))]
-        summary = min if key == "sync/weights_match" else statistics.median  # any mismatch shows: the worst step
+        summary = {"mean": statistics.mean}.get(stat, statistics.median)
+        if key == "sync/weights_match":
+            summary = min  # any mismatch shows: the worst step
         cells.append(f"{summary(values):.3g}" if values else "-")
     replicas = sum(1 for k in rows[-1] if k.startswith("server/replica") and k.endswith("/requests")) or 1
     return [path.name.split(".")[0], str(replicas), str(len(rows)), *cells]
@@ -56,9 +73,11 @@ def main() -> None:
     ap.add_argument("--skip", type=int, default=3, help="steps left out at the start")
     ap.add_argument("--until", type=int, default=None,
                     help="last step counted (runs of different lengths compared over the same steps)")
-    ap.add_argument("--sync", action="store_true", help="the weight sync's columns (phases, bytes, match)")
+    view = ap.add_mutually_exclusive_group()
+    view.add_argument("--sync", action="store_true", help="the weight sync's columns (phases, bytes, match)")
+    view.add_argument("--pipeline", action="store_true", help="asynchronous rollouts' columns (means, waits)")
     args = ap.parse_args()
-    columns = SYNC_COLUMNS if args.sync else COLUMNS
+    columns = SYNC_COLUMNS if args.sync else PIPELINE_COLUMNS if args.pipeline else COLUMNS
     head = ["run", "replicas", "rows", *columns.values()]
     print("| " + " | ".join(head) + " |\n|" + "---|" * len(head))
     finished = sorted(args.folder.glob("*.metrics.jsonl"))
