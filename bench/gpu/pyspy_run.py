@@ -57,9 +57,10 @@ def main(argv: list[str] | None = None) -> int:
     proc = subprocess.Popen(command)
     result: dict = {"error": f"the command ended before its metrics had {args.after_rows} rows"}
     while proc.poll() is None:
-        if rows(args.metrics) >= args.after_rows:
+        written = rows(args.metrics)
+        if written >= args.after_rows:
             try:
-                result = {"after_rows": rows(args.metrics), **profile(proc.pid, args, raw)}
+                result = {"after_rows": written, **profile(proc.pid, args, raw)}
             except Exception as error:  # the run goes on whatever the profiler does
                 result = {"error": f"{type(error).__name__}: {error}"}
             break

@@ -18,6 +18,8 @@ import json
 import statistics
 from pathlib import Path
 
+# A column is a metrics.jsonl key (its median over the steady steps) or "mean:key" / "min:key" -> its heading.
+SUMMARIES = {"mean": statistics.mean, "min": min}
 COLUMNS = {  # metrics.jsonl key -> column heading
     "time/step_seconds": "step s",
     "generation/seconds": "generation s",
@@ -37,11 +39,11 @@ SYNC_COLUMNS = {  # the same for the weight sync (--sync)
     "sync/server_empty_cache_seconds": "cache emptying s",
     "sync/server_reset_prefix_cache_seconds": "prefix-cache reset s",
     "sync/bytes": "bytes",
-    "sync/weights_match": "weights match (worst)",
+    "min:sync/weights_match": "weights match (worst)",  # any mismatch shows: the worst step
 }
 
 
-PIPELINE_COLUMNS = {  # the same for asynchronous rollouts (--pipeline); "mean:" takes the mean, not the median
+PIPELINE_COLUMNS = {  # the same for asynchronous rollouts (--pipeline)
     "mean:time/step_seconds": "step s (mean)",
     "time/step_seconds": "step s (median)",
     "mean:async/trainer_wait_seconds": "trainer wait s (mean)",
@@ -59,9 +61,7 @@ def row(path: Path, skip: int, until: int | None = None, columns: dict[str, str]
     for column in columns:
         stat, _, key = column.rpartition(":")
         values = [r[key] for r in steady if isinstance(r.get(key), (int, float))]
-        summary = {"mean": statistics.mean}.get(stat, statistics.median)
-        if key == "sync/weights_match":
-            summary = min  # any mismatch shows: the worst step
+        summary = SUMMARIES.get(stat, statistics.median)
         cells.append(f"{summary(values):.3g}" if values else "-")
     replicas = sum(1 for k in rows[-1] if k.startswith("server/replica") and k.endswith("/requests")) or 1
     return [path.name.split(".")[0], str(replicas), str(len(rows)), *cells]
