@@ -60,3 +60,13 @@ def test_with_py_spy_the_steady_state_is_sampled_per_process(tmp_path):
         pytest.skip(result["error"])
     assert result["after_rows"] >= 2 and result["processes"]
     assert sum(p["samples"] for p in result["processes"].values()) > 0
+    assert 1.0 <= result["window_s"] < 3.0  # the wall-clock window asked for, however far py-spy fell behind
+
+
+@pytest.mark.skipif(shutil.which("py-spy") is None, reason="py-spy is not installed")
+def test_a_run_that_ends_inside_the_window_ends_the_recording_with_it(tmp_path):
+    rc, result = run(tmp_path, rows=2, seconds=1.5, code=0, after_rows=2, spy_seconds=30.0)
+    assert rc == 0
+    if "error" in result:
+        pytest.skip(result["error"])
+    assert result["window_s"] < 10.0 and result["processes"]

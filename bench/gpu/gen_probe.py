@@ -254,15 +254,15 @@ def profile_server(url: str, fn, trace_dir: Path) -> dict:
 def py_spy_server(pid: int | None, fn, seconds: float, raw_path: Path) -> dict:
     """The server's process tree sampled by py-spy while `fn` runs back to back for `seconds`: per process, where its
     samples go (bench/gpu/pyspy_stacks.py). The raw collapsed stacks stay in `raw_path`."""
-    spy = start_recording(pid, seconds, raw_path, rate=250) if pid is not None else None
+    rec = start_recording(pid, raw_path, rate=250) if pid is not None else None
     calls = 0
-    if spy is not None:
+    if rec is not None:
         time.sleep(1.0)  # py-spy attaches before the calls begin
         t_end = time.perf_counter() + seconds
-        while time.perf_counter() < t_end and spy.poll() is None:
+        while time.perf_counter() < t_end and rec.proc.poll() is None:
             fn()
             calls += 1
-    return {"calls": calls, "raw": raw_path.name, **finish_recording(spy, raw_path, seconds)}
+    return {"calls": calls, "raw": raw_path.name, **finish_recording(rec, raw_path, seconds + 1.0)}
 
 
 def profile_call(fn, expected_tokens: int) -> dict:

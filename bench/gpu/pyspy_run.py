@@ -44,8 +44,8 @@ def rows(path: Path) -> int:
 
 def profile(pid: int, args: argparse.Namespace, raw: Path) -> dict:
     """py-spy on `pid` and its children for `args.seconds`; the summary, or why there is none."""
-    spy = start_recording(pid, args.seconds, raw, rate=args.rate)
-    return {"seconds": args.seconds, "rate": args.rate, **finish_recording(spy, raw, args.seconds)}
+    rec = start_recording(pid, raw, rate=args.rate)
+    return {"seconds": args.seconds, "rate": args.rate, **finish_recording(rec, raw, args.seconds)}
 
 
 def main(argv: list[str] | None = None) -> int:

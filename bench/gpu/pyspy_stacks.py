@@ -6,32 +6,51 @@ from __future__ import annotations
 
 import re
 import shutil
+import signal
 import subprocess
+import time
 from collections import Counter, defaultdict
+from dataclasses import dataclass
 from pathlib import Path
 
 MISSING = "py-spy is not installed (scripts/device/make-project-wheels puts its wheel in the kit)"
 
 
-def start_recording(pid: int, seconds: float, raw: Path, rate: int = 200) -> subprocess.Popen | None:
-    """py-spy recording `pid` and its children for `seconds` into `raw` (collapsed stacks; on-CPU samples only, the
-    processes not paused); None when py-spy is not installed."""
+@dataclass
+class Recording:
+    """A py-spy recording under way: its process and when it started (`time.monotonic()`)."""
+
+    proc: subprocess.Popen
+    started: float
+
+
+def start_recording(pid: int, raw: Path, rate: int = 200) -> Recording | None:
+    """py-spy recording `pid` and its children into `raw` (collapsed stacks; on-CPU samples only, the processes not
+    paused) until `finish_recording` stops it; None when py-spy is not installed. No `--duration`: py-spy counts it in
+    samples, and walking a dozen processes it falls behind its rate, so its window would outlast the one asked for."""
     exe = shutil.which("py-spy")
     if exe is None:
         return None
     cmd = [exe, "record", "--pid", str(pid), "--subprocesses", "--nonblocking", "--rate", str(rate),
-           "--duration", str(max(1, int(seconds))), "--format", "raw", "--output", str(raw)]  # fmt: skip
-    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+           "--format", "raw", "--output", str(raw)]  # fmt: skip
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    return Recording(proc, time.monotonic())
 
 
-def finish_recording(spy: subprocess.Popen | None, raw: Path, seconds: float) -> dict:
-    """The summary of a recording once py-spy has ended (`summarize_stacks`), or why there is none."""
-    if spy is None:
+def finish_recording(rec: Recording | None, raw: Path, seconds: float) -> dict:
+    """Stop the recording `seconds` of wall-clock after it started (SIGINT: py-spy writes what it has; it ends by
+    itself if the sampled process does first) and summarize it (`summarize_stacks`), or say why there is none."""
+    if rec is None:
         return {"error": MISSING}
-    out, _ = spy.communicate(timeout=seconds + 120)
-    if spy.returncode != 0 or not raw.exists():
-        return {"error": f"py-spy exited {spy.returncode}: {out[-800:]}"}
-    return summarize_stacks(raw.read_text(errors="replace"))
+    try:
+        rec.proc.wait(timeout=max(0.0, rec.started + seconds - time.monotonic()))
+    except subprocess.TimeoutExpired:
+        rec.proc.send_signal(signal.SIGINT)
+    out, _ = rec.proc.communicate(timeout=120)
+    window_s = round(time.monotonic() - rec.started, 2)
+    if rec.proc.returncode != 0 or not raw.exists():
+        return {"error": f"py-spy exited {rec.proc.returncode}: {out[-800:]}"}
+    return {"window_s": window_s, **summarize_stacks(raw.read_text(errors="replace"))}
 
 
 def summarize_stacks(collapsed: str, top: int = 25) -> dict:
