@@ -101,3 +101,27 @@ def test_pipeline_view_gives_the_mean_step_beside_the_median_and_the_trainers_wa
     assert cells["step s (mean)"] == "0.4"  # steps 3-10: four of 0.2 s and four of 0.6 s
     assert cells["trainer wait s (mean)"] == "0.2"
     assert cells["generation s"] == "-"  # not in these rows
+
+
+def test_compressed_results_read_as_the_plain_files_did(tmp_path):
+    """The larger raw files are committed gzip-compressed (bench/gpu/result_files.py) so the checkout leaves the kit
+    room in a device call: the tables must come out the same from the compressed copies."""
+    import result_files
+
+    step_rows = [{"step": s, "generation/tokens_per_s": 1000.0 * s, "padding": "x" * 200} for s in range(1, 2000)]
+    for r in step_rows[99::100]:  # an evaluation every 100 steps
+        r.update({"eval/accuracy": r["step"] / 4000, "time/run_seconds": r["step"] * 0.5, "eval/seconds": 2.0})
+    (tmp_path / "big.metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in step_rows))
+    write_ours(tmp_path / "small.metrics.jsonl", [(0, 0.15, 5, 5), (50, 0.5, 35, 5)])
+    table = [sys.executable, str(REPO / "bench" / "gpu" / "scale_table.py"), str(tmp_path), "--skip", "3"]
+    before = subprocess.run(table, capture_output=True, text=True, check=True).stdout
+    curve = real_model_curves.ours_curve(tmp_path / "big.metrics.jsonl")
+    assert len(curve) == 19
+
+    assert result_files.compress_large(tmp_path) == [tmp_path / "big.metrics.jsonl"]  # the small one stays plain
+    assert not (tmp_path / "big.metrics.jsonl").exists() and (tmp_path / "big.metrics.jsonl.gz").exists()
+    assert result_files.find(tmp_path, "*.metrics.jsonl") == [tmp_path / "big.metrics.jsonl",
+                                                              tmp_path / "small.metrics.jsonl"]
+    assert subprocess.run(table, capture_output=True, text=True, check=True).stdout == before
+    assert real_model_curves.ours_curve(tmp_path / "big.metrics.jsonl") == curve
+    assert "| big |" in before and "| small |" in before

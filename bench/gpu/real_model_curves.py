@@ -18,10 +18,13 @@ import json
 import sys
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from result_files import exists, find, read_text  # noqa: E402
+
 
 def ours_curve(path: Path) -> list[tuple[int, float, float]]:
     """(step, accuracy, training seconds) of a metrics.jsonl: time/run_seconds less the evaluations so far."""
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    rows = [json.loads(line) for line in read_text(path).splitlines() if line.strip()]
     out, eval_s = [], 0.0
     for r in rows:
         if "eval/accuracy" in r:
@@ -31,7 +34,7 @@ def ours_curve(path: Path) -> list[tuple[int, float, float]]:
 
 
 def trl_curve(path: Path) -> list[tuple[int, float, float]]:
-    return [(r["step"], r["eval/accuracy"], r["time/train_seconds"]) for r in json.loads(path.read_text())["rows"]]
+    return [(r["step"], r["eval/accuracy"], r["time/train_seconds"]) for r in json.loads(read_text(path))["rows"]]
 
 
 def first_reach(curve: list[tuple[int, float, float]], target: float) -> float | None:
@@ -56,11 +59,11 @@ def main(folder: str) -> None:
     import matplotlib.pyplot as plt
 
     root = Path(folder)
-    if list(root.glob("ours_*.metrics.jsonl")):
+    if find(root, "ours_*.metrics.jsonl"):
         compare(root, plt)
         return
-    curves = {f"ours {p.name.split('_')[2].split('.')[0]}": ours_curve(p) for p in sorted(root.glob("lr3e-5_250steps_s*.metrics.jsonl"))}
-    trl = {f"TRL {p.stem.split('_')[1]}": trl_curve(p) for p in sorted(root.glob("trl_s*.json"))}
+    curves = {f"ours {p.name.split('_')[2].split('.')[0]}": ours_curve(p) for p in find(root, "lr3e-5_250steps_s*.metrics.jsonl")}
+    trl = {f"TRL {p.stem.split('_')[1]}": trl_curve(p) for p in find(root, "trl_s*.json")}
     target = sum(c[-1][1] for c in trl.values()) / len(trl)
     lines = ["| run | accuracy at steps 0, 50, ..., 250 | training s | s to TRL's final (%.3f) | / TRL's s |" % target,
              "|---|---|---|---|---|"]
@@ -82,8 +85,8 @@ def main(folder: str) -> None:
 def compare(root: Path, plt) -> None:
     """Each of our runs against each TRL run: the training seconds ours took to first reach TRL's final accuracy, over
     TRL's training seconds; curves.png (ours and TRL) and algorithms.png (the algo_* runs beside ours seed 0)."""
-    ours = {p.name.split(".")[0][5:]: ours_curve(p) for p in sorted(root.glob("ours_*.metrics.jsonl"))}
-    trl = {p.stem: trl_curve(p) for p in sorted(root.glob("trl_s*.json"))}
+    ours = {p.name.split(".")[0][5:]: ours_curve(p) for p in find(root, "ours_*.metrics.jsonl")}
+    trl = {p.stem: trl_curve(p) for p in find(root, "trl_s*.json")}
     lines = ["| run | accuracy at steps 0, 50, ..., 250 | training s at 250 | "
              + " | ".join(f"to {t}'s final {c[-1][1]:.3f} ({c[-1][2]:.0f} s): s, ratio" for t, c in trl.items()) + " |",
              "|---|---|---|" + "---|" * len(trl)]
@@ -97,7 +100,7 @@ def compare(root: Path, plt) -> None:
     for filename, runs in (("curves.png", {**ours, **trl}),
                            ("algorithms.png", {"grpo (ours sync_s0)": ours.get("sync_s0", []),
                                                **{p.name.split(".")[0][5:]: ours_curve(p)
-                                                  for p in sorted(root.glob("algo_*.metrics.jsonl"))}})):
+                                                  for p in find(root, "algo_*.metrics.jsonl")}})):
         fig, ax = plt.subplots(figsize=(7, 4.2))
         for name, curve in runs.items():
             ax.plot([t for *_, t in curve], [a for _, a, _ in curve], marker="o",
@@ -105,7 +108,7 @@ def compare(root: Path, plt) -> None:
         save_accuracy_plot(fig, ax, "SmolLM2-135M-Instruct, chat arithmetic, one H100", root / filename, 8)
     (root / "table.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
-    if list(root.glob("layout_*.metrics.jsonl")):
+    if find(root, "layout_*.metrics.jsonl"):
         plot_layouts(root, plt)
 
 
@@ -115,8 +118,8 @@ def plot_layouts(root: Path, plt, runs: dict[str, str] | None = None) -> None:
     `<name>.json`, drawn dashed). With a TRL run among `runs`, table.md says when each run first reached TRL's final
     accuracy, and that time over TRL's."""
     paths = {label: root / f"{name}.metrics.jsonl" for label, name in (runs or {}).items()} or {
-        p.name.split(".")[0][7:]: p for p in sorted(root.glob("layout_*.metrics.jsonl"))}
-    trl_labels = [label for label, path in paths.items() if not path.exists()]  # a TRL run: <name>.json instead
+        p.name.split(".")[0][7:]: p for p in find(root, "layout_*.metrics.jsonl")}
+    trl_labels = [label for label, path in paths.items() if not exists(path)]  # a TRL run: <name>.json instead
     curves = {label: trl_curve(path.with_name(path.name.split(".")[0] + ".json")) if label in trl_labels else
               ours_curve(path) for label, path in paths.items()}
     trl = [curves[label] for label in trl_labels]

@@ -16,7 +16,11 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from result_files import find, read_text  # noqa: E402
 
 # A column is a metrics.jsonl key (its median over the steady steps) or "mean:key" / "min:key" -> its heading.
 SUMMARIES = {"mean": statistics.mean, "min": min}
@@ -55,7 +59,7 @@ PIPELINE_COLUMNS = {  # the same for asynchronous rollouts (--pipeline)
 
 
 def row(path: Path, skip: int, until: int | None = None, columns: dict[str, str] = COLUMNS) -> list[str]:
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    rows = [json.loads(line) for line in read_text(path).splitlines() if line.strip()]
     steady = [r for r in rows if r.get("step", 0) > skip and (until is None or r.get("step", 0) <= until)] or rows
     cells = []
     for column in columns:
@@ -80,9 +84,9 @@ def main() -> None:
     columns = SYNC_COLUMNS if args.sync else PIPELINE_COLUMNS if args.pipeline else COLUMNS
     head = ["run", "replicas", "rows", *columns.values()]
     print("| " + " | ".join(head) + " |\n|" + "---|" * len(head))
-    finished = sorted(args.folder.glob("*.metrics.jsonl"))
+    finished = find(args.folder, "*.metrics.jsonl")
     names = {p.name.split(".")[0] for p in finished}
-    partial = [p for p in sorted(args.folder.glob("*.metrics.partial.jsonl")) if p.name.split(".")[0] not in names]
+    partial = [p for p in find(args.folder, "*.metrics.partial.jsonl") if p.name.split(".")[0] not in names]
     for path in sorted(finished + partial):
         print("| " + " | ".join(row(path, args.skip, args.until, columns)) + " |")
 
