@@ -9,7 +9,6 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "bench" / "gpu"))
-sys.path.insert(0, str(REPO / "bench"))
 import pyspy_stacks  # noqa: E402
 
 API = 'process 10:"python -m grpo.inference.server"'

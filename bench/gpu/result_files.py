@@ -8,23 +8,26 @@ import gzip
 from pathlib import Path
 
 
+def compressed(path: Path) -> Path:
+    """Where the compressed copy of `path` is committed: `<path>.gz`."""
+    return path.with_name(path.name + ".gz")
+
+
 def read_text(path: Path) -> str:
     """The text of `path`, or of `<path>.gz` where only the compressed copy is there."""
-    compressed = path.with_name(path.name + ".gz")
-    if not path.exists() and compressed.exists():
-        return gzip.decompress(compressed.read_bytes()).decode()
+    if not path.exists() and compressed(path).exists():
+        return gzip.decompress(compressed(path).read_bytes()).decode()
     return path.read_text()
 
 
 def exists(path: Path) -> bool:
     """Whether `path` or its compressed copy `<path>.gz` is there."""
-    return path.exists() or path.with_name(path.name + ".gz").exists()
+    return path.exists() or compressed(path).exists()
 
 
 def find(folder: Path, pattern: str) -> list[Path]:
     """The files of `folder` matching `pattern`, a compressed one named without its `.gz` (`read_text` reads it)."""
-    names = {p for p in folder.glob(pattern)}
-    names |= {p.with_name(p.name[: -len(".gz")]) for p in folder.glob(pattern + ".gz")}
+    names = set(folder.glob(pattern)) | {p.with_name(p.name[: -len(".gz")]) for p in folder.glob(pattern + ".gz")}
     return sorted(names)
 
 
@@ -33,7 +36,7 @@ def compress_large(folder: Path, min_bytes: int = 300_000) -> list[Path]:
     done = []
     for path in sorted(folder.rglob("*.jsonl")):
         if path.stat().st_size >= min_bytes:
-            path.with_name(path.name + ".gz").write_bytes(gzip.compress(path.read_bytes(), compresslevel=9, mtime=0))
+            compressed(path).write_bytes(gzip.compress(path.read_bytes(), compresslevel=9, mtime=0))
             path.unlink()
             done.append(path)
     return done
