@@ -5,6 +5,8 @@ sequence of 2,048 tokens, forward + backward of the GRPO loss (``conf/loss/grpo.
 ``naive`` (full ``[T, vocab]`` float32 logits), ``chunked`` (``token_logprobs``: logits recomputed per chunk in
 backward; ``train.fused_loss=false``) and ``fused`` (``fused_token_loss``: the loss gradient taken per chunk in the
 forward, the trainer's default). ``--modes head`` times the output projection alone on random hidden states.
+``--entropy on`` (the trainer's way since ``grpo/entropy``) has both paths also write each token's entropy
+(``stats``); ``off`` leaves it out, so the two give its cost.
 Each variant runs in its own subprocess so one's allocations can't
 hide the other's. Peak memory is the high-water mark above the memory in use just before the measured step:
 ``torch.cuda.max_memory_allocated`` on CUDA, a 1 ms RSS sampler (``/proc/self/statm``) on CPU (torch's CPU
@@ -102,6 +104,9 @@ def _worker(args) -> dict:
     def loss_of(lp, with_metrics=True):
         return loss_fn(lp, rollout, adv, mask, with_metrics=with_metrics)
 
+    def stats():  # a fresh dict per step asks for the tokens' entropies; None leaves them out
+        return {} if args.entropy == "on" else None
+
     if args.mode == "head":
         # Only the output projection: random final hidden states into a trainable Linear(hidden, vocab).
         del model
@@ -110,9 +115,10 @@ def _worker(args) -> dict:
 
         def step():
             if args.variant == "fused":
-                loss = fused_hidden_loss(hidden, model, labels, temps, loss_of, chunk_size=args.chunk)[0]
+                loss = fused_hidden_loss(hidden, model, labels, temps, loss_of, chunk_size=args.chunk, stats=stats())[0]
             elif args.variant == "chunked":
-                loss = loss_of(hidden_logprobs(hidden, model, labels, temps, chunk_size=args.chunk, fused=True))[0]
+                lp = hidden_logprobs(hidden, model, labels, temps, chunk_size=args.chunk, fused=True, stats=stats())
+                loss = loss_of(lp)[0]
             else:
                 logits = model(hidden).float() / temps[:, None, None]
                 lp = torch.log_softmax(logits, -1).gather(-1, labels.clamp(min=0)[..., None]).squeeze(-1)
@@ -121,9 +127,9 @@ def _worker(args) -> dict:
     else:
         def step():
             if args.variant == "fused":
-                loss = fused_token_loss(model, ids, attn, labels, temps, loss_of, chunk_size=args.chunk)[0]
+                loss = fused_token_loss(model, ids, attn, labels, temps, loss_of, chunk_size=args.chunk, stats=stats())[0]
             elif args.variant == "chunked":
-                loss = loss_of(token_logprobs(model, ids, attn, labels, temps, chunk_size=args.chunk))[0]
+                loss = loss_of(token_logprobs(model, ids, attn, labels, temps, chunk_size=args.chunk, stats=stats()))[0]
             else:
                 loss = loss_of(naive_token_logprobs(model, ids, attn, labels, temps))[0]
             loss.backward()
@@ -175,6 +181,8 @@ def main(argv=None) -> None:
                    help="head: lm_head Linear on random hidden states; model: 1-layer Qwen2 through token_logprobs")
     p.add_argument("--mode", help=argparse.SUPPRESS)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--entropy", default="on", choices=["on", "off"],
+                   help="on: the chunked paths also write each token's entropy (the trainer's way); off: they do not")
     p.add_argument("--quick", action="store_true", help="vocab 32k, 512 tokens, 1 repeat")
     p.add_argument("--variant", help=argparse.SUPPRESS)
     p.add_argument("--out", default=None)
@@ -192,7 +200,7 @@ def main(argv=None) -> None:
             cmd = [sys.executable, __file__, "--variant", variant, "--mode", mode, "--device", args.device,
                    "--dtype", args.dtype, "--vocab", str(args.vocab), "--hidden", str(args.hidden),
                    "--seq-len", str(args.seq_len), "--prompt-frac", str(frac), "--chunk", str(chunk),
-                   "--repeats", str(args.repeats)]
+                   "--repeats", str(args.repeats), "--entropy", args.entropy]
             out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
             return json.loads(out.strip().splitlines()[-1])
 

@@ -451,6 +451,7 @@ def _train_one_step(rank: int, world: int, port: int, model_dir: str, out_root: 
         row = json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[0])
         (Path(out_root) / f"result_world{world}.json").write_text(json.dumps(
             {"loss": row["loss"], "grad_norm": row["grad_norm"], "logprob_diff": row["grpo/logprob_diff"],
+             "entropy": row["grpo/entropy"],
              "checksum": sync.checksum, "names": sync.names, "masked": row["mismatch/masked_fraction"]}))
         torch.save({k: v.detach().clone() for k, v in gathered.items()}, Path(out_root) / f"gathered_world{world}.pt")
     if info.enabled:
@@ -510,6 +511,8 @@ def test_fsdp2_step_of_one_micro_batch_matches_one_process(tmp_path, tiny_qwen2_
     two = json.loads((tmp_path / "result_world2.json").read_text())
     assert one["loss"] != 0 and abs(two["loss"] - one["loss"]) < 1e-5
     assert abs(two["logprob_diff"] - one["logprob_diff"]) < 1e-5
+    # The tokens' entropies through FSDP2's registered log-prob method (unfused) as in one process (fused).
+    assert one["entropy"] > 0 and abs(two["entropy"] - one["entropy"]) < 1e-5
     assert abs(two["checksum"] - one["checksum"]) < 1e-5 * abs(one["checksum"])
 
 
@@ -521,6 +524,8 @@ def test_fsdp2_two_gloo_ranks_match_one_process(one_step_runs):
     assert two["names"] == one["names"] and len(one["names"]) > 10
     assert abs(two["loss"] - one["loss"]) < 1e-5, (one["loss"], two["loss"])
     assert abs(two["logprob_diff"] - one["logprob_diff"]) < 1e-5
+    # The tokens' entropies through FSDP2's registered log-prob method (unfused) as in one process (fused).
+    assert one["entropy"] > 0 and abs(two["entropy"] - one["entropy"]) < 1e-5
     assert abs(two["grad_norm"] - one["grad_norm"]) < 1e-5 * max(1.0, one["grad_norm"])
     # The same update: full weights after the step agree (sum of |w| + sum of w over all parameters).
     assert abs(two["checksum"] - one["checksum"]) < 1e-5 * abs(one["checksum"])

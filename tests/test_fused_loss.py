@@ -86,8 +86,9 @@ def test_fused_equals_unfused(model, name, chunk):
     (ref_loss * 3.0).backward()  # a scale on the loss (FSDP world size, accumulation) reaches every gradient
     want = _grads(model)
 
+    stats: dict = {}
     loss, metrics, fused_lp = fused_token_loss(model, ids, attn, labels, temps, loss_of, chunk_size=chunk,
-                                               separable=loss_fn.token_separable)
+                                               separable=loss_fn.token_separable, stats=stats)
     (loss * 3.0).backward()
     got = _grads(model)
 
@@ -103,6 +104,12 @@ def test_fused_equals_unfused(model, name, chunk):
     assert got.keys() == want.keys() and len(got) > 5
     for n in want:
         torch.testing.assert_close(got[n], want[n], atol=1e-5, rtol=1e-4, msg=n)
+    # The tokens' entropies, taken from the blocks before they became gradients in place.
+    with torch.no_grad():
+        logits = model(input_ids=ids, attention_mask=attn, use_cache=False).logits.float() / temps[:, None, None]
+    entropy = -(torch.softmax(logits, -1) * torch.log_softmax(logits, -1)).sum(-1)
+    torch.testing.assert_close(stats["entropy"], torch.where(mask > 0, entropy, torch.zeros_like(entropy)),
+                               atol=1e-5, rtol=0)
 
 
 def test_fused_without_loss_tokens_keeps_graph(model):

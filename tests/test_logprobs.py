@@ -132,3 +132,62 @@ def test_right_padding_drops_the_mask_left_padding_keeps_it(model):
     attn[1, :4] = 0
     labels[1, :6] = -100
     _compare(model, ids, attn, labels, torch.ones(3), 5)
+
+
+def _naive_entropy(head, hidden, labels, temps):
+    logits = head(hidden).float() / temps[:, None, None]
+    ent = -(torch.softmax(logits, -1) * torch.log_softmax(logits, -1)).sum(-1)
+    return torch.where(labels == -100, torch.zeros_like(ent), ent)
+
+
+@pytest.mark.parametrize("fused", [True, False])
+@pytest.mark.parametrize("chunk", [4, 1024])
+def test_entropy_of_each_token_matches_the_full_softmax(fused, chunk, monkeypatch):
+    """`stats["entropy"]`: each selected token's entropy at its temperature, from the fused path's in-place blocks
+    (sliced by ENTROPY_ROWS, set below a chunk here) and from the module path's checkpointed chunks; the log-probs and
+    their gradients do not change when it is asked for."""
+    import grpo.trainer.logprobs as logprobs
+
+    monkeypatch.setattr(logprobs, "ENTROPY_ROWS", 3)
+    torch.manual_seed(0)
+    head = nn.Linear(16, 50, bias=True)
+    hidden = torch.randn(2, 9, 16, requires_grad=True)
+    labels = torch.randint(0, 50, (2, 9))
+    labels[0, :3] = -100
+    temps = torch.tensor([0.5, 2.0])
+    results = []
+    for stats in ({}, None):
+        hidden.grad = None
+        out = hidden_logprobs(hidden, head, labels, temps, chunk_size=chunk, fused=fused, stats=stats)
+        out.sum().backward()
+        results.append((out.detach(), hidden.grad.clone(), stats))
+    (lp, grad, stats), (lp_plain, grad_plain, _) = results
+    torch.testing.assert_close(lp, lp_plain, atol=0, rtol=0)
+    torch.testing.assert_close(grad, grad_plain, atol=0, rtol=0)
+    want = _naive_entropy(head, hidden.detach(), labels, temps)
+    assert not stats["entropy"].requires_grad
+    torch.testing.assert_close(stats["entropy"], want, atol=1e-5, rtol=0)
+    assert (stats["entropy"][labels != -100] > 0).all()
+
+
+def test_entropy_of_a_uniform_head_is_log_vocab():
+    """A zero head gives every token the uniform distribution over the vocabulary: entropy exactly log V."""
+    head = nn.Linear(8, 37, bias=False)
+    nn.init.zeros_(head.weight)
+    labels = torch.randint(0, 37, (2, 5))
+    stats: dict = {}
+    hidden_logprobs(torch.randn(2, 5, 8), head, labels, torch.tensor([1.0, 0.3]), chunk_size=3, stats=stats)
+    torch.testing.assert_close(stats["entropy"], torch.full((2, 5), float(torch.log(torch.tensor(37.0)))))
+
+
+def test_entropy_through_the_model_with_prefix_sharing(model):
+    """token_logprobs passes `stats` down whatever the decoder's layout (here each prompt forwarded once)."""
+    ids, attn, labels = _batch(model.config.vocab_size)
+    ids[1, :6] = ids[0, :6]  # two rows share a prompt
+    stats: dict = {}
+    with torch.no_grad():
+        token_logprobs(model, ids, attn, labels, torch.ones(3), chunk_size=8, shared=True, stats=stats)
+        logits = model(input_ids=ids, attention_mask=attn, use_cache=False).logits.float()
+    want = -(torch.softmax(logits, -1) * torch.log_softmax(logits, -1)).sum(-1)
+    want = torch.where(labels == -100, torch.zeros_like(want), want)
+    torch.testing.assert_close(stats["entropy"], want, atol=1e-4, rtol=0)

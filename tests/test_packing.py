@@ -160,8 +160,30 @@ def test_token_budget_split_gives_the_fixed_split_loss_and_gradients(tiny_qwen2_
     loss_split, metrics_split = budget.forward_backward(split)
     assert loss_split == pytest.approx(loss_fixed, rel=1e-5, abs=1e-7)
     assert metrics_split["grpo/kl"] == pytest.approx(metrics_fixed["grpo/kl"], rel=1e-4, abs=1e-7)
+    assert metrics_split["grpo/entropy"] == pytest.approx(metrics_fixed["grpo/entropy"], rel=1e-5)
     for name, g in grads_fixed.items():
         torch.testing.assert_close(model.get_parameter(name).grad, g, rtol=1e-4, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("fused_loss", [True, False])
+def test_the_step_reports_the_policys_mean_entropy_over_its_loss_tokens(tiny_qwen2_dir, fused_loss):
+    """`grpo/entropy`: the mean over the step's loss tokens of each token's entropy at its sampling temperature,
+    whichever log-prob path ran (fused loss or not), equal to the full-softmax computation over the whole batch."""
+    model = _model(tiny_qwen2_dir)
+    batch = prepare_batch(_groups(0), max_seq_len=64, micro_batch_size=3, pad_token_id=0)
+    assert len(batch.micro_batches) > 1
+    trainer = update_trainer(model, GRPOLoss(), fused_loss=fused_loss)
+    _, metrics = trainer.forward_backward(batch)
+    total = count = 0.0
+    with torch.no_grad():
+        for mb in batch.micro_batches:
+            logits = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask).logits.float()
+            logits = logits / mb.temperatures[:, None, None]
+            entropy = -(torch.softmax(logits, -1) * torch.log_softmax(logits, -1)).sum(-1)
+            total += float((entropy * mb.loss_mask).sum())
+            count += float(mb.loss_mask.sum())
+    assert metrics["grpo/entropy"] == pytest.approx(total / count, rel=1e-5)
+    assert 0 < metrics["grpo/entropy"] < math.log(model.config.vocab_size)
 
 
 def test_token_budget_applies_to_mini_batches_too():

@@ -5,6 +5,10 @@ tokens at a time, with the log-softmax in float32 per chunk. For a plain ``nn.Li
 function keeps nothing per chunk but one float per token and recomputes the chunk's logits in backward, writing the
 gradient of the logits in place into that one buffer and accumulating a single weight gradient; any other head (LoRA
 on lm_head, quantised) goes through ``torch.utils.checkpoint`` per chunk. Either way forward and backward hold at most one ``[chunk, vocab]`` block.
+
+Given a ``stats`` dict, each path also writes the entropy of every selected token's distribution (``stats["entropy"]``,
+``[B, T]`` float32, 0 where IGNORE_INDEX) from the same chunk's logits, without gradient: one more pass over the chunk
+in slices of ``ENTROPY_ROWS`` rows, so no second ``[chunk, vocab]`` block.
 """
 
 from __future__ import annotations
@@ -136,6 +140,21 @@ def _scaled_logits(h: torch.Tensor, weight: torch.Tensor, bias, inv_temp: torch.
     return F.linear(h, weight, bias).float().mul_(inv_temp[:, None])
 
 
+# Rows of a chunk's block per entropy slice: the slice's temporary is ENTROPY_ROWS x vocab floats, not the chunk's.
+ENTROPY_ROWS = 64
+
+
+@torch.no_grad()
+def block_entropy(block: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+    """Entropy (nats) of each row's distribution from its ``exp(logit - max)`` block and normaliser ``z`` (the row
+    sums): ``H = log z - sum(e log e) / z``, since ``log p = log e - log z``. The block is left as it was."""
+    s = torch.empty_like(z)
+    for r in range(0, block.shape[0], ENTROPY_ROWS):
+        rows = block[r : r + ENTROPY_ROWS]
+        s[r : r + ENTROPY_ROWS] = torch.xlogy(rows, rows).sum(dim=1)
+    return z.log() - s / z
+
+
 class _LinearLogprob(torch.autograd.Function):
     """``log_softmax(h @ W.T + b) / T)[target]`` over all selected tokens, one chunk of tokens at a time.
 
@@ -145,7 +164,7 @@ class _LinearLogprob(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, h, weight, bias, target, inv_temp, chunk_size):  # type: ignore[override]
+    def forward(ctx, h, weight, bias, target, inv_temp, chunk_size, entropy_out):  # type: ignore[override]
         out = torch.empty(h.shape[0], dtype=torch.float32, device=h.device)
         lse = torch.empty_like(out)
         for s in range(0, h.shape[0], chunk_size):
@@ -154,7 +173,10 @@ class _LinearLogprob(torch.autograd.Function):
             picked = logits.gather(1, target[sl, None]).squeeze(1)
             m = logits.max(dim=1).values
             # In place: log-sum-exp without a second [chunk, V] buffer.
-            lse[sl] = logits.sub_(m[:, None]).exp_().sum(dim=1).log_().add_(m)
+            z = logits.sub_(m[:, None]).exp_().sum(dim=1)
+            if entropy_out is not None:
+                entropy_out[sl] = block_entropy(logits, z)
+            lse[sl] = z.log_().add_(m)
             out[sl] = picked - lse[sl]
             del logits  # free this chunk's block before the next one is allocated
         ctx.save_for_backward(h, weight, bias, target, inv_temp, lse)
@@ -184,7 +206,7 @@ class _LinearLogprob(torch.autograd.Function):
             if grad_b is not None:
                 grad_b.add_(grad.sum(0))
             del grad
-        return grad_h, grad_w, grad_b, None, None, None
+        return grad_h, grad_w, grad_b, None, None, None, None
 
 
 class _FusedLinearLoss(torch.autograd.Function):
@@ -207,10 +229,13 @@ class _FusedLinearLoss(torch.autograd.Function):
                  torch.zeros_like(bias) if need_b else None)
         full = torch.zeros(shape, dtype=torch.float32, device=h.device)
         flat = full.view(-1)
+        entropy = out.get("entropy")
         for s in range(0, h.shape[0], chunk_size):
             sl = slice(s, s + chunk_size)
             grad, logprobs, z = _chunk_softmax(h[sl], weight, bias, inv_temp[sl], target[sl])
             flat[flat_index[sl]] = logprobs
+            if entropy is not None:  # before the block becomes the gradient in place
+                entropy.view(-1)[flat_index[sl]] = block_entropy(grad, z)
             if separable:  # this chunk's gradient needs no later chunk's log-probs: take it now
                 g = _loss_grad(loss_of, full).view(-1)[flat_index[sl]] * inv_temp[sl]
                 grad = _logit_grad(grad, g, z, target[sl]).to(h.dtype)  # rebound: the float32 block is freed
@@ -282,9 +307,10 @@ def fused_hidden_loss(
     loss_of: Callable[[torch.Tensor], tuple[torch.Tensor, dict]],
     chunk_size: int = 512,
     separable: bool = True,
+    stats: Optional[dict] = None,
 ) -> tuple[torch.Tensor, dict, torch.Tensor]:
     """``loss_of(hidden_logprobs(...))`` from final hidden states ``[B, T, H]`` and a plain ``nn.Linear`` head, with
-    the head's backward done chunk by chunk in the forward (``_FusedLinearLoss``).
+    the head's backward done chunk by chunk in the forward (``_FusedLinearLoss``); ``stats`` as ``hidden_logprobs``.
 
     ``loss_of(logprobs, with_metrics=True)`` maps ``[B, T]`` log-probs to ``(scalar loss, metrics)``; ``separable``:
     it is token-separable and is called once per chunk with ``with_metrics=False`` (else once, after every chunk's
@@ -297,6 +323,8 @@ def fused_hidden_loss(
     inv_temp = _selected_inv_temp(temperatures, sel)
     flat_index = sel.reshape(-1).nonzero().squeeze(1)
     out: dict = {}
+    if stats is not None:
+        out["entropy"] = stats["entropy"] = torch.zeros(B, T, dtype=torch.float32, device=hidden.device)
     loss = _FusedLinearLoss.apply(
         hidden[sel], head.weight, head.bias, labels[sel], inv_temp, flat_index, (B, T), loss_of, chunk_size, out,
         separable,
@@ -315,12 +343,13 @@ def fused_token_loss(
     packed: bool = False,
     shared: bool = False,
     separable: bool = True,
+    stats: Optional[dict] = None,
 ) -> tuple[torch.Tensor, dict, torch.Tensor]:
     """``loss_of(token_logprobs(...))`` through ``fused_hidden_loss``: the same loss, metrics and gradients, with
     three matmuls per chunk of the output projection instead of four (``separable``, the loss's
     ``token_separable``; else four, in two passes). Needs ``can_fuse(model, loss)``."""
     hidden, head = _final_hidden(model, input_ids, attention_mask, packed, labels, shared)
-    return fused_hidden_loss(hidden, head, labels, temperatures, loss_of, chunk_size, separable)
+    return fused_hidden_loss(hidden, head, labels, temperatures, loss_of, chunk_size, separable, stats)
 
 
 def can_fuse(model: nn.Module, loss_fn: object) -> bool:
@@ -329,9 +358,18 @@ def can_fuse(model: nn.Module, loss_fn: object) -> bool:
     return isinstance(getattr(loss_fn, "token_separable", None), bool) and type(backbone_and_head(model)[1]) is nn.Linear
 
 
-def _module_chunk(head: nn.Module, h: torch.Tensor, target: torch.Tensor, inv_temp: torch.Tensor) -> torch.Tensor:
+def _module_chunk(
+    head: nn.Module, h: torch.Tensor, target: torch.Tensor, inv_temp: torch.Tensor, with_entropy: bool = False
+) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """One chunk's log-probs of ``target`` through any head module, and its entropies (no gradient) if asked."""
     logits = head(h).float() * inv_temp[:, None]
-    return logits.gather(1, target[:, None]).squeeze(1) - torch.logsumexp(logits, dim=-1)
+    lse = torch.logsumexp(logits, dim=-1)
+    entropy = None
+    if with_entropy:
+        with torch.no_grad():
+            log_p = logits - lse[:, None]
+            entropy = -(log_p.exp() * log_p).sum(dim=1)
+    return logits.gather(1, target[:, None]).squeeze(1) - lse, entropy
 
 
 def hidden_logprobs(
@@ -341,15 +379,19 @@ def hidden_logprobs(
     temperatures: Optional[torch.Tensor] = None,
     chunk_size: int = 1024,
     fused: Optional[bool] = None,
+    stats: Optional[dict] = None,
 ) -> torch.Tensor:
     """Log-probs of ``labels`` (``[B, T]``, IGNORE_INDEX = skip → 0) from final hidden states ``[B, T, H]`` and the head.
 
     ``fused`` picks the custom autograd path (plain ``nn.Linear`` heads only; default: whenever possible) or
-    per-chunk checkpointing of ``head`` (any module).
+    per-chunk checkpointing of ``head`` (any module). ``stats``, a dict, receives ``"entropy"``: each selected
+    token's entropy at its temperature (``[B, T]``, no gradient), from the same chunks' logits.
     """
     B, T = labels.shape
     out = torch.zeros(B, T, dtype=torch.float32, device=hidden.device)
     sel = labels != IGNORE_INDEX
+    if stats is not None:
+        stats["entropy"] = torch.zeros_like(out)
     if not bool(sel.any()):
         # Keep the graph connected so backward() on a loss built from this still works.
         return out + 0.0 * hidden.sum()
@@ -358,16 +400,25 @@ def hidden_logprobs(
     target = labels[sel]
     if fused is None:
         fused = type(head) is nn.Linear
+    entropy = torch.empty(h.shape[0], dtype=torch.float32, device=h.device) if stats is not None else None
     if fused:
-        return out.masked_scatter(sel, _LinearLogprob.apply(h, head.weight, head.bias, target, inv_temp, chunk_size))
-    parts = []
-    for s in range(0, h.shape[0], chunk_size):
-        hc, tc, ic = h[s : s + chunk_size], target[s : s + chunk_size], inv_temp[s : s + chunk_size]
-        if torch.is_grad_enabled():
-            parts.append(checkpoint(_module_chunk, head, hc, tc, ic, use_reentrant=False))
-        else:
-            parts.append(_module_chunk(head, hc, tc, ic))
-    return out.masked_scatter(sel, torch.cat(parts))
+        logprobs = _LinearLogprob.apply(h, head.weight, head.bias, target, inv_temp, chunk_size, entropy)
+    else:
+        parts = []
+        for s in range(0, h.shape[0], chunk_size):
+            sl = slice(s, s + chunk_size)
+            args = (head, h[sl], target[sl], inv_temp[sl], entropy is not None)
+            if torch.is_grad_enabled():
+                lp, ent = checkpoint(_module_chunk, *args, use_reentrant=False)
+            else:
+                lp, ent = _module_chunk(*args)
+            parts.append(lp)
+            if entropy is not None:
+                entropy[sl] = ent
+        logprobs = torch.cat(parts)
+    if stats is not None:
+        stats["entropy"] = stats["entropy"].masked_scatter(sel, entropy)
+    return out.masked_scatter(sel, logprobs)
 
 
 def token_logprobs(
@@ -379,16 +430,17 @@ def token_logprobs(
     chunk_size: int = 1024,
     packed: bool = False,
     shared: bool = False,
+    stats: Optional[dict] = None,
 ) -> torch.Tensor:
     """``[B, T]`` float32 log-probs of ``labels`` under ``model`` at per-sequence ``temperatures`` (0 where IGNORE_INDEX).
 
     Logits are divided by the sequence's sampling temperature before the softmax, so the log-probs are those of the
     distribution the rollout was sampled from. Works for transformers CausalLMs and PEFT-wrapped ones. ``packed``
     runs the decoder padding-free (``packed_inputs``), ``shared`` with each prompt forwarded once
-    (``grpo.trainer.prefix``); either way the result is the same ``[B, T]`` tensor.
+    (``grpo.trainer.prefix``); either way the result is the same ``[B, T]`` tensor. ``stats``: as ``hidden_logprobs``.
     """
     hidden, head = _final_hidden(model, input_ids, attention_mask, packed, labels, shared)
-    return hidden_logprobs(hidden, head, labels, temperatures, chunk_size)
+    return hidden_logprobs(hidden, head, labels, temperatures, chunk_size, stats=stats)
 
 
 def naive_token_logprobs(

@@ -457,17 +457,22 @@ class GRPOTrainer:
                 with_metrics=with_metrics, **old,
             )
 
+        stats: dict[str, torch.Tensor] = {}  # the tokens' entropies, from the log-probs' own chunks of logits
         if self.fused:
             loss, m, _ = fused_token_loss(
                 self.model, mb.input_ids, mb.attention_mask, mb.labels, mb.temperatures, loss_of,
-                chunk_size=self.cfg.logprob_chunk, separable=self.loss_fn.token_separable, **self.layout,
+                chunk_size=self.cfg.logprob_chunk, separable=self.loss_fn.token_separable, stats=stats, **self.layout,
             )
-            return loss, m
-        logprobs = self.token_logprobs(
-            mb.input_ids, mb.attention_mask, mb.labels, mb.temperatures, chunk_size=self.cfg.logprob_chunk,
-            **self.layout,
-        )
-        return loss_of(logprobs)
+        else:
+            logprobs = self.token_logprobs(
+                mb.input_ids, mb.attention_mask, mb.labels, mb.temperatures, chunk_size=self.cfg.logprob_chunk,
+                stats=stats, **self.layout,
+            )
+            loss, m = loss_of(logprobs)
+        # The policy's mean per-token entropy over the loss tokens (nats, at the sampling temperature): a collapse
+        # towards 0 shows the policy turning deterministic, exploration gone.
+        m["grpo/entropy"] = float((stats["entropy"] * mb.loss_mask).sum() / mb.loss_mask.sum().clamp(min=1))
+        return loss, m
 
     def optimizer_step(self, loss_total: float) -> float:
         """Clip, then step the optimizer and the schedule when loss and gradient are finite; a non-finite step is
