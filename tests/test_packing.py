@@ -184,6 +184,11 @@ def test_the_step_reports_the_policys_mean_entropy_over_its_loss_tokens(tiny_qwe
             count += float(mb.loss_mask.sum())
     assert metrics["grpo/entropy"] == pytest.approx(total / count, rel=1e-5)
     assert 0 < metrics["grpo/entropy"] < math.log(model.config.vocab_size)
+    # train.entropy_metric=false leaves it out, and nothing else changes.
+    model.zero_grad(set_to_none=True)
+    _, without = update_trainer(model, GRPOLoss(), fused_loss=fused_loss, entropy_metric=False).forward_backward(batch)
+    assert without.keys() == metrics.keys() - {"grpo/entropy"}
+    assert without["grpo/kl"] == metrics["grpo/kl"] and without["grpo/mean_ratio"] == metrics["grpo/mean_ratio"]
 
 
 def test_token_budget_applies_to_mini_batches_too():

@@ -58,6 +58,8 @@ class TrainConfig:
     logprob_chunk: int = 512
     # Loss gradient per log-prob chunk in the forward pass (plain lm_head, token-separable loss); else unfused.
     fused_loss: bool = True
+    # grpo/entropy: each loss token's entropy from the log-probs' chunks of logits (one more pass over each chunk).
+    entropy_metric: bool = True
     # Run each micro-batch's forward packed into one row without padding (position ids restart per sequence, attention
     # kept per sequence by transformers' packed-sequence masks); same log-probs and loss as the padded path.
     padding_free: bool = False

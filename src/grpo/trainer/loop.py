@@ -179,6 +179,8 @@ class GRPOTrainer:
         # The loss's gradient taken chunk by chunk in the forward (3 matmuls per chunk instead of 4); FSDP2 keeps
         # the unfused path through its registered forward method (`logprob_fn`, fsdp.sharded_token_logprobs).
         self.fused = bool(train_cfg.fused_loss) and self.dist is None and can_fuse(model, loss_fn)
+        # grpo/entropy from the log-probs' own chunks of logits (train.entropy_metric).
+        self.entropy_metric = bool(getattr(train_cfg, "entropy_metric", True))
         self.token_logprobs = logprob_fn or (lambda *batch, **kw: token_logprobs(model, *batch, **kw))
         # Padding-free forwards (each micro-batch packed into one row) and the token budget of a micro-batch.
         self.packed = bool(train_cfg.padding_free)
@@ -457,7 +459,7 @@ class GRPOTrainer:
                 with_metrics=with_metrics, **old,
             )
 
-        stats: dict[str, torch.Tensor] = {}  # the tokens' entropies, from the log-probs' own chunks of logits
+        stats: Optional[dict[str, torch.Tensor]] = {} if self.entropy_metric else None  # receives the entropies
         if self.fused:
             loss, m, _ = fused_token_loss(
                 self.model, mb.input_ids, mb.attention_mask, mb.labels, mb.temperatures, loss_of,
@@ -469,9 +471,10 @@ class GRPOTrainer:
                 stats=stats, **self.layout,
             )
             loss, m = loss_of(logprobs)
-        # The policy's mean per-token entropy over the loss tokens (nats, at the sampling temperature): a collapse
-        # towards 0 shows the policy turning deterministic, exploration gone.
-        m["grpo/entropy"] = float((stats["entropy"] * mb.loss_mask).sum() / mb.loss_mask.sum().clamp(min=1))
+        if stats is not None:
+            # The policy's mean per-token entropy over the loss tokens (nats, at the sampling temperature): a
+            # collapse towards 0 shows the policy turning deterministic, exploration gone.
+            m["grpo/entropy"] = float((stats["entropy"] * mb.loss_mask).sum() / mb.loss_mask.sum().clamp(min=1))
         return loss, m
 
     def optimizer_step(self, loss_total: float) -> float:
