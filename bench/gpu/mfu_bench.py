@@ -46,6 +46,9 @@ CONFIGS = {
     # model.attn_implementation=varlen: PyTorch's flash varlen kernel on the packed rows (no mask, no compile).
     "budget16k_packed_varlen": ({"max_tokens_per_micro_batch": 16384, "padding_free": True}, "varlen"),
     "budget32k_packed_varlen": ({"max_tokens_per_micro_batch": 32768, "padding_free": True}, "varlen"),
+    # train.entropy_metric=false: the same update without grpo/entropy's pass over each chunk of logits (its cost).
+    "budget16k_packed_varlen_noentropy": ({"max_tokens_per_micro_batch": 16384, "padding_free": True,
+                                           "entropy_metric": False}, "varlen"),
     # + model.compile (a name ending in "+compile"): torch.compile of each decoder block.
     "budget16k_packed_varlen+compile": ({"max_tokens_per_micro_batch": 16384, "padding_free": True}, "varlen"),
     "budget32k_packed_varlen+compile": ({"max_tokens_per_micro_batch": 32768, "padding_free": True}, "varlen"),
@@ -108,7 +111,7 @@ def one(preset: str, name: str, steps: int, device_name: str = "cuda", spread: s
     set_attention(model, attn)
     if name.endswith("+compile"):
         compile_decoder_layers(model)
-    loss_cfg = OmegaConf.load(ROOT / "conf/loss/grpo.yaml")
+    loss_cfg = OmegaConf.load(ROOT / "src/grpo/conf/loss/grpo.yaml")
     loss_cfg.pop("defaults")
     fused = {"fused": True} if os.environ.get("MFU_FUSED_ADAMW") == "1" else {}
     opt = build_optimizer(model, {"_target_": "torch.optim.AdamW", "lr": 1e-6, "weight_decay": 0.0, **fused})
