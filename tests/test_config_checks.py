@@ -383,6 +383,17 @@ def test_an_off_policy_mask_or_cispo_setting_that_cannot_work_is_refused_at_star
         _validate(overrides, tmp_path)
 
 
+def test_a_loss_error_that_says_what_to_set_gets_no_second_fix(tmp_path):
+    """CISPO's refusal names its own fix ("set loss.dual_clip=null"); the generic "set the loss.* key it names" once
+    followed it anyway. A cause without a fix (a bad clip range) still gets it."""
+    with pytest.raises(ConfigError) as e:
+        _validate(["loss=cispo", "loss.dual_clip=2.0"], tmp_path)
+    assert str(e.value).endswith("set loss.dual_clip=null")
+    with pytest.raises(ConfigError) as e:
+        _validate(["loss.clip_eps=-0.1"], tmp_path)
+    assert str(e.value).endswith("; set the loss.* key it names")
+
+
 def test_dynamic_sampling_is_a_local_pipeline_setting_refused_for_atropos(tmp_path):
     """Issue 40: Atropos environments choose what they send; data=atropos has no dynamic_sampling key, so the override
     fails when the config is composed, naming it."""
@@ -764,6 +775,20 @@ def test_a_grad_accum_that_local_data_would_ignore_is_refused(tmp_path):
     _validate(["hydra.mode=MULTIRUN", "train.grad_accum=1"], tmp_path)
     # A data source whose module does not import is left to its build, which names the package to install.
     _validate(["~experiment", "data=atropos", "data._target_=no.such.Pipeline", "train.grad_accum=1"], tmp_path)
+
+
+def test_a_grad_accum_from_the_config_that_local_data_ignores_is_warned_about(tmp_path, caplog):
+    """An experiment's own train.grad_accum, outgrown by a larger data.group_size on the command line, once ran
+    without a word (256 sequences a step against the experiment's 64 x 2): the run goes on, and says so."""
+    with caplog.at_level("WARNING", logger="grpo.config.checks"):
+        _validate(["data.group_size=16"], tmp_path)
+    assert ("train.grad_accum=2 (from the config) has no effect: each step trains all 256 sequences the data "
+            "generates (data.prompts_per_step x data.group_size), in micro-batches of train.micro_batch_size=64 "
+            "(4 of them), not 64 x 2 = 128") in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="grpo.config.checks"):
+        _validate([], tmp_path)
+    assert "grad_accum" not in caplog.text
 
 
 def test_eval_settings_of_a_run_that_does_not_evaluate_are_refused(tmp_path):

@@ -171,6 +171,19 @@ def test_the_readme_is_a_front_page_and_every_docs_page_is_on_the_site():
     assert {f"docs/{p}" for p in pages - {"index.md"}} <= set(re.findall(r"\]\((docs/[a-z_]+\.md)\)", readme))
 
 
+def test_the_configuring_page_lists_every_option_of_every_group():
+    """docs/configuring.md's table of groups had fallen behind conf/ (smollm2_135m, gspo, cispo, chat_arith, calculator
+    and gsm8k were missing): every option file of every group is named in its group's row."""
+    rows = dict(re.findall(r"^\| `(\w+)` \| (.*) \|$", (REPO / "docs" / "configuring.md").read_text(), re.M))
+    for group in sorted(p for p in CONFIG_DIR.iterdir() if p.is_dir() and p.name != "__pycache__"):
+        options = {f.stem for f in group.glob("*.yaml")}
+        if group.name == "experiment":
+            continue  # a whole job each; the row names the folder
+        assert group.name in rows, f"docs/configuring.md has no row for the `{group.name}` group"
+        missing = {o for o in options if f"`{o}`" not in rows[group.name]}
+        assert not missing, f"docs/configuring.md's `{group.name}` row lacks {sorted(missing)}"
+
+
 def test_the_docs_site_builds_with_every_link_resolved(tmp_path):
     out = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(tmp_path / "site")],
                          cwd=REPO, capture_output=True, text=True, timeout=120)

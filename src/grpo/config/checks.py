@@ -207,7 +207,7 @@ def check_async_settings_used(cfg: DictConfig, info: HydraInfo) -> None:
         for key, default in (("stale_policy", "wait"), ("rollout_queue", None), ("rollout_batches_in_flight", 1)):
             if train[key] != default:
                 raise ConfigError(f"train.{key}={train[key]} acts only with asynchronous rollouts; set "
-                                  "train.max_staleness=k >= 1 (README 'Asynchronous rollouts'), or drop it")
+                                  "train.max_staleness=k >= 1 (docs/async.md), or drop it")
     elif train.stale_policy == "wait" and train.rollout_queue is not None:
         raise ConfigError(f"train.rollout_queue={train.rollout_queue} bounds the queue of stale_policy=drop only (with "
                           f"wait the producer runs at most max_staleness={train.max_staleness} batches ahead); set "
@@ -249,7 +249,7 @@ def check_clip_can_act(cfg: DictConfig, info: HydraInfo) -> None:
         return
     why = (f"{' '.join(given)}: each rollout batch gets one optimizer step, at the weights that sampled it "
            "(train.ppo_epochs x train.mini_batches = 1, train.max_staleness=0, mode.sync_every=1), so the policy does "
-           "not move before its update (README 'Several updates per rollout batch')")
+           "not move before its update (docs/algorithms.md, 'Several updates per rollout batch')")
     act = ("for the clip to act add e.g. train.ppo_epochs=2 train.mini_batches=2 (or train.max_staleness=1), else "
            "drop it")
     exact = (cfg.data.get("rollout_logprobs", True) is False or loss.get("old_logprobs", "rollout") == "recompute"
@@ -264,21 +264,26 @@ def check_grad_accum_used(cfg: DictConfig, info: HydraInfo) -> None:
     """`train.grad_accum` on the command line of a local-data run whose steps generate more sequences than
     micro_batch_size x grad_accum: the trainer trains every sequence the pipeline generates, in micro-batches of
     train.micro_batch_size, so the setting (the Atropos trainer's --gradient-accumulation-steps) would be silently
-    ignored. Not in a sweep, whose settings are common to its jobs."""
+    ignored. Not in a sweep, whose settings are common to its jobs. A value from a config file (an experiment whose
+    data.group_size was raised on the command line) is warned about instead: the run is what was asked for."""
     given = _given(info, "train.grad_accum")
     data_class = _data_class(cfg)
-    if not given or info.multirun or data_class is None or not issubclass(data_class, LocalRolloutPipeline):
+    if info.multirun or data_class is None or not issubclass(data_class, LocalRolloutPipeline):
         return
     per_step = int(cfg.data.prompts_per_step) * int(cfg.data.group_size)
     micro, accum = cfg.train.micro_batch_size, cfg.train.grad_accum
-    if per_step > micro * accum:
-        raise ConfigError(
-            f"{given[0]} would be ignored: each step trains all {per_step} sequences the data generates "
-            f"(data.prompts_per_step x data.group_size), in micro-batches of train.micro_batch_size={micro} "
-            f"({-(-per_step // micro)} of them), not {micro} x {accum} = {micro * accum}; to train fewer sequences "
-            "per step lower data.prompts_per_step or data.group_size, for smaller micro-batches lower "
-            "train.micro_batch_size"
-        )
+    if per_step <= micro * accum:
+        return
+    why = (f"each step trains all {per_step} sequences the data generates (data.prompts_per_step x data.group_size), "
+           f"in micro-batches of train.micro_batch_size={micro} ({-(-per_step // micro)} of them), not {micro} x "
+           f"{accum} = {micro * accum}")
+    if not given:
+        log.warning("train.grad_accum=%s (from the config) has no effect: %s", accum, why)
+        return
+    raise ConfigError(
+        f"{given[0]} would be ignored: {why}; to train fewer sequences per step lower data.prompts_per_step or "
+        "data.group_size, for smaller micro-batches lower train.micro_batch_size"
+    )
 
 
 def check_eval_settings_used(cfg: DictConfig, info: HydraInfo) -> None:

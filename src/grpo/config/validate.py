@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib
 import os
+import re
 from pathlib import Path
 
 from hydra.utils import get_class
@@ -113,7 +114,9 @@ def check_loss(cfg: DictConfig) -> None:
         cause = instantiation_cause(e)
         if not isinstance(cause, (ValueError, TypeError)):
             raise
-        raise ConfigError(f"loss ({cfg.loss._target_}): {cause}; set the loss.* key it names") from None
+        # A cause that already says what to set stands alone; otherwise point at the keys it names.
+        fix = "" if re.search(r"\bset loss\.\w+", str(cause)) else "; set the loss.* key it names"
+        raise ConfigError(f"loss ({cfg.loss._target_}): {cause}{fix}") from None
 
 
 def check_train(cfg: DictConfig) -> None:
