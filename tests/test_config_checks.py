@@ -835,6 +835,11 @@ def test_values_the_schema_takes_pass_the_type_check():
     check_group_option_names(["train.steps=12", "train.resume=null", "server.port=null", "train.steps=3,6",
                               "train.steps=${train.checkpoint_every}", "layers.indices=0-3", "loss.clip_eps=0.1",
                               "train.advantage_norm=group", "name=my run"], [CONFIG_DIR])
+    # A sweep's list is checked value by value: `-m train.steps=2,many` printed Hydra's raw merge error.
+    with pytest.raises(ConfigError, match=r"^train.steps=many: Value 'many' of type 'str' could not be converted"):
+        check_group_option_names(["train.steps=2,many"], [CONFIG_DIR])
+    check_group_option_names(["train.steps=range(2,6,2)", "data.seeded_sampling=true,false", "loss.clip_eps=0.1,0.2",
+                              "optimizer.lr=interval(1e-4,1e-3)"], [CONFIG_DIR])
 
 
 @pytest.mark.parametrize("multirun", [False, True])

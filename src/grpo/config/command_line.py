@@ -184,16 +184,19 @@ def check_override_key(key: str, value: str, config_dirs: Sequence[Path]) -> Non
 
 def check_override_type(key: str, value: str, schema: Any, field: str) -> None:
     """`key=value` whose value the schema field's type cannot take (`train.steps=many`): Hydra's own error is its
-    "Error merging override" block and a HYDRA_FULL_ERROR hint. Sweeps and interpolations are left to Hydra."""
+    "Error merging override" block and a HYDRA_FULL_ERROR hint. Each value of a sweep's list (`train.steps=2,many`)
+    is checked alike; range and interval sweeps and interpolations are left to Hydra."""
     try:
         override = OverridesParser.create().parse_override(f"{key}={value}")
     except Exception:  # noqa: BLE001 - Hydra's parser says what is wrong with the syntax itself
         return
-    if override.is_sweep_override() or "$" in value:
+    if "$" in value or (override.is_sweep_override() and not override.is_discrete_sweep()):
         return
+    values = list(override.sweep_string_iterator()) if override.is_sweep_override() else [override.value()]
     node = OmegaConf.structured(schema)
-    try:
-        setattr(node, field, override.value())
-    except ValidationError as e:
-        why = str(e).splitlines()[0]  # the rest: OmegaConf's full_key / object_type lines
-        raise ConfigError(f"{key}={value}: {why} ({command_name()} --cfg job prints every key and its value)") from None
+    for one in values:
+        try:
+            setattr(node, field, one)
+        except ValidationError as e:
+            why = str(e).splitlines()[0]  # the rest: OmegaConf's full_key / object_type lines
+            raise ConfigError(f"{key}={one}: {why} ({command_name()} --cfg job prints every key and its value)") from None
