@@ -115,7 +115,15 @@ def test_resuming_a_run_with_another_model_or_data_is_refused_naming_the_runs_co
         f"train.resume={tmp_path} was trained with model.name=tiny-qwen2, model.offline=tiny-qwen2, "
         "data.task._target_=grpo.pipeline.tasks.DigitsTask, but this command composes model.name=warm-arith, "
         "model.offline=warm-arith, data.task._target_=grpo.pipeline.arithmetic.ArithmeticTask; resume with the run's "
-        "own settings (its command was: ")
+        "own settings: ")
+    assert str(e.value).endswith(f" train.resume={tmp_path}")
+    # A run that was itself resumed: its command's own train.resume gives way to this one, not beside it.
+    provenance = json.loads((tmp_path / "provenance.json").read_text())
+    provenance["argv"] = ["train.py", "~experiment", "train.resume=outputs/older"]
+    (tmp_path / "provenance.json").write_text(json.dumps(provenance))
+    with pytest.raises(ConfigError) as e:
+        check_resume_identity(cfg("warm-arith", "grpo.pipeline.arithmetic.ArithmeticTask"))
+    assert str(e.value).endswith(f"own settings: python train.py '~experiment' train.resume={tmp_path}")
 
 
 @pytest.mark.parametrize("override, named", [

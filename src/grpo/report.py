@@ -161,17 +161,17 @@ class SweepDone(Callback):
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description="Summarise a multirun sweep dir, or one run dir.")
-    parser.add_argument("sweep_dir", type=Path)
+    parser = argparse.ArgumentParser(prog="grpo-report", description="Summarise a multirun sweep dir, or one run dir.")
+    parser.add_argument("dir", type=Path, help="a sweep (multirun) dir, or one run dir")
     args = parser.parse_args(argv)
-    if not args.sweep_dir.is_dir():
-        parser.error(f"{args.sweep_dir} is not a directory: give a run dir or a sweep (multirun) dir")
-    if not job_dirs(args.sweep_dir):
-        parser.error(f"no runs in {args.sweep_dir}: a run dir has a metrics.jsonl, a sweep dir has job dirs "
+    if not args.dir.is_dir():
+        parser.error(f"{args.dir} is not a directory: give a run dir or a sweep (multirun) dir")
+    if not job_dirs(args.dir):
+        parser.error(f"no runs in {args.dir}: a run dir has a metrics.jsonl, a sweep dir has job dirs "
                      "(0, 1, ...) with a .hydra/ each")
-    table, _ = report(args.sweep_dir)
+    table, _ = report(args.dir)
     print(table)
-    print(f"\nwrote {args.sweep_dir / 'report.json'} and {args.sweep_dir / 'rewards.png'}")
+    print(f"\nwrote {args.dir / 'report.json'} and {args.dir / 'rewards.png'}")
 
 
 if __name__ == "__main__":

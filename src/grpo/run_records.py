@@ -9,6 +9,7 @@ import gc
 import json
 import logging
 import os
+import shlex
 import shutil
 import subprocess
 import sys
@@ -83,9 +84,13 @@ def check_resume_identity(cfg: Any) -> None:
     if differ:
         was = ", ".join(f"{k}={before[k]}" for k in differ)
         given = ", ".join(f"{k}={now[k]}" for k in differ)
+        # The run's own command with this resume (a command that resumed already carries a train.resume of its own).
+        command = [a for a in earlier.get("argv", []) if not a.lstrip("+").startswith("train.resume=")]
+        if command and command[0].endswith(".py"):
+            command.insert(0, "python")  # argv[0] is the script; the command to type runs it with python
         raise ConfigError(
             f"train.resume={resume} was trained with {was}, but this command composes {given}; resume with the "
-            f"run's own settings (its command was: {' '.join(earlier.get('argv', []))}) plus train.resume={resume}"
+            f"run's own settings: {shlex.join([*command, f'train.resume={resume}'])}"
         )
 
 
