@@ -46,7 +46,7 @@ def test_steps_run_counts_optimizer_steps_when_a_rollout_batch_has_several(tmp_p
     RunSummary(tmp_path).finish([0.5])  # a torn last line (a crash mid-write) is left out, not a crash here
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["steps_run"] == 4 and summary["rollout_batches"] == 1
-    assert done_message(tmp_path).startswith("run completed: 4 steps; reward 0.500 -> 0.500")
+    assert done_message(tmp_path).startswith("run completed: 4 steps; reward 0.500 (mean of its 1 rollout batch)")
 
 
 def test_without_metrics_the_session_rewards_are_used_and_a_short_run_has_equal_means(tmp_path):
@@ -89,8 +89,12 @@ def test_a_completed_run_ends_with_a_line_saying_how_it_went_and_where_its_outpu
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     RunSummary(tmp_path).finish([0.5, 0.7])
     assert done_message(tmp_path) == (
-        "run completed: 2 steps; reward 0.600 -> 0.600 (mean of the first and last 10 rollout batches); held-out accuracy "
+        "run completed: 2 steps; reward 0.600 (mean of its 2 rollout batches); held-out accuracy "
         f"0.250 -> 0.500.\n  run dir: {tmp_path} (summary: python -m grpo.report {tmp_path})")
+    longer = tmp_path / "longer"
+    longer.mkdir()
+    RunSummary(longer).finish([0.1] * 10 + [0.9] * 2)  # 12 batches: the windows differ
+    assert "; reward 0.100 -> 0.260 (mean of the first and last 10 rollout batches)" in done_message(longer)
 
 
 def test_resuming_a_run_with_another_model_or_data_is_refused_naming_the_runs_command(tmp_path):
