@@ -262,6 +262,21 @@ def test_the_readme_rerun_command_reruns_a_resumed_run_from_scratch(tmp_path):
     validate(cfg, tmp_path / "rerun")  # a fresh run of that config: nothing to refuse
 
 
+def test_a_group_choice_on_a_saved_config_is_a_config_error_saying_what_works(example_run):
+    """`--config-path <run>/.hydra --config-name config eval=off` printed Hydra's "Could not override 'eval'. No match
+    in the defaults list" and advised `+eval=off`, which fails too; the group's keys do work."""
+    saved = ["--config-path", str(example_run / ".hydra"), "--config-name", "config"]
+    out = subprocess.run([sys.executable, "train.py", *saved, "eval=off", "--cfg", "job"], cwd=REPO,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 1
+    assert out.stderr.strip().startswith(f"ConfigError: eval=off: {example_run / '.hydra' / 'config.yaml'} is a saved "
+                                         "config, composed already")
+    assert "eval=off is eval.enabled=false" in out.stderr
+    out = subprocess.run([sys.executable, "train.py", *saved, "eval.enabled=false", "--cfg", "job"], cwd=REPO,
+                         capture_output=True, text=True, timeout=120, check=True)
+    assert OmegaConf.create(out.stdout).eval.enabled is False
+
+
 def test_the_readme_layer_index_examples_compose_as_a_shell_passes_them():
     """README's `layers.indices="0-3,28-31"` reached Hydra without its quotes (the shell drops them), and Hydra read
     the comma as a sweep: 'Ambiguous value for argument'."""

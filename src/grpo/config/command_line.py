@@ -36,6 +36,36 @@ def check_command_line(args: Sequence[str], shipped_config_dir: Path) -> None:
     check_config_dirs(dirs)
     if not any(a.split("=", 1)[0] in CONFIG_PATH_FLAGS for a in args):  # another primary config: Hydra checks it
         check_group_option_names(args, [shipped_config_dir, *dirs])
+    else:
+        check_saved_config_overrides(args, shipped_config_dir)
+
+
+def _flag_value(args: Sequence[str], flags: Sequence[str]) -> str | None:
+    """The value of the first of `flags` (`--flag VALUE` or `--flag=VALUE`), None when none is given."""
+    for i, arg in enumerate(args):
+        name, sep, value = arg.partition("=")
+        if name in flags:
+            return value if sep else (args[i + 1] if i + 1 < len(args) else None)
+    return None
+
+
+def check_saved_config_overrides(args: Sequence[str], shipped_config_dir: Path) -> None:
+    """`group=option` beside `--config-path <run>/.hydra --config-name config` (rerunning a run's saved config): that
+    config is composed already (no defaults list), so Hydra refuses the choice with "Could not override 'eval'. No
+    match in the defaults list", and its advice (`+eval=off`) fails too. Said here, with what works instead."""
+    path, name = _flag_value(args, CONFIG_PATH_FLAGS), _flag_value(args, ("--config-name", "-cn"))
+    primary = Path(path or ".") / f"{(name or 'config').removesuffix('.yaml')}.yaml"
+    if path is None or not primary.is_file() or "defaults" in (OmegaConf.load(primary) or {}):
+        return
+    groups = {d.name for d in shipped_config_dir.iterdir() if d.is_dir()}
+    for arg in args:
+        key, sep, value = arg.lstrip("+").partition("=")
+        if sep and key in groups and not arg.startswith("-"):
+            raise ConfigError(
+                f"{arg}: {primary} is a saved config, composed already (it has no defaults list), so no option of "
+                f"{key} can be chosen on it; set the keys of {key} instead ({key}.<key>=<value>: eval=off is "
+                f"eval.enabled=false), or compose anew from the shipped config with the run's own overrides"
+            )
 
 
 def config_dirs(args: Sequence[str]) -> list[Path]:
