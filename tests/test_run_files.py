@@ -261,6 +261,29 @@ def test_curves_draw_the_reward_of_a_run_with_several_updates_per_batch(tmp_path
     plot_curves(tmp_path / "metrics.jsonl", tmp_path / "curves.png")
     assert drawn[0] == ([1, 5, 9], [0.51, 0.55, 0.59])  # the reward panel: one connected line
     assert drawn[1][0] == list(range(1, 13))  # the loss panel: every step
+    assert len(drawn) == 2  # reward and loss: no entropy axis for a run that logged none
+
+
+def test_curves_draw_the_policys_entropy_beside_the_loss(tmp_path, monkeypatch):
+    """grpo/entropy goes on a right-hand axis of the loss panel (dashed), so a collapse shows in every curves.png."""
+    import matplotlib.axes
+
+    from grpo.trainer.metrics import plot_curves
+
+    rows = [{"step": 0, "eval/accuracy": 0.2}] + [
+        {"step": s, "loss": 0.1, "reward/mean": 0.5, "grpo/entropy": 2.0 / s} for s in range(1, 5)]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    drawn: list[tuple[list, list, object]] = []
+    plot = matplotlib.axes.Axes.plot
+
+    def recording_plot(ax, xs, ys, *args, **kwargs):
+        drawn.append((list(xs), list(ys), kwargs.get("ls")))
+        return plot(ax, xs, ys, *args, **kwargs)
+
+    monkeypatch.setattr(matplotlib.axes.Axes, "plot", recording_plot)
+    plot_curves(tmp_path / "metrics.jsonl", tmp_path / "curves.png")
+    assert ([1, 2, 3, 4], [2.0, 1.0, 2.0 / 3, 0.5], "--") in drawn
+    assert (tmp_path / "curves.png").stat().st_size > 0
 
 
 @pytest.mark.parametrize("durable", [True, False])

@@ -231,7 +231,8 @@ EVAL_PLOT_KEYS = ("eval/accuracy", "eval/pass@k", "eval/mean@k")
 
 
 def plot_curves(metrics_path: Path, out_path: Path, title: str = "") -> Path:
-    """PNG of reward and loss against step, plus a panel of the held-out eval metrics when the run has them."""
+    """PNG of reward and loss (with the policy's entropy) against step, plus a panel of the held-out eval metrics when
+    the run has them."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -249,6 +250,7 @@ def plot_curves(metrics_path: Path, out_path: Path, title: str = "") -> Path:
         ax.set_xlabel("optimizer step")
         ax.set_ylabel(key)
         ax.grid(alpha=0.3)
+    plot_entropy(axes[1], train_rows)
     if eval_rows:
         ax = axes[2]
         for key in EVAL_PLOT_KEYS:
@@ -265,6 +267,17 @@ def plot_curves(metrics_path: Path, out_path: Path, title: str = "") -> Path:
     fig.savefig(out_path, dpi=110)
     plt.close(fig)
     return out_path
+
+
+def plot_entropy(ax: Any, train_rows: list[dict[str, Any]]) -> None:
+    """`grpo/entropy` on a right-hand axis of the loss panel, dashed (a fall towards 0 is the policy collapsing)."""
+    points = [(r["step"], r["grpo/entropy"]) for r in train_rows if r.get("grpo/entropy") is not None]
+    if not points:
+        return
+    right = ax.twinx()
+    right.plot([x for x, _ in points], [y for _, y in points], lw=1.2, ls="--", color="C1")
+    right.set_ylabel("grpo/entropy (dashed)", color="C1")
+    right.set_ylim(bottom=0)
 
 
 class NullMetrics:
