@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from grpo.trainer.logprobs import hidden_logprobs, naive_token_logprobs, token_logprobs
+from grpo.trainer.logprobs import hidden_logprobs, naive_token_entropy, naive_token_logprobs, token_logprobs
 
 ATOL = 1e-5
 
@@ -79,14 +79,19 @@ def test_peft_model_matches_naive(tiny_qwen2_dir):
     _compare(peft_model, ids, attn, labels, torch.tensor([1.0, 0.8, 1.2]), 9)
 
 
-def test_module_head_checkpoint_path_matches_fused():
-    """A head that is not a plain Linear (e.g. LoRA on lm_head) goes through per-chunk checkpointing."""
+def _head_case() -> tuple[nn.Linear, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A small head on random hidden states: (head, hidden [2, 9, 16], labels with a prompt, temperatures)."""
     torch.manual_seed(0)
     head = nn.Linear(16, 50, bias=True)
     hidden = torch.randn(2, 9, 16, requires_grad=True)
     labels = torch.randint(0, 50, (2, 9))
     labels[0, :3] = -100
-    temps = torch.tensor([0.5, 2.0])
+    return head, hidden, labels, torch.tensor([0.5, 2.0])
+
+
+def test_module_head_checkpoint_path_matches_fused():
+    """A head that is not a plain Linear (e.g. LoRA on lm_head) goes through per-chunk checkpointing."""
+    head, hidden, labels, temps = _head_case()
     outs, grads = [], []
     for fused in (True, False):
         hidden.grad = None
@@ -149,12 +154,7 @@ def test_entropy_of_each_token_matches_the_full_softmax(fused, chunk, monkeypatc
     import grpo.trainer.logprobs as logprobs
 
     monkeypatch.setattr(logprobs, "ENTROPY_ROWS", 3)
-    torch.manual_seed(0)
-    head = nn.Linear(16, 50, bias=True)
-    hidden = torch.randn(2, 9, 16, requires_grad=True)
-    labels = torch.randint(0, 50, (2, 9))
-    labels[0, :3] = -100
-    temps = torch.tensor([0.5, 2.0])
+    head, hidden, labels, temps = _head_case()
     results = []
     for stats in ({}, None):
         hidden.grad = None
@@ -187,7 +187,5 @@ def test_entropy_through_the_model_with_prefix_sharing(model):
     stats: dict = {}
     with torch.no_grad():
         token_logprobs(model, ids, attn, labels, torch.ones(3), chunk_size=8, shared=True, stats=stats)
-        logits = model(input_ids=ids, attention_mask=attn, use_cache=False).logits.float()
-    want = -(torch.softmax(logits, -1) * torch.log_softmax(logits, -1)).sum(-1)
-    want = torch.where(labels == -100, torch.zeros_like(want), want)
+    want = naive_token_entropy(model, ids, attn, labels)
     torch.testing.assert_close(stats["entropy"], want, atol=1e-4, rtol=0)

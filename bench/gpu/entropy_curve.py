@@ -9,21 +9,9 @@ accuracy on the right, one line pair per metrics file.
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
-from result_files import read_text
-
-
-def rows_of(path: Path) -> list[dict]:
-    """The metrics rows of one run (a torn last line is left out)."""
-    rows = []
-    for line in read_text(path).splitlines():
-        try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue
-    return rows
+from result_files import read_rows
 
 
 def series(rows: list[dict], key: str) -> tuple[list[int], list[float]]:
@@ -46,7 +34,7 @@ def main(argv: list[str] | None = None) -> None:
     fig, ax = plt.subplots(figsize=(7, 3.8))
     acc_ax = ax.twinx()
     for i, path in enumerate(args.metrics):
-        rows = rows_of(path)
+        rows = read_rows(path)
         name = path.name.split(".")[0]
         steps, entropy = series(rows, "grpo/entropy")
         at = {s: round(e, 3) for s, e in zip(steps, entropy) if s in (1, 5, 10, 25, 50, 100, 150, 200, 300, 400, 500)}

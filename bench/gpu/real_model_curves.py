@@ -19,14 +19,13 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from result_files import exists, find, read_text  # noqa: E402
+from result_files import exists, find, read_rows, read_text  # noqa: E402
 
 
 def ours_curve(path: Path) -> list[tuple[int, float, float]]:
     """(step, accuracy, training seconds) of a metrics.jsonl: time/run_seconds less the evaluations so far."""
-    rows = [json.loads(line) for line in read_text(path).splitlines() if line.strip()]
     out, eval_s = [], 0.0
-    for r in rows:
+    for r in read_rows(path):
         if "eval/accuracy" in r:
             eval_s += r.get("eval/seconds", 0.0)
             out.append((r["step"], r["eval/accuracy"], max(0.0, r["time/run_seconds"] - eval_s)))

@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import gzip
+import json
 from pathlib import Path
 
 
@@ -18,6 +19,11 @@ def read_text(path: Path) -> str:
     if not path.exists() and compressed(path).exists():
         return gzip.decompress(compressed(path).read_bytes()).decode()
     return path.read_text()
+
+
+def read_rows(path: Path) -> list[dict]:
+    """The JSON rows of a metrics.jsonl (plain or `.gz`), blank lines left out."""
+    return [json.loads(line) for line in read_text(path).splitlines() if line.strip()]
 
 
 def exists(path: Path) -> bool:

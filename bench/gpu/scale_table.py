@@ -14,13 +14,12 @@ generator's idle time (means), a batch's generation, training and the arrival ch
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from result_files import find, read_text  # noqa: E402
+from result_files import find, read_rows  # noqa: E402
 
 # A column is a metrics.jsonl key (its median over the steady steps) or "mean:key" / "min:key" -> its heading.
 SUMMARIES = {"mean": statistics.mean, "min": min}
@@ -59,7 +58,7 @@ PIPELINE_COLUMNS = {  # the same for asynchronous rollouts (--pipeline)
 
 
 def row(path: Path, skip: int, until: int | None = None, columns: dict[str, str] = COLUMNS) -> list[str]:
-    rows = [json.loads(line) for line in read_text(path).splitlines() if line.strip()]
+    rows = read_rows(path)
     steady = [r for r in rows if r.get("step", 0) > skip and (until is None or r.get("step", 0) <= until)] or rows
     cells = []
     for column in columns:

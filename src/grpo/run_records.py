@@ -180,14 +180,13 @@ def done_message(run_dir: Path) -> str:
     summary = json.loads((run_dir / "summary.json").read_text())
     rows = read_metrics(run_dir / "metrics.jsonl") if (run_dir / "metrics.jsonl").exists() else []
     parts = [f"run completed: {summary['steps_run']} steps"]
+    first, last = summary.get("first10_reward_mean"), summary.get("last10_reward_mean")
     batches = summary.get("rollout_batches") or 0
-    if summary.get("last10_reward_mean") is not None and batches <= 10:
+    if last is not None and batches <= 10:
         # Its first and last 10 rollout batches are the same ones: "0.541 -> 0.541" read as no learning.
-        parts.append(f"reward {summary['last10_reward_mean']:.3f} (mean of its {batches} rollout "
-                     f"batch{'es' if batches != 1 else ''})")
-    elif summary.get("last10_reward_mean") is not None:
-        parts.append(f"reward {summary['first10_reward_mean']:.3f} -> {summary['last10_reward_mean']:.3f} (mean of the "
-                     "first and last 10 rollout batches)")
+        parts.append(f"reward {last:.3f} (mean of its {batches} rollout batch{'es' if batches != 1 else ''})")
+    elif last is not None:
+        parts.append(f"reward {first:.3f} -> {last:.3f} (mean of the first and last 10 rollout batches)")
     evals = [r for r in rows if r.get("eval/accuracy") is not None]
     if len(evals) > 1:
         parts.append(f"held-out accuracy {evals[0]['eval/accuracy']:.3f} -> {evals[-1]['eval/accuracy']:.3f}")

@@ -365,10 +365,9 @@ def _module_chunk(
     logits = head(h).float() * inv_temp[:, None]
     lse = torch.logsumexp(logits, dim=-1)
     entropy = None
-    if with_entropy:
+    if with_entropy:  # the probabilities are their own normalised block (z = 1)
         with torch.no_grad():
-            log_p = logits - lse[:, None]
-            entropy = -(log_p.exp() * log_p).sum(dim=1)
+            entropy = block_entropy((logits - lse[:, None]).exp(), torch.ones_like(lse))
     return logits.gather(1, target[:, None]).squeeze(1) - lse, entropy
 
 
@@ -456,3 +455,20 @@ def naive_token_logprobs(
         logits = logits / temperatures.float()[:, None, None]
     lp = torch.log_softmax(logits, dim=-1).gather(-1, labels.clamp(min=0)[..., None]).squeeze(-1)
     return torch.where(labels != IGNORE_INDEX, lp, torch.zeros_like(lp))
+
+
+@torch.no_grad()
+def naive_token_entropy(
+    model: nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    labels: torch.Tensor,
+    temperatures: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """Reference for ``stats["entropy"]``: each token's entropy from full ``[B, T, vocab]`` float32 logits at its
+    temperature, 0 where IGNORE_INDEX (tests and benchmarks only)."""
+    logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits.float()
+    if temperatures is not None:
+        logits = logits / temperatures.float()[:, None, None]
+    entropy = -(torch.softmax(logits, -1) * torch.log_softmax(logits, -1)).sum(-1)
+    return torch.where(labels != IGNORE_INDEX, entropy, torch.zeros_like(entropy))
