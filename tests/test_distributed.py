@@ -398,8 +398,9 @@ def _loss(name: str):
 
     if name == "gspo_masks":
         # The scripted rollout log-probs lie ~3.5 nats above the tiny model's: bands that mask some tokens only.
+        # With an entropy bonus: its gradient through FSDP2's sharded head (unfused) as through the fused path.
         return GSPOLoss(clip_eps=0.01, clip_eps_high=0.01, aggregation="seq_mean_token_mean",
-                        token_mask=[0.02, 50.0], sequence_mask=[0.01, 100.0])
+                        token_mask=[0.02, 50.0], sequence_mask=[0.01, 100.0], entropy_coef=0.05)
     return GRPOLoss()
 
 
@@ -477,7 +478,7 @@ def one_step_runs(tmp_path_factory, tiny_qwen2_dir) -> Path:
 
 def test_fsdp2_gspo_with_off_policy_masks_matches_one_process(tmp_path, tiny_qwen2_dir):
     """Issue 40: GSPO's sequence ratio and both masks under FSDP2 (its log-probs through the sharded forward, the
-    loss unfused) give the one-process loss and update."""
+    loss unfused) give the one-process loss and update, an entropy bonus's gradient included."""
     import torch.multiprocessing as mp
 
     from conftest import free_port

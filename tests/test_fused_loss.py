@@ -108,6 +108,47 @@ def test_fused_equals_unfused(model, name, chunk):
     torch.testing.assert_close(stats["entropy"], naive_token_entropy(model, ids, attn, labels, temps), atol=1e-5, rtol=0)
 
 
+@pytest.mark.parametrize("chunk", [3, 1024])
+@pytest.mark.parametrize("name", ["grpo", "seq_mean_token_mean", "gspo"])
+def test_entropy_bonus_fused_equals_unfused(model, name, chunk):
+    """`loss.entropy_coef`: the fused path takes the bonus's gradient with the log-probs' (both per chunk, or in the
+    second pass of a loss that is not token-separable: GSPO) and gives the loss, metrics and gradients of autograd
+    through full logits; the bonus moves the gradients."""
+    ids, attn, labels, mask, rollout, ref, adv, temps = _inputs(model)
+    kwargs = dict(LOSSES[name])
+    loss_fn = kwargs.pop("cls", GRPOLoss)(entropy_coef=0.05, **kwargs)
+    assert loss_fn.uses_entropy and not loss_fn.zero_advantage_adds_nothing
+    kw = dict(ref_logprobs=ref, total_tokens=71.0, total_sequences=6.0, max_tokens=17.0)
+
+    def loss_of(lp, with_metrics=True, entropy=None):
+        return loss_fn(lp, rollout, adv, mask, with_metrics=with_metrics, entropy=entropy, **kw)
+
+    model.zero_grad(set_to_none=True)
+    ref_loss, ref_metrics = loss_of(naive_token_logprobs(model, ids, attn, labels, temps),
+                                    entropy=naive_token_entropy(model, ids, attn, labels, temps))
+    ref_loss.backward()
+    want = _grads(model)
+
+    stats: dict = {}
+    loss, metrics, _ = fused_token_loss(model, ids, attn, labels, temps, loss_of, chunk_size=chunk,
+                                        separable=loss_fn.token_separable, stats=stats, entropy_grad=True)
+    loss.backward()
+    got = _grads(model)
+    torch.testing.assert_close(loss, ref_loss.detach(), atol=1e-6, rtol=1e-5)
+    for k in metrics:
+        assert metrics[k] == pytest.approx(ref_metrics[k], abs=1e-5), k
+    for n in want:
+        torch.testing.assert_close(got[n], want[n], atol=1e-5, rtol=1e-4, msg=n)
+
+    plain = dict(LOSSES[name])
+    plain_fn = plain.pop("cls", GRPOLoss)(**plain)
+    fused_token_loss(model, ids, attn, labels, temps,
+                     lambda lp, with_metrics=True: plain_fn(lp, rollout, adv, mask, with_metrics=with_metrics, **kw),
+                     chunk_size=chunk, separable=plain_fn.token_separable)[0].backward()
+    head = "lm_head.weight" if "lm_head.weight" in want else max(want, key=lambda n: want[n].numel())
+    assert (_grads(model)[head] - want[head]).abs().max() > 1e-6
+
+
 def test_fused_without_loss_tokens_keeps_graph(model):
     ids, attn, labels, mask, rollout, ref, adv, temps = _inputs(model)
     labels = torch.full_like(labels, -100)

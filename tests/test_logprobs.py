@@ -189,3 +189,61 @@ def test_entropy_through_the_model_with_prefix_sharing(model):
         token_logprobs(model, ids, attn, labels, torch.ones(3), chunk_size=8, shared=True, stats=stats)
     want = naive_token_entropy(model, ids, attn, labels)
     torch.testing.assert_close(stats["entropy"], want, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("fused", [True, False])
+@pytest.mark.parametrize("chunk", [4, 1024])
+def test_entropy_gradient_matches_the_full_softmax(fused, chunk, monkeypatch):
+    """With `entropy_grad` the entropies carry their gradient (an entropy bonus): a loss mixing log-probs and
+    entropies gives the hidden states, the head's weight and bias the gradients of autograd through the full
+    softmax, on the fused path (its backward adds -g_H p (log p + H) in ENTROPY_ROWS slices) and the module path."""
+    import grpo.trainer.logprobs as logprobs
+
+    monkeypatch.setattr(logprobs, "ENTROPY_ROWS", 3)
+    head, hidden, labels, temps = _head_case()
+    w_lp, w_ent = torch.randn(2, 9), torch.randn(2, 9)  # both signs, as advantages and a bonus give
+
+    def grads(lp, ent):
+        hidden.grad = None
+        head.zero_grad()
+        ((lp * w_lp).sum() + (ent * w_ent).sum()).backward()
+        return hidden.grad.clone(), head.weight.grad.clone(), head.bias.grad.clone()
+
+    stats: dict = {}
+    lp = hidden_logprobs(hidden, head, labels, temps, chunk_size=chunk, fused=fused, stats=stats, entropy_grad=True)
+    got = grads(lp, stats["entropy"])
+    ref_lp = torch.log_softmax(head(hidden) / temps[:, None, None], -1).gather(-1, labels.clamp(min=0)[..., None])[..., 0]
+    ref_lp = torch.where(labels == -100, torch.zeros_like(ref_lp), ref_lp)
+    want = grads(ref_lp, _naive_entropy(head, hidden, labels, temps))
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, atol=ATOL, rtol=1e-4)
+    # The entropy term does reach the gradients: without it they differ.
+    stats = {}
+    lp = hidden_logprobs(hidden, head, labels, temps, chunk_size=chunk, fused=fused, stats=stats)
+    without = grads(lp, torch.zeros_like(lp))
+    assert (without[1] - want[1]).abs().max() > 1e-3
+
+
+def test_entropy_grad_needs_stats():
+    head, hidden, labels, temps = _head_case()
+    with pytest.raises(ValueError, match="needs a stats dict"):
+        hidden_logprobs(hidden, head, labels, temps, entropy_grad=True)
+
+
+def test_steps_along_the_entropy_gradient_raise_the_entropy():
+    """Gradient ascent on the fused path's entropy (a bonus alone, no advantage) flattens the head's distributions."""
+    head, hidden, labels, temps = _head_case()
+    hidden = hidden.detach()
+    opt = torch.optim.SGD(head.parameters(), lr=0.5)
+    mask = (labels != -100).float()
+    means = []
+    for _ in range(5):
+        stats: dict = {}
+        hidden_logprobs(hidden, head, labels, temps, chunk_size=4, stats=stats, entropy_grad=True)
+        mean = (stats["entropy"] * mask).sum() / mask.sum()
+        means.append(float(mean.detach()))
+        opt.zero_grad()
+        (-mean).backward()
+        opt.step()
+    assert all(b > a for a, b in zip(means, means[1:])), means
+    assert means[-1] < float(torch.log(torch.tensor(50.0)))  # bounded by the uniform distribution's log V

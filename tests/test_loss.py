@@ -213,6 +213,26 @@ def test_kl_estimators(est):
     torch.testing.assert_close(logp.grad[0], torch.tensor([0.1 * dvalue_dlogp(v) / 3 for v in x]))
 
 
+@pytest.mark.parametrize("aggregation", ["token_mean", "seq_mean_token_mean"])
+def test_entropy_bonus_is_subtracted_as_the_loss_is_aggregated(aggregation):
+    """loss.entropy_coef: loss - coef * (the entropies aggregated as the loss), gradient -coef / N per loss token."""
+    logp, rollout, adv, mask = _inputs(seed=5)
+    entropy = torch.rand(logp.shape, requires_grad=True)
+    base, _ = GRPOLoss(aggregation=aggregation)(logp, rollout, adv, mask)
+    fn = GRPOLoss(entropy_coef=0.02, aggregation=aggregation)
+    loss, _ = fn(logp, rollout, adv, mask, entropy=entropy)
+    agg = (entropy * mask).sum() / mask.sum() if aggregation == "token_mean" else (
+        ((entropy * mask).sum(1) / mask.sum(1).clamp(min=1)).sum() / (mask.sum(1) > 0).sum())
+    assert float(loss) == pytest.approx(float(base) - 0.02 * float(agg), rel=1e-5)
+    loss.backward()
+    assert (entropy.grad[mask == 0] == 0).all() and (entropy.grad[mask > 0] < 0).all()
+    with pytest.raises(ValueError, match="needs the per-token entropies"):
+        fn(logp, rollout, adv, mask)
+    # Off, the entropies are ignored.
+    plain, _ = GRPOLoss(aggregation=aggregation)(logp, rollout, adv, mask, entropy=entropy)
+    assert float(plain) == pytest.approx(float(base))
+
+
 def test_kl_against_rollout_when_no_ref_and_ref_nan_falls_back():
     logp = torch.tensor([[-1.0, -2.0]], requires_grad=True)
     rollout = torch.tensor([[-1.2, -1.0]])
@@ -251,6 +271,8 @@ def test_bad_arguments():
         GRPOLoss(dual_clip=0.5)
     with pytest.raises(ValueError, match="kl_estimator"):
         GRPOLoss(kl_estimator="k4")
+    with pytest.raises(ValueError, match="entropy_coef must be >= 0"):
+        GRPOLoss(entropy_coef=-0.01)
 
 
 def test_constructor_matches_config_keys():

@@ -176,7 +176,8 @@ def test_the_step_reports_the_policys_mean_entropy_over_its_loss_tokens(tiny_qwe
     _, metrics = trainer.forward_backward(batch)
     total = count = 0.0
     for mb in batch.micro_batches:
-        entropy = naive_token_entropy(model, mb.input_ids, mb.attention_mask, mb.labels, mb.temperatures)
+        with torch.no_grad():
+            entropy = naive_token_entropy(model, mb.input_ids, mb.attention_mask, mb.labels, mb.temperatures)
         total += float((entropy * mb.loss_mask).sum())
         count += float(mb.loss_mask.sum())
     assert metrics["grpo/entropy"] == pytest.approx(total / count, rel=1e-5)
@@ -186,6 +187,29 @@ def test_the_step_reports_the_policys_mean_entropy_over_its_loss_tokens(tiny_qwe
     _, without = update_trainer(model, GRPOLoss(), fused_loss=fused_loss, entropy_metric=False).forward_backward(batch)
     assert without.keys() == metrics.keys() - {"grpo/entropy"}
     assert without["grpo/kl"] == metrics["grpo/kl"] and without["grpo/mean_ratio"] == metrics["grpo/mean_ratio"]
+
+
+def test_an_entropy_bonus_gives_the_same_gradients_on_every_log_prob_path(tiny_qwen2_dir):
+    """loss.entropy_coef through the trainer: the fused loss, the unfused path, padding-free and prefix-shared
+    forwards all give the gradients of one computation (the bonus's included), with grpo/entropy logged even when
+    train.entropy_metric=false; the bonus changes them."""
+    model = _model(tiny_qwen2_dir)
+    batch = prepare_batch(_groups(0), max_seq_len=64, micro_batch_size=3, pad_token_id=0)
+    loss_fn = GRPOLoss(entropy_coef=0.05, aggregation="seq_mean_token_mean")
+    results = []
+    for train in (dict(fused_loss=True), dict(fused_loss=False), dict(padding_free=True, entropy_metric=False),
+                  dict(prefix_sharing=True, fused_loss=False)):
+        loss, metrics = update_trainer(model, loss_fn, **train).forward_backward(batch)
+        results.append((loss, metrics["grpo/entropy"], _grads(model)))
+    (loss0, entropy0, grads0), *others = results
+    for loss, entropy, grads in others:
+        assert loss == pytest.approx(loss0, rel=1e-5, abs=1e-7) and entropy == pytest.approx(entropy0, rel=1e-5)
+        for name, g in grads0.items():
+            torch.testing.assert_close(grads[name], g, rtol=1e-4, atol=1e-6, msg=name)
+    loss_plain, _ = update_trainer(model, GRPOLoss(aggregation="seq_mean_token_mean")).forward_backward(batch)
+    assert loss0 < loss_plain  # the bonus (positive entropies) lowers the loss
+    plain = _grads(model)
+    assert max(float((plain[n] - g).abs().max()) for n, g in grads0.items()) > 1e-5
 
 
 def test_token_budget_applies_to_mini_batches_too():

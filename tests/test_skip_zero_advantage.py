@@ -99,3 +99,6 @@ def test_a_kl_penalty_refuses_skipping_zero_advantage_rows(tiny_qwen2_dir):
     with pytest.raises(ConfigError, match="kl_coef"):
         update_trainer(model, GRPOLoss(kl_coef=0.01), skip_zero_advantage=True)
     assert update_trainer(model, GRPOLoss(kl_coef=0.0), skip_zero_advantage=True).skip_zero_advantage
+    # An entropy bonus acts at every loss token, its advantage 0 or not.
+    with pytest.raises(ConfigError, match="entropy_coef=0"):
+        update_trainer(model, GRPOLoss(entropy_coef=0.01), skip_zero_advantage=True)

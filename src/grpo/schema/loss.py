@@ -29,6 +29,7 @@ class LossConfig:
     tis_cap: Optional[float] = None
     kl_coef: float = 0.0
     kl_estimator: KLEstimator = KLEstimator.k3
+    entropy_coef: float = 0.0
     aggregation: Aggregation = Aggregation.token_mean
     max_tokens_norm: Optional[int] = None
     old_logprobs: OldLogprobs = OldLogprobs.rollout

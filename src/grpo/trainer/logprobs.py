@@ -7,8 +7,10 @@ gradient of the logits in place into that one buffer and accumulating a single w
 on lm_head, quantised) goes through ``torch.utils.checkpoint`` per chunk. Either way forward and backward hold at most one ``[chunk, vocab]`` block.
 
 Given a ``stats`` dict, each path also writes the entropy of every selected token's distribution (``stats["entropy"]``,
-``[B, T]`` float32, 0 where IGNORE_INDEX) from the same chunk's logits, without gradient: one more pass over the chunk
-in slices of ``ENTROPY_ROWS`` rows, so no second ``[chunk, vocab]`` block.
+``[B, T]`` float32, 0 where IGNORE_INDEX) from the same chunk's logits: one more pass over the chunk in slices of
+``ENTROPY_ROWS`` rows, so no second ``[chunk, vocab]`` block. With ``entropy_grad`` the entropies carry their gradient
+(an entropy bonus in the loss, ``loss.entropy_coef``): ``dH/dz_j = -p_j (log p_j + H)``, added to the same block in
+the backward (or, fused, in the forward).
 """
 
 from __future__ import annotations
@@ -160,13 +162,17 @@ class _LinearLogprob(torch.autograd.Function):
 
     Forward keeps only the log-sum-exp per token. Backward recomputes each chunk's logits, turns that one buffer
     into the gradient of the logits in place, and accumulates the weight gradient into a single ``[V, H]`` buffer
-    (``addmm_``), so neither pass holds more than one ``[chunk, V]`` block and one weight-sized gradient.
+    (``addmm_``), so neither pass holds more than one ``[chunk, V]`` block and one weight-sized gradient. With
+    ``with_entropy`` the second output holds each token's entropy (else it is empty); a gradient reaching it (an
+    entropy bonus) joins the log-probs' in the same block.
     """
 
     @staticmethod
-    def forward(ctx, h, weight, bias, target, inv_temp, chunk_size, entropy_out):  # type: ignore[override]
+    def forward(ctx, h, weight, bias, target, inv_temp, chunk_size, with_entropy):  # type: ignore[override]
+        ctx.set_materialize_grads(False)  # an unused output (the entropy of the metric alone) sends None, not zeros
         out = torch.empty(h.shape[0], dtype=torch.float32, device=h.device)
         lse = torch.empty_like(out)
+        entropy_out = torch.empty_like(out) if with_entropy else out.new_empty(0)
         for s in range(0, h.shape[0], chunk_size):
             sl = slice(s, s + chunk_size)
             logits = _scaled_logits(h[sl], weight, bias, inv_temp[sl])
@@ -174,31 +180,31 @@ class _LinearLogprob(torch.autograd.Function):
             m = logits.max(dim=1).values
             # In place: log-sum-exp without a second [chunk, V] buffer.
             z = logits.sub_(m[:, None]).exp_().sum(dim=1)
-            if entropy_out is not None:
+            if with_entropy:
                 entropy_out[sl] = block_entropy(logits, z)
             lse[sl] = z.log_().add_(m)
             out[sl] = picked - lse[sl]
             del logits  # free this chunk's block before the next one is allocated
-        ctx.save_for_backward(h, weight, bias, target, inv_temp, lse)
+        ctx.save_for_backward(h, weight, bias, target, inv_temp, lse, entropy_out)
         ctx.chunk_size = chunk_size
-        return out
+        return out, entropy_out
 
     @staticmethod
-    def backward(ctx, grad_out):  # type: ignore[override]
-        h, weight, bias, target, inv_temp, lse = ctx.saved_tensors
+    def backward(ctx, grad_out, grad_entropy):  # type: ignore[override]
+        h, weight, bias, target, inv_temp, lse, entropy = ctx.saved_tensors
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
         grad_h = torch.empty_like(h) if need_h else None
         grad_w = torch.zeros_like(weight) if need_w else None
         grad_b = torch.zeros_like(bias) if bias is not None and need_b else None
         # d out_i / d rawlogits_i = (onehot(target_i) - softmax_i) / T_i
-        g_all = grad_out.float() * inv_temp
+        g_all = (grad_out.float() if grad_out is not None else torch.zeros_like(lse)) * inv_temp
+        g_ent = grad_entropy.float() * inv_temp if grad_entropy is not None and entropy.numel() else None
+        ones = torch.ones_like(lse)
         for s in range(0, h.shape[0], ctx.chunk_size):
             sl = slice(s, s + ctx.chunk_size)
-            g = g_all[sl]
-            grad = _scaled_logits(h[sl], weight, bias, inv_temp[sl])
-            grad.sub_(lse[sl, None]).exp_().mul_(-g[:, None])
-            grad.scatter_add_(1, target[sl, None], g[:, None])
-            grad = grad.to(h.dtype)
+            grad = _scaled_logits(h[sl], weight, bias, inv_temp[sl]).sub_(lse[sl, None]).exp_()  # softmax: z = 1
+            ent = (g_ent[sl], entropy[sl]) if g_ent is not None else None
+            grad = _logit_grad(grad, g_all[sl], ones[sl], target[sl], ent).to(h.dtype)
             if grad_h is not None:
                 torch.mm(grad, weight, out=grad_h[sl])
             if grad_w is not None:
@@ -230,6 +236,8 @@ class _FusedLinearLoss(torch.autograd.Function):
         full = torch.zeros(shape, dtype=torch.float32, device=h.device)
         flat = full.view(-1)
         entropy = out.get("entropy")
+        # The loss's own entropy input (an entropy bonus), or None: the entropies are then a metric alone.
+        loss_entropy = entropy if out.get("entropy_grad") else None
         for s in range(0, h.shape[0], chunk_size):
             sl = slice(s, s + chunk_size)
             grad, logprobs, z = _chunk_softmax(h[sl], weight, bias, inv_temp[sl], target[sl])
@@ -237,21 +245,22 @@ class _FusedLinearLoss(torch.autograd.Function):
             if entropy is not None:  # before the block becomes the gradient in place
                 entropy.view(-1)[flat_index[sl]] = block_entropy(grad, z)
             if separable:  # this chunk's gradient needs no later chunk's log-probs: take it now
-                g = _loss_grad(loss_of, full).view(-1)[flat_index[sl]] * inv_temp[sl]
-                grad = _logit_grad(grad, g, z, target[sl]).to(h.dtype)  # rebound: the float32 block is freed
+                g, g_ent = _token_grads(loss_of, full, loss_entropy, flat_index[sl], inv_temp[sl])
+                grad = _logit_grad(grad, g, z, target[sl], g_ent).to(h.dtype)  # rebound: the float32 block is freed
                 _head_backward(grad, h[sl], weight, grads, sl)
             del grad
         if not separable:
             # A token's gradient depends on other tokens' log-probs (GSPO's sequence ratio): all log-probs first,
             # then a second pass over the chunks (four matmuls per chunk, as the unfused path, one block alive).
-            g_all = _loss_grad(loss_of, full).view(-1)[flat_index] * inv_temp
+            g_all, g_ent_all = _token_grads(loss_of, full, loss_entropy, flat_index, inv_temp)
             for s in range(0, h.shape[0], chunk_size):
                 sl = slice(s, s + chunk_size)
                 grad, _, z = _chunk_softmax(h[sl], weight, bias, inv_temp[sl], target[sl])
-                grad = _logit_grad(grad, g_all[sl], z, target[sl]).to(h.dtype)
+                g_ent = None if g_ent_all is None else (g_ent_all[0][sl], g_ent_all[1][sl])
+                grad = _logit_grad(grad, g_all[sl], z, target[sl], g_ent).to(h.dtype)
                 _head_backward(grad, h[sl], weight, grads, sl)
                 del grad
-        loss, metrics = loss_of(full)
+        loss, metrics = loss_of(full, **({"entropy": loss_entropy} if loss_entropy is not None else {}))
         out["logprobs"], out["metrics"] = full, metrics
         ctx.grads = grads
         return loss.detach()
@@ -274,18 +283,44 @@ def _chunk_softmax(h, weight, bias, inv_temp, target) -> tuple[torch.Tensor, tor
     return grad, picked - (z.log() + m), z
 
 
-def _loss_grad(loss_of, full: torch.Tensor) -> torch.Tensor:
-    """d loss / d logprobs at the ``[B, T]`` log-probs ``full`` (a leaf of its own; no metrics)."""
+def _token_grads(
+    loss_of, full: torch.Tensor, entropy: Optional[torch.Tensor], index: torch.Tensor, inv_temp: torch.Tensor
+) -> tuple[torch.Tensor, Optional[tuple[torch.Tensor, torch.Tensor]]]:
+    """d loss / d logprob at the selected tokens ``index`` (flat into ``[B, T]``) times their inverse temperature,
+    from the ``[B, T]`` log-probs ``full`` (each a leaf of its own; no metrics); with the loss's ``entropy`` input,
+    also ``(d loss / d entropy times the inverse temperature, the entropies)`` of those tokens, else None."""
     with torch.enable_grad():
-        leaf = full.detach().requires_grad_(True)
-        (g_full,) = torch.autograd.grad(loss_of(leaf, with_metrics=False)[0], leaf)
-    return g_full
+        leaves = [full.detach().requires_grad_(True)]
+        if entropy is not None:
+            leaves.append(entropy.detach().requires_grad_(True))
+        kw = {"entropy": leaves[1]} if entropy is not None else {}
+        grads = torch.autograd.grad(loss_of(leaves[0], with_metrics=False, **kw)[0], leaves)
+    g = grads[0].view(-1)[index] * inv_temp
+    if entropy is None:
+        return g, None
+    return g, (grads[1].view(-1)[index] * inv_temp, entropy.view(-1)[index])
 
 
-def _logit_grad(block: torch.Tensor, g: torch.Tensor, z: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+def _logit_grad(
+    block: torch.Tensor, g: torch.Tensor, z: torch.Tensor, target: torch.Tensor,
+    entropy_grad: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
+) -> torch.Tensor:
     """d loss / d rawlogit = g * (onehot(target) - softmax), in place in the chunk's ``exp(logit - max)`` block, from
-    ``g`` = d loss / d logprob times the inverse temperature."""
-    return block.mul_((-g / z)[:, None]).scatter_add_(1, target[:, None], g[:, None])
+    ``g`` = d loss / d logprob times the inverse temperature. ``entropy_grad`` = ``(g_H, H)``, d loss / d entropy
+    times the inverse temperature and the entropies, adds ``g_H * dH/dz = -g_H p (log p + H)`` (in slices of
+    ``ENTROPY_ROWS`` rows: ``p log p`` is the one temporary)."""
+    if entropy_grad is None:
+        return block.mul_((-g / z)[:, None]).scatter_add_(1, target[:, None], g[:, None])
+    g_ent, entropy = entropy_grad
+    # -p (g + g_H H) - g_H p log p, then + g at the target.
+    scale = -(g + g_ent * entropy)
+    for r in range(0, block.shape[0], ENTROPY_ROWS):
+        rows = slice(r, r + ENTROPY_ROWS)
+        p = block[rows].div_(z[rows, None])
+        p_log_p = torch.xlogy(p, p).mul_(g_ent[rows, None])
+        p.mul_(scale[rows, None]).sub_(p_log_p)
+        del p_log_p
+    return block.scatter_add_(1, target[:, None], g[:, None])
 
 
 def _head_backward(grad, h, weight, grads, sl) -> None:
@@ -308,21 +343,25 @@ def fused_hidden_loss(
     chunk_size: int = 512,
     separable: bool = True,
     stats: Optional[dict] = None,
+    entropy_grad: bool = False,
 ) -> tuple[torch.Tensor, dict, torch.Tensor]:
     """``loss_of(hidden_logprobs(...))`` from final hidden states ``[B, T, H]`` and a plain ``nn.Linear`` head, with
     the head's backward done chunk by chunk in the forward (``_FusedLinearLoss``); ``stats`` as ``hidden_logprobs``.
 
-    ``loss_of(logprobs, with_metrics=True)`` maps ``[B, T]`` log-probs to ``(scalar loss, metrics)``; ``separable``:
+    ``loss_of(logprobs, with_metrics=True)`` maps ``[B, T]`` log-probs to ``(scalar loss, metrics)``; with
+    ``entropy_grad`` (needs ``stats``) it also takes ``entropy=`` the ``[B, T]`` entropies, and their gradient
+    reaches the head and the hidden states as the log-probs' does; ``separable``:
     it is token-separable and is called once per chunk with ``with_metrics=False`` (else once, after every chunk's
     log-probs, and the chunks' logits are computed a second time), and once at the end. Returns
     ``(loss with grad, metrics, detached [B, T] log-probs)``; the loss's backward sends the precomputed gradients
     into ``hidden`` and the head.
     """
     B, T = labels.shape
+    _check_entropy_grad(entropy_grad, stats)
     sel = labels != IGNORE_INDEX
     inv_temp = _selected_inv_temp(temperatures, sel)
     flat_index = sel.reshape(-1).nonzero().squeeze(1)
-    out: dict = {}
+    out: dict = {"entropy_grad": entropy_grad}
     if stats is not None:
         out["entropy"] = stats["entropy"] = torch.zeros(B, T, dtype=torch.float32, device=hidden.device)
     loss = _FusedLinearLoss.apply(
@@ -344,12 +383,19 @@ def fused_token_loss(
     shared: bool = False,
     separable: bool = True,
     stats: Optional[dict] = None,
+    entropy_grad: bool = False,
 ) -> tuple[torch.Tensor, dict, torch.Tensor]:
     """``loss_of(token_logprobs(...))`` through ``fused_hidden_loss``: the same loss, metrics and gradients, with
     three matmuls per chunk of the output projection instead of four (``separable``, the loss's
     ``token_separable``; else four, in two passes). Needs ``can_fuse(model, loss)``."""
     hidden, head = _final_hidden(model, input_ids, attention_mask, packed, labels, shared)
-    return fused_hidden_loss(hidden, head, labels, temperatures, loss_of, chunk_size, separable, stats)
+    return fused_hidden_loss(hidden, head, labels, temperatures, loss_of, chunk_size, separable, stats, entropy_grad)
+
+
+def _check_entropy_grad(entropy_grad: bool, stats: Optional[dict]) -> None:
+    """The entropies with gradient land in ``stats``: asking for them without it is a caller's error."""
+    if entropy_grad and stats is None:
+        raise ValueError("entropy_grad=True needs a stats dict to receive the entropies")
 
 
 def can_fuse(model: nn.Module, loss_fn: object) -> bool:
@@ -359,13 +405,18 @@ def can_fuse(model: nn.Module, loss_fn: object) -> bool:
 
 
 def _module_chunk(
-    head: nn.Module, h: torch.Tensor, target: torch.Tensor, inv_temp: torch.Tensor, with_entropy: bool = False
+    head: nn.Module, h: torch.Tensor, target: torch.Tensor, inv_temp: torch.Tensor, with_entropy: bool = False,
+    entropy_grad: bool = False,
 ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """One chunk's log-probs of ``target`` through any head module, and its entropies (no gradient) if asked."""
+    """One chunk's log-probs of ``target`` through any head module, and its entropies if asked (with gradient when
+    ``entropy_grad``: autograd then keeps the chunk's log-softmax for the checkpoint's recompute)."""
     logits = head(h).float() * inv_temp[:, None]
     lse = torch.logsumexp(logits, dim=-1)
     entropy = None
-    if with_entropy:  # the probabilities are their own normalised block (z = 1)
+    if entropy_grad:
+        log_p = logits - lse[:, None]
+        entropy = -(log_p.exp() * log_p).sum(dim=1)
+    elif with_entropy:  # the probabilities are their own normalised block (z = 1)
         with torch.no_grad():
             entropy = block_entropy((logits - lse[:, None]).exp(), torch.ones_like(lse))
     return logits.gather(1, target[:, None]).squeeze(1) - lse, entropy
@@ -379,14 +430,17 @@ def hidden_logprobs(
     chunk_size: int = 1024,
     fused: Optional[bool] = None,
     stats: Optional[dict] = None,
+    entropy_grad: bool = False,
 ) -> torch.Tensor:
     """Log-probs of ``labels`` (``[B, T]``, IGNORE_INDEX = skip → 0) from final hidden states ``[B, T, H]`` and the head.
 
     ``fused`` picks the custom autograd path (plain ``nn.Linear`` heads only; default: whenever possible) or
     per-chunk checkpointing of ``head`` (any module). ``stats``, a dict, receives ``"entropy"``: each selected
-    token's entropy at its temperature (``[B, T]``, no gradient), from the same chunks' logits.
+    token's entropy at its temperature (``[B, T]``), from the same chunks' logits; without gradient unless
+    ``entropy_grad`` (an entropy bonus in the loss).
     """
     B, T = labels.shape
+    _check_entropy_grad(entropy_grad, stats)
     out = torch.zeros(B, T, dtype=torch.float32, device=hidden.device)
     sel = labels != IGNORE_INDEX
     if stats is not None:
@@ -399,23 +453,24 @@ def hidden_logprobs(
     target = labels[sel]
     if fused is None:
         fused = type(head) is nn.Linear
-    entropy = torch.empty(h.shape[0], dtype=torch.float32, device=h.device) if stats is not None else None
     if fused:
-        logprobs = _LinearLogprob.apply(h, head.weight, head.bias, target, inv_temp, chunk_size, entropy)
+        logprobs, entropy = _LinearLogprob.apply(h, head.weight, head.bias, target, inv_temp, chunk_size, stats is not None)
     else:
-        parts = []
+        parts, entropies = [], []
         for s in range(0, h.shape[0], chunk_size):
             sl = slice(s, s + chunk_size)
-            args = (head, h[sl], target[sl], inv_temp[sl], entropy is not None)
+            args = (head, h[sl], target[sl], inv_temp[sl], stats is not None, entropy_grad)
             if torch.is_grad_enabled():
                 lp, ent = checkpoint(_module_chunk, *args, use_reentrant=False)
             else:
                 lp, ent = _module_chunk(*args)
             parts.append(lp)
-            if entropy is not None:
-                entropy[sl] = ent
+            entropies.append(ent)
         logprobs = torch.cat(parts)
+        entropy = torch.cat(entropies) if stats is not None else None
     if stats is not None:
+        if not entropy_grad:  # a metric alone: nothing of the graph kept for it
+            entropy = entropy.detach()
         stats["entropy"] = stats["entropy"].masked_scatter(sel, entropy)
     return out.masked_scatter(sel, logprobs)
 
@@ -430,16 +485,18 @@ def token_logprobs(
     packed: bool = False,
     shared: bool = False,
     stats: Optional[dict] = None,
+    entropy_grad: bool = False,
 ) -> torch.Tensor:
     """``[B, T]`` float32 log-probs of ``labels`` under ``model`` at per-sequence ``temperatures`` (0 where IGNORE_INDEX).
 
     Logits are divided by the sequence's sampling temperature before the softmax, so the log-probs are those of the
     distribution the rollout was sampled from. Works for transformers CausalLMs and PEFT-wrapped ones. ``packed``
     runs the decoder padding-free (``packed_inputs``), ``shared`` with each prompt forwarded once
-    (``grpo.trainer.prefix``); either way the result is the same ``[B, T]`` tensor. ``stats``: as ``hidden_logprobs``.
+    (``grpo.trainer.prefix``); either way the result is the same ``[B, T]`` tensor. ``stats``, ``entropy_grad``: as
+    ``hidden_logprobs``.
     """
     hidden, head = _final_hidden(model, input_ids, attention_mask, packed, labels, shared)
-    return hidden_logprobs(hidden, head, labels, temperatures, chunk_size, stats=stats)
+    return hidden_logprobs(hidden, head, labels, temperatures, chunk_size, stats=stats, entropy_grad=entropy_grad)
 
 
 def naive_token_logprobs(
@@ -457,7 +514,6 @@ def naive_token_logprobs(
     return torch.where(labels != IGNORE_INDEX, lp, torch.zeros_like(lp))
 
 
-@torch.no_grad()
 def naive_token_entropy(
     model: nn.Module,
     input_ids: torch.Tensor,
@@ -466,7 +522,7 @@ def naive_token_entropy(
     temperatures: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Reference for ``stats["entropy"]``: each token's entropy from full ``[B, T, vocab]`` float32 logits at its
-    temperature, 0 where IGNORE_INDEX (tests and benchmarks only)."""
+    temperature, 0 where IGNORE_INDEX, with gradient when grad is enabled (tests and benchmarks only)."""
     logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits.float()
     if temperatures is not None:
         logits = logits / temperatures.float()[:, None, None]

@@ -127,9 +127,9 @@ def check_skip_zero_advantage(skip: bool, loss_fn: Any) -> None:
     if skip and not getattr(loss_fn, "zero_advantage_adds_nothing", False):
         raise ConfigError(
             "train.skip_zero_advantage=true leaves rows with advantage 0 out of the forward passes, which keeps "
-            f"the gradients only for a loss that gains nothing from them; {loss_fn!r} does (a KL penalty, or a "
-            "loss without a zero_advantage_adds_nothing property). Set loss.kl_coef=0 or "
-            "train.skip_zero_advantage=false"
+            f"the gradients only for a loss that gains nothing from them; {loss_fn!r} does (a KL penalty, an "
+            "entropy bonus, or a loss without a zero_advantage_adds_nothing property). Set loss.kl_coef=0 and "
+            "loss.entropy_coef=0, or train.skip_zero_advantage=false"
         )
 
 
@@ -181,6 +181,8 @@ class GRPOTrainer:
         self.fused = bool(train_cfg.fused_loss) and self.dist is None and can_fuse(model, loss_fn)
         # grpo/entropy from the log-probs' own chunks of logits (train.entropy_metric).
         self.entropy_metric = bool(getattr(train_cfg, "entropy_metric", True))
+        # The loss takes the entropies with their gradient (loss.entropy_coef > 0: an entropy bonus).
+        self.entropy_in_loss = bool(getattr(loss_fn, "uses_entropy", False))
         self.token_logprobs = logprob_fn or (lambda *batch, **kw: token_logprobs(model, *batch, **kw))
         # Padding-free forwards (each micro-batch packed into one row) and the token budget of a micro-batch.
         self.packed = bool(train_cfg.padding_free)
@@ -451,30 +453,37 @@ class GRPOTrainer:
         # pi_old when the loss recomputes it (loss.old_logprobs=recompute); custom losses never see the keyword.
         old = {"old_logprobs": mb.old_logprobs} if mb.old_logprobs is not None else {}
 
-        def loss_of(logprobs: torch.Tensor, with_metrics: bool = True) -> tuple[torch.Tensor, dict[str, Any]]:
+        def loss_of(
+            logprobs: torch.Tensor, with_metrics: bool = True, entropy: Optional[torch.Tensor] = None
+        ) -> tuple[torch.Tensor, dict[str, Any]]:
+            # The entropies only for a loss that takes them; custom losses never see the keyword.
+            ent = {"entropy": entropy} if self.entropy_in_loss else {}
             return self.loss_fn(
                 logprobs, mb.inference_logprobs, mb.advantages, mb.loss_mask,
                 ref_logprobs=mb.ref_logprobs, total_tokens=batch.num_loss_tokens,
                 total_sequences=batch.num_sequences, max_tokens=batch.max_completion_tokens,
-                with_metrics=with_metrics, **old,
+                with_metrics=with_metrics, **old, **ent,
             )
 
-        stats: Optional[dict[str, torch.Tensor]] = {} if self.entropy_metric else None  # receives the entropies
+        # Receives the entropies: for grpo/entropy, and with their gradient for an entropy bonus.
+        stats: Optional[dict[str, torch.Tensor]] = {} if self.entropy_metric or self.entropy_in_loss else None
+        grad_kw = {"entropy_grad": True} if self.entropy_in_loss else {}  # a custom logprob_fn may predate it
         if self.fused:
             loss, m, _ = fused_token_loss(
                 self.model, mb.input_ids, mb.attention_mask, mb.labels, mb.temperatures, loss_of,
-                chunk_size=self.cfg.logprob_chunk, separable=self.loss_fn.token_separable, stats=stats, **self.layout,
+                chunk_size=self.cfg.logprob_chunk, separable=self.loss_fn.token_separable, stats=stats,
+                **grad_kw, **self.layout,
             )
         else:
             logprobs = self.token_logprobs(
                 mb.input_ids, mb.attention_mask, mb.labels, mb.temperatures, chunk_size=self.cfg.logprob_chunk,
-                stats=stats, **self.layout,
+                stats=stats, **grad_kw, **self.layout,
             )
-            loss, m = loss_of(logprobs)
+            loss, m = loss_of(logprobs, entropy=stats["entropy"] if stats is not None else None)
         if stats is not None:
             # The policy's mean per-token entropy over the loss tokens (nats, at the sampling temperature): a
             # collapse towards 0 shows the policy turning deterministic, exploration gone.
-            m["grpo/entropy"] = float((stats["entropy"] * mb.loss_mask).sum() / mb.loss_mask.sum().clamp(min=1))
+            m["grpo/entropy"] = float((stats["entropy"].detach() * mb.loss_mask).sum() / mb.loss_mask.sum().clamp(min=1))
         return loss, m
 
     def optimizer_step(self, loss_total: float) -> float:

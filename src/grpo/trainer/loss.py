@@ -6,7 +6,7 @@ and advantage ``A``:
     r   = exp(logp - q)                       # q := logp.detach() where the server sent none (NaN): on-policy
     obj = min(r * A, clip(r, 1 - eps_low, 1 + eps_high) * A)      # for EVERY sign of A (PPO)
     obj = max(obj, dual_clip * A)  where A < 0                     # optional dual clip (Ye et al. 2020)
-    loss_t = -obj + kl_coef * KL_t
+    loss_t = -obj + kl_coef * KL_t - entropy_coef * H_t             # H_t: the policy's entropy at token t
 
 The loss is then aggregated over tokens (see ``GRPOLoss``). With ``tis_cap`` set, the rollout/trainer mismatch is
 handled by truncated importance sampling instead of inside the PPO ratio (see ``GRPOLoss``). The clipped objective,
@@ -51,6 +51,10 @@ class GRPOLoss:
             log-probs. 0 disables the penalty (``grpo/kl`` is still reported).
         kl_estimator: Schulman's estimators of KL(pi || ref) with ``x = ref - logp``: ``k1 = -x``,
             ``k2 = x^2 / 2``, ``k3 = exp(x) - 1 - x``.
+        entropy_coef: weight of the entropy bonus: ``-entropy_coef * H_t`` per loss token, ``H_t`` the entropy of the
+            policy's distribution at token t (at the sampling temperature, with gradient; passed as ``entropy``),
+            aggregated as the rest of the loss (verl's ``entropy_coeff``, OpenRLHF's ``entropy_loss_coef``). It
+            pushes against the entropy collapse of GRPO training. 0 disables it.
         aggregation: ``token_mean`` (sum over tokens / total tokens of the global batch), ``seq_mean_token_mean``
             (mean over a sequence's tokens, then over the global batch's sequences) or ``seq_mean_token_sum_norm``
             (Dr. GRPO: a sequence's token sum / ``max_tokens_norm`` (or the longest completion), then mean over
@@ -88,6 +92,7 @@ class GRPOLoss:
         tis_cap: Optional[float] = None,
         kl_coef: float = 0.0,
         kl_estimator: str = "k3",
+        entropy_coef: float = 0.0,
         aggregation: str = "token_mean",
         max_tokens_norm: Optional[int] = None,
         old_logprobs: str = "rollout",
@@ -105,6 +110,8 @@ class GRPOLoss:
             raise ValueError(f"tis_cap must be > 0, got {tis_cap}")
         if kl_coef < 0:
             raise ValueError(f"kl_coef must be >= 0, got {kl_coef}")
+        if entropy_coef < 0:
+            raise ValueError(f"entropy_coef must be >= 0 (a bonus; a negative one would punish entropy), got {entropy_coef}")
         self._kl_fn = KL_ESTIMATORS.get(kl_estimator, "kl_estimator")
         self._aggregate_fn = AGGREGATIONS.get(aggregation, "aggregation")
         if old_logprobs not in OldLogprobs.__members__:
@@ -117,6 +124,7 @@ class GRPOLoss:
         self.tis_cap = tis_cap
         self.kl_coef = float(kl_coef)
         self.kl_estimator = kl_estimator
+        self.entropy_coef = float(entropy_coef)
         self.aggregation = aggregation
         self.max_tokens_norm = max_tokens_norm
         self.old_logprobs = old_logprobs
@@ -136,13 +144,19 @@ class GRPOLoss:
     @property
     def zero_advantage_adds_nothing(self) -> bool:
         """True when a token whose advantage is 0 adds nothing to the loss or its gradient: every clip branch is a
-        multiple of the advantage, and only the KL penalty is not. `train.skip_zero_advantage` relies on it."""
-        return self.kl_coef == 0
+        multiple of the advantage, and only the KL penalty and the entropy bonus are not.
+        `train.skip_zero_advantage` relies on it."""
+        return self.kl_coef == 0 and self.entropy_coef == 0
+
+    @property
+    def uses_entropy(self) -> bool:
+        """True when the loss takes the per-token entropies (``entropy=``, with gradient): the entropy bonus is on."""
+        return self.entropy_coef > 0
 
     def __repr__(self) -> str:
         # What train.py logs at start-up: the settings, not an object address.
-        fields = ("clip_eps", "clip_eps_high", "dual_clip", "tis_cap", "kl_coef", "kl_estimator", "aggregation",
-                  "max_tokens_norm", "old_logprobs", "token_mask", "sequence_mask")
+        fields = ("clip_eps", "clip_eps_high", "dual_clip", "tis_cap", "kl_coef", "kl_estimator", "entropy_coef",
+                  "aggregation", "max_tokens_norm", "old_logprobs", "token_mask", "sequence_mask")
         values = {f: getattr(self, f) for f in fields}
         # Enum members from the typed config read as their plain values.
         values = {f: getattr(v, "value", v) for f, v in values.items()}
@@ -164,6 +178,7 @@ class GRPOLoss:
         max_tokens: Optional[float] = None,
         with_metrics: bool = True,
         old_logprobs: Optional[torch.Tensor] = None,
+        entropy: Optional[torch.Tensor] = None,
     ) -> tuple[torch.Tensor, dict[str, float]]:
         """Loss of one micro-batch and its metrics.
 
@@ -181,6 +196,8 @@ class GRPOLoss:
             with_metrics: False skips the metrics (each is a device sync); the fused path's per-chunk calls use it.
             old_logprobs: ``[B, T]`` pi_old recomputed by the trainer (``old_logprobs="recompute"``); None = the
                 rollout log-probs are pi_old.
+            entropy: ``[B, T]`` per-token entropies of the policy (with grad) for the entropy bonus; needed when
+                ``entropy_coef > 0`` (``uses_entropy``), ignored otherwise.
         Returns:
             ``(scalar loss, metrics)`` with python-float metrics averaged over this micro-batch's loss tokens.
         """
@@ -199,6 +216,10 @@ class GRPOLoss:
         kl = self.kl(logprobs, self._kl_reference(r["rollout"], ref_logprobs, valid))
         if self.kl_coef > 0:
             per_token = per_token + self.kl_coef * kl
+        if self.entropy_coef > 0:
+            if entropy is None:
+                raise ValueError("loss.entropy_coef > 0 needs the per-token entropies (entropy=...)")
+            per_token = per_token - self.entropy_coef * entropy.to(per_token.dtype)
 
         # Zero (not NaN) outside the loss mask and at the tokens the off-policy masks drop; the normalisers below
         # keep counting the dropped tokens, so the loss of the rest does not change with how many were dropped.
