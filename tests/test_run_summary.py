@@ -222,3 +222,14 @@ def test_a_finished_trainer_leaves_no_lock_file_and_a_killed_ones_is_taken_over(
     assert (run / ".grpo.lock").read_text() == f"pid {os.getpid()}\n"
     unlock_run_dir()
     assert not (run / ".grpo.lock").exists()
+
+
+def test_device_memory_of_a_run_dir_discarded_at_start_up_is_not_recorded(tmp_path):
+    """A start-up mistake discards the run dir it created; the teardown that follows (device memory after the job,
+    on a GPU) writes nothing there and raises nothing, so the mistake's own message is what the user reads. On a
+    lent GPU the write once raised FileNotFoundError after the ConfigError's message (2026-11-27)."""
+    from grpo.run_records import record_device_memory
+
+    gone = tmp_path / "discarded"
+    record_device_memory(gone, {"device_used_gb": 0.5, "allocated_gb": 0.0, "reserved_gb": 0.0}, settle_s=0)
+    assert not gone.exists()

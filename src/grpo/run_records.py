@@ -258,7 +258,11 @@ def release_device_memory() -> None:
 def record_device_memory(run_dir: Path, before: dict[str, float], settle_s: float = 10.0) -> None:
     """`<run_dir>/device_memory.json`: device memory at the job's start and after its teardown (the GPU suite checks
     the two agree within 1 GiB). The driver frees a stopped server's memory shortly after its processes exit, so
-    the reading after waits up to `settle_s` for the device to come back within 1 GiB of the start."""
+    the reading after waits up to `settle_s` for the device to come back within 1 GiB of the start. A run dir
+    discarded after a start-up mistake (`discard_unstarted_run_dir`) gets nothing: writing there would replace the
+    mistake's message with a FileNotFoundError (seen on a GPU, 2026-11-27)."""
+    if not run_dir.is_dir():
+        return
     deadline = time.monotonic() + settle_s
     after = device_memory()
     while after["device_used_gb"] > before["device_used_gb"] + 1.0 and time.monotonic() < deadline:
