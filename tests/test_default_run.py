@@ -14,7 +14,8 @@ from conftest import free_port
 from test_train_e2e import assert_clean, metrics, run_train
 
 # The margin the README promises: held-out greedy accuracy (500 items, the evaluation component) at the last eval
-# minus at step 0. Measured: 0.382 -> about 0.62 after 60 steps (bench/README.md, "Skill task").
+# minus at step 0. Measured: 0.382 -> about 0.62 after 60 steps (bench/README.md, "Skill task"); on a host whose CPU
+# builds the warm start at 0.350 (an AMD EPYC, 2026-11-27), 0.350 -> 0.638.
 MARGIN = 0.15
 
 
@@ -29,7 +30,7 @@ def test_default_run_raises_heldout_accuracy(tmp_path):
     evals = [(r["step"], r["eval/accuracy"]) for r in rows if "eval/accuracy" in r]
     assert [s for s, _ in evals] == [0, 10, 20, 30, 40, 50, 60]
     first, last = evals[0][1], evals[-1][1]
-    assert first == pytest.approx(0.382, abs=0.05)  # the warm start's measured accuracy (warmstart.json)
+    assert first == pytest.approx(0.382, abs=0.05)  # the warm start's measured accuracy (0.350-0.382 by host's CPU)
     assert last - first >= MARGIN, evals
     assert (run_dir / "curves.png").stat().st_size > 0
     summary = json.loads((run_dir / "summary.json").read_text())
