@@ -203,3 +203,13 @@ print(batch.micro_batches[0].advantages.tolist())
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=tmp_path, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip().splitlines()[-1] == "[0.0, 1.0, 1.0]"
+
+
+def test_the_entropy_coefficient_rises_below_the_target_falls_above_and_stays_in_its_range():
+    from grpo.algorithms.entropy_control import adapt_entropy_coef
+
+    assert adapt_entropy_coef(0.1, entropy=0.2, target=0.3, delta=0.05, max_coef=1.0) == pytest.approx(0.15)
+    assert adapt_entropy_coef(0.1, entropy=0.4, target=0.3, delta=0.05, max_coef=1.0) == pytest.approx(0.05)
+    assert adapt_entropy_coef(0.02, entropy=0.4, target=0.3, delta=0.05, max_coef=1.0) == 0.0  # never negative
+    assert adapt_entropy_coef(0.98, entropy=0.1, target=0.3, delta=0.05, max_coef=1.0) == 1.0  # the ceiling
+    assert adapt_entropy_coef(0.1, entropy=0.3, target=0.3, delta=0.05, max_coef=1.0) == pytest.approx(0.05)  # at it: down

@@ -233,6 +233,32 @@ def test_entropy_bonus_is_subtracted_as_the_loss_is_aggregated(aggregation):
     assert float(plain) == pytest.approx(float(base))
 
 
+def test_an_entropy_target_steers_the_coefficient_and_a_constant_one_stays():
+    """loss.entropy_target: the bonus is on from the start (even at coefficient 0), `adapt` moves the coefficient
+    towards the target, the step's metrics carry the coefficient used, and state_dict round-trips it; without a
+    target `adapt` changes nothing."""
+    logp, rollout, adv, mask = _inputs(seed=6)
+    entropy = torch.full(logp.shape, 0.5)
+    steered = GRPOLoss(entropy_target=1.0, entropy_coef_delta=0.1)
+    assert steered.uses_entropy and not steered.zero_advantage_adds_nothing and steered.entropy_coef == 0.0
+    _, m = steered(logp, rollout, adv, mask, entropy=entropy)
+    assert m["grpo/entropy_coef"] == 0.0
+    steered.adapt(0.5)
+    steered.adapt(0.5)
+    assert steered.entropy_coef == pytest.approx(0.2)
+    steered.adapt(1.5)
+    assert steered.entropy_coef == pytest.approx(0.1)
+    fresh = GRPOLoss(entropy_target=1.0)
+    fresh.load_state_dict(steered.state_dict())
+    assert fresh.entropy_coef == pytest.approx(0.1)
+    constant = GRPOLoss(entropy_coef=0.05)
+    constant.adapt(0.0)
+    assert constant.entropy_coef == 0.05
+    assert "grpo/entropy_coef" not in GRPOLoss()(logp, rollout, adv, mask)[1]
+    with pytest.raises(ValueError, match="entropy_target needs"):
+        GRPOLoss(entropy_coef=0.6, entropy_target=0.3, entropy_coef_max=0.5)
+
+
 def test_kl_against_rollout_when_no_ref_and_ref_nan_falls_back():
     logp = torch.tensor([[-1.0, -2.0]], requires_grad=True)
     rollout = torch.tensor([[-1.2, -1.0]])

@@ -87,6 +87,7 @@ def _trainer(model_dir: Path, run_dir: Path, steps: int, loss: GRPOLoss, start=N
     run_dir.mkdir(parents=True, exist_ok=True)
     checkpoints = CheckpointManager(run_dir, keep=3)
     start_step = start_batch = 0
+    state: dict = {}
     if start is not None:
         state = checkpoints.load(start, model, optimizer, scheduler)
         start_step, start_batch = int(state["step"]), state["batch"]
@@ -95,7 +96,8 @@ def _trainer(model_dir: Path, run_dir: Path, steps: int, loss: GRPOLoss, start=N
                             steps, start_step)
     return GRPOTrainer(train_cfg=cfg, model=model, tokenizer=tok, optimizer=optimizer, scheduler=scheduler,
                        loss_fn=loss, pipeline=pipeline, sync=_NoServer(), checkpoints=checkpoints, metrics=metrics,
-                       device=torch.device("cpu"), start_step=start_step, start_batch=start_batch)
+                       device=torch.device("cpu"), start_step=start_step, start_batch=start_batch,
+                       loss_state=state.get("loss"))
 
 
 def _rows(run_dir: Path) -> list[dict]:
@@ -193,6 +195,31 @@ def test_resume_at_a_batch_boundary_equals_the_uninterrupted_run(tiny_qwen2_dir,
         assert [r[key] for r in a] == [r[key] for r in b], key
     for (name, p), q in zip(full.model.named_parameters(), resumed.model.parameters()):
         assert torch.equal(p, q), name
+
+
+def test_resume_goes_on_from_the_entropy_coefficient_the_run_had_adapted_to(tiny_qwen2_dir, tmp_path):
+    """loss.entropy_target: the coefficient moves after every optimizer step (here up: the target is above any
+    entropy the tiny model has), the row logs the one its step used, and a checkpoint keeps it, so 2 + 2 steps with a
+    resume (a fresh loss object, as a new process builds) equal 4 straight."""
+    def loss():
+        return GRPOLoss(entropy_coef=0.01, entropy_target=100.0, entropy_coef_delta=0.02)
+
+    full = _trainer(tiny_qwen2_dir, tmp_path / "full", steps=4, loss=loss())
+    full.fit()
+    full.metrics.close()
+    part = _trainer(tiny_qwen2_dir, tmp_path / "part", steps=2, loss=loss())
+    part.fit()
+    part.metrics.close()
+    resumed_loss = loss()
+    resumed = _trainer(tiny_qwen2_dir, tmp_path / "part", steps=4, loss=resumed_loss,
+                       start=CheckpointManager(tmp_path / "part").latest())
+    assert resumed_loss.entropy_coef == pytest.approx(0.05)  # 0.01 + 2 x 0.02, from the checkpoint
+    resumed.fit()
+    resumed.metrics.close()
+    a, b = _rows(tmp_path / "full"), _rows(tmp_path / "part")
+    assert [r["grpo/entropy_coef"] for r in a] == pytest.approx([0.01, 0.03, 0.05, 0.07])
+    for key in ("loss", "grad_norm", "grpo/entropy", "grpo/entropy_coef"):
+        assert [r[key] for r in a] == [r[key] for r in b], key
 
 
 @pytest.mark.parametrize("name, loss", [

@@ -181,13 +181,14 @@ def build_trainer(parts: RunParts) -> GRPOTrainer:
     log.info("optimizer %s lr %g", type(optimizer).__name__, cfg.optimizer.lr)
     source = data if parts.dist is None else (LeaderPipeline(data) if data is not None else FollowerPipeline())
     checkpoints = CheckpointManager(run_dir, keep=cfg.train.keep_checkpoints)
-    start_step, start_batch = 0, None
+    start_step, start_batch, loss_state = 0, None, None
     if parts.resume is not None:
         # FSDP2: rank 0 reads the checkpoint and broadcasts it into every rank's shards.
         load = checkpoints.load_distributed if parts.dist is not None else checkpoints.load
         state = load(parts.resume, model, optimizer, scheduler)
         start_step, start_batch = int(state["step"]), state.get("batch")
         source.load_state_dict(state.get("data", {}))
+        loss_state = state.get("loss")  # what the loss had adapted to (loss.entropy_target's coefficient)
         log.info("resumed from %s at step %d", parts.resume, start_step)
     first_batch, total_batches = rollout_batches(cfg.train, start_step, start_batch)
     if data is not None:
@@ -215,7 +216,7 @@ def build_trainer(parts: RunParts) -> GRPOTrainer:
     parts.trainer = GRPOTrainer(
         train_cfg=cfg.train, model=model, tokenizer=tokenizer, optimizer=optimizer, scheduler=scheduler,
         loss_fn=parts.loss_fn, pipeline=source, sync=sync, checkpoints=checkpoints, metrics=parts.metrics,
-        device=parts.device, start_step=start_step, start_batch=start_batch, dist=parts.dist,
+        device=parts.device, start_step=start_step, start_batch=start_batch, loss_state=loss_state, dist=parts.dist,
         evaluator=parts.evaluator,
         logprob_fn=fsdp.sharded_token_logprobs(model) if parts.dist is not None else None,
     )

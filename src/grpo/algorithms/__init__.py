@@ -5,6 +5,7 @@
 - `kl`: per-token KL estimators (`loss.kl_estimator`).
 - `aggregation`: per-token losses → one number (`loss.aggregation`).
 - `schedules`: learning-rate multipliers after warm-up (`train.lr_schedule`).
+- `entropy_control`: the entropy bonus's coefficient steered towards a target entropy (`loss.entropy_target`).
 
 Each registry's names are the only definition of its choice set: the typed config builds its enum from them, the
 components look the function up by the same name. A function registered under a new name before the config schema

@@ -30,6 +30,9 @@ class LossConfig:
     kl_coef: float = 0.0
     kl_estimator: KLEstimator = KLEstimator.k3
     entropy_coef: float = 0.0
+    entropy_target: Optional[float] = None
+    entropy_coef_delta: float = 0.005
+    entropy_coef_max: float = 0.5
     aggregation: Aggregation = Aggregation.token_mean
     max_tokens_norm: Optional[int] = None
     old_logprobs: OldLogprobs = OldLogprobs.rollout

@@ -152,6 +152,7 @@ class GRPOTrainer:
         device: torch.device,
         start_step: int = 0,
         start_batch: Optional[int] = None,
+        loss_state: Optional[dict[str, Any]] = None,
         dist: Optional[fsdp.DistInfo] = None,
         logprob_fn: Optional[Callable[..., torch.Tensor]] = None,
         evaluator: Optional[StepEvaluator] = None,
@@ -162,6 +163,8 @@ class GRPOTrainer:
         self.optimizer = optimizer
         self.scheduler = scheduler
         self.loss_fn = loss_fn
+        if loss_state and hasattr(loss_fn, "load_state_dict"):  # a resumed run: what the loss had adapted to
+            loss_fn.load_state_dict(loss_state)
         self.pipeline = pipeline
         self.sync = sync
         self.checkpoints = checkpoints
@@ -259,6 +262,8 @@ class GRPOTrainer:
         FSDP2 every rank must call it; rank 0 writes and gets the path, the others None."""
         state = {"step": self.step, "batch": self.batch_number, "data": self.pipeline.state_dict(),
                  "weight_version": self.sync.version, "nonfinite_total": self.nonfinite_total}
+        if hasattr(self.loss_fn, "state_dict"):  # what the loss adapts as it trains (the entropy bonus's coefficient)
+            state["loss"] = self.loss_fn.state_dict()
         save = self.checkpoints.save_distributed if self.dist is not None else self.checkpoints.save
         return save(self.step, self.model, self.tokenizer, self.optimizer, self.scheduler, state)
 
@@ -341,6 +346,7 @@ class GRPOTrainer:
         t_fwd = time.perf_counter()
         grad_norm = self.optimizer_step(loss_total)
         t_opt = time.perf_counter()
+        self.adapt_loss(loss_metrics)
         return {
             **loss_metrics,
             "loss": loss_total,
@@ -357,6 +363,13 @@ class GRPOTrainer:
             "throughput/trained_tokens_per_s": batch.num_loss_tokens / max(t_opt - t0, 1e-9),
             **self.perf(batch, t_opt - t0),
         }
+
+    def adapt_loss(self, step_metrics: dict[str, float]) -> None:
+        """A loss that steers itself by the step (the entropy bonus's coefficient, `loss.entropy_target`) gets the
+        step's mean entropy, the same on every rank (the metrics are reduced); a skipped, non-finite step none."""
+        adapt, entropy = getattr(self.loss_fn, "adapt", None), step_metrics.get("grpo/entropy")
+        if adapt is not None and entropy is not None and math.isfinite(entropy):
+            adapt(entropy)
 
     def perf(self, batch: PreparedBatch, seconds: float) -> dict[str, float]:
         """`batch/pad_fraction` and `tokens/forwarded` of the update's forward passes (the shared rows' under

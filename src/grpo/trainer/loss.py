@@ -22,6 +22,7 @@ from typing import Any, Optional, Sequence
 import torch
 
 from grpo.algorithms.aggregation import AGGREGATIONS, Totals
+from grpo.algorithms.entropy_control import adapt_entropy_coef
 from grpo.algorithms.kl import KL_ESTIMATORS
 from grpo.algorithms.policy import (
     MAX_LOG_RATIO,
@@ -54,7 +55,12 @@ class GRPOLoss:
         entropy_coef: weight of the entropy bonus: ``-entropy_coef * H_t`` per loss token, ``H_t`` the entropy of the
             policy's distribution at token t (at the sampling temperature, with gradient; passed as ``entropy``),
             aggregated as the rest of the loss (verl's ``entropy_coeff``, OpenRLHF's ``entropy_loss_coef``). It
-            pushes against the entropy collapse of GRPO training. 0 disables it.
+            pushes against the entropy collapse of GRPO training. 0 disables it (unless ``entropy_target`` is set:
+            then it is the starting coefficient).
+        entropy_target: None, or the entropy (nats per token) the coefficient is steered towards: after each
+            optimizer step ``adapt`` moves it by ``entropy_coef_delta``, up while the step's entropy is below the
+            target and down otherwise, within ``[0, entropy_coef_max]`` (``grpo.algorithms.entropy_control``).
+        entropy_coef_delta, entropy_coef_max: that step and that ceiling.
         aggregation: ``token_mean`` (sum over tokens / total tokens of the global batch), ``seq_mean_token_mean``
             (mean over a sequence's tokens, then over the global batch's sequences) or ``seq_mean_token_sum_norm``
             (Dr. GRPO: a sequence's token sum / ``max_tokens_norm`` (or the longest completion), then mean over
@@ -93,6 +99,9 @@ class GRPOLoss:
         kl_coef: float = 0.0,
         kl_estimator: str = "k3",
         entropy_coef: float = 0.0,
+        entropy_target: Optional[float] = None,
+        entropy_coef_delta: float = 0.005,
+        entropy_coef_max: float = 0.5,
         aggregation: str = "token_mean",
         max_tokens_norm: Optional[int] = None,
         old_logprobs: str = "rollout",
@@ -112,6 +121,11 @@ class GRPOLoss:
             raise ValueError(f"kl_coef must be >= 0, got {kl_coef}")
         if entropy_coef < 0:
             raise ValueError(f"entropy_coef must be >= 0 (a bonus; a negative one would punish entropy), got {entropy_coef}")
+        if entropy_target is not None and not (entropy_target > 0 and entropy_coef_delta > 0
+                                               and entropy_coef_max >= entropy_coef):
+            raise ValueError(
+                "loss.entropy_target needs a target > 0, entropy_coef_delta > 0 and entropy_coef_max >= entropy_coef "
+                f"(got {entropy_target}, {entropy_coef_delta}, {entropy_coef_max} >= {entropy_coef})")
         self._kl_fn = KL_ESTIMATORS.get(kl_estimator, "kl_estimator")
         self._aggregate_fn = AGGREGATIONS.get(aggregation, "aggregation")
         if old_logprobs not in OldLogprobs.__members__:
@@ -125,6 +139,9 @@ class GRPOLoss:
         self.kl_coef = float(kl_coef)
         self.kl_estimator = kl_estimator
         self.entropy_coef = float(entropy_coef)
+        self.entropy_target = None if entropy_target is None else float(entropy_target)
+        self.entropy_coef_delta = float(entropy_coef_delta)
+        self.entropy_coef_max = float(entropy_coef_max)
         self.aggregation = aggregation
         self.max_tokens_norm = max_tokens_norm
         self.old_logprobs = old_logprobs
@@ -146,17 +163,34 @@ class GRPOLoss:
         """True when a token whose advantage is 0 adds nothing to the loss or its gradient: every clip branch is a
         multiple of the advantage, and only the KL penalty and the entropy bonus are not.
         `train.skip_zero_advantage` relies on it."""
-        return self.kl_coef == 0 and self.entropy_coef == 0
+        return self.kl_coef == 0 and not self.uses_entropy
 
     @property
     def uses_entropy(self) -> bool:
-        """True when the loss takes the per-token entropies (``entropy=``, with gradient): the entropy bonus is on."""
-        return self.entropy_coef > 0
+        """True when the loss takes the per-token entropies (``entropy=``, with gradient): the entropy bonus is on,
+        or steered (``entropy_target``: its coefficient may be 0 now and rise later)."""
+        return self.entropy_coef > 0 or self.entropy_target is not None
+
+    def adapt(self, step_entropy: float) -> None:
+        """After an optimizer step, with ``entropy_target``: the next step's coefficient from this step's mean
+        entropy (``grpo/entropy``). Nothing without a target."""
+        if self.entropy_target is not None:
+            self.entropy_coef = adapt_entropy_coef(self.entropy_coef, step_entropy, self.entropy_target,
+                                                   self.entropy_coef_delta, self.entropy_coef_max)
+
+    def state_dict(self) -> dict[str, float]:
+        """What a checkpoint keeps of the loss: the coefficient ``adapt`` moves (a resumed run goes on from it)."""
+        return {"entropy_coef": self.entropy_coef}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restores ``state_dict``'s values (a checkpoint without them leaves the configured ones)."""
+        if "entropy_coef" in state:
+            self.entropy_coef = float(state["entropy_coef"])
 
     def __repr__(self) -> str:
         # What train.py logs at start-up: the settings, not an object address.
         fields = ("clip_eps", "clip_eps_high", "dual_clip", "tis_cap", "kl_coef", "kl_estimator", "entropy_coef",
-                  "aggregation", "max_tokens_norm", "old_logprobs", "token_mask", "sequence_mask")
+                  "entropy_target", "aggregation", "max_tokens_norm", "old_logprobs", "token_mask", "sequence_mask")
         values = {f: getattr(self, f) for f in fields}
         # Enum members from the typed config read as their plain values.
         values = {f: getattr(v, "value", v) for f, v in values.items()}
@@ -216,9 +250,10 @@ class GRPOLoss:
         kl = self.kl(logprobs, self._kl_reference(r["rollout"], ref_logprobs, valid))
         if self.kl_coef > 0:
             per_token = per_token + self.kl_coef * kl
-        if self.entropy_coef > 0:
+        if self.uses_entropy:
             if entropy is None:
-                raise ValueError("loss.entropy_coef > 0 needs the per-token entropies (entropy=...)")
+                raise ValueError("an entropy bonus (loss.entropy_coef > 0 or loss.entropy_target) needs the per-token "
+                                 "entropies (entropy=...)")
             per_token = per_token - self.entropy_coef * entropy.to(per_token.dtype)
 
         # Zero (not NaN) outside the loss mask and at the tokens the off-policy masks drop; the normalisers below
@@ -228,8 +263,9 @@ class GRPOLoss:
         loss = self._aggregate_fn(per_token, mask, Totals(total_tokens, total_sequences, max_tokens))
         if not with_metrics:
             return loss, {}
+        bonus = {"grpo/entropy_coef": self.entropy_coef} if self.uses_entropy else {}  # the coefficient of this step
         return loss, {**self._metrics(logprobs.detach(), r, adv, mask, valid, kl, dual_active),
-                      **self._mismatch_metrics(r, mask)}
+                      **self._mismatch_metrics(r, mask), **bonus}
 
     @staticmethod
     def _kl_reference(rollout: torch.Tensor, ref_logprobs: Optional[torch.Tensor], valid: torch.Tensor) -> torch.Tensor:
