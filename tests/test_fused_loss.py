@@ -58,9 +58,9 @@ LOSSES = {
 }
 
 
-def _loss(name: str):
+def _loss(name: str, **extra):
     kwargs = dict(LOSSES[name])
-    return kwargs.pop("cls", GRPOLoss)(**kwargs)
+    return kwargs.pop("cls", GRPOLoss)(**kwargs, **extra)
 
 
 def _grads(model):
@@ -115,8 +115,7 @@ def test_entropy_bonus_fused_equals_unfused(model, name, chunk):
     second pass of a loss that is not token-separable: GSPO) and gives the loss, metrics and gradients of autograd
     through full logits; the bonus moves the gradients."""
     ids, attn, labels, mask, rollout, ref, adv, temps = _inputs(model)
-    kwargs = dict(LOSSES[name])
-    loss_fn = kwargs.pop("cls", GRPOLoss)(entropy_coef=0.05, **kwargs)
+    loss_fn = _loss(name, entropy_coef=0.05)
     assert loss_fn.uses_entropy and not loss_fn.zero_advantage_adds_nothing
     kw = dict(ref_logprobs=ref, total_tokens=71.0, total_sequences=6.0, max_tokens=17.0)
 
@@ -140,8 +139,7 @@ def test_entropy_bonus_fused_equals_unfused(model, name, chunk):
     for n in want:
         torch.testing.assert_close(got[n], want[n], atol=1e-5, rtol=1e-4, msg=n)
 
-    plain = dict(LOSSES[name])
-    plain_fn = plain.pop("cls", GRPOLoss)(**plain)
+    plain_fn = _loss(name)
     fused_token_loss(model, ids, attn, labels, temps,
                      lambda lp, with_metrics=True: plain_fn(lp, rollout, adv, mask, with_metrics=with_metrics, **kw),
                      chunk_size=chunk, separable=plain_fn.token_separable)[0].backward()

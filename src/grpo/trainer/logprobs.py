@@ -499,6 +499,16 @@ def token_logprobs(
     return hidden_logprobs(hidden, head, labels, temperatures, chunk_size, stats=stats, entropy_grad=entropy_grad)
 
 
+def _naive_scaled_logits(
+    model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, temperatures: Optional[torch.Tensor]
+) -> torch.Tensor:
+    """The naive references' full ``[B, T, vocab]`` float32 logits, divided by each sequence's temperature."""
+    logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits.float()
+    if temperatures is not None:
+        logits = logits / temperatures.float()[:, None, None]
+    return logits
+
+
 def naive_token_logprobs(
     model: nn.Module,
     input_ids: torch.Tensor,
@@ -507,9 +517,7 @@ def naive_token_logprobs(
     temperatures: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Reference implementation: full ``[B, T, vocab]`` float32 logits (tests and benchmarks only)."""
-    logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits.float()
-    if temperatures is not None:
-        logits = logits / temperatures.float()[:, None, None]
+    logits = _naive_scaled_logits(model, input_ids, attention_mask, temperatures)
     lp = torch.log_softmax(logits, dim=-1).gather(-1, labels.clamp(min=0)[..., None]).squeeze(-1)
     return torch.where(labels != IGNORE_INDEX, lp, torch.zeros_like(lp))
 
@@ -523,8 +531,6 @@ def naive_token_entropy(
 ) -> torch.Tensor:
     """Reference for ``stats["entropy"]``: each token's entropy from full ``[B, T, vocab]`` float32 logits at its
     temperature, 0 where IGNORE_INDEX, with gradient when grad is enabled (tests and benchmarks only)."""
-    logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits.float()
-    if temperatures is not None:
-        logits = logits / temperatures.float()[:, None, None]
+    logits = _naive_scaled_logits(model, input_ids, attention_mask, temperatures)
     entropy = -(torch.softmax(logits, -1) * torch.log_softmax(logits, -1)).sum(-1)
     return torch.where(labels != IGNORE_INDEX, entropy, torch.zeros_like(entropy))
