@@ -162,7 +162,7 @@ def _synthetic_batches(vocab, n=4):
 
 
 def _train(model, opt, sched, batches, steps):
-    loss_fn = GRPOLoss(clip_eps=0.2, kl_coef=0.01)
+    loss_fn = GRPOLoss(clip_eps=0.2, kl_coef=0.01, kl_reference="rollout")
     for _ in range(steps):
         # The data order draws from every RNG the checkpoint restores.
         b = batches[(torch.randint(0, len(batches), ()).item() + random.randrange(2) + np.random.randint(2)) % len(batches)]

@@ -262,7 +262,7 @@ def test_an_entropy_target_steers_the_coefficient_and_a_constant_one_stays():
 def test_kl_against_rollout_when_no_ref_and_ref_nan_falls_back():
     logp = torch.tensor([[-1.0, -2.0]], requires_grad=True)
     rollout = torch.tensor([[-1.2, -1.0]])
-    fn = GRPOLoss(kl_coef=1.0, kl_estimator="k1")
+    fn = GRPOLoss(kl_coef=1.0, kl_estimator="k1", kl_reference="rollout")
     _, m = fn(logp, rollout, torch.zeros(1), torch.ones(1, 2))
     assert m["grpo/kl"] == pytest.approx(((-1.0 + 1.2) + (-2.0 + 1.0)) / 2, rel=1e-5)
     _, m2 = fn(logp, rollout, torch.zeros(1), torch.ones(1, 2), ref_logprobs=torch.full((1, 2), float("nan")))

@@ -84,7 +84,7 @@ def test_packed_fused_loss_equals_the_padded_path(tiny_qwen2_dir, aggregation):
     ids, attn, labels, temps = _ragged(model.config.vocab_size, seed=1)
     mask = (labels != IGNORE_INDEX).float()
     rollout = torch.full(mask.shape, -5.0)
-    loss_fn = GRPOLoss(aggregation=aggregation, kl_coef=0.05)
+    loss_fn = GRPOLoss(aggregation=aggregation, kl_coef=0.05, kl_reference="rollout")
     adv = torch.tensor([1.0, -0.5, 0.3, -1.2])
 
     def loss_of(lp, with_metrics=True):
@@ -135,20 +135,21 @@ class _Unused(BatchSource):
         raise AssertionError("not used")
 
 
-def update_trainer(model, loss_fn, **train) -> GRPOTrainer:
-    """A GRPOTrainer whose updates run on batches the test hands it (no data source, sync or optimizer movement)."""
+def update_trainer(model, loss_fn, reference=None, **train) -> GRPOTrainer:
+    """A GRPOTrainer whose updates run on batches the test hands it (no data source, sync or optimizer movement);
+    `reference`: the KL penalty's ReferencePolicy."""
     cfg = OmegaConf.structured(TrainConfig(steps=1, micro_batch_size=3, grad_accum=4, **train))
     sync = SimpleNamespace(version=0, prepare_step=lambda step: None)
     return GRPOTrainer(train_cfg=cfg, model=model, tokenizer=None, optimizer=torch.optim.SGD(model.parameters(), 0.0),
                        scheduler=None, loss_fn=loss_fn, pipeline=_Unused(), sync=sync, checkpoints=None,
-                       metrics=NullMetrics(), device=torch.device("cpu"))
+                       metrics=NullMetrics(), device=torch.device("cpu"), reference=reference)
 
 
 @pytest.mark.parametrize("aggregation", ["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"])
 @pytest.mark.parametrize("padding_free", [False, True])
 def test_token_budget_split_gives_the_fixed_split_loss_and_gradients(tiny_qwen2_dir, aggregation, padding_free):
     model = _model(tiny_qwen2_dir)
-    loss_fn = GRPOLoss(aggregation=aggregation, kl_coef=0.02)
+    loss_fn = GRPOLoss(aggregation=aggregation, kl_coef=0.02, kl_reference="rollout")
     batch = prepare_batch(_groups(0), max_seq_len=64, micro_batch_size=3, pad_token_id=0)
     fixed = update_trainer(model, loss_fn)
     loss_fixed, metrics_fixed = fixed.forward_backward(batch)

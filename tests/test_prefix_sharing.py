@@ -125,7 +125,7 @@ def test_a_mask_that_lets_completions_see_each_other_changes_the_logprobs(tiny_q
 def test_trainer_update_loss_and_gradients_equal_the_unshared_path(tiny_qwen2_dir, fused, aggregation):
     """Micro-batches of 3 rows over groups of 4: every micro-batch holds a partial group. pi_old recomputed."""
     model = _model(tiny_qwen2_dir)
-    loss_fn = GRPOLoss(aggregation=aggregation, kl_coef=0.02, old_logprobs="recompute")
+    loss_fn = GRPOLoss(aggregation=aggregation, kl_coef=0.02, kl_reference="rollout", old_logprobs="recompute")
     out = {}
     for shared in (False, True):
         batch = prepare_batch(_groups(0), max_seq_len=64, micro_batch_size=3, pad_token_id=0)
@@ -150,7 +150,7 @@ def test_mini_batches_that_split_groups_keep_loss_and_gradients(tiny_qwen2_dir):
     """train.mini_batches shuffles sequences across micro-batches: whichever share a prompt in one micro-batch share
     it, and each update's loss and gradients are the unshared path's."""
     model = _model(tiny_qwen2_dir)
-    loss_fn = GRPOLoss(kl_coef=0.02)
+    loss_fn = GRPOLoss(kl_coef=0.02, kl_reference="rollout")
     batch = prepare_batch(_groups(4, n_groups=4), max_seq_len=64, micro_batch_size=5, pad_token_id=0)
     minis = split_mini_batches(batch, 2, 5, random.Random(3))
     trainers = {s: update_trainer(model, loss_fn, prefix_sharing=s, mini_batches=2) for s in (False, True)}

@@ -97,7 +97,7 @@ def test_a_batch_of_only_zero_advantage_rows_still_steps_the_optimizer(tiny_qwen
 def test_a_kl_penalty_refuses_skipping_zero_advantage_rows(tiny_qwen2_dir):
     model = _model(tiny_qwen2_dir)
     with pytest.raises(ConfigError, match="kl_coef"):
-        update_trainer(model, GRPOLoss(kl_coef=0.01), skip_zero_advantage=True)
+        update_trainer(model, GRPOLoss(kl_coef=0.01, kl_reference="rollout"), skip_zero_advantage=True)
     assert update_trainer(model, GRPOLoss(kl_coef=0.0), skip_zero_advantage=True).skip_zero_advantage
     # An entropy bonus acts at every loss token, its advantage 0 or not.
     with pytest.raises(ConfigError, match="entropy_coef=0"):

@@ -26,7 +26,7 @@ from grpo.pipeline.evaluation import EvalContext, Evaluator, build_evaluator
 from grpo.pipeline.rank_broadcast import FollowerPipeline, LeaderPipeline
 from grpo.pipeline.rollout_queue import AsyncRollouts
 from grpo.recipes.initial_weights import resolve_model_dir
-from grpo.recipes.trainable_model import build_model
+from grpo.recipes.trainable_model import build_model, build_reference_policy
 from grpo.run_records import check_objective, release_device_memory
 from grpo.serving.checks import check_server_fits_model
 from grpo.sync.base import SyncContext, SyncStrategy
@@ -176,6 +176,7 @@ def build_trainer(parts: RunParts) -> GRPOTrainer:
                            tokenizer=tokenizer, resume_weights=parts.resume)
     sync.launch(sync_ctx)
     model = build_model(cfg, sync, sync_ctx, parts.resume, parts.device, parts.dist)
+    reference = build_reference_policy(cfg, parts.loss_fn, sync, sync_ctx, model, parts.device, parts.dist)
     optimizer = build_optimizer(model, cfg.optimizer)
     scheduler = build_scheduler(optimizer, cfg.train.lr_schedule, cfg.train.warmup_steps, cfg.train.steps)
     log.info("optimizer %s lr %g", type(optimizer).__name__, cfg.optimizer.lr)
@@ -216,7 +217,8 @@ def build_trainer(parts: RunParts) -> GRPOTrainer:
     parts.trainer = GRPOTrainer(
         train_cfg=cfg.train, model=model, tokenizer=tokenizer, optimizer=optimizer, scheduler=scheduler,
         loss_fn=parts.loss_fn, pipeline=source, sync=sync, checkpoints=checkpoints, metrics=parts.metrics,
-        device=parts.device, start_step=start_step, start_batch=start_batch, loss_state=loss_state, dist=parts.dist,
+        device=parts.device, start_step=start_step, start_batch=start_batch, loss_state=loss_state, reference=reference,
+        dist=parts.dist,
         evaluator=parts.evaluator,
         logprob_fn=fsdp.sharded_token_logprobs(model) if parts.dist is not None else None,
     )

@@ -4,6 +4,7 @@ is the KL."""
 
 from __future__ import annotations
 
+from enum import StrEnum
 from typing import Callable
 
 import torch
@@ -12,6 +13,15 @@ from grpo.algorithms.registry import Registry
 
 KLEstimator = Callable[[torch.Tensor], torch.Tensor]
 KL_ESTIMATORS: Registry[KLEstimator] = Registry("KL estimator")
+
+
+class KLReference(StrEnum):
+    """What a KL penalty measures the policy against (``loss.kl_reference``): the run's initial weights, kept frozen
+    (GRPO's pi_ref), or the log-probs the rollouts carry (an environment's reference log-probs where it sends them,
+    else the sampler's: close to the policy itself, so the penalty only holds each update near its rollouts)."""
+
+    initial = "initial"
+    rollout = "rollout"
 
 
 @KL_ESTIMATORS.register("k1")

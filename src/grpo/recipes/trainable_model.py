@@ -1,10 +1,12 @@
 """The model a run trains: the sync strategy's own (shared_vllm) or loaded from the initial weights or a checkpoint,
-with its attention kernel, LoRA or frozen layers, and sharded under torchrun."""
+with its attention kernel, LoRA or frozen layers, and sharded under torchrun; and the frozen initial policy a KL
+penalty measures against."""
 
 from __future__ import annotations
 
 import logging
 from pathlib import Path
+from typing import Any
 
 import torch
 from omegaconf import DictConfig
@@ -16,6 +18,7 @@ from grpo.trainer import fsdp
 from grpo.trainer.fsdp import DistInfo
 from grpo.trainer.layers import apply_lora, freeze_to_layers, resolve_layer_indices
 from grpo.trainer.prefix import unsupported_reason
+from grpo.trainer.reference import ReferencePolicy
 
 log = logging.getLogger(__name__)
 
@@ -58,3 +61,25 @@ def check_prefix_sharing_model(cfg: DictConfig, model: torch.nn.Module) -> None:
     why = unsupported_reason(model) if cfg.train.prefix_sharing else None
     if why is not None:
         raise ConfigError(f"train.prefix_sharing: {why}; set train.prefix_sharing=false")
+
+
+def build_reference_policy(cfg: DictConfig, loss_fn: Any, sync: SyncStrategy, sync_ctx: SyncContext,
+                           model: torch.nn.Module, device: torch.device,
+                           dist_info: DistInfo | None) -> ReferencePolicy | None:
+    """The KL penalty's frozen initial policy when the loss needs one (``loss.kl_reference=initial`` and
+    ``loss.kl_coef > 0``), else None. Under LoRA the trained model with its adapter off; otherwise a copy loaded from
+    the initial weights (never the checkpoint a run resumes from), with the policy's attention kernel, sharded under
+    torchrun as the policy is."""
+    if not getattr(loss_fn, "needs_reference_policy", False):
+        return None
+    if sync.uses_lora:
+        reference = ReferencePolicy.adapter_off(model)
+    else:
+        copy = load_model(str(sync_ctx.model_dir), pick_dtype(cfg.model.dtype, device), device, False)
+        set_attention(copy, cfg.model.attn_implementation)
+        if dist_info is not None:
+            fsdp.shard_model(copy)
+        reference = ReferencePolicy.frozen_copy(
+            copy, fsdp.sharded_token_logprobs(copy) if dist_info is not None else None)
+    log.info("KL reference policy: %r", reference)
+    return reference

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from grpo.algorithms.aggregation import AGGREGATIONS
-from grpo.algorithms.kl import KL_ESTIMATORS
+from grpo.algorithms.kl import KL_ESTIMATORS, KLReference
 from grpo.algorithms.policy import OldLogprobs
 
 # The choice sets are the registries' names (grpo.algorithms): each written once, where the code that acts on it
@@ -29,6 +29,7 @@ class LossConfig:
     tis_cap: Optional[float] = None
     kl_coef: float = 0.0
     kl_estimator: KLEstimator = KLEstimator.k3
+    kl_reference: KLReference = KLReference.initial
     entropy_coef: float = 0.0
     entropy_target: Optional[float] = None
     entropy_coef_delta: float = 0.005
@@ -42,4 +43,4 @@ class LossConfig:
     sequence_mask: Any = None
 
 
-__all__ = ["Aggregation", "KLEstimator", "LossConfig", "OldLogprobs"]
+__all__ = ["Aggregation", "KLEstimator", "KLReference", "LossConfig", "OldLogprobs"]

@@ -21,6 +21,7 @@ from grpo.trainer.logprobs import can_fuse, fused_token_loss, token_logprobs
 from grpo.trainer.metrics import MetricsLogger, NullMetrics
 from grpo.trainer.minibatch import update_plan, without_zero_advantage_rows
 from grpo.trainer.prefix import shared_row_lengths
+from grpo.trainer.reference import ReferencePolicy
 from grpo.trainer.train_batch import BatchSource, PreparedBatch, TrainBatch
 
 log = logging.getLogger(__name__)
@@ -153,6 +154,7 @@ class GRPOTrainer:
         start_step: int = 0,
         start_batch: Optional[int] = None,
         loss_state: Optional[dict[str, Any]] = None,
+        reference: Optional[ReferencePolicy] = None,
         dist: Optional[fsdp.DistInfo] = None,
         logprob_fn: Optional[Callable[..., torch.Tensor]] = None,
         evaluator: Optional[StepEvaluator] = None,
@@ -175,6 +177,11 @@ class GRPOTrainer:
         self.batch_number = rollout_batches(train_cfg, start_step, start_batch)[0]
         # pi_old of the PPO ratio: recomputed by one extra forward per rollout batch (loss.old_logprobs).
         self.recompute_old = getattr(loss_fn, "old_logprobs", "rollout") == "recompute"
+        # The KL penalty's frozen initial policy (loss.kl_reference=initial): one forward per rollout batch.
+        self.reference = reference
+        if getattr(loss_fn, "needs_reference_policy", False) and reference is None:
+            raise ConfigError(f"{loss_fn!r} measures its KL penalty against the initial policy, and the trainer was "
+                              "given none (reference=ReferencePolicy...; train.py builds it)")
         # Under torchrun (FSDP2) the ranks' roles; None in a single process.
         self.dist = dist if dist is not None and dist.enabled else None
         self.nonfinite_in_a_row = self.nonfinite_total = 0
@@ -250,7 +257,9 @@ class GRPOTrainer:
         refers to the trainer (a traceback, a sweeper) keeps them alive between multirun jobs. The trainer is unusable after."""
         self.optimizer.zero_grad(set_to_none=True)
         self.optimizer.state.clear()  # torch's Optimizer.state: the per-parameter moments
-        self.model = self.optimizer = self.scheduler = self.token_logprobs = None
+        if self.reference is not None:
+            self.reference.close()
+        self.model = self.optimizer = self.scheduler = self.token_logprobs = self.reference = None
         self.params = []
 
     def log_row(self, row: dict[str, Any], t_fit: float) -> None:
@@ -280,6 +289,10 @@ class GRPOTrainer:
         if self.recompute_old:
             self.recompute_old_logprobs(batch)
             head["time/old_logprobs_seconds"] = time.perf_counter() - t_data
+        if self.reference is not None:
+            t_ref = time.perf_counter()
+            self.reference_logprobs(batch)
+            head["time/ref_logprobs_seconds"] = time.perf_counter() - t_ref
         rows = []
         for epoch, mini in self.plan(batch):
             if self.step >= self.cfg.steps:
@@ -399,6 +412,17 @@ class GRPOTrainer:
             lp = self.token_logprobs(dev.input_ids, dev.attention_mask, dev.labels, dev.temperatures,
                                      chunk_size=self.cfg.logprob_chunk, **self.layout)
             mb.old_logprobs = lp.detach().to(mb.labels.device)
+
+    def reference_logprobs(self, batch: PreparedBatch) -> None:
+        """The KL penalty's reference log-probs for every sequence of the rollout batch, from the frozen initial
+        policy (stored on each micro-batch as `ref_logprobs`, in place of any an environment sent). Every FSDP2 rank
+        computes all of them (the forwards are collectives)."""
+        assert self.reference is not None
+        for mb in batch.micro_batches:
+            dev = mb.to(self.device)
+            lp = self.reference.logprobs(dev.input_ids, dev.attention_mask, dev.labels, dev.temperatures,
+                                         chunk_size=self.cfg.logprob_chunk, **self.layout)
+            mb.ref_logprobs = lp.to(mb.labels.device)
 
     def evaluate(self, step: int) -> dict[str, Any]:
         """The evaluator's metrics after `step`. A server that died during the evaluation is restarted by the sync

@@ -23,7 +23,7 @@ import torch
 
 from grpo.algorithms.aggregation import AGGREGATIONS, Totals
 from grpo.algorithms.entropy_control import adapt_entropy_coef
-from grpo.algorithms.kl import KL_ESTIMATORS
+from grpo.algorithms.kl import KL_ESTIMATORS, KLReference
 from grpo.algorithms.policy import (
     MAX_LOG_RATIO,
     POLICY_OBJECTIVES,
@@ -48,10 +48,14 @@ class GRPOLoss:
             by ``w = min(exp(logp.detach() - q), tis_cap)``, the truncated trainer/rollout ratio. With one optimizer
             step per batch the proximal ratio is exactly 1 in value, so the gradient is ``w * A * grad(logp)``.
             None disables (the PPO ratio is taken directly against the rollout log-probs).
-        kl_coef: weight of the per-token KL penalty against ``ref_logprobs`` when given, else against the rollout
-            log-probs. 0 disables the penalty (``grpo/kl`` is still reported).
+        kl_coef: weight of the per-token KL penalty against ``ref_logprobs``. 0 disables the penalty (``grpo/kl`` is
+            still reported, against the reference log-probs where given, else the rollout's).
         kl_estimator: Schulman's estimators of KL(pi || ref) with ``x = ref - logp``: ``k1 = -x``,
             ``k2 = x^2 / 2``, ``k3 = exp(x) - 1 - x``.
+        kl_reference: what ``ref_logprobs`` are. ``initial``: the run's initial policy, frozen (GRPO's pi_ref;
+            ``needs_reference_policy``: the trainer computes them for every token, and a call without them while
+            the penalty is on raises). ``rollout``: whatever the rollouts carry (an environment's reference
+            log-probs, NaN where missing, or None), the rollout log-probs filling the gaps.
         entropy_coef: weight of the entropy bonus: ``-entropy_coef * H_t`` per loss token, ``H_t`` the entropy of the
             policy's distribution at token t (at the sampling temperature, with gradient; passed as ``entropy``),
             aggregated as the rest of the loss (verl's ``entropy_coeff``, OpenRLHF's ``entropy_loss_coef``). It
@@ -98,6 +102,7 @@ class GRPOLoss:
         tis_cap: Optional[float] = None,
         kl_coef: float = 0.0,
         kl_estimator: str = "k3",
+        kl_reference: str = "initial",
         entropy_coef: float = 0.0,
         entropy_target: Optional[float] = None,
         entropy_coef_delta: float = 0.005,
@@ -127,6 +132,8 @@ class GRPOLoss:
                 "loss.entropy_target needs a target > 0, entropy_coef_delta > 0 and entropy_coef_max >= entropy_coef "
                 f"(got {entropy_target}, {entropy_coef_delta}, {entropy_coef_max} >= {entropy_coef})")
         self._kl_fn = KL_ESTIMATORS.get(kl_estimator, "kl_estimator")
+        if kl_reference not in KLReference.__members__:
+            raise ValueError(f"kl_reference must be one of {tuple(KLReference.__members__)}, got {kl_reference!r}")
         self._aggregate_fn = AGGREGATIONS.get(aggregation, "aggregation")
         if old_logprobs not in OldLogprobs.__members__:
             raise ValueError(f"old_logprobs must be one of {tuple(OldLogprobs.__members__)}, got {old_logprobs!r}")
@@ -138,6 +145,7 @@ class GRPOLoss:
         self.tis_cap = tis_cap
         self.kl_coef = float(kl_coef)
         self.kl_estimator = kl_estimator
+        self.kl_reference = kl_reference
         self.entropy_coef = float(entropy_coef)
         self.entropy_target = None if entropy_target is None else float(entropy_target)
         self.entropy_coef_delta = float(entropy_coef_delta)
@@ -166,6 +174,12 @@ class GRPOLoss:
         return self.kl_coef == 0 and not self.uses_entropy
 
     @property
+    def needs_reference_policy(self) -> bool:
+        """True when the KL penalty is on and measured against the initial policy: the trainer then keeps that policy
+        frozen (grpo.trainer.reference) and passes its log-probs as ``ref_logprobs``."""
+        return self.kl_coef > 0 and self.kl_reference == KLReference.initial
+
+    @property
     def uses_entropy(self) -> bool:
         """True when the loss takes the per-token entropies (``entropy=``, with gradient): the entropy bonus is on,
         or steered (``entropy_target``: its coefficient may be 0 now and rise later)."""
@@ -189,7 +203,8 @@ class GRPOLoss:
 
     def __repr__(self) -> str:
         # What train.py logs at start-up: the settings, not an object address.
-        fields = ("clip_eps", "clip_eps_high", "dual_clip", "tis_cap", "kl_coef", "kl_estimator", "entropy_coef",
+        fields = ("clip_eps", "clip_eps_high", "dual_clip", "tis_cap", "kl_coef", "kl_estimator", "kl_reference",
+                  "entropy_coef",
                   "entropy_target", "aggregation", "max_tokens_norm", "old_logprobs", "token_mask", "sequence_mask")
         values = {f: getattr(self, f) for f in fields}
         # Enum members from the typed config read as their plain values.
@@ -221,8 +236,9 @@ class GRPOLoss:
             inference_logprobs: ``[B, T]`` rollout log-probs; NaN = not sent (treated as on-policy).
             advantages: ``[B]`` or ``[B, T]``.
             mask: ``[B, T]`` 1 at completion tokens that carry loss.
-            ref_logprobs: ``[B, T]`` reference log-probs for the KL penalty, NaN where missing; None = use the
-                rollout log-probs.
+            ref_logprobs: ``[B, T]`` reference log-probs for the KL penalty: the initial policy's
+                (``kl_reference="initial"``: needed while the penalty is on), or an environment's, NaN where missing
+                (the rollout log-probs fill the gaps); None = the rollout log-probs.
             total_tokens, total_sequences: normalisers of the whole optimizer step for gradient accumulation
                 (default: this micro-batch), so summing micro-batch losses equals the full-batch loss.
             max_tokens: Dr. GRPO divisor when ``max_tokens_norm`` is None (default: the longest completion of this
@@ -247,6 +263,9 @@ class GRPOLoss:
             obj = obj * r["tis_w"]
         per_token = -obj
 
+        if ref_logprobs is None and self.needs_reference_policy:
+            raise ValueError("loss.kl_reference=initial with loss.kl_coef > 0 needs the initial policy's log-probs "
+                             "(ref_logprobs=...); the trainer passes them when it was given a reference policy")
         kl = self.kl(logprobs, self._kl_reference(r["rollout"], ref_logprobs, valid))
         if self.kl_coef > 0:
             per_token = per_token + self.kl_coef * kl
@@ -269,7 +288,7 @@ class GRPOLoss:
 
     @staticmethod
     def _kl_reference(rollout: torch.Tensor, ref_logprobs: Optional[torch.Tensor], valid: torch.Tensor) -> torch.Tensor:
-        """The log-probs the KL term measures against: the reference model's where given, else the rollout's."""
+        """The log-probs the KL term measures against: the reference's where given and finite, else the rollout's."""
         if ref_logprobs is None:
             return rollout
         ref = ref_logprobs.to(rollout.dtype)
