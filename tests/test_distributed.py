@@ -398,10 +398,31 @@ def _loss(name: str):
 
     if name == "gspo_masks":
         # The scripted rollout log-probs lie ~3.5 nats above the tiny model's: bands that mask some tokens only.
-        # With an entropy bonus: its gradient through FSDP2's sharded head (unfused) as through the fused path.
+        # With an entropy bonus: its gradient through FSDP2's sharded head (unfused) as through the fused path; and a
+        # KL penalty against a reference policy sharded as the policy is (`_reference`).
         return GSPOLoss(clip_eps=0.01, clip_eps_high=0.01, aggregation="seq_mean_token_mean",
-                        token_mask=[0.02, 50.0], sequence_mask=[0.01, 100.0], entropy_coef=0.05)
+                        token_mask=[0.02, 50.0], sequence_mask=[0.01, 100.0], entropy_coef=0.05, kl_coef=0.1)
     return GRPOLoss()
+
+
+def _reference(loss, model_dir: str, sharded: bool):
+    """The KL penalty's reference when `loss` needs one: the tiny model with seeded noise on every weight (a policy
+    equal to its reference would give KL 0 and no gradient), sharded under FSDP2."""
+    from transformers import AutoModelForCausalLM
+
+    from grpo.trainer import fsdp
+    from grpo.trainer.reference import ReferencePolicy
+
+    if not loss.needs_reference_policy:
+        return None
+    copy = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for p in copy.parameters():
+            p.add_(0.02 * torch.randn(p.shape, generator=g))
+    if sharded:
+        fsdp.shard_model(copy)
+    return ReferencePolicy.frozen_copy(copy, fsdp.sharded_token_logprobs(copy) if sharded else None)
 
 
 def _train_one_step(rank: int, world: int, port: int, model_dir: str, out_root: str, loss: str = "grpo",
@@ -436,12 +457,13 @@ def _train_one_step(rank: int, world: int, port: int, model_dir: str, out_root: 
     source = _Pipeline(pad, micro_batch_size)
     pipeline = source if not info.enabled else (LeaderPipeline(source) if rank0 else FollowerPipeline())
     sync = _GatherSync() if rank0 else FollowerSync()
+    loss_fn = _loss(loss)
     trainer = GRPOTrainer(
         train_cfg=cfg, model=model, tokenizer=tokenizer, optimizer=optimizer,
-        scheduler=build_scheduler(optimizer, "constant", 0, 1), loss_fn=_loss(loss), pipeline=pipeline, sync=sync,
+        scheduler=build_scheduler(optimizer, "constant", 0, 1), loss_fn=loss_fn, pipeline=pipeline, sync=sync,
         checkpoints=CheckpointManager(run_dir, keep=1),
         metrics=MetricsLogger(run_dir, log_cfg, cfg, 1, 0) if rank0 else NullMetrics(),
-        device=info.device, start_step=0, dist=info,
+        device=info.device, start_step=0, dist=info, reference=_reference(loss_fn, model_dir, info.enabled),
         logprob_fn=fsdp.sharded_token_logprobs(model) if info.enabled else None,
     )
     trainer.fit()
@@ -452,7 +474,7 @@ def _train_one_step(rank: int, world: int, port: int, model_dir: str, out_root: 
         row = json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[0])
         (Path(out_root) / f"result_world{world}.json").write_text(json.dumps(
             {"loss": row["loss"], "grad_norm": row["grad_norm"], "logprob_diff": row["grpo/logprob_diff"],
-             "entropy": row["grpo/entropy"],
+             "entropy": row["grpo/entropy"], "kl": row["grpo/kl"],
              "checksum": sync.checksum, "names": sync.names, "masked": row["mismatch/masked_fraction"]}))
         torch.save({k: v.detach().clone() for k, v in gathered.items()}, Path(out_root) / f"gathered_world{world}.pt")
     if info.enabled:
@@ -478,7 +500,8 @@ def one_step_runs(tmp_path_factory, tiny_qwen2_dir) -> Path:
 
 def test_fsdp2_gspo_with_off_policy_masks_matches_one_process(tmp_path, tiny_qwen2_dir):
     """Issue 40: GSPO's sequence ratio and both masks under FSDP2 (its log-probs through the sharded forward, the
-    loss unfused) give the one-process loss and update, an entropy bonus's gradient included."""
+    loss unfused) give the one-process loss and update, an entropy bonus's gradient and a KL penalty against a
+    sharded reference policy included."""
     import torch.multiprocessing as mp
 
     from conftest import free_port
@@ -489,8 +512,9 @@ def test_fsdp2_gspo_with_off_policy_masks_matches_one_process(tmp_path, tiny_qwe
              join=True)
     one = json.loads((tmp_path / "result_world1.json").read_text())
     two = json.loads((tmp_path / "result_world2.json").read_text())
-    assert 0 < one["masked"] < 1 and one["loss"] != 0
+    assert 0 < one["masked"] < 1 and one["loss"] != 0 and one["kl"] > 1e-3
     assert abs(two["loss"] - one["loss"]) < 1e-5 and abs(two["masked"] - one["masked"]) < 1e-6
+    assert abs(two["kl"] - one["kl"]) < 1e-6 * max(1.0, one["kl"])
     assert abs(two["grad_norm"] - one["grad_norm"]) < 1e-5 * max(1.0, one["grad_norm"])
     assert abs(two["checksum"] - one["checksum"]) < 1e-5 * abs(one["checksum"])
 
