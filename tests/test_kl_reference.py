@@ -26,15 +26,9 @@ from grpo.trainer.metrics import MetricsLogger
 from grpo.trainer.optim import build_scheduler
 from grpo.trainer.reference import ReferencePolicy
 from grpo.trainer.train_batch import IGNORE_INDEX
-from test_packing import _groups, update_trainer
+from test_packing import _groups, _model, update_trainer
 from test_ppo_updates import _Groups, _NoServer
 from test_train_e2e import QUICK, assert_clean, metrics, run_train
-
-
-def _model(model_dir):
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
 
 
 def _moved(model_dir, seed: int = 1, scale: float = 0.05):

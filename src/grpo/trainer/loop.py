@@ -403,26 +403,30 @@ class GRPOTrainer:
         return {**out, **perf_metrics(flops / (self.dist.world_size if self.dist else 1), seconds, self.peak)}
 
     @torch.no_grad()
-    def recompute_old_logprobs(self, batch: PreparedBatch) -> None:
-        """pi_old for every sequence of the rollout batch: the trainer's log-probs before its first update (stored on
-        each micro-batch as `old_logprobs`). Every FSDP2 rank computes all of them (the forwards are collectives)."""
-        self.model.train()  # the mode of the updates, so the first update's ratio is exactly 1
+    def batch_logprobs(self, batch: PreparedBatch, logprob_fn: Callable[..., torch.Tensor]) -> list[torch.Tensor]:
+        """``logprob_fn``'s detached log-probs of each micro-batch of the rollout batch, in the trainer's layout, on
+        the micro-batches' own device. Every FSDP2 rank computes all of them (the forwards are collectives)."""
+        out = []
         for mb in batch.micro_batches:
             dev = mb.to(self.device)
-            lp = self.token_logprobs(dev.input_ids, dev.attention_mask, dev.labels, dev.temperatures,
-                                     chunk_size=self.cfg.logprob_chunk, **self.layout)
-            mb.old_logprobs = lp.detach().to(mb.labels.device)
+            lp = logprob_fn(dev.input_ids, dev.attention_mask, dev.labels, dev.temperatures,
+                            chunk_size=self.cfg.logprob_chunk, **self.layout)
+            out.append(lp.detach().to(mb.labels.device))
+        return out
+
+    def recompute_old_logprobs(self, batch: PreparedBatch) -> None:
+        """pi_old for every sequence of the rollout batch: the trainer's log-probs before its first update (stored on
+        each micro-batch as `old_logprobs`)."""
+        self.model.train()  # the mode of the updates, so the first update's ratio is exactly 1
+        for mb, lp in zip(batch.micro_batches, self.batch_logprobs(batch, self.token_logprobs)):
+            mb.old_logprobs = lp
 
     def reference_logprobs(self, batch: PreparedBatch) -> None:
         """The KL penalty's reference log-probs for every sequence of the rollout batch, from the frozen initial
-        policy (stored on each micro-batch as `ref_logprobs`, in place of any an environment sent). Every FSDP2 rank
-        computes all of them (the forwards are collectives)."""
+        policy (stored on each micro-batch as `ref_logprobs`, in place of any an environment sent)."""
         assert self.reference is not None
-        for mb in batch.micro_batches:
-            dev = mb.to(self.device)
-            lp = self.reference.logprobs(dev.input_ids, dev.attention_mask, dev.labels, dev.temperatures,
-                                         chunk_size=self.cfg.logprob_chunk, **self.layout)
-            mb.ref_logprobs = lp.to(mb.labels.device)
+        for mb, lp in zip(batch.micro_batches, self.batch_logprobs(batch, self.reference.logprobs)):
+            mb.ref_logprobs = lp
 
     def evaluate(self, step: int) -> dict[str, Any]:
         """The evaluator's metrics after `step`. A server that died during the evaluation is restarted by the sync

@@ -204,8 +204,8 @@ class GRPOLoss:
     def __repr__(self) -> str:
         # What train.py logs at start-up: the settings, not an object address.
         fields = ("clip_eps", "clip_eps_high", "dual_clip", "tis_cap", "kl_coef", "kl_estimator", "kl_reference",
-                  "entropy_coef",
-                  "entropy_target", "aggregation", "max_tokens_norm", "old_logprobs", "token_mask", "sequence_mask")
+                  "entropy_coef", "entropy_target", "aggregation", "max_tokens_norm", "old_logprobs", "token_mask",
+                  "sequence_mask")
         values = {f: getattr(self, f) for f in fields}
         # Enum members from the typed config read as their plain values.
         values = {f: getattr(v, "value", v) for f, v in values.items()}
