@@ -373,6 +373,31 @@ def test_server_cpu_keeps_chunked_prefill_off_when_extra_args_are_given():
     assert not any("chunked-prefill" in a for a in VLLMServer("model-dir", gpu.server, Path("vllm.log")).command())
 
 
+def test_server_compile_and_cuda_graph_sizes_reach_vllm_as_one_compilation_config():
+    """server.compile=false and server.cuda_graph_sizes become vLLM's --compilation-config (no torch.compile, whole
+    decode steps captured for the given sizes); both null leave vLLM's defaults; a compilation flag of its own in
+    server.extra_args beside them is refused rather than one silently replacing the other."""
+    import json
+
+    from grpo.config_values import ConfigError
+    from grpo.inference.process import VLLMServer
+
+    def command(*overrides: str) -> list[str]:
+        cfg = _compose(["server=gpu", *overrides])
+        return VLLMServer("model-dir", cfg.server, Path("vllm.log")).command()
+
+    assert "--compilation-config" not in command()
+    args = command("server.compile=false", "server.cuda_graph_sizes=[64,1,8,8]")
+    config = json.loads(args[args.index("--compilation-config") + 1])
+    assert config == {"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY", "cudagraph_capture_sizes": [1, 8, 64]}
+    sizes_only = command("server.cuda_graph_sizes=[4]")
+    assert json.loads(sizes_only[sizes_only.index("--compilation-config") + 1]) == {"cudagraph_capture_sizes": [4]}
+    with pytest.raises(ConfigError, match="keep one"):
+        command("server.compile=false", "server.extra_args=[-O0]")
+    real = _compose(["experiment=smollm2_chat_arith_shared"]).server
+    assert real.compile is False and list(real.cuda_graph_sizes)[-1] == 512
+
+
 def test_the_data_source_counts_rollout_batches_not_optimizer_steps():
     """run-api was registered with the optimizer step as its starting step and the optimizer steps as num_steps,
     while it counts rollout batches (the trainer's `step` when it fetches): they differ when a batch trains

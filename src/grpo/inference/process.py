@@ -6,6 +6,7 @@ worker processes together, and nothing else: no process is ever looked up by nam
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import signal
@@ -115,6 +116,23 @@ _TORCHRUN_VARS = frozenset({
 })
 
 
+def compilation_args(server_cfg: Any, extra_args: Sequence[str]) -> list[str]:
+    """`--compilation-config` for server.compile=false and server.cuda_graph_sizes, or nothing when both are null."""
+    compile_model, sizes = option(server_cfg, "compile"), option(server_cfg, "cuda_graph_sizes")
+    if compile_model is None and sizes is None:
+        return []
+    if any(a == "-O" or a.startswith(("--compilation-config", "-cc", "-O")) for a in extra_args):
+        raise ConfigError("server.compile / server.cuda_graph_sizes and a compilation flag in server.extra_args both set "
+                         "vLLM's compilation config: keep one")
+    config: dict[str, Any] = {}
+    if compile_model is False:
+        # No torch.compile: whole decode steps run as CUDA graphs (the piecewise graphs need the compiled model).
+        config.update(mode=0, cudagraph_mode="FULL_DECODE_ONLY")
+    if sizes is not None:
+        config["cudagraph_capture_sizes"] = sorted({int(n) for n in sizes})
+    return ["--compilation-config", json.dumps(config)]
+
+
 class VLLMServer:
     """Launches, watches and stops one vLLM server with our /generate and /grpo/* endpoints.
 
@@ -209,6 +227,7 @@ class VLLMServer:
             args += ["--kv-cache-memory-bytes", str(int(float(kv_cache_gb) * 2**30))]
         if option(c, "enforce_eager") is True:
             args.append("--enforce-eager")
+        args += compilation_args(c, self.all_extra_args)
         chunked_prefill = option(c, "chunked_prefill")
         if chunked_prefill is not None:
             args.append("--enable-chunked-prefill" if chunked_prefill else "--no-enable-chunked-prefill")

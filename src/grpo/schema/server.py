@@ -31,6 +31,14 @@ class ServerConfig:
     dtype: str = "auto"
     # null = vLLM decides; true forces eager mode (slower decoding).
     enforce_eager: Optional[bool] = None
+    # torch.compile of the served model: null = vLLM decides (on for its GPU engine); false skips it (vLLM's
+    # compilation mode 0): a start-up without the compile, CUDA graphs still captured (cuda_graph_sizes). For a small
+    # model the compile's fusions gain little and its start-up costs most (bench/gpu/README.md, "Start-up").
+    compile: Optional[bool] = None
+    # Batch sizes vLLM captures CUDA graphs for; null = vLLM's own list (dozens of sizes). A short list captures in a
+    # second; a batch between two sizes runs padded to the next one. With compile=false the graphs are whole decode
+    # steps (vLLM's FULL_DECODE_ONLY); prefills run eagerly.
+    cuda_graph_sizes: Optional[List[int]] = None
     # null = vLLM decides; false = --no-enable-chunked-prefill (server=cpu: vLLM 0.32's CPU engine dies on a seeded
     # prompt split across steps).
     chunked_prefill: Optional[bool] = None
