@@ -171,6 +171,14 @@ def test_the_readme_is_a_front_page_and_every_docs_page_is_on_the_site():
     assert {f"docs/{p}" for p in pages - {"index.md"}} <= set(re.findall(r"\]\((docs/[a-z_]+\.md)\)", readme))
 
 
+def test_the_docs_home_page_links_every_page():
+    """docs/index.md's table of pages had left out the multi-turn and the replicas pages that the nav and the README's
+    table have."""
+    pages = {p.name for p in (REPO / "docs").glob("*.md")} - {"index.md"}
+    linked = set(re.findall(r"\]\(([a-z_]+\.md)\)", (REPO / "docs" / "index.md").read_text()))
+    assert pages <= linked, f"docs/index.md does not link {sorted(pages - linked)}"
+
+
 def test_the_configuring_page_lists_every_option_of_every_group():
     """docs/configuring.md's table of groups had fallen behind conf/ (smollm2_135m, gspo, cispo, chat_arith, calculator
     and gsm8k were missing): every option file of every group is named in its group's row."""
