@@ -192,6 +192,37 @@ def test_the_configuring_page_lists_every_option_of_every_group():
         assert not missing, f"docs/configuring.md's `{group.name}` row lacks {sorted(missing)}"
 
 
+
+def quoted_mistakes() -> list[tuple[str, list[str]]]:
+    """The rows of docs/configuring.md's table of mistakes that give an override and quote what the run says."""
+    section = (REPO / "docs" / "configuring.md").read_text().split("## Mistakes stop the run", 1)[1].split("\n## ", 1)[0]
+    rows = []
+    for mistake, says in re.findall(r"^\| (.+?) \| (.+) \|$", section, re.M):
+        override = next((a for a in re.findall(r"`([^`]+)`", mistake) if re.fullmatch(r"\+?[\w.]+=\S+", a)), None)
+        quotes = [q for q in re.findall(r'"([^"]+)"', says) if "..." not in q]
+        if override and quotes:
+            rows.append((override, quotes))
+    return rows
+
+
+def test_the_configuring_page_lists_the_mistakes_as_a_table():
+    """The mistakes that stop a run were one 20-line paragraph of 30 cases; they are a table, one row each."""
+    section = (REPO / "docs" / "configuring.md").read_text().split("## Mistakes stop the run", 1)[1].split("\n## ", 1)[0]
+    assert "| mistake | what the run says / what to change |" in section
+    assert len(re.findall(r"^\| .+ \| .+ \|$", section, re.M)) >= 25
+    assert len(quoted_mistakes()) >= 4
+
+
+@pytest.mark.parametrize(("override", "quotes"), quoted_mistakes(), ids=[o for o, _ in quoted_mistakes()])
+def test_the_configuring_page_quotes_what_the_run_says(override, quotes, tmp_path):
+    out = subprocess.run([sys.executable, "train.py", override, f"hydra.run.dir={tmp_path / 'run'}"], cwd=REPO,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 1 and out.stderr.lstrip().startswith("ConfigError:"), out.stderr[-2000:]
+    for quote in quotes:
+        assert quote in out.stderr, f"docs/configuring.md quotes {quote!r} for {override}; the run says {out.stderr}"
+    assert not (tmp_path / "run").exists()
+
+
 def test_the_docs_site_builds_with_every_link_resolved(tmp_path):
     out = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(tmp_path / "site")],
                          cwd=REPO, capture_output=True, text=True, timeout=120)
