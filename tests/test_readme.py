@@ -261,6 +261,24 @@ def test_the_docs_name_no_path_of_a_development_machine():
         assert not re.search(r"/work/|/root/|/home/[a-z]", page.read_text()), page
 
 
+
+def test_the_docs_say_what_is_true_now_not_how_it_was_found():
+    """The user docs read as a lab notebook ("Lease 8", "which issue 42 asks for", "decided against it"), and the
+    bench READMEs as a diary ("the twenty-fourth session", "another build of mine", "other engineers' jobs"). A page
+    says what is true now and names the figure; the bench READMEs keep dates, hosts and commands, and label a GPU
+    batch by its raw-files directory (`lease8`) only."""
+    notebook = re.compile(r"\b[Ll]eases?\b|\b[Ii]ssue \d|\bof mine\b|\bI\b|\bwe tried\b|engineers|this session"
+                          r"|\w+(th|st|nd|rd) session|\b[Cc]lones? this")
+    for page in DOCS:
+        text = re.sub(r"\S*lease\d+\S*", "", page.read_text())  # a raw-files path (results/.../lease8/) names no lease
+        assert not notebook.search(text), (page.name, notebook.search(text).group(0))
+    diary = re.compile(r"[Ll]eases? \d|\bof mine\b|\bI\b|\bmy\b|\bwe tried\b|engineers|this session|\w+(th|st|nd|rd) session"
+                       r"|\b[Cc]lones? this")
+    for page in (REPO / "bench" / "README.md", REPO / "bench" / "gpu" / "README.md"):
+        found = diary.search(page.read_text())
+        assert not found, (str(page.relative_to(REPO)), found.group(0))
+
+
 @pytest.fixture(scope="module")
 def example_run(tmp_path_factory) -> Path:
     """A run dir as the README's example names it, with the .hydra/config.yaml a run writes (the composed config)."""
