@@ -4,7 +4,7 @@
 #   bash scripts/install.sh test     # also the test tools and atroposlib
 # Every package is installed at the version pinned in constraints.txt (the stack the tests passed on; refresh it
 # with scripts/lock.sh). VENV=<dir> installs into another virtualenv than ./.venv.
-# On a CUDA machine: pip install -e ".[gpu,atropos]" into an environment that has CUDA torch instead.
+# On a CUDA machine: pip install -c constraints-gpu.txt -e ".[gpu,atropos]" instead (docs/gpu.md).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 extras="cpu,atropos"

@@ -295,6 +295,22 @@ def test_help_lists_the_options_to_pick_and_not_the_schemas_they_build_on():
     assert "_schema" not in out.stdout
 
 
+
+def test_help_describes_each_key_and_points_to_the_page_that_describes_each_group():
+    """`--help` listed the groups and the bare config but described no key: each key now comes with the first
+    sentence of its comment, from its schema dataclass (train.ppo_epochs) or else its group's YAML (the loss keys),
+    for the config the overrides compose (mode=broadcast's keys with mode=broadcast)."""
+    out = _cli("--help", "mode=broadcast")
+    assert out.returncode == 0, out.stderr
+    keys = out.stdout.split("== Config ==")[1]
+    assert "docs/configuring.md" in keys
+    assert "  ppo_epochs: 1    # Passes over each rollout batch (PPO epochs); > 1 lets the policy move away" in keys
+    assert "  clip_eps: 0.2    # Lower clip range: the ratio is clipped at 1 - clip_eps." in keys
+    assert "  transfer_dtype: null    # Cast weights to this dtype before sending (e.g. bfloat16)" in keys
+    described = [line for line in keys.splitlines() if line.startswith("  ")]
+    assert sum("    # " in line for line in described) >= 0.9 * len(described)
+
+
 def test_a_run_does_not_print_bitsandbytes_advice_about_4bit_kernels(tmp_path):
     """peft (imported by every run for its weight handling) imports bitsandbytes when installed, whose CPU backend
     warned on every run "Failed to load CPU gemm_4bit_forward ... pip install kernels": advice about a feature no

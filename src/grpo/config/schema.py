@@ -12,6 +12,7 @@ from typing import Any
 from hydra.core.config_store import ConfigStore
 from omegaconf import OmegaConf
 
+from grpo.config.key_help import config_keys
 from grpo.schema import (
     AdafactorConfig,
     AdamW8bitConfig,
@@ -110,6 +111,8 @@ def register_configs() -> None:
     OmegaConf.register_new_resolver("grpo.first_set", first_set, replace=True)
     # conf/train.yaml's hydra.help.template: the groups a user picks from.
     OmegaConf.register_new_resolver("grpo.config_groups", config_groups, replace=True)
+    # ... and every key with its value and the first sentence of its schema comment.
+    OmegaConf.register_new_resolver("grpo.config_keys", config_keys, replace=True)
     cs = ConfigStore.instance()
     cs.store(name="root_schema", node=RootConfig)
     cs.store(group="model", name="model_schema", node=ModelConfig)

@@ -258,7 +258,7 @@ class NCCLBroadcastSync(SyncStrategy):
             "sync/paused_seconds": t1 - t_paused,
             "sync/server_seconds": max(float(answer.get("seconds", 0.0)) for answer in answers),
             # Where the server's time goes, phase by phase (a small model's sync is mostly not the transfer:
-            # bench/gpu/README.md, "Lease 8"): the slowest replica's seconds per phase.
+            # bench/gpu/README.md, the section of `lease8`): the slowest replica's seconds per phase.
             **{f"sync/server_{phase}_seconds": max(float(answer.get("phases", {}).get(phase, 0.0)) for answer in answers)
                for phase in UPDATE_PHASES},
             "sync/bytes": float(sum(b.nbytes for b in buckets)),
