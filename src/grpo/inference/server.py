@@ -51,6 +51,7 @@ from grpo.inference.request_checks import (
     model_limits,
     token_ids,
 )
+from grpo.inference.weights_check import check_weights_dir
 
 MIDDLEWARE = "grpo.inference.server.GRPOMiddleware"
 WORKER_EXTENSION = "grpo.inference.worker_extension.WeightSyncExtension"
@@ -301,11 +302,16 @@ async def handle_reload_weights(request) -> dict:
     state = _state(request)
     engine = state.engine_client
     body = await request.json()
-    path = body["path"]
-    if not os.path.isdir(path):
-        raise ValueError(f"weights directory {path!r} does not exist")
+    if not isinstance(body, dict):
+        raise BadRequest("body must be a JSON object: {\"path\": <weights directory>, \"weight_version\": <int>?}")
+    new_version = body.get("weight_version", _version(state) + 1)
+    if not isinstance(new_version, int) or isinstance(new_version, bool):
+        raise BadRequest(f"weight_version must be an integer, got {new_version!r:.80}")
+    # Checked here, not by the engine: a directory that is not the served model's crashed the worker, and the engine.
+    config = engine.model_config
+    path = str(await asyncio.to_thread(check_weights_dir, body.get("path"), str(config.model),
+                                       config.hf_config.to_dict()))
     t0 = time.perf_counter()
-    new_version = int(body.get("weight_version", _version(state) + 1))
     # From here on a request that finishes may hold tokens of the new weights (its last_weight_version says so).
     state.grpo_weight_version_pending = new_version
     # Our extension's wrapper of vLLM's worker reload_weights (it also refreshes a tied lm_head).
