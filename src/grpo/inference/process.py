@@ -202,6 +202,9 @@ class VLLMServer:
             # Atropos clients post many requests at once; uvicorn's access log costs time and log space.
             "--disable-uvicorn-access-log",
         ]  # fmt: skip
+        sequences = option(c, "max_sequences_per_request")
+        if sequences is not None:
+            args += ["--max-sequences-per-request", str(int(sequences))]
         if self.served_model_names:
             args += ["--served-model-name", *self.served_model_names]
         kv_cache_gb = option(c, "kv_cache_gb", None)
