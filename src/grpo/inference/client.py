@@ -14,7 +14,7 @@ from typing import Any
 
 import requests
 
-from grpo.inference.identity import TOKEN_HEADER
+from grpo.inference.identity import PROTOCOL, SERVER_NAME, TOKEN_HEADER, VERSION_PATH
 from grpo.inference.request_checks import DEFAULT_MAX_SEQUENCES_PER_REQUEST
 
 log = logging.getLogger(__name__)
@@ -175,6 +175,22 @@ class InferenceClient:
             return self._session.get(self.base_url + "/health", timeout=timeout).status_code == 200
         except requests.RequestException:
             return False
+
+    def server_info(self) -> dict[str, Any]:
+        """The server's handshake answer (GET /grpo/version: {"server": "grpo", "protocol": int, ...}); an
+        InferenceServerError saying what answered instead when it is not a grpo server."""
+        r = self._session.get(self.base_url + VERSION_PATH, timeout=30)
+        try:
+            body = r.json()
+        except ValueError:
+            body = None
+        if r.status_code != 200 or not isinstance(body, dict) or body.get("server") != SERVER_NAME:
+            raise InferenceServerError(f"{self.base_url} is not a grpo server: GET {VERSION_PATH} answered HTTP "
+                                       f"{r.status_code} {r.text[:200]!r}")
+        if body.get("protocol") != PROTOCOL:
+            raise InferenceServerError(f"the grpo server at {self.base_url} speaks protocol {body.get('protocol')}, "
+                                       f"this trainer {PROTOCOL}: run the same grpo version on both sides")
+        return body
 
     # ------------------------------------------------------------------ generation
     def generate_one(

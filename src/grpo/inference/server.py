@@ -446,8 +446,22 @@ async def handle_rpc(request) -> dict:
     return {"results": results}
 
 
+async def handle_version(request) -> dict:
+    """GET /grpo/version: the handshake (`identity.VERSION_PATH`): what this server is and the limits it applies."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        package = version("grpo")
+    except PackageNotFoundError:
+        package = None
+    limits = await model_limits(_state(request).engine_client)
+    return {"server": identity.SERVER_NAME, "protocol": identity.PROTOCOL, "package_version": package,
+            "max_sequences_per_request": limits.max_sequences_per_request, "max_model_len": limits.max_model_len}
+
+
 Handler = Callable[[Any], Awaitable[dict]]
 ROUTES: dict[tuple[str, str], Handler] = {
+    ("GET", identity.VERSION_PATH): handle_version,
     ("POST", "/generate"): handle_generate,
     ("GET", "/grpo/weight_version"): handle_weight_version,
     ("POST", "/grpo/weight_version"): handle_weight_version,

@@ -22,6 +22,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Mapping, Protocol, Sequence, TypeVar
 
+import requests
+
 from grpo import faults
 from grpo.config_values import ConfigError, option
 from grpo.inference.client import Endpoint, InferenceClient, InferenceServerError, ServerUnreachable
@@ -178,6 +180,11 @@ class InferenceServer:
         if not client.health():  # the user's URL: a message, not a traceback
             raise ConfigError(f"server.{key}={url} does not answer /health: start that server first "
                               f"(grpo-serve <vLLM args>), or drop server.{key} and the run starts its own")
+        try:  # the handshake: something else answering /health (a plain vLLM server) fails later with a traceback
+            client.server_info()
+        except (InferenceServerError, requests.RequestException) as e:
+            raise ConfigError(f"server.{key}={url} answers /health but is not a grpo server ({e}); start it with "
+                              f"grpo-serve <vLLM args>, not vllm serve or another server") from None
         served = client.weight_version()
         if served != version:
             # Rollouts carry the server's versions and the trainer compares them with its own (staleness): one
