@@ -69,7 +69,7 @@ def check_tensors(new: dict[str, list[int]], served: dict[str, list[int]] | None
     """BadRequest when the new directory has no tensors, or (when the served model's are known) a tensor the served
     model lacks or one of another shape."""
     if not new:
-        raise BadRequest(f"{path} holds no weights (*.safetensors)")
+        raise BadRequest(f"{path} holds no weights (*.safetensors or *.bin)")
     if served is None:
         return
     unknown = sorted(set(new) - set(served))
@@ -92,8 +92,9 @@ def check_weights_dir(path: Any, served_model: str, served_config: dict[str, Any
     served_has_files = served_dir.is_dir() and any(served_dir.glob("*.safetensors"))
     check_config(_config(directory), _config(served_dir) if (served_dir / "config.json").is_file() else served_config,
                  directory)
-    check_tensors(safetensors_shapes(directory), safetensors_shapes(served_dir) if served_has_files else None,
-                  directory)
+    new = safetensors_shapes(directory)
+    if new or not any(directory.glob("*.bin")):  # PyTorch .bin files cannot be read cheaply: vLLM loads them as given
+        check_tensors(new, safetensors_shapes(served_dir) if served_has_files else None, directory)
     if not os.access(directory, os.R_OK):
         raise BadRequest(f"weights directory {path!r} is not readable by the server")
     return directory
