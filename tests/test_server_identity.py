@@ -286,4 +286,8 @@ def test_grpo_serve_help_says_what_it_adds_without_vllms_deprecation_warnings():
     text = out.stdout + out.stderr
     assert text.lstrip().startswith("grpo-serve (python -m grpo.inference.server)")
     assert "POST /generate" in text and "--max-model-len" in text  # ours first, then vLLM's own options
+    # Where it listens, and what guards its weight endpoints (it said neither, and listened on every interface).
+    assert "--host 127.0.0.1 (this machine only" in text and "GRPO_SERVER_TOKEN (environment)" in text
+    assert "A --host beyond loopback (e.g. 0.0.0.0) is refused without it" in text
+    assert "--max-sequences-per-request N" in text
     assert "DeprecationWarning" not in text and "is deprecated" not in text

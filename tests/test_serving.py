@@ -26,6 +26,9 @@ class Process:
     def running(self) -> bool:
         return self.up
 
+    def busy(self, timeout: float) -> bool:  # a stand-in that misses /health is dead, never busy
+        return False
+
     def log_tail(self, n: int) -> str:
         return "last lines"
 

@@ -14,7 +14,8 @@ from typing import Any
 
 import requests
 
-from grpo.inference.identity import TOKEN_HEADER
+from grpo.inference.identity import PROTOCOL, SERVER_NAME, TOKEN_HEADER, VERSION_PATH
+from grpo.inference.request_checks import DEFAULT_MAX_SEQUENCES_PER_REQUEST
 
 log = logging.getLogger(__name__)
 
@@ -175,6 +176,22 @@ class InferenceClient:
         except requests.RequestException:
             return False
 
+    def server_info(self) -> dict[str, Any]:
+        """The server's handshake answer (GET /grpo/version: {"server": "grpo", "protocol": int, ...}); an
+        InferenceServerError saying what answered instead when it is not a grpo server."""
+        r = self._session.get(self.base_url + VERSION_PATH, timeout=30)
+        try:
+            body = r.json()
+        except ValueError:
+            body = None
+        if r.status_code != 200 or not isinstance(body, dict) or body.get("server") != SERVER_NAME:
+            raise InferenceServerError(f"{self.base_url} is not a grpo server: GET {VERSION_PATH} answered HTTP "
+                                       f"{r.status_code} {r.text[:200]!r}")
+        if body.get("protocol") != PROTOCOL:
+            raise InferenceServerError(f"the grpo server at {self.base_url} speaks protocol {body.get('protocol')}, "
+                                       f"this trainer {PROTOCOL}: run the same grpo version on both sides")
+        return body
+
     # ------------------------------------------------------------------ generation
     def generate_one(
         self,
@@ -240,7 +257,8 @@ class InferenceClient:
         """`generate` through batched /generate requests of up to `prompts_per_request` prompts each."""
         rest = {k: v for k, v in sampling.items() if k != "logprobs"}
         common = sampling_payload(n, max_tokens, temperature, top_p, model, sampling.get("logprobs", True), rest)
-        size = self.prompts_per_request
+        # Within the server's bound on sequences per request (its default; a lower one is the server's to say).
+        size = max(1, min(self.prompts_per_request, self.max_sequences_per_request // max(int(n), 1)))
         starts = list(range(0, len(prompts), size))
 
         def batch(b: int) -> list[list[Completion]]:
@@ -252,6 +270,9 @@ class InferenceClient:
 
         what = f"generation requests ({len(prompts)} prompts, up to {size} per request)"
         return [group for chunk in self._while_healthy(batch, len(starts), what) for group in chunk]
+
+    # Sequences (prompts x n) `generate` puts in one batched request at most: the server's default bound.
+    max_sequences_per_request: int = DEFAULT_MAX_SEQUENCES_PER_REQUEST
 
     # While generation requests are out: how often /health is asked, and how long it may take to answer (as the
     # trainer's health check before each step). A hung server (stopped, deadlocked) accepts the requests and never

@@ -34,6 +34,14 @@ TOKEN_HEADER = "X-GRPO-Token"
 # Response header of a /health answer whose token matched: the server's proof that it is the run's own.
 VERIFIED_HEADER = "X-GRPO-Token-Verified"
 
+# The handshake: GET VERSION_PATH answers {"server": SERVER_NAME, "protocol": PROTOCOL, ...} on a grpo server only,
+# so a trainer told to attach to a URL can tell a grpo server from anything else that answers /health (a plain vLLM
+# server has no /generate with weight versions and no /grpo/* endpoints). PROTOCOL counts incompatible changes of
+# the /generate and /grpo/* endpoints.
+VERSION_PATH = "/grpo/version"
+SERVER_NAME = "grpo"
+PROTOCOL = 1
+
 # (method, path) of every call that changes what the server serves.
 PROTECTED: frozenset[tuple[str, str]] = frozenset({
     ("POST", "/grpo/reload_weights"),

@@ -220,6 +220,9 @@ class VLLMServer:
             # Atropos clients post many requests at once; uvicorn's access log costs time and log space.
             "--disable-uvicorn-access-log",
         ]  # fmt: skip
+        sequences = option(c, "max_sequences_per_request")
+        if sequences is not None:
+            args += ["--max-sequences-per-request", str(int(sequences))]
         if self.served_model_names:
             args += ["--served-model-name", *self.served_model_names]
         kv_cache_gb = option(c, "kv_cache_gb", None)
@@ -401,6 +404,32 @@ class VLLMServer:
         if not self.running():
             return False
         return self.probe(timeout)[0] == "ours"
+
+    def cpu_seconds(self) -> float | None:
+        """CPU seconds (user + system) the server's API process has used so far; None when it is gone or stopped
+        (SIGSTOP: a hang, however busy it was) or /proc cannot tell (not Linux)."""
+        proc = self.proc
+        if proc is None:
+            return None
+        try:
+            stat = Path(f"/proc/{proc.pid}/stat").read_text()
+        except OSError:
+            return None
+        # Fields after the command name (which may hold spaces): state is the 3rd field, utime and stime the 14th/15th.
+        fields = stat.rsplit(")", 1)[1].split()
+        if fields[0] in ("T", "t", "Z", "X"):
+            return None
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+    def busy(self, timeout: float, min_share: float = 0.05) -> bool:
+        """True when the process runs (not stopped) and used at least `min_share` of a core while its /health was asked
+        for `timeout` seconds without an answer: busy (a large answer being built), not hung. False when /health
+        answered, or the process is dead, stopped or idle (a deadlock)."""
+        before, t0 = self.cpu_seconds(), time.monotonic()
+        if before is None or self.probe(timeout)[0] == "ours":
+            return False
+        after = self.cpu_seconds()
+        return after is not None and after - before >= min_share * (time.monotonic() - t0)
 
     def client(self, **kwargs: Any):
         """An InferenceClient of this server that carries the run token (needed for weight-changing calls)."""

@@ -6,6 +6,7 @@ inside the engine, and the answer was HTTP 500, which clients (atroposlib includ
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,14 +19,38 @@ class BadRequest(ValueError):
         self.status = status
 
 
+# Sequences (prompts x n) one /generate request may ask for unless the server says otherwise
+# (`--max-sequences-per-request`, server.max_sequences_per_request): 64 prompts x n=64. Without a bound one request
+# of 2,000 prompts x n=128 held the engine for ten minutes while every other request waited.
+DEFAULT_MAX_SEQUENCES_PER_REQUEST = 4096
+# The environment variable through which grpo-serve hands its --max-sequences-per-request to the middleware.
+MAX_SEQUENCES_ENV = "GRPO_MAX_SEQUENCES_PER_REQUEST"
+# A string prompt longer than this many characters per token of max_model_len cannot fit the context: it is refused
+# before it is tokenized (a 40 MB string took 51 s of the server's event loop to tokenize, then was refused).
+MAX_PROMPT_CHARS_PER_TOKEN = 32
+
+
 @dataclass(frozen=True)
 class ModelLimits:
-    """What the served model accepts: token ids in [0, vocab_size), prompt + completion within max_model_len, and
-    at most max_num_seqs samples per prompt (the sequences the engine runs at once; None: not bounded)."""
+    """What the served model accepts: token ids in [0, vocab_size), prompt + completion within max_model_len, at
+    most max_num_seqs samples per prompt (the sequences the engine runs at once; None: not bounded) and at most
+    max_sequences_per_request sequences (prompts x n) per request (None: not bounded)."""
 
     vocab_size: int
     max_model_len: int
     max_num_seqs: int | None = None
+    max_sequences_per_request: int | None = None
+
+    @property
+    def max_prompt_chars(self) -> int:
+        """The longest string prompt tokenized: MAX_PROMPT_CHARS_PER_TOKEN characters per token of max_model_len."""
+        return MAX_PROMPT_CHARS_PER_TOKEN * self.max_model_len
+
+
+def max_sequences_per_request() -> int | None:
+    """This server's bound on sequences per request (MAX_SEQUENCES_ENV, else the default; 0 = none)."""
+    value = int(os.environ.get(MAX_SEQUENCES_ENV) or DEFAULT_MAX_SEQUENCES_PER_REQUEST)
+    return value if value > 0 else None
 
 
 async def model_limits(engine: Any) -> ModelLimits:
@@ -37,7 +62,7 @@ async def model_limits(engine: Any) -> ModelLimits:
     scheduler = getattr(engine, "scheduler_config", None)
     seqs = getattr(scheduler, "max_num_seqs", None)
     return ModelLimits(vocab_size=int(config.get_vocab_size()), max_model_len=int(config.max_model_len),
-                       max_num_seqs=int(seqs) if seqs else None)
+                       max_num_seqs=int(seqs) if seqs else None, max_sequences_per_request=max_sequences_per_request())
 
 
 def _is_int(value: Any) -> bool:
@@ -95,3 +120,21 @@ def check_samples(n: Any, limits: ModelLimits) -> None:
     if limits.max_num_seqs is not None and n > limits.max_num_seqs:
         raise BadRequest(f"n={n} is more samples than the server runs at once: at most {limits.max_num_seqs} "
                          "(vLLM's --max-num-seqs); send several requests")
+
+
+def check_sequences(prompts: int, n: Any, limits: ModelLimits) -> None:
+    """`prompts` prompts x `n` samples within the server's bound on sequences per request (n already checked)."""
+    total = prompts * (n if _is_int(n) else 1)
+    bound = limits.max_sequences_per_request
+    if bound is not None and total > bound:
+        raise BadRequest(f"{prompts} prompt(s) x n={n} = {total} sequences: this server serves at most {bound} "
+                         "sequences per request (grpo-serve --max-sequences-per-request, "
+                         "server.max_sequences_per_request); send several requests")
+
+
+def check_prompt_chars(prompt: str, limits: ModelLimits) -> None:
+    """A string prompt short enough to be worth tokenizing (ModelLimits.max_prompt_chars)."""
+    if len(prompt) > limits.max_prompt_chars:
+        raise BadRequest(f"string prompt of {len(prompt)} characters: at most {limits.max_prompt_chars} are tokenized "
+                         f"({MAX_PROMPT_CHARS_PER_TOKEN} per token of the server's max_model_len "
+                         f"{limits.max_model_len}); shorten it, or send token ids")

@@ -24,7 +24,8 @@ every other request to vLLM untouched:
 
 The middleware reaches the engine through ``app.state.engine_client``, which vLLM's own routes use too. It is
 added after vLLM's own middleware, so it is the outermost layer: API-key checks (``--api-key``) do not cover
-these paths; bind to localhost (the default of our process manager) when that matters. What it does check
+these paths. So `main` binds loopback unless ``--host`` says otherwise, and refuses a host beyond loopback without
+a run token (`bind_problem`). What it does check
 (`grpo.inference.identity`): the run token of the launcher that started it, on ``/health`` when one is sent and on
 every weight-changing call; and `/generate` requests are checked before they reach the engine
 (`grpo.inference.request_checks`), so a bad request is a 4xx with the reason, never a 500.
@@ -37,7 +38,9 @@ distribution actually sampled from, i.e. after temperature, which is what the tr
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import json
+import logging
 import os
 import sys
 import uuid
@@ -45,15 +48,29 @@ from typing import Any, Awaitable, Callable
 
 from grpo.inference import identity, weight_transfer
 from grpo.inference.request_checks import (
+    DEFAULT_MAX_SEQUENCES_PER_REQUEST,
+    MAX_SEQUENCES_ENV,
     BadRequest,
+    ModelLimits,
     check_generate_request,
+    check_prompt_chars,
     check_samples,
+    check_sequences,
     model_limits,
     token_ids,
 )
+from grpo.inference.weights_check import check_weights_dir
 
+log = logging.getLogger("vllm.grpo_server")
 MIDDLEWARE = "grpo.inference.server.GRPOMiddleware"
+# grpo-serve's own options (the rest are vLLM's): the bound on sequences (prompts x n) of one /generate request.
+SEQUENCES_FLAG = "--max-sequences-per-request"
+GRPO_FLAGS = frozenset({SEQUENCES_FLAG})
+# Where grpo-serve listens unless --host says otherwise: this machine only.
+DEFAULT_HOST = "127.0.0.1"
 WORKER_EXTENSION = "grpo.inference.worker_extension.WeightSyncExtension"
+# Scope key of the engine request ids a /generate call started (aborted when its client disconnects).
+REQUEST_IDS = "grpo.request_ids"
 # Initial weight version (the process manager sets it on a restart so versions keep increasing).
 VERSION_ENV = "GRPO_WEIGHT_VERSION"
 
@@ -112,10 +129,13 @@ def _sample_logprobs(token_ids: Any, logprobs: Any) -> list[list[dict[int, float
     return out
 
 
-def _prompt_ids(prompt: Any, engine: Any) -> list[int]:
-    """The token ids of one /generate prompt: a string (tokenized here), a list of ids or {"prompt_token_ids": [...]}."""
+async def _prompt_ids(prompt: Any, engine: Any, limits: ModelLimits) -> list[int]:
+    """The token ids of one /generate prompt: a string (tokenized here), a list of ids or {"prompt_token_ids": [...]}.
+    A string is refused by its length first, then tokenized on a thread: on the event loop, a long one kept every
+    other request, /health included, waiting until it was done."""
     if isinstance(prompt, str):
-        return list(engine.get_tokenizer().encode(prompt))
+        check_prompt_chars(prompt, limits)
+        return list(await asyncio.to_thread(engine.get_tokenizer().encode, prompt))
     if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
         return token_ids(prompt["prompt_token_ids"])
     if isinstance(prompt, list):
@@ -137,7 +157,45 @@ def _sampling_params(body: dict[str, Any]) -> Any:
     # per step: less work in the API process on every decode step (the response is the same).
     body.setdefault("flat_logprobs", True)
     body["output_kind"] = RequestOutputKind.FINAL_ONLY
+    if decodes_here(body):
+        body["detokenize"] = False
+    _typed_sampling_keys(body)
     return SamplingParams(**body)
+
+
+def decodes_here(body: dict[str, Any]) -> bool:
+    """True when a /generate answer's text is decoded here, once per sample at the end and on a thread
+    (`_prompt_response`), not by vLLM: it decodes the text at every step on its event loop, and every log-prob
+    candidate as well (logprobs=20: 21 decodes per sample per step; n=128 long samples with them kept /health
+    waiting for tens of seconds). Not with stop strings, which need vLLM's incremental text, nor when the request
+    sets `detokenize` itself."""
+    return "detokenize" not in body and not body.get("stop")
+
+
+def _typed_sampling_keys(body: dict[str, Any]) -> None:
+    """`logit_bias` and `structured_outputs` of a /generate body in the types SamplingParams holds, as
+    /v1/completions builds them: given as JSON ({"<token id>": bias}, {"choice": [...]}) they reached the engine as
+    they were and failed there (HTTP 500, an empty EngineGenerateError)."""
+    from vllm.sampling_params import StructuredOutputsParams
+
+    bias = body.get("logit_bias")
+    if bias is not None:
+        if not isinstance(bias, dict):
+            raise BadRequest(f"logit_bias must be an object {{token id: bias}}, got {bias!r:.80}")
+        try:
+            # vLLM's own rule (SamplingParams.from_optional): integer ids, biases clamped to [-100, 100].
+            body["logit_bias"] = {int(t): min(100.0, max(-100.0, float(b))) for t, b in bias.items()}
+        except (TypeError, ValueError):
+            raise BadRequest(f"logit_bias must map integer token ids to numbers, got {bias!r:.80}") from None
+    constraint = body.get("structured_outputs")
+    if constraint is not None:
+        if not isinstance(constraint, dict):
+            raise BadRequest("structured_outputs must be an object such as {\"choice\": [...]}, {\"regex\": ...} or "
+                             f"{{\"json\": <schema>}}, got {constraint!r:.80}")
+        try:
+            body["structured_outputs"] = StructuredOutputsParams(**constraint)
+        except (TypeError, ValueError) as e:
+            raise BadRequest(f"structured_outputs: {e}") from None
 
 
 def _engine_input(prompt_ids: list[int]) -> dict[str, Any]:
@@ -151,22 +209,29 @@ def _engine_input(prompt_ids: list[int]) -> dict[str, Any]:
     return dict(tokens_input(prompt_ids))
 
 
-async def _final_output(engine: Any, prompt_ids: list[int], params: Any, lora: Any) -> Any:
-    """The finished RequestOutput of one prompt (all its `n` samples)."""
+async def _final_output(engine: Any, prompt_ids: list[int], params: Any, lora: Any, ids: list[str]) -> Any:
+    """The finished RequestOutput of one prompt (all its `n` samples); its engine request id is added to `ids`."""
     final = None
-    async for out in engine.generate(
-        _engine_input(prompt_ids), params, f"grpo-gen-{uuid.uuid4().hex}", lora_request=lora
-    ):
+    request_id = f"grpo-gen-{uuid.uuid4().hex}"
+    ids.append(request_id)
+    async for out in engine.generate(_engine_input(prompt_ids), params, request_id, lora_request=lora):
         final = out
     assert final is not None
     return final
 
 
-def _prompt_response(prompt_ids: list[int], final: Any, params: Any, version: int, last_version: int) -> dict:
-    """The /generate answer for one prompt (the shape Atropos' VLLMServer reads, plus the weight versions)."""
+def _prompt_response(prompt_ids: list[int], final: Any, params: Any, version: int, last_version: int,
+                     tokenizer: Any = None) -> dict:
+    """The /generate answer for one prompt (the shape Atropos' VLLMServer reads, plus the weight versions); the text
+    decoded with `tokenizer` when given (`decodes_here`), else vLLM's."""
     outputs = final.outputs
+    if tokenizer is not None:
+        texts = tokenizer.batch_decode([list(o.token_ids) for o in outputs],
+                                       skip_special_tokens=params.skip_special_tokens)
+    else:
+        texts = [o.text for o in outputs]
     resp: dict[str, Any] = {
-        "text": [o.text for o in outputs],
+        "text": texts,
         "prompt_token_ids": prompt_ids,
         "token_ids": [list(o.token_ids) for o in outputs],
         "logprobs": [_sample_logprobs(o.token_ids, o.logprobs) if params.logprobs is not None else None
@@ -186,32 +251,49 @@ async def handle_generate(request) -> dict:
     state = _state(request)
     engine = state.engine_client
     body = await request.json()
+    ids = request.scope.setdefault(REQUEST_IDS, [])
     if isinstance(body, dict) and "prompts" in body:
-        return await handle_generate_batch(state, body)
+        return await handle_generate_batch(state, body, ids)
     if not isinstance(body, dict) or "prompt" not in body:
         raise ValueError("body must be a JSON object with a 'prompt' (or a 'prompts' list)")
     prompt = body.pop("prompt")
     body.pop("stream", None)  # Atropos never streams; answer once.
     lora = await _lora_request(state, body.pop("model", None) or body.pop("lora", None))
-    prompt_ids = _prompt_ids(prompt, engine)
-    check_generate_request(prompt_ids, body.get("max_tokens"), await model_limits(engine), body.get("n", 1))
+    limits = await model_limits(engine)
+    check_samples(body.get("n", 1), limits)
+    check_sequences(1, body.get("n", 1), limits)
+    prompt_ids = await _prompt_ids(prompt, engine, limits)
+    check_generate_request(prompt_ids, body.get("max_tokens"), limits, body.get("n", 1))
+    tokenizer = engine.get_tokenizer() if decodes_here(body) else None
     params = _sampling_params(body)
     # Read before the request starts: the version the weights had when this batch was scheduled.
     version = _version(state)
-    final = await _final_output(engine, prompt_ids, params, lora)
-    return _prompt_response(prompt_ids, final, params, version, _upper_version(state))
+    final = await _final_output(engine, prompt_ids, params, lora, ids)
+    # Built on a thread: n=128 long samples with 20 log-probs each took seconds of the event loop (/health waited).
+    return await asyncio.to_thread(_prompt_response, prompt_ids, final, params, version, _upper_version(state),
+                                   tokenizer)
+
+
+def describe(e: BaseException) -> str:
+    """`Type: message` of an error, never without a reason: vLLM's EngineGenerateError has an empty message and
+    carries its reason as its cause."""
+    if str(e):
+        return f"{type(e).__name__}: {e}"
+    inner = e.__cause__ or e.__context__
+    reason = describe(inner) if inner is not None else "no reason given; see the server log"
+    return f"{type(e).__name__} ({reason})"
 
 
 class PromptFailed(Exception):
     """Generation of prompt `index` of a batched /generate failed with `cause` (answered with the cause's status)."""
 
     def __init__(self, index: int, cause: BaseException) -> None:
-        super().__init__(f"prompts[{index}]: {type(cause).__name__}: {cause}")
+        super().__init__(f"prompts[{index}]: {describe(cause)}")
         self.index = index
         self.cause = cause
 
 
-async def handle_generate_batch(state: Any, body: dict[str, Any]) -> dict:
+async def handle_generate_batch(state: Any, body: dict[str, Any], ids: list[str]) -> dict:
     """POST /generate with {"prompts": [...], <the single form's sampling keys>}: every prompt is checked first (a bad
     one is a 400 naming its index), then all are handed to the engine before any is awaited, so they share engine
     steps, as one request of the single form per prompt sent at once never quite does over HTTP.
@@ -219,7 +301,7 @@ async def handle_generate_batch(state: Any, body: dict[str, Any]) -> dict:
     `seed` is the base seed of the batch: prompt i is sampled with `seed + i * n` (sample k of it `seed + i * n + k`,
     vLLM's rule for n > 1), what `InferenceClient.generate` gives prompt i through the single form. Answer:
     {"results": [<the single form's answer for prompt i>, ...], "weight_version", "last_weight_version"} (the versions
-    at admission and at finish of the whole batch, also in every result)."""
+    at admission and at finish of the whole batch, also in every result). The engine request ids go to `ids`."""
     engine = state.engine_client
     prompts = body.pop("prompts")
     if "prompt" in body:
@@ -230,30 +312,36 @@ async def handle_generate_batch(state: Any, body: dict[str, Any]) -> dict:
     lora = await _lora_request(state, body.pop("model", None) or body.pop("lora", None))
     limits = await model_limits(engine)
     check_samples(body.get("n", 1), limits)  # once, not as prompts[0]'s fault
+    check_sequences(len(prompts), body.get("n", 1), limits)
     prompt_ids = []
     for i, prompt in enumerate(prompts):
         try:
-            ids = _prompt_ids(prompt, engine)
-            check_generate_request(ids, body.get("max_tokens"), limits, body.get("n", 1))
+            one = await _prompt_ids(prompt, engine, limits)
+            check_generate_request(one, body.get("max_tokens"), limits, body.get("n", 1))
         except ValueError as e:
             raise BadRequest(f"prompts[{i}]: {e}", getattr(e, "status", 400)) from e
-        prompt_ids.append(ids)
+        prompt_ids.append(one)
     seed, n = body.pop("seed", None), body.get("n", 1)
     if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool)):
         raise BadRequest(f"seed must be an integer, got {seed!r}")
+    tokenizer = engine.get_tokenizer() if decodes_here(body) else None
     # One SamplingParams per prompt, built as the single form builds it (same checks; the seed as the client sets it).
     per_prompt = [_sampling_params(dict(body) if seed is None else {**body, "seed": (seed + i * int(n)) % (2**63)})
                   for i in range(len(prompt_ids))]
     version = _version(state)
     # Tasks, not awaited one by one: each adds its request to the engine at its first step, all before the engine
     # has answered any.
-    tasks = [asyncio.ensure_future(_final_output(engine, ids, p, lora)) for ids, p in zip(prompt_ids, per_prompt)]
+    tasks = [asyncio.ensure_future(_final_output(engine, one, p, lora, ids)) for one, p in zip(prompt_ids, per_prompt)]
+    # Cancelled when the client goes away (GRPOMiddleware): gather cancels each task, and vLLM aborts its request.
     finals = await asyncio.gather(*tasks, return_exceptions=True)
     failed = next(((i, f) for i, f in enumerate(finals) if isinstance(f, BaseException)), None)
     if failed is not None:
         raise PromptFailed(*failed)
     last = _upper_version(state)
-    results = [_prompt_response(ids, f, p, version, last) for ids, f, p in zip(prompt_ids, finals, per_prompt)]
+    # Built on a thread (as in the single form): a large batch's answer kept /health waiting for seconds.
+    results = await asyncio.to_thread(
+        lambda: [_prompt_response(one, f, p, version, last, tokenizer)
+                 for one, f, p in zip(prompt_ids, finals, per_prompt)])
     return {"results": results, "weight_version": version, "last_weight_version": last}
 
 
@@ -301,11 +389,16 @@ async def handle_reload_weights(request) -> dict:
     state = _state(request)
     engine = state.engine_client
     body = await request.json()
-    path = body["path"]
-    if not os.path.isdir(path):
-        raise ValueError(f"weights directory {path!r} does not exist")
+    if not isinstance(body, dict):
+        raise BadRequest("body must be a JSON object: {\"path\": <weights directory>, \"weight_version\": <int>?}")
+    new_version = body.get("weight_version", _version(state) + 1)
+    if not isinstance(new_version, int) or isinstance(new_version, bool):
+        raise BadRequest(f"weight_version must be an integer, got {new_version!r:.80}")
+    # Checked here, not by the engine: a directory that is not the served model's crashed the worker, and the engine.
+    config = engine.model_config
+    path = str(await asyncio.to_thread(check_weights_dir, body.get("path"), str(config.model),
+                                       config.hf_config.to_dict()))
     t0 = time.perf_counter()
-    new_version = int(body.get("weight_version", _version(state) + 1))
     # From here on a request that finishes may hold tokens of the new weights (its last_weight_version says so).
     state.grpo_weight_version_pending = new_version
     # Our extension's wrapper of vLLM's worker reload_weights (it also refreshes a tied lm_head).
@@ -353,8 +446,22 @@ async def handle_rpc(request) -> dict:
     return {"results": results}
 
 
+async def handle_version(request) -> dict:
+    """GET /grpo/version: the handshake (`identity.VERSION_PATH`): what this server is and the limits it applies."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        package = version("grpo")
+    except PackageNotFoundError:
+        package = None
+    limits = await model_limits(_state(request).engine_client)
+    return {"server": identity.SERVER_NAME, "protocol": identity.PROTOCOL, "package_version": package,
+            "max_sequences_per_request": limits.max_sequences_per_request, "max_model_len": limits.max_model_len}
+
+
 Handler = Callable[[Any], Awaitable[dict]]
 ROUTES: dict[tuple[str, str], Handler] = {
+    ("GET", identity.VERSION_PATH): handle_version,
     ("POST", "/generate"): handle_generate,
     ("GET", "/grpo/weight_version"): handle_weight_version,
     ("POST", "/grpo/weight_version"): handle_weight_version,
@@ -401,11 +508,43 @@ class GRPOMiddleware:
             return
         from starlette.requests import Request
 
+        if key == ("POST", "/generate"):
+            await self._generate(scope, receive, send)
+            return
         try:
             body, status = await handler(Request(scope, receive)), 200
         except Exception as e:  # noqa: BLE001 - every error becomes an answer; the server keeps serving
             body, status = error_answer(e)
         await _json(scope, receive, send, body, status)
+
+    async def _generate(self, scope, receive, send) -> None:
+        """POST /generate, aborted in the engine when its client disconnects first (a client that timed out or was
+        stopped left its sequences generating to the end), its answer serialized on a thread."""
+        from starlette.requests import Request
+
+        messages = await _whole_body(receive)
+        replay = iter(messages)
+
+        async def receive_body():
+            return next(replay)
+
+        scope = {**scope, REQUEST_IDS: []}
+        work = asyncio.ensure_future(handle_generate(Request(scope, receive_body)))
+        gone = asyncio.ensure_future(_disconnect(receive))
+        await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
+        if not work.done():
+            work.cancel()
+            ids = scope[REQUEST_IDS]
+            if ids:
+                await _state(Request(scope)).engine_client.abort(ids)
+            log.info("grpo /generate: client disconnected; aborted %d engine request(s)", len(ids))
+            return
+        gone.cancel()
+        try:
+            body, status = work.result(), 200
+        except Exception as e:  # noqa: BLE001 - every error becomes an answer; the server keeps serving
+            body, status = error_answer(e)
+        await _json(scope, receive, send, body, status, off_loop=True)
 
     async def _verified_health(self, scope, receive, send, given: str) -> None:
         """GET /health with a token: 403 when it is another run's, else vLLM's answer plus the verified header."""
@@ -431,7 +570,7 @@ def error_answer(e: Exception) -> tuple[dict, int]:
     (it must not retry), 500 for the engine's own errors. A failed prompt of a batch (`PromptFailed`) gets its cause's
     status, with a message that names the prompt."""
     cause = e.cause if isinstance(e, PromptFailed) else e
-    message = str(e) if isinstance(e, PromptFailed) else f"{type(e).__name__}: {e}"
+    message = str(e) if isinstance(e, PromptFailed) else describe(e)
     if isinstance(cause, BadRequest):  # the request itself is wrong: the client must change it, not retry
         return {"error": str(e)}, cause.status
     if isinstance(cause, (ValueError, TypeError, KeyError, json.JSONDecodeError)):
@@ -444,22 +583,113 @@ def error_answer(e: Exception) -> tuple[dict, int]:
     return {"error": message}, 400 if type(cause).__name__ == "VLLMValidationError" else 500
 
 
-async def _json(scope, receive, send, body: dict, status: int) -> None:
-    from starlette.responses import JSONResponse
+async def _json(scope, receive, send, body: dict, status: int, off_loop: bool = False) -> None:
+    """Answer `body` as JSON (as Starlette's JSONResponse renders it); `off_loop`: serialized on a thread, so a large
+    answer (tens of MB of log-probs) does not hold every other request, /health included."""
+    from starlette.responses import JSONResponse, Response
 
-    await JSONResponse(body, status_code=status)(scope, receive, send)
+    if not off_loop:
+        await JSONResponse(body, status_code=status)(scope, receive, send)
+        return
+    content = await asyncio.to_thread(render_json, body)
+    await Response(content, status_code=status, media_type="application/json")(scope, receive, send)
+
+
+def render_json(body: Any, depth: int = 4) -> bytes:
+    """`body` as Starlette's JSONResponse renders it, dumped piece by piece down to `depth` levels of objects and
+    lists: one `json.dumps` call holds the GIL until it returns (a 30 MB answer: seconds without a turn for the
+    event loop), many small ones let it run between them."""
+    if depth == 0 or not isinstance(body, (dict, list)) or not body:
+        return json.dumps(body, ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode()
+    if isinstance(body, list):
+        return b"[" + b",".join(render_json(v, depth - 1) for v in body) + b"]"
+    # json.dumps writes a non-string key as its str().
+    return b"{" + b",".join(render_json(k if isinstance(k, str) else str(k), 0) + b":" + render_json(v, depth - 1)
+                            for k, v in body.items()) + b"}"
+
+
+async def _whole_body(receive) -> list[dict]:
+    """The ASGI messages of a request's whole body (read before the handler runs, so `_disconnect` alone listens
+    after it)."""
+    messages = []
+    while True:
+        message = await receive()
+        messages.append(message)
+        if message["type"] != "http.request" or not message.get("more_body", False):
+            return messages
+
+
+async def _disconnect(receive) -> None:
+    """Returns once the client has disconnected."""
+    while (await receive())["type"] != "http.disconnect":
+        pass
 
 
 def with_defaults(argv: list[str]) -> list[str]:
-    """vLLM CLI args with our middleware, worker extension and log-prob mode added unless already given."""
+    """vLLM CLI args with our middleware, worker extension, log-prob mode and loopback bind added unless given."""
     argv = list(argv)
     flags = {a.split("=", 1)[0] for a in argv if a.startswith("--")}
     argv += ["--middleware", MIDDLEWARE]
+    if "--host" not in flags:
+        # vLLM's own default listens on every interface.
+        argv += ["--host", DEFAULT_HOST]
     if "--worker-extension-cls" not in flags:
         argv += ["--worker-extension-cls", WORKER_EXTENSION]
     if "--logprobs-mode" not in flags:
         argv += ["--logprobs-mode", "processed_logprobs"]
     return argv
+
+
+def grpo_options(argv: list[str]) -> tuple[list[str], dict[str, str]]:
+    """`argv` without grpo-serve's own options (`GRPO_FLAGS`, which vLLM's parser would refuse), and their values."""
+    rest, own = [], {}
+    i = 0
+    while i < len(argv):
+        flag, eq, value = argv[i].partition("=")
+        if flag in GRPO_FLAGS:
+            if not eq:
+                if i + 1 >= len(argv):
+                    raise SystemExit(f"grpo-serve: {flag} needs a value")
+                i, value = i + 1, argv[i + 1]
+            own[flag] = value
+        else:
+            rest.append(argv[i])
+        i += 1
+    return rest, own
+
+
+def flag_value(argv: list[str], flag: str) -> str | None:
+    """The value of `flag` (`--flag v` or `--flag=v`) in `argv`, the last one given; None when absent."""
+    value = None
+    for i, a in enumerate(argv):
+        if a == flag and i + 1 < len(argv):
+            value = argv[i + 1]
+        elif a.startswith(flag + "="):
+            value = a.split("=", 1)[1]
+    return value
+
+
+def is_loopback(host: str) -> bool:
+    """True when `host` is reachable from this machine only (127.0.0.0/8, ::1, localhost)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def bind_problem(host: str, token: str | None) -> str | None:
+    """Why this server must not start on `host` (None when it may): its weight-changing endpoints (`identity.PROTECTED`)
+    are outside vLLM's --api-key check, so beyond loopback they need the run token, or anyone on the network could
+    pause the server or load other weights into it."""
+    if token is not None or is_loopback(host):
+        return None
+    return (f"grpo-serve: refusing to listen on {host!r} without {identity.TOKEN_ENV}: its weight-changing endpoints "
+            f"(/grpo/reload_weights, /grpo/pause, /grpo/resume, /grpo/weight_version, ...) would answer anyone who "
+            f"reaches it. Set {identity.TOKEN_ENV}=<a secret> in its environment (clients send it as "
+            f"{identity.TOKEN_HEADER}; a trainer attached to it reads its own {identity.TOKEN_ENV}), or bind "
+            f"loopback (--host {DEFAULT_HOST}, the default).")
 
 
 def port_arg(argv: list[str]) -> int:
@@ -475,8 +705,17 @@ def port_arg(argv: list[str]) -> int:
 HELP_PREFACE = (
     "grpo-serve (python -m grpo.inference.server): vLLM's OpenAI-compatible server plus POST /generate (Atropos'\n"
     "shape, with weight versions) and the /grpo/* weight-sync endpoints a trainer uses. Every option is vLLM's own\n"
-    "(below); added unless given: --worker-extension-cls grpo.inference.worker_extension.WeightSyncExtension\n"
+    "(below); added unless given: --host 127.0.0.1 (this machine only, where vLLM's own default is every\n"
+    "interface), --worker-extension-cls grpo.inference.worker_extension.WeightSyncExtension\n"
     "--logprobs-mode processed_logprobs. An Atropos environment points at http://HOST:PORT (server_type=vllm).\n"
+    "\n"
+    "GRPO_SERVER_TOKEN (environment): a secret that the weight-changing endpoints (/grpo/reload_weights,\n"
+    "/grpo/pause, /grpo/resume, /grpo/weight_version, /grpo/rpc, /grpo/weight_transfer/*, /v1/load_lora_adapter)\n"
+    "then require in the X-GRPO-Token header; a trainer attached to this server sends its own GRPO_SERVER_TOKEN.\n"
+    "A --host beyond loopback (e.g. 0.0.0.0) is refused without it. Those endpoints are outside vLLM's --api-key.\n"
+    "\n"
+    f"grpo-serve's own option: {SEQUENCES_FLAG} N: the most sequences (prompts x n) one /generate request may ask\n"
+    f"for (default {DEFAULT_MAX_SEQUENCES_PER_REQUEST}; 0: no bound); more is answered 400.\n"
 )
 
 
@@ -538,10 +777,15 @@ def main(argv: list[str] | None = None) -> None:
     import runpy
     import warnings
 
-    raw = sys.argv[1:] if argv is None else argv
+    raw, own = grpo_options(sys.argv[1:] if argv is None else argv)
     if "-h" in raw or "--help" in raw:
         print(HELP_PREFACE)
+    if own.get(SEQUENCES_FLAG) is not None:
+        os.environ[MAX_SEQUENCES_ENV] = own[SEQUENCES_FLAG]  # read by the middleware, in this process
     args = with_defaults(raw)
+    problem = bind_problem(flag_value(args, "--host") or DEFAULT_HOST, identity.server_token())
+    if problem is not None and "-h" not in raw and "--help" not in raw:
+        raise SystemExit(problem)
     exit_with_launcher()
     if skip_cpu_aot_compile_cache():
         print("grpo: VLLM_USE_AOT_COMPILE=0 on CPU (vLLM's AOT cache never loads there; torch's inductor cache does)",

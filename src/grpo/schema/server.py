@@ -47,6 +47,9 @@ class ServerConfig:
     # Restarts of a replica allowed after a crash or a failed health check (each replica counts its own) before the
     # run stops.
     max_restarts: int = 3
+    # The most sequences (prompts x n) one /generate request may ask for (grpo-serve --max-sequences-per-request;
+    # 0: no bound); more is answered 400. The trainer's own requests split to stay within the default.
+    max_sequences_per_request: int = 4096
     extra_args: list[str] = field(default_factory=list)
     # CUDA device index for vLLM when trainer and server share a host, counted as the trainer counts them (within its
     # CUDA_VISIBLE_DEVICES). A server with tensor/pipeline parallel size k in extra_args takes this GPU and the k-1

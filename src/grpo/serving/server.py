@@ -22,6 +22,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Mapping, Protocol, Sequence, TypeVar
 
+import requests
+
 from grpo import faults
 from grpo.config_values import ConfigError, option
 from grpo.inference.client import Endpoint, InferenceClient, InferenceServerError, ServerUnreachable
@@ -120,6 +122,9 @@ class InferenceServer:
 
     # A hung (stopped, deadlocked) server accepts the connection but never answers; this bounds the wait.
     health_timeout_s: float = 10.0
+    # How long a replica that does not answer /health but keeps working (`VLLMServer.busy`: its API process uses
+    # CPU, unlike a stopped or deadlocked one) is waited for before it is restarted as hung.
+    busy_grace_s: float = 300.0
 
     def __init__(self) -> None:
         self.replicas: list[Replica] = []
@@ -171,10 +176,15 @@ class InferenceServer:
     def _attach(self, url: str, version: int, index: int) -> Replica:
         # A server started with a run token (GRPO_SERVER_TOKEN in its environment) needs it for weight calls.
         client = InferenceClient(url, token=os.environ.get("GRPO_SERVER_TOKEN"))
+        key = "external_url" if option(self._cfg, "external_url") else "external_urls"
         if not client.health():  # the user's URL: a message, not a traceback
-            key = "external_url" if option(self._cfg, "external_url") else "external_urls"
             raise ConfigError(f"server.{key}={url} does not answer /health: start that server first "
                               f"(grpo-serve <vLLM args>), or drop server.{key} and the run starts its own")
+        try:  # the handshake: something else answering /health (a plain vLLM server) fails later with a traceback
+            client.server_info()
+        except (InferenceServerError, requests.RequestException) as e:
+            raise ConfigError(f"server.{key}={url} answers /health but is not a grpo server ({e}); start it with "
+                              f"grpo-serve <vLLM args>, not vllm serve or another server") from None
         served = client.weight_version()
         if served != version:
             # Rollouts carry the server's versions and the trainer compares them with its own (staleness): one
@@ -290,6 +300,8 @@ class InferenceServer:
             return False
         if process.healthy(timeout=self.health_timeout_s):
             return False
+        if self._still_busy(replica, process):
+            return False
         limit = int(option(self._cfg, "max_restarts", 3))
         state = "exited" if not process.running() else f"not answering /health within {self.health_timeout_s:g}s"
         tail = process.log_tail(40)
@@ -308,6 +320,19 @@ class InferenceServer:
         finally:
             replica.available = True
         return True
+
+    def _still_busy(self, replica: Replica, process: VLLMServer) -> bool:
+        """True when `process`, not answering /health in time, is busy rather than hung (`VLLMServer.busy`; it is
+        asked again until it answers, for at most `busy_grace_s`): a restart would only throw its work away."""
+        import time
+
+        deadline = time.monotonic() + self.busy_grace_s
+        while process.busy(self.health_timeout_s):  # False once it answers, or is found dead, stopped or idle
+            log.warning("%s busy: /health did not answer within %gs, yet its API process works; not restarting it",
+                        self._name(replica), self.health_timeout_s)
+            if time.monotonic() >= deadline:
+                return False
+        return process.healthy(timeout=self.health_timeout_s)
 
     def _name(self, replica: Replica) -> str:
         """How messages name `replica`: "inference server", and which replica when there are several."""
