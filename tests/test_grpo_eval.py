@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO
-from grpo.eval import EvalError, load_config, main, target
+from grpo.eval import EvalError, expand, load_config, main, target
 from test_evaluation import QUICK, _train
 
 # Every metric of an evaluation but its duration.
@@ -81,8 +81,16 @@ def test_targets_and_config_errors(tmp_path):
     (ckpt / "config.json").write_text("{}")
     t = target(ckpt)
     assert (t.step, t.version, t.adapter) == (25, 25, False)  # a Hugging Face Trainer's (TRL's) checkpoint name
+    (ckpt / "trainer_state.json").write_text('{"global_step": 24}')  # a Hugging Face Trainer's own record
+    assert target(ckpt).step == 24
     (ckpt / "adapter_config.json").write_text("{}")
     assert target(ckpt).adapter
+    # A directory of checkpoints stands for each of them; other directories are not expanded.
+    (tmp_path / "checkpoint-5").mkdir()
+    (tmp_path / "checkpoint-5" / "config.json").write_text("{}")
+    (tmp_path / "notes").mkdir()
+    assert sorted(p.name for p in expand(tmp_path)) == ["checkpoint-25", "checkpoint-5"]
+    assert expand(ckpt) == [ckpt] and expand(tmp_path / "notes") == [tmp_path / "notes"]
     with pytest.raises(EvalError, match="no .hydra"):
         load_config(tmp_path, [])
     (tmp_path / ".hydra").mkdir()

@@ -2,7 +2,7 @@
 
     grpo-eval outputs/2026-11-28/10-00-00_warm_arith_none/checkpoints/step_000060  # a checkpoint, its run's settings
     grpo-eval --run-dir outputs/2026-11-28/10-00-00_warm_arith_none   # the run's initial weights and every checkpoint
-    grpo-eval experiment=smollm2_chat_arith_shared server=gpu /tmp/trl_out/checkpoint-*  # any HF dirs, an experiment's settings
+    grpo-eval experiment=smollm2_chat_arith_shared --initial /tmp/trl_out  # the initial model and each checkpoint-N
     grpo-eval experiment=arith_quick                                   # the experiment's initial model
 
 The evaluator is the run's own (grpo.pipeline.evaluation: greedy accuracy, pass@k, mean@k, the same grading, prompts,
@@ -63,16 +63,21 @@ class Target:
     adapter: bool
 
 
+def _is_model(path: Path) -> bool:
+    return (path / "config.json").exists() or (path / "adapter_config.json").exists()
+
+
 def target(path: Path, step: Optional[int] = None) -> Target:
-    """A model directory as an evaluation target: its step from our checkpoint's trainer_state.json, else from its
-    name (step_N, checkpoint-N), else `step` or 0."""
+    """A model directory as an evaluation target: its step from its trainer_state.json (ours: `step`; a Hugging Face
+    Trainer's: `global_step`), else from its name (step_N, checkpoint-N), else `step` or 0."""
     path = Path(path).expanduser().resolve()
-    if not (path / "config.json").exists() and not (path / "adapter_config.json").exists():
-        raise EvalError(f"{path} is neither a model directory (config.json) nor a LoRA adapter (adapter_config.json)")
+    if not _is_model(path):
+        raise EvalError(f"{path} is neither a model directory (config.json) nor a LoRA adapter (adapter_config.json) "
+                        "nor a directory of checkpoints (step_N/, checkpoint-N/)")
     version = None
-    if (path / "trainer_state.json").exists():
-        state = read_trainer_state(path)
-        step, version = int(state["step"]), state.get("weight_version")
+    state = read_trainer_state(path) if (path / "trainer_state.json").exists() else {}
+    if "step" in state or "global_step" in state:
+        step, version = int(state.get("step", state.get("global_step"))), state.get("weight_version")
     elif step is None and _STEP_NAME.match(path.name):
         step = int(_STEP_NAME.match(path.name).group(1))
     step = int(step or 0)
@@ -109,15 +114,27 @@ def load_config(run_dir: Optional[Path], overrides: list[str]) -> DictConfig:
     return OmegaConf.merge(cfg, OmegaConf.from_dotlist(overrides))
 
 
-def targets_of(paths: list[Path], run_dir: Optional[Path], cfg: DictConfig) -> list[Target]:
-    """The models to evaluate, by step: those given; else the run's initial weights (step 0) and its complete
-    checkpoints; else the config's initial model."""
+def expand(path: Path) -> list[Path]:
+    """A model directory, or the checkpoints (step_N/, checkpoint-N/) of a directory that holds them."""
+    path = Path(path).expanduser()
+    if _is_model(path) or not path.is_dir():
+        return [path]
+    found = [p for p in path.iterdir() if _STEP_NAME.match(p.name) and _is_model(p)]
+    return found or [path]
+
+
+def targets_of(paths: list[Path], run_dir: Optional[Path], cfg: DictConfig, initial: bool = False) -> list[Target]:
+    """The models to evaluate, by step: those given (a directory of checkpoints gives each), with the config's
+    initial model at step 0 when `initial`; without paths, the run's initial weights and its complete checkpoints,
+    or the config's initial model."""
     if paths:
-        return sorted((target(p) for p in paths), key=lambda t: t.step)
-    initial = [target(Path(resolve_model_dir(cfg.model)), step=0)]
-    if run_dir is None:
-        return initial
-    return initial + [target(p) for p in CheckpointManager(run_dir).checkpoints()]
+        given = [target(p) for path in paths for p in expand(path)]
+    elif run_dir is not None:
+        given, initial = [target(p) for p in CheckpointManager(run_dir).checkpoints()], True
+    else:
+        given, initial = [], True
+    first = [target(Path(resolve_model_dir(cfg.model)), step=0)] if initial else []
+    return first + sorted(given, key=lambda t: t.step)
 
 
 class EvalServer:
@@ -213,6 +230,8 @@ def parse_args(argv: Optional[list[str]]) -> tuple[argparse.Namespace, list[str]
     p.add_argument("--run-dir", type=Path, default=None,
                    help="a run dir: its .hydra/config.yaml is the config; without model paths, its initial weights "
                         "and every complete checkpoint are evaluated (default: the run dir of a checkpoint given)")
+    p.add_argument("--initial", action="store_true",
+                   help="also evaluate the config's initial model (model.*), as step 0, before the paths given")
     p.add_argument("--out", type=Path, default=None, help="the JSON results (default: <work dir>/eval.json)")
     p.add_argument("--work-dir", type=Path, default=None,
                    help="server log and eval_samples.jsonl (default: outputs/eval/<date>/<time>)")
@@ -231,7 +250,7 @@ def main(argv: Optional[list[str]] = None) -> list[dict[str, Any]]:
     try:
         run_dir = args.run_dir or next((r for r in map(run_dir_of, paths) if r is not None), None)
         cfg = load_config(run_dir, overrides)
-        targets = targets_of(paths, run_dir, cfg)
+        targets = targets_of(paths, run_dir, cfg, args.initial)
         work_dir = args.work_dir or Path("outputs") / "eval" / time.strftime("%Y-%m-%d/%H-%M-%S")
         work_dir.mkdir(parents=True, exist_ok=True)
         rows = evaluate(cfg, targets, work_dir)
