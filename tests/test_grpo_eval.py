@@ -108,3 +108,41 @@ def test_help_and_a_bad_path_stop_before_anything_starts(tmp_path, capsys, monke
     with pytest.raises(SystemExit, match="neither a model directory"):
         main(["~experiment", str(tmp_path / "nowhere")])
     assert not (tmp_path / "outputs").exists()  # nothing written before the arguments are checked
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+@pytest.mark.parametrize("mode", ["none", "lora_restart"])
+def test_grpo_eval_on_a_server_of_its_own_equals_a_run_on_its_own(tmp_path, mode):
+    """The user's path: a run that launched its server, then `grpo-eval --run-dir` launching one from the run's
+    config: the initial weights and every checkpoint (full weights, or a LoRA adapter on the base model) give the
+    run's own rows. Two vLLM starts, one after the other (~3-4 min on 2 loaded cores)."""
+    from conftest import free_port
+    from test_train_e2e import assert_clean, metrics, run_train
+
+    run_dir = tmp_path / "run"
+    base = [o for o in QUICK if o != "train.steps=3"]
+    if mode == "lora_restart":
+        base[0] = "experiment=cpu_tiny_lora_restart"  # tiny Qwen2, digits, an adapter served under `policy`
+    out, marker = run_train(*base, "train.steps=2", "eval.every=2", "train.checkpoint_every=2", "mode.sync_every=1",
+                            "eval.samples_logged=8", "optimizer.lr=0.02", f"server.port={free_port()}",
+                            f"hydra.run.dir={run_dir}")
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert_clean(marker)
+    in_run = {r["step"]: r for r in metrics(run_dir) if "eval/accuracy" in r}
+    assert sorted(in_run) == [0, 2]
+    assert (run_dir / "checkpoints" / "step_000002" / ("adapter_config.json" if mode == "lora_restart" else
+                                                       "config.json")).exists()
+    result = tmp_path / "eval.json"
+    done = subprocess.run([sys.executable, "-m", "grpo.eval", "--run-dir", str(run_dir), f"server.port={free_port()}",
+                           "--out", str(result), "--work-dir", str(tmp_path / "work")],
+                          capture_output=True, text=True, cwd=tmp_path, timeout=600,
+                          env=dict(os.environ, PYTHONPATH=str(REPO / "src")))
+    assert done.returncode == 0, done.stderr[-3000:]
+    evaluated = {r["step"]: r for r in json.loads(result.read_text())["rows"]}
+    assert sorted(evaluated) == [0, 2]
+    for step in (0, 2):
+        for key in COMPARED:
+            assert evaluated[step][key] == in_run[step][key], (step, key)
+    ours, runs = (_completions(p / "eval_samples.jsonl") for p in (tmp_path / "work", run_dir))
+    assert ours == runs and ours[0] != ours[2]

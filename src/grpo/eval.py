@@ -138,11 +138,12 @@ def targets_of(paths: list[Path], run_dir: Optional[Path], cfg: DictConfig, init
 
 
 class EvalServer:
-    """The vLLM server grpo-eval samples from: launched on `base` (cfg.server) or attached (server.external_url);
-    `serve` puts a target's weights on it."""
+    """The vLLM server grpo-eval samples from: launched on `first` (cfg.server) or attached (server.external_url);
+    `serve` puts a target's weights on it (a LoRA adapter on `adapter_base`, the run's initial model; None: no
+    adapters)."""
 
-    def __init__(self, server_cfg: Any, base: Path, work_dir: Path, lora: bool) -> None:
-        self.base, self.served, self.process = base, None, None
+    def __init__(self, server_cfg: Any, first: Path, adapter_base: Optional[Path], work_dir: Path) -> None:
+        self.base, self.served, self.process = adapter_base, None, None
         url = server_cfg.get("external_url") or (server_cfg.get("external_urls") or [None])[0]
         if url:
             self.client = InferenceClient(str(url).rstrip("/").removesuffix("/v1"),
@@ -150,16 +151,17 @@ class EvalServer:
             if not self.client.health():
                 raise EvalError(f"server.external_url={url} does not answer /health: start it, or drop the setting")
         else:
-            self.process = VLLMServer(base, server_cfg, log_path=work_dir / "logs" / "vllm.log", enable_lora=lora,
-                                      served_model_name=[str(base)])
+            self.process = VLLMServer(first, server_cfg, log_path=work_dir / "logs" / "vllm.log",
+                                      enable_lora=adapter_base is not None, served_model_name=[str(first)])
             self.process.start()
-            self.served = base
+            self.served = first
             self.client = self.process.client()
 
     def serve(self, t: Target, index: int) -> Endpoint:
         """Serve `t` (reload full weights in place, or load the adapter under a name of its own); its endpoint."""
         model = None
         if t.adapter:
+            assert self.base is not None, "EvalServer built without an adapter base"
             if self.served != self.base:
                 self.client.reload_weights(str(self.base), version=t.version)
                 self.served = self.base
@@ -191,13 +193,14 @@ def evaluator_of(cfg: DictConfig) -> Evaluator:
 
 def evaluate(cfg: DictConfig, targets: list[Target], work_dir: Path) -> list[dict[str, Any]]:
     """Evaluate every target on one server; one row per target: model, step and the evaluator's `eval/*`."""
-    full = [t.path for t in targets if not t.adapter]
-    base = full[0] if full else Path(resolve_model_dir(cfg.model))
+    # Adapters go on the run's initial model; the server starts on the first full-weight model, else on that one.
+    adapter_base = Path(resolve_model_dir(cfg.model)).resolve() if any(t.adapter for t in targets) else None
+    base = next((t.path for t in targets if not t.adapter), adapter_base)
     evaluator = evaluator_of(cfg)
     server = None
     rows = []
     try:
-        server = EvalServer(cfg.server, base, work_dir, lora=any(t.adapter for t in targets))
+        server = EvalServer(cfg.server, base, adapter_base, work_dir)
         endpoint: list[Endpoint] = []
         evaluator.setup(EvalContext(tokenizer=load_tokenizer(str(base)), endpoint=lambda: endpoint[-1],
                                     run_dir=work_dir, seed=int(cfg.train.seed), total_steps=int(cfg.train.steps),
