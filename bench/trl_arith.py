@@ -28,7 +28,19 @@ task"). Every setting is read from the same composed Hydra config as ours (``exp
   step's tokens / the step's token count = our ``token_mean``), ``scale_rewards="group"`` (our
   ``advantage_norm=group``), one update per batch (``num_iterations=1``).
 
-`DIFFERENCES` lists what TRL does not let us match; the JSON carries it.
+- what this comparison does not set is TRL's own default, except where ours differs and TRL has a setting:
+  gradient checkpointing as ours (``gradient_checkpointing`` = ``model.gradient_checkpointing``, off in the
+  experiments; TRL's default is on), and with ``--vllm`` its sampler in ours' dtype (``--vllm-dtype``, default
+  ``server.dtype``, handed to TRL's ``LLM`` by ``sample_in``: TRL 1.16 has no setting for it). Its importance-sampling
+  correction (``vllm_importance_sampling_correction``) stays at TRL's default, on.
+
+`differences()` lists what TRL does not let us match, true for the CPU set-up or, with ``--vllm``, for the GPU run;
+the JSON carries it, with the settings above as they ran.
+
+``--checkpoints DIR`` saves TRL's model at every evaluation step and the last (``DIR/checkpoint-N``, the save time
+kept off the clock), so that our evaluator scores both sides:
+``grpo-eval experiment=<experiment> --initial DIR --out trl_eval.json`` (``bench/gpu/README.md``, "How to run the
+comparison").
 
 Held-out evaluation (a ``TrainerCallback``): at step 0 (before the first generation) and every ``--eval-every``
 optimizer steps and after the last, greedy decoding with transformers (``grpo.recipes.warmstart.generate_answers``)
@@ -42,6 +54,7 @@ time axis on both sides: each row has ``time/train_seconds`` (since ``on_train_b
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
 import random
@@ -50,39 +63,59 @@ import tempfile
 import time
 from pathlib import Path
 
+# The wall clock from process start (time/process_seconds in each row).
+PROCESS_START = time.perf_counter()
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import RESULTS, ROOT, loadavg, machine, max_rss_bytes  # noqa: E402
 
-# What TRL 1.16 does not let us match (or what we chose not to), for the JSON and bench/README.md.
+# What TRL 1.16 does not let us match (or what we chose not to), for the JSON and bench/README.md: those of every
+# run, then those of the CPU set-up (transformers generate()) or of the GPU run (--vllm: TRL's colocated vLLM).
 DIFFERENCES = [
     "advantage std: TRL divides by the group's sample std (Bessel, n-1 = 7) + 1e-4; ours by the population std "
     "(n = 8) + 1e-6 -> TRL's advantages are sqrt(7/8) = 0.935x ours (same sign and ranking; Adam mostly "
     "normalises the scale away, the grad-norm clip does not)",
+    "time origin: ours time/run_seconds starts when the training loop starts (vLLM server already up, its "
+    "start-up in summary.json's wall_seconds); TRL's at on_train_begin (model loaded, trainer built); each TRL row "
+    "also has time/process_seconds (since this script started) for the wall clock from process start",
+    "per-step logging and checkpoints: TRL computes and logs its own metrics each step (logging_steps=1); ours "
+    "writes a metrics.jsonl row each step and checkpoints every train.checkpoint_every steps and at the end (inside "
+    "our loop time); TRL saves only with --checkpoints (at its evaluation steps, the save time kept off its clock "
+    "as its evaluation time is)",
+]
+CPU_DIFFERENCES = [
+    "sampling seeds: ours vLLM's per-request sampling; TRL torch's RNG seeded by --seed (GRPOConfig.seed)",
     "pi_old of the PPO ratio: ours = the rollout log-probs from vLLM (loss.old_logprobs=rollout), so the ratio "
     "starts at exp(trainer - sampler log-prob) and the clip can act on engine mismatch; TRL (transformers "
     "generation, num_iterations=1) = the trainer's own log-probs detached, ratio exactly 1, the clip never acts",
     "generation engine: ours vLLM CPU engine in a server process (weights synced every step, sync time in our "
     "loop time); TRL transformers generate() in the training process (no sync); sampling streams differ, so "
     "the sampled completions differ even at identical weights",
-    "sampling seeds: ours vLLM's per-request sampling; TRL torch's RNG seeded by --seed (GRPOConfig.seed)",
     "held-out eval: ours greedy through vLLM (plus pass@4 samples, also excluded from time); TRL side greedy with "
     "transformers generate() on the same 500 items and the same correctness reward (tie-breaking of equal logits "
     "may differ between engines); eval time excluded from the time axis on both sides",
-    "time origin: ours time/run_seconds starts when the training loop starts (vLLM server already up, its "
-    "start-up in summary.json's wall_seconds); TRL's at on_train_begin (model loaded, trainer built)",
-    "per-step logging: TRL computes and logs its own metrics each step (logging_steps=1), ours writes "
-    "metrics.jsonl rows and checkpoints every 100 steps (checkpoint time is inside our loop time; TRL saves nothing)",
     "threads: both use torch's default (all cores) unless --threads is given; ours also runs the vLLM CPU engine "
     "as a second process on the same cores",
 ]
-
-
-# With --vllm on a GPU some CPU differences above change: both sides generate with vLLM on the same GPU (TRL's in its
-# own process, colocated, its weights copied in each step; ours a server sharing the trainer's weights).
-GPU_NOTE = ("with --vllm: TRL generates with vLLM colocated in the training process (weights copied into it every "
-            "generation batch, vllm_importance_sampling_correction off); ours with its vLLM server on the same GPU "
-            "(mode=shared_vllm: one copy of the weights); the held-out evaluation differs as above (TRL's greedy with "
-            "transformers generate(), ours with vLLM)")
+# With --vllm (a GPU): both sides generate with vLLM on the same GPU.
+GPU_DIFFERENCES = [
+    "generation engine: ours a vLLM server process on the same GPU sharing the trainer's weights "
+    "(mode=shared_vllm: one copy, no transfer); TRL vLLM colocated in the training process "
+    "(vllm_mode=colocate), the weights copied into it every generation batch; both sample in --vllm-dtype "
+    "(default: ours, server.dtype), which this harness hands to TRL's LLM (TRL 1.16 has no dtype setting; left "
+    "to itself, dtype='auto', vLLM samples a float32 model in bfloat16)",
+    "importance correction and pi_old: ours takes the PPO ratio against the rollout log-probs from vLLM "
+    "(loss.old_logprobs=rollout: the clip acts on engine mismatch and on the step of staleness) and no separate "
+    "importance weight; TRL (num_iterations=1) takes the ratio against its own detached log-probs (exactly 1, the "
+    "clip never acts) and corrects for the sampler with its default vllm_importance_sampling_correction=True "
+    "(sequence_mask: each sequence weighted by its trainer/vLLM probability ratio, masked above 3.0)",
+    "sampling seeds: ours vLLM's, per request when data.seeded_sampling (else unseeded); TRL's colocated engine's "
+    "seed (0, the process index), whatever --seed",
+    "reward grading: ours in data.reward_workers processes beside generation; TRL calls the same reward classes "
+    "in the training process after each generation batch",
+    "held-out eval inside each run: ours greedy + pass@k through its vLLM server; TRL's callback greedy with "
+    "transformers generate() on the same items and correctness reward. The comparable figures: with --checkpoints, "
+    "grpo-eval evaluates TRL's checkpoints with our evaluator (vLLM greedy + pass@k, the same grading and seeds)",
+]
 
 
 def config_differences(cfg) -> list[str]:
@@ -100,6 +133,60 @@ def config_differences(cfg) -> list[str]:
                    "groups whose rewards all agree out of the forward passes (train.skip_zero_advantage): the same "
                    "loss and gradients with less work; TRL forwards every sequence")
     return out
+
+
+def differences(cfg, vllm: bool) -> list[str]:
+    """Every difference between TRL's run and ours that the results carry: true for the CPU set-up or, with
+    `vllm`, for the GPU run."""
+    return [*DIFFERENCES, *(GPU_DIFFERENCES if vllm else CPU_DIFFERENCES), *config_differences(cfg)]
+
+
+def trl_settings(cfg, *, steps: int, eval_every: int, seed: int, vllm: bool, checkpoints: str | None,
+                 reward_weights: list[float], use_cpu: bool) -> dict:
+    """TRL's GRPOConfig arguments mirroring our composed config (the module docstring says how each maps)."""
+    opt, loss = cfg.optimizer, cfg.loss
+    colocated = {}
+    if vllm:
+        # TRL's own default for its importance-sampling correction (on) stays: the comparison does not set it.
+        colocated = {"use_vllm": True, "vllm_mode": "colocate",
+                     "vllm_gpu_memory_utilization": float(cfg.server.gpu_memory_utilization),
+                     "vllm_max_model_length": int(cfg.model.max_seq_len)}
+    saving = {"save_strategy": "no"}
+    if checkpoints:
+        # At the evaluation steps (and the last, Trainer's own rule), the model alone: what grpo-eval reads.
+        saving = {"save_strategy": "steps", "save_steps": eval_every, "save_only_model": True}
+    return dict(
+        output_dir=checkpoints or tempfile.mkdtemp(prefix="bench_trl_arith_"),
+        per_device_train_batch_size=int(cfg.train.micro_batch_size),
+        gradient_accumulation_steps=int(cfg.train.grad_accum),
+        num_generations=int(cfg.data.group_size), max_completion_length=int(cfg.data.max_new_tokens),
+        temperature=float(cfg.data.temperature), top_p=float(cfg.data.top_p), top_k=0,
+        # For the record: the optimizer and schedule handed over in main() are what runs.
+        learning_rate=float(opt.lr), adam_beta1=float(opt.betas[0]), adam_beta2=float(opt.betas[1]),
+        adam_epsilon=float(opt.eps), weight_decay=float(opt.weight_decay), warmup_steps=int(cfg.train.warmup_steps),
+        lr_scheduler_type=str(cfg.train.lr_schedule),
+        max_grad_norm=float(cfg.train.max_grad_norm), loss_type="dapo", beta=0.0, epsilon=float(loss.clip_eps),
+        epsilon_high=float(loss.clip_eps_high if loss.clip_eps_high is not None else loss.clip_eps),
+        num_iterations=1, scale_rewards="group", reward_weights=reward_weights, mask_truncated_completions=False,
+        max_steps=steps, use_cpu=use_cpu, bf16=False, fp16=False, report_to=[], logging_steps=1, **saving,
+        # Recompute activations as ours does (model.gradient_checkpointing; TRL's own default is on).
+        gradient_checkpointing=bool(cfg.model.gradient_checkpointing),
+        seed=seed, disable_dropout=True, shuffle_dataset=False, remove_unused_columns=False, **colocated,
+    )
+
+
+def sample_in(dtype: str) -> None:
+    """Have TRL's colocated vLLM sample in `dtype`: TRL 1.16 builds its `LLM` without a dtype (vLLM's 'auto', which
+    turns a float32 model into bfloat16), so the harness hands it ours; 'auto' leaves TRL's own."""
+    if dtype == "auto":
+        return
+    generation = importlib.import_module("trl.generation.vllm_generation")  # where TRL's colocate mode finds LLM
+    llm = generation.LLM
+
+    def llm_in_dtype(*args, **kwargs):
+        return llm(*args, **{**kwargs, "dtype": dtype})
+
+    generation.LLM = llm_in_dtype
 
 
 def compose_ours(overrides: list[str], experiment: str = "arith_grpo"):
@@ -138,6 +225,12 @@ def main(argv=None) -> dict:
     ap.add_argument("--override", action="append", default=[], help="extra Hydra override of our config (repeat)")
     ap.add_argument("--experiment", default="arith_grpo", help="our experiment to mirror (e.g. smollm2_chat_arith_shared "
                     "on a GPU, with --vllm)")
+    ap.add_argument("--vllm-dtype", default=None,
+                    help="with --vllm: the dtype TRL's vLLM samples in (default: ours, server.dtype; 'auto' = TRL's "
+                         "own, which samples a float32 model in bfloat16)")
+    ap.add_argument("--checkpoints", default=None, metavar="DIR",
+                    help="save TRL's model at every evaluation step and the last into DIR/checkpoint-N (for grpo-eval; "
+                         "save time kept off the clock)")
     ap.add_argument("--check-eval", nargs="+", metavar="MODEL_DIR", default=None,
                     help="only evaluate these model dirs (e.g. our checkpoints) with this side's evaluator and exit")
     args = ap.parse_args(argv)
@@ -220,6 +313,7 @@ def main(argv=None) -> dict:
 
         def __init__(self):
             self.rows, self.step_seconds, self.t0, self.eval_total, self.last = [], [], None, 0.0, None
+            self.save_total = 0.0
 
         def _eval(self, step, m):
             train_s = time.perf_counter() - self.t0 - self.eval_total
@@ -227,6 +321,9 @@ def main(argv=None) -> dict:
             self.eval_total += row["eval/seconds"]
             row["time/train_seconds"] = train_s
             row["time/run_seconds"] = time.perf_counter() - self.t0
+            row["time/process_seconds"] = time.perf_counter() - PROCESS_START
+            # The checkpoint saves (--checkpoints) so far, inside time/process_seconds: what a wall-clock ratio subtracts.
+            row["time/save_seconds"] = self.save_total
             self.rows.append(row)
             print(json.dumps({k: v for k, v in row.items() if k != "eval/samples"}), flush=True)
 
@@ -240,6 +337,13 @@ def main(argv=None) -> dict:
             self.step_seconds.append(now - self.last)
             if state.global_step % eval_every == 0 or state.global_step == state.max_steps:
                 self._eval(state.global_step, model)
+            self.last = time.perf_counter()
+
+        def on_save(self, a, state, control, **kw):
+            # Trainer saves after on_step_end: the save (--checkpoints) is kept off the clock as evaluation is.
+            seconds = time.perf_counter() - self.last
+            self.save_total += seconds
+            self.eval_total += seconds
             self.last = time.perf_counter()
 
     heldout_cb = HeldOut()
@@ -256,28 +360,15 @@ def main(argv=None) -> dict:
             or cfg.train.mini_batches != 1 or cfg.train.advantage_norm != "group":
         raise SystemExit("this benchmark maps loss=grpo (token_mean, no KL/dual clip/TIS), one update per batch and "
                          "advantage_norm=group only")
-    vllm = {}
+    vllm_dtype = str(args.vllm_dtype or cfg.server.dtype)
     if args.vllm:
-        vllm = {"use_vllm": True, "vllm_mode": "colocate", "vllm_gpu_memory_utilization": float(cfg.server.gpu_memory_utilization),
-                "vllm_max_model_length": int(cfg.model.max_seq_len), "vllm_importance_sampling_correction": False}
-    trl_cfg = dict(
-        output_dir=tempfile.mkdtemp(prefix="bench_trl_arith_"),
-        per_device_train_batch_size=int(cfg.train.micro_batch_size),
-        gradient_accumulation_steps=int(cfg.train.grad_accum),
-        num_generations=int(cfg.data.group_size), max_completion_length=int(cfg.data.max_new_tokens),
-        temperature=float(cfg.data.temperature), top_p=float(cfg.data.top_p), top_k=0,
-        # For the record: the optimizer and schedule handed over below are what runs.
-        learning_rate=float(opt.lr), adam_beta1=float(opt.betas[0]), adam_beta2=float(opt.betas[1]),
-        adam_epsilon=float(opt.eps), weight_decay=float(opt.weight_decay), warmup_steps=int(cfg.train.warmup_steps),
-        lr_scheduler_type=str(cfg.train.lr_schedule),
-        max_grad_norm=float(cfg.train.max_grad_norm), loss_type="dapo", beta=0.0, epsilon=float(loss.clip_eps),
-        epsilon_high=float(loss.clip_eps_high if loss.clip_eps_high is not None else loss.clip_eps),
-        num_iterations=1, scale_rewards="group", reward_weights=reward_weights, mask_truncated_completions=False,
-        max_steps=steps, use_cpu=not torch.cuda.is_available(), bf16=False, fp16=False, report_to=[], logging_steps=1, save_strategy="no",
-        seed=args.seed, disable_dropout=True, shuffle_dataset=False, remove_unused_columns=False, **vllm,
-    )
+        sample_in(vllm_dtype)
+    trl_cfg = trl_settings(cfg, steps=steps, eval_every=eval_every, seed=args.seed, vllm=args.vllm,
+                           checkpoints=args.checkpoints, reward_weights=reward_weights,
+                           use_cpu=not torch.cuda.is_available())
     config = GRPOConfig(**trl_cfg)
     assert config.steps_per_generation == int(cfg.train.grad_accum), config.steps_per_generation
+    assert not args.vllm or config.vllm_importance_sampling_correction  # TRL's default, left on
     assert config.generation_batch_size == per_step * int(cfg.data.group_size), config.generation_batch_size
     trainer = GRPOTrainer(model=model, reward_funcs=reward_funcs, args=config, processing_class=tok,
                           train_dataset=dataset, callbacks=[heldout_cb], optimizers=(optimizer, scheduler))
@@ -302,7 +393,10 @@ def main(argv=None) -> dict:
                         + "".join(f" {o}" for o in args.override),
         "prompts_match_ours_per_step": prompts_match, "rows": heldout_cb.rows, "step_seconds": heldout_cb.step_seconds,
         "train_seconds_per_step": train_s / max(steps, 1), "train_seconds": train_s,
-        "eval_seconds_total": heldout_cb.eval_total, "wall_seconds_train_call": wall,
+        "eval_seconds_total": heldout_cb.eval_total - heldout_cb.save_total, "save_seconds_total": heldout_cb.save_total,
+        "checkpoints": args.checkpoints, "vllm_dtype": vllm_dtype if args.vllm else None,
+        "vllm_importance_sampling_correction": bool(config.vllm_importance_sampling_correction) if args.vllm else None,
+        "gradient_checkpointing": bool(config.gradient_checkpointing), "wall_seconds_train_call": wall,
         "loadavg_start": load_start, "loadavg_end": loadavg(), "max_rss_gb": max_rss_bytes() / 1024**3,
         "trl_config": {k: v for k, v in trl_cfg.items() if k != "output_dir"},
         "optimizer": {"class": "torch.optim.AdamW", **{k: (list(v) if k == "betas" else v) for k, v in opt.items()
@@ -311,7 +405,7 @@ def main(argv=None) -> dict:
                      "rule": "grpo.trainer.optim.lr_lambda: (k+1)/(w+1) during warm-up, then constant"},
         "eval": {"items": len(heldout), "decoding": "greedy, transformers generate()", "max_new_tokens": eval_tokens,
                  "correct_reward": correct_name},
-        "differences": [*DIFFERENCES, *([GPU_NOTE] if args.vllm else []), *config_differences(cfg)], "logs": logs,
+        "differences": differences(cfg, args.vllm), "logs": logs,
         "env": {k: os.environ[k] for k in ("OMP_NUM_THREADS",) if k in os.environ},
     }  # fmt: skip
     out.parent.mkdir(parents=True, exist_ok=True)

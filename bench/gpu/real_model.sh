@@ -7,7 +7,10 @@
 #                                                      #   (or waits for prebuild's)
 #   bash bench/gpu/real_model.sh baseline [variants]   # held-out greedy / pass@8 per task variant (bench/real_model_baseline.py)
 #   bash bench/gpu/real_model.sh train SEED [overrides] # python train.py experiment=smollm2_chat_arith_shared, one seed
-#   bash bench/gpu/real_model.sh trl SEED [--steps N]  # TRL's GRPOTrainer on the same experiment (bench/trl_arith.py)
+#   bash bench/gpu/real_model.sh trl SEED [--steps N]  # TRL's GRPOTrainer on the same experiment (bench/trl_arith.py),
+#                                                      #   its model saved at every evaluation step (/tmp/trl_ckpt/sSEED)
+#   bash bench/gpu/real_model.sh trl_eval SEED         # grpo-eval (our evaluator) on those checkpoints and the initial
+#                                                      #   model; the table beside ours of the same seed (trl_eval_table.py)
 #   bash bench/gpu/real_model.sh lr_sweep 3e-6,1e-5,3e-5 [overrides]  # those runs at once on the one GPU
 #   bash bench/gpu/real_model.sh gen_probe            # one step's generation: the run's /generate vs LLM.generate
 #   bash bench/gpu/real_model.sh plan FILE [--queue]  # bench/gpu/run_plan.py FILE detached (setsid): waves of jobs
@@ -89,9 +92,19 @@ case "${1:-}" in
       --kv-share 0.25 --rounds 5 "${@:2}" --out "$out/gen_probe_smollm2.json" 2>&1 | grep -v "INFO\|WARNING" | tail -14 ;;
   trl)  # TRL's GRPOTrainer (vLLM colocate) on the same experiment, model directory, prompts, rewards and settings
     seed=$2; shift 2
+    rm -rf /tmp/trl_ckpt/s$seed
     /usr/bin/time -f "wall %e s" python3 bench/trl_arith.py --experiment $experiment --vllm --seed $seed \
-      --out "$out/trl_s$seed.json" "$@" > "$out/trl_s$seed.log" 2>&1
+      --checkpoints /tmp/trl_ckpt/s$seed --out "$out/trl_s$seed.json" "$@" > "$out/trl_s$seed.log" 2>&1
     echo "rc=$?"; grep -v "INFO\|WARNING" "$out/trl_s$seed.log" | tail -4 ;;
+  trl_eval)  # our evaluator (grpo-eval, its own vLLM server) on TRL's checkpoints of `trl SEED` and the initial model
+    seed=$2; shift 2
+    /usr/bin/time -f "wall %e s" python3 -m grpo.eval experiment=$experiment --initial /tmp/trl_ckpt/s$seed \
+      --work-dir /tmp/trl_eval/s$seed --out "$out/trl_eval_s$seed.json" "$@" > "$out/trl_eval_s$seed.log" 2>&1
+    echo "rc=$?"; grep -v "INFO\|WARNING" "$out/trl_eval_s$seed.log" | tail -14
+    if [ -f "$out/metrics_${tag}_s$seed.jsonl" ] && [ -f "$out/trl_s$seed.json" ]; then
+      python3 bench/gpu/trl_eval_table.py "$out/metrics_${tag}_s$seed.jsonl" "$out/trl_s$seed.json" \
+        "$out/trl_eval_s$seed.json" --out "$out/trl_table_s$seed.md"
+    fi ;;
   plan)  # detached: it outlives this call (a lease's call returns; the machine keeps it running)
     mkdir -p /tmp/plan_out
     setsid nohup python3 bench/gpu/run_plan.py "$2" "${@:3}" --out /tmp/plan_out > /tmp/plan_out/runner.log 2>&1 < /dev/null &
@@ -105,5 +118,5 @@ case "${1:-}" in
     # Everything in one archive too: a call brings back only a few files.
     for r in /tmp/runs/*/; do cp "$r/metrics.jsonl" "/tmp/plan_out/$(basename "$r").metrics.partial.jsonl" 2>/dev/null; done
     tar czf "$out/plan_out.tgz" -C /tmp/plan_out . ;;
-  *) echo "usage: $0 prebuild|setup|baseline|train SEED|lr_sweep LRS|gen_probe|trl SEED [overrides]"; exit 2 ;;
+  *) echo "usage: $0 prebuild|setup|baseline|train SEED|lr_sweep LRS|gen_probe|trl SEED|trl_eval SEED [overrides]"; exit 2 ;;
 esac

@@ -6,7 +6,9 @@
 PLAN is a text file of waves separated by blank lines; the waves run one after the other, the jobs of a wave at once
 (each started once the previous one's vLLM server is ready: vLLM's memory profiling fails when two servers start
 on one GPU together). A job line is `name | experiment | overrides...` for `python train.py`, or
-`name | trl | experiment seed` for TRL's GRPOTrainer on that experiment (bench/trl_arith.py), or
+`name | trl | experiment seed` for TRL's GRPOTrainer on that experiment (bench/trl_arith.py; its model saved at every
+evaluation step into /tmp/trl_ckpt/<name>), or `name | grpo_eval | experiment trl_job [overrides]` for our evaluator
+(grpo-eval, a vLLM server of its own) on the initial model and that TRL job's checkpoints, or
 `name | trl_step | --preset qwen3b --steps 20 ...` for TRL's whole step at a preset's size (bench/gpu/trl_step.py), or
 `name | gen_probe | --preset qwen3b ...` for bench/gpu/gen_probe.py; a first override
 `gpus=2,3` gives the job only those GPUs (CUDA_VISIBLE_DEVICES; inside the job they are numbered 0, 1, ...), and
@@ -32,6 +34,8 @@ import time
 from pathlib import Path
 
 RUNS = Path("/tmp/runs")
+# TRL jobs' checkpoints (bench/trl_arith.py --checkpoints), one folder per job, for grpo_eval jobs.
+TRL_CHECKPOINTS = Path("/tmp/trl_ckpt")
 
 
 def parse_plan(text: str) -> list[list[list[str]]]:
@@ -76,7 +80,11 @@ def command(job: list[str], out: Path) -> list[str]:
     if kind == "trl":
         experiment, seed, *extra = args
         return [sys.executable, "bench/trl_arith.py", "--experiment", experiment, "--vllm", "--seed", seed,
-                "--out", str(out / f"{name}.json"), *extra]
+                "--checkpoints", str(TRL_CHECKPOINTS / name), "--out", str(out / f"{name}.json"), *extra]
+    if kind == "grpo_eval":  # our evaluator on a TRL job's checkpoints, with the experiment's eval settings
+        experiment, source, *extra = args
+        return [sys.executable, "-m", "grpo.eval", f"experiment={experiment}", "--initial", str(TRL_CHECKPOINTS / source),
+                "--work-dir", str(RUNS / name), "--out", str(out / f"{name}.json"), *extra]
     if kind in ("trl_step", "gen_probe"):  # bench/gpu/trl_step.py (TRL's whole step at a preset's size) or
         # bench/gpu/gen_probe.py (our /generate against vLLM in-process), their arguments as given
         return [sys.executable, f"bench/gpu/{kind}.py", *args, "--out", str(out / f"{name}.json")]
