@@ -201,7 +201,7 @@ def build_trainer(parts: RunParts) -> GRPOTrainer:
             batch_shape=BatchShape(
                 micro_batch_size=cfg.train.micro_batch_size, max_seq_len=cfg.model.max_seq_len,
                 pad_token_id=tokenizer.pad_token_id, vocab_size=model.get_input_embeddings().num_embeddings,
-                advantage_norm=cfg.train.advantage_norm,
+                advantage_norm=cfg.train.advantage_norm, truncation=parts.loss_fn.truncation,
             ),
         ))
     if parts.evaluator is not None:

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, ClassVar, Optional
 
+from grpo.algorithms.overlong import TruncationRule
 from grpo.inference.client import Endpoint
 from grpo.pipeline.batching import WarnOnce, prepare_batch
 from grpo.pipeline.group import Group
@@ -25,6 +26,8 @@ class BatchShape:
     vocab_size: Optional[int] = None
     # group | batch | none: how rewards become advantages when the source sends none.
     advantage_norm: str = "group"
+    # Truncated completions: masked out of the loss, soft overlong penalty (the loss keys; grpo.algorithms.overlong).
+    truncation: TruncationRule = TruncationRule()
 
 
 @dataclass
@@ -103,7 +106,7 @@ class DataPipeline(BatchSource):
         return prepare_batch(
             groups, advantage_norm=shape.advantage_norm, max_seq_len=shape.max_seq_len,
             micro_batch_size=shape.micro_batch_size, pad_token_id=shape.pad_token_id, vocab_size=shape.vocab_size,
-            warn=self.data_warnings,
+            warn=self.data_warnings, truncation=shape.truncation,
         )
 
     # Each kind of degenerate data is warned about once per pipeline (so once per job of a multirun).

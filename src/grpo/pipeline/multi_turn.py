@@ -149,4 +149,7 @@ def trajectory_group(trajectories: list[Trajectory], scores: list[float], temper
         weight_version=min(v for per in turn_versions for v, _ in per),
         last_weight_version=max(v for per in turn_versions for _, v in per),
         turn_versions=turn_versions,
+        # An episode cut at a turn's or the episode's token limit (loss.mask_truncated); no single completion limit,
+        # so no max_new_tokens (loss.overlong_buffer is refused).
+        truncated=[t.end in (TURN_CUT, MAX_TOKENS) for t in trajectories],
     )
