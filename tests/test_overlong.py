@@ -166,6 +166,26 @@ def test_sources_without_truncation_or_a_limit_are_refused_by_name():
         _prepare([group], TruncationRule(overlong_buffer=2))
 
 
+@pytest.mark.parametrize("overrides, needle", [
+    (["data=atropos", "loss.mask_truncated=true"], "set loss.mask_truncated=false"),
+    (["data=atropos", "loss.overlong_buffer=4"], "set loss.overlong_buffer=null"),
+    (["data=calculator", "loss.overlong_buffer=4"], "MultiTurnPipeline reports no single completion-token limit"),
+])
+def test_the_config_check_refuses_a_source_that_cannot_say_before_anything_starts(tmp_path, overrides, needle):
+    from grpo.config import ConfigError
+    from test_config_checks import _validate
+
+    with pytest.raises(ConfigError, match=needle):
+        _validate(["~experiment", *overrides], tmp_path)
+
+
+def test_the_config_check_passes_the_sources_that_can(tmp_path):
+    from test_config_checks import _validate
+
+    _validate(["~experiment", "loss.mask_truncated=true", "loss.overlong_buffer=4"], tmp_path)
+    _validate(["~experiment", "data=calculator", "loss.mask_truncated=true"], tmp_path)
+
+
 # ---------------------------------------------------------------- a short train.py run
 @pytest.mark.vllm
 def test_a_short_run_with_both_options_logs_their_metrics(tmp_path, train_server, tiny_qwen2_dir):

@@ -73,6 +73,10 @@ class DataPipeline(BatchSource):
     asynchronous_source: ClassVar[bool] = False
     # True when `rollout_batch` may run in several threads at once (AsyncRollouts' `rollout_batches_in_flight`).
     concurrent_batches: ClassVar[bool] = False
+    # What its groups report for loss.mask_truncated and loss.overlong_buffer (grpo.algorithms.overlong): which
+    # sequences hit the token limit (`Group.truncated`), and the single completion limit (`Group.max_new_tokens`).
+    reports_truncation: ClassVar[bool] = False
+    reports_completion_limit: ClassVar[bool] = False
 
     def preflight(self) -> None:
         """Checks that need neither the model nor the inference server, run before either starts: a remote source

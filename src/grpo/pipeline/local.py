@@ -106,6 +106,8 @@ class LocalRolloutPipeline(DataPipeline):
     """
 
     concurrent_batches = True
+    reports_truncation = True
+    reports_completion_limit = True
 
     def __init__(
         self,
