@@ -189,14 +189,15 @@ def test_the_config_check_passes_the_sources_that_can(tmp_path):
 # ---------------------------------------------------------------- a short train.py run
 @pytest.mark.vllm
 def test_a_short_run_with_both_options_logs_their_metrics(tmp_path, train_server, tiny_qwen2_dir):
-    """The bare tiny job with a 6-token limit (the random model rarely ends earlier), asynchronous rollouts and prefix
-    sharing: truncated completions are masked and the soft penalty shapes the rewards, every step's row says so."""
+    """The bare tiny job with a 64-token limit, which most of the random model's completions reach, asynchronous
+    rollouts and prefix sharing: truncated completions are masked, the rest train, and the soft penalty shapes the
+    rewards; every step's row says so."""
     from test_train_e2e import QUICK, attach, metrics, run_train
 
     run_dir = tmp_path / "run"
     external, env = attach(train_server, tiny_qwen2_dir)
-    out, _ = run_train(*QUICK, "train.steps=2", "data.max_new_tokens=6", "loss.mask_truncated=true",
-                       "loss.overlong_buffer=4", "loss.overlong_penalty_factor=0.5", "train.max_staleness=1",
+    out, _ = run_train(*QUICK, "train.steps=2", "data.max_new_tokens=64", "loss.mask_truncated=true",
+                       "loss.overlong_buffer=16", "loss.overlong_penalty_factor=0.5", "train.max_staleness=1",
                        "train.prefix_sharing=true", external, f"hydra.run.dir={run_dir}", env=env)
     assert out.returncode == 0, out.stderr[-3000:]
     rows = [r for r in metrics(run_dir) if "loss" in r]
@@ -206,5 +207,7 @@ def test_a_short_run_with_both_options_logs_their_metrics(tmp_path, train_server
         assert r["completion/truncated_fraction"] > 0
         assert r["data/masked_truncated"] == round(r["completion/truncated_fraction"] * sequences)
         assert r["data/sequences"] == sequences - r["data/masked_truncated"]
-        # A truncated completion has 6 tokens, at the end of the buffer: -0.5; a shorter one less or none.
+        # A truncated completion has 64 tokens, at the end of the buffer: -0.5; a shorter one less or none.
         assert -0.5 <= r["reward/overlong_penalty"] <= -0.5 * r["completion/truncated_fraction"]
+    # Some completions ended with EOS: those rows trained (through prefix sharing), the truncated ones did not.
+    assert any(r["data/sequences"] > 0 and r["loss"] is not None for r in rows), rows
