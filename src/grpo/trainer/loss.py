@@ -88,8 +88,9 @@ class GRPOLoss:
             are where the two differ; with ``rollout`` and ``tis_cap`` the ratio is the proximal one (1 in value,
             so the clip never binds), hence use ``recompute`` with ``tis_cap``.
         mask_truncated, overlong_buffer, overlong_penalty_factor: what happens to completions cut by the token
-            limit (``grpo.algorithms.overlong.TruncationRule``, held as ``truncation``). They act on the rollouts,
-            not here: the batcher leaves masked rows out and adds the penalty to the rewards before advantages.
+            limit (``grpo.algorithms.overlong.TruncationRule``, checked and held as ``truncation``). They act on
+            the rollouts, not here: the batcher leaves masked rows out and adds the penalty to the rewards before
+            advantages (``grpo.build`` hands it the rule from the loss config).
     """
 
     # The registered policy objective (grpo.algorithms.policy) the ratio goes through.
