@@ -18,6 +18,7 @@ from hydra.errors import InstantiationException
 from hydra.utils import get_class, instantiate
 from omegaconf import DictConfig
 
+from grpo.algorithms.overlong import TruncationRule
 from grpo.config.run_dir import check_ranks_see_run_files
 from grpo.config_values import ConfigError, instantiation_cause
 from grpo.models.loading import load_tokenizer, pick_device
@@ -202,6 +203,9 @@ def build_trainer(parts: RunParts) -> GRPOTrainer:
                 micro_batch_size=cfg.train.micro_batch_size, max_seq_len=cfg.model.max_seq_len,
                 pad_token_id=tokenizer.pad_token_id, vocab_size=model.get_input_embeddings().num_embeddings,
                 advantage_norm=cfg.train.advantage_norm,
+                # From the config, not the loss object: a loss class of one's own needs no `truncation` attribute.
+                truncation=TruncationRule(cfg.loss.mask_truncated, cfg.loss.overlong_buffer,
+                                          cfg.loss.overlong_penalty_factor),
             ),
         ))
     if parts.evaluator is not None:

@@ -5,6 +5,8 @@
 - `kl`: per-token KL estimators (`loss.kl_estimator`).
 - `aggregation`: per-token losses → one number (`loss.aggregation`).
 - `schedules`: learning-rate multipliers after warm-up (`train.lr_schedule`).
+- `overlong`: truncated completions masked out of the loss, DAPO's soft overlong penalty (`loss.mask_truncated`,
+  `loss.overlong_buffer`).
 - `entropy_control`: the entropy bonus's coefficient steered towards a target entropy (`loss.entropy_target`).
 
 Each registry's names are the only definition of its choice set: the typed config builds its enum from them, the

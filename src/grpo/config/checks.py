@@ -214,6 +214,23 @@ def check_async_settings_used(cfg: DictConfig, info: HydraInfo) -> None:
                           "train.stale_policy=drop, or drop train.rollout_queue")
 
 
+def check_truncation_options_have_what_they_read(cfg: DictConfig) -> None:
+    """`loss.mask_truncated` needs rollouts that say which completions hit the token limit, `loss.overlong_buffer`
+    also the limit they ran under (grpo.algorithms.overlong): refused at start-up for a data source that reports
+    neither (data=atropos) or no single limit (multi-turn episodes), instead of at its first batch."""
+    data_class = _data_class(cfg)
+    if data_class is None:
+        return
+    name = cfg.data._target_.rsplit(".", 1)[-1]
+    if cfg.loss.get("mask_truncated") and not data_class.reports_truncation:
+        raise ConfigError(f"loss.mask_truncated=true: the data source {name} does not report which completions hit "
+                          "the token limit (only the built-in rollouts do); set loss.mask_truncated=false")
+    if cfg.loss.get("overlong_buffer") is not None and not data_class.reports_completion_limit:
+        raise ConfigError(f"loss.overlong_buffer={cfg.loss.overlong_buffer}: the data source {name} reports no "
+                          "single completion-token limit (single-turn built-in rollouts do); set "
+                          "loss.overlong_buffer=null")
+
+
 def _data_class(cfg: DictConfig) -> Any:
     """The data source's class, or None when its module does not import (an optional package missing: building the
     source says what to install)."""

@@ -57,6 +57,7 @@ def validate(cfg: DictConfig, run_dir: Path | None = None) -> None:
     check_optimizer(cfg)
     check_loss(cfg)
     checks.check_clip_can_act(cfg, info)  # after the loss's own range checks
+    checks.check_truncation_options_have_what_they_read(cfg)
     sync_cls = get_class(cfg.mode._target_)
     local = os.environ.get("LOCAL_WORLD_SIZE")  # torchrun's ranks on this host (fewer than WORLD_SIZE across nodes)
     sync_cls.check_config(cfg, cuda=_cuda_available(), world_size=int(os.environ.get("WORLD_SIZE", "1")),

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, ClassVar, Optional
 
+from grpo.algorithms.overlong import TruncationRule
 from grpo.inference.client import Endpoint
 from grpo.pipeline.batching import WarnOnce, prepare_batch
 from grpo.pipeline.group import Group
@@ -25,6 +26,8 @@ class BatchShape:
     vocab_size: Optional[int] = None
     # group | batch | none: how rewards become advantages when the source sends none.
     advantage_norm: str = "group"
+    # Truncated completions: masked out of the loss, soft overlong penalty (the loss keys; grpo.algorithms.overlong).
+    truncation: TruncationRule = TruncationRule()
 
 
 @dataclass
@@ -70,6 +73,10 @@ class DataPipeline(BatchSource):
     asynchronous_source: ClassVar[bool] = False
     # True when `rollout_batch` may run in several threads at once (AsyncRollouts' `rollout_batches_in_flight`).
     concurrent_batches: ClassVar[bool] = False
+    # What its groups report for loss.mask_truncated and loss.overlong_buffer (grpo.algorithms.overlong): which
+    # sequences hit the token limit (`Group.truncated`), and the single completion limit (`Group.max_new_tokens`).
+    reports_truncation: ClassVar[bool] = False
+    reports_completion_limit: ClassVar[bool] = False
 
     def preflight(self) -> None:
         """Checks that need neither the model nor the inference server, run before either starts: a remote source
@@ -103,7 +110,7 @@ class DataPipeline(BatchSource):
         return prepare_batch(
             groups, advantage_norm=shape.advantage_norm, max_seq_len=shape.max_seq_len,
             micro_batch_size=shape.micro_batch_size, pad_token_id=shape.pad_token_id, vocab_size=shape.vocab_size,
-            warn=self.data_warnings,
+            warn=self.data_warnings, truncation=shape.truncation,
         )
 
     # Each kind of degenerate data is warned about once per pipeline (so once per job of a multirun).

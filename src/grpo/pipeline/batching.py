@@ -15,6 +15,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 
 from grpo.algorithms.advantages import ADVANTAGE_ESTIMATORS, AdvantageEstimator
+from grpo.algorithms.overlong import TruncationRule, masked_out
 from grpo.pipeline.group import Group, MalformedGroup, parse_group
 from grpo.trainer.train_batch import IGNORE_INDEX, PreparedBatch, TrainBatch
 
@@ -61,14 +62,46 @@ class _Seq:
     ref_logprobs: Optional[list[float]]
     temperature: float
     zero_adv: bool = False
+    # Stopped at the token limit (None = unknown) and that limit (None = not reported): grpo.algorithms.overlong.
+    truncated: Optional[bool] = None
+    max_new_tokens: Optional[int] = None
 
 
 def _sequences(group: Group) -> list[_Seq]:
     return [
         _Seq(group.tokens[i], group.masks[i], group.scores[i], group.advantages[i], group.inference_logprobs[i],
-             group.ref_logprobs[i], group.temperatures[i], group.zero_advantage[i])
+             group.ref_logprobs[i], group.temperatures[i], group.zero_advantage[i],
+             None if group.truncated is None else group.truncated[i], group.max_new_tokens)
         for i in range(len(group))
     ]
+
+
+def _completion_tokens(s: _Seq) -> int:
+    """Completion tokens of the sequence (its non-prompt positions), the length the overlong penalty reads."""
+    return sum(1 for m in s.masks if m != IGNORE_INDEX)
+
+
+def _shape_for_truncation(screened: list[list[_Seq]], rule: TruncationRule) -> dict[str, float]:
+    """Add the soft overlong penalty to each sequence's score (before any advantage is computed from the scores);
+    refuse sequences that lack what the rule reads (a clear error, not a silent no-op). The penalty's metrics."""
+    penalties: list[float] = []
+    for s in (s for seqs in screened for s in seqs):
+        if rule.needs_truncation and s.truncated is None:
+            raise ValueError("loss.mask_truncated=true needs rollouts that say which completions hit the token limit; "
+                             "this data source does not (data=atropos sends no finish reasons): set "
+                             "loss.mask_truncated=false")
+        if rule.needs_length_limit:
+            if s.max_new_tokens is None:
+                raise ValueError("loss.overlong_buffer needs each group's completion-token limit, which this data "
+                                 "source does not report (single-turn local rollouts do): set loss.overlong_buffer=null")
+            penalty = rule.penalty(_completion_tokens(s), s.max_new_tokens)
+            s.score += penalty
+            penalties.append(penalty)
+    if not rule.needs_length_limit:
+        return {}
+    return {"reward/overlong_penalty": sum(penalties) / len(penalties) if penalties else math.nan,
+            "reward/overlong_penalized_fraction": (sum(p < 0 for p in penalties) / len(penalties)
+                                                   if penalties else math.nan)}
 
 
 def _loss_tokens(s: _Seq) -> int:
@@ -205,6 +238,7 @@ def prepare_batch(
     pad_token_id: int,
     vocab_size: Optional[int] = None,
     warn: Optional[Callable[[str, str], None]] = None,
+    truncation: Optional[TruncationRule] = None,
 ) -> PreparedBatch:
     """Turn one step's groups into causally shifted, padded micro-batches.
 
@@ -223,6 +257,10 @@ def prepare_batch(
       0 at a completion token make that row missing (``data/impossible_logprobs``); groups of one sequence
       (``data/singleton_groups``) and groups whose advantages are all 0 (``data/zero_advantage_groups``, e.g. all
       scores equal) are kept, as GRPO trains on them (no policy gradient, but they count in the normalisers).
+    - ``truncation`` (`grpo.algorithms.overlong`; the ``loss`` keys): the soft overlong penalty is added to each
+      score before advantages (``reward/overlong_penalty``, the step's mean), so ``reward/mean`` and the advantages
+      are of the shaped reward; with masking, truncated sequences are left out after their score joined the baseline
+      (``data/masked_truncated``): no loss, no gradient, not in the normalisers.
     """
     estimator = ADVANTAGE_ESTIMATORS.resolve(advantage_norm, "advantage_norm")
     if micro_batch_size < 1:
@@ -230,8 +268,10 @@ def prepare_batch(
     parsed = [(gi, _sequences(_parsed(gi, g, vocab_size))) for gi, g in enumerate(groups)]
     empty = sum(1 for _, seqs in parsed if not seqs)
     screened, degenerate = _screen([(gi, seqs) for gi, seqs in parsed if seqs], warn or _WARN_ONCE)
+    rule = truncation or TruncationRule()
+    truncation_metrics = _shape_for_truncation(screened, rule)
     all_scores = [s.score for seqs in screened for s in seqs]
-    kept, dropped = _kept_sequences(screened, estimator, all_scores, max_seq_len)
+    kept, dropped = _kept_sequences(screened, estimator, all_scores, max_seq_len, rule.mask_truncated)
     emptied = dropped.pop("emptied")
     per_token_adv = any(isinstance(s.advantage, list) for s in kept)
     micro = [
@@ -248,6 +288,7 @@ def prepare_batch(
         "data/missing_logprobs": float(sum(1 for s in kept if s.inference_logprobs is None)),
         "tokens/trained": float(sum(completion)),
         "tokens/total": float(sum(len(s.tokens) for s in kept)),
+        **truncation_metrics,
     }
     return PreparedBatch(
         micro_batches=micro,
@@ -259,14 +300,18 @@ def prepare_batch(
 
 
 def _kept_sequences(
-    parsed: list[list[_Seq]], estimator: AdvantageEstimator, all_scores: list[float], max_seq_len: int
+    parsed: list[list[_Seq]], estimator: AdvantageEstimator, all_scores: list[float], max_seq_len: int,
+    mask_truncated: bool = False,
 ) -> tuple[list[_Seq], dict[str, int]]:
-    """Advantages per group, then the sequences that fit ``max_seq_len`` and have a loss token: (kept, counts of
-    too long sequences, sequences without a loss token, zero-advantage groups, and groups emptied)."""
+    """Advantages per group, then the sequences that fit ``max_seq_len``, have a loss token and are not masked as
+    truncated: (kept, counts of too long sequences, sequences without a loss token, masked truncated sequences,
+    zero-advantage groups, and groups emptied)."""
     batch_scores = torch.tensor(all_scores, dtype=torch.float64)
     kept: list[_Seq] = []
     counts = {"data/dropped_too_long": 0, "data/no_loss_token_sequences": 0, "data/zero_advantage_groups": 0,
               "emptied": 0}
+    if mask_truncated:
+        counts["data/masked_truncated"] = 0
     for seqs in parsed:
         _group_advantages(seqs, estimator, batch_scores)
         group_kept = 0
@@ -278,6 +323,9 @@ def _kept_sequences(
                 continue
             if not _loss_tokens(s):
                 counts["data/no_loss_token_sequences"] += 1
+                continue
+            if masked_out(s.truncated, mask_truncated):
+                counts["data/masked_truncated"] += 1
                 continue
             kept.append(s)
             group_kept += 1

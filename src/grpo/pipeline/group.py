@@ -63,6 +63,11 @@ class Group:
     # Multi-turn rollouts (grpo.pipeline.multi_turn): per sequence, each model turn's (weight_version,
     # last_weight_version); a sync between turns makes them differ. None = single-turn or not reported.
     turn_versions: Optional[list[list[tuple[int, int]]]] = None
+    # Per sequence: True when generation stopped at the token limit, not at EOS or a stop (vLLM's finish_reason
+    # 'length'; for multi-turn, an episode cut short). None = the source does not say (Atropos).
+    truncated: Optional[list[bool]] = None
+    # The completion-token limit the sequences were sampled under (the requests' max_tokens); None = not reported.
+    max_new_tokens: Optional[int] = None
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -70,10 +75,12 @@ class Group:
     @classmethod
     def sampled(
         cls, prompt: list[int], completions: list[list[int]], logprobs: list[Optional[list[float]]], scores: list[float],
-        temperature: float, weight_version: Optional[int] = None,
+        temperature: float, weight_version: Optional[int] = None, truncated: Optional[list[bool]] = None,
+        max_new_tokens: Optional[int] = None,
     ) -> "Group":
         """A group of completions of `prompt` sampled at `temperature`, with their rollout log-probs (None for a
-        completion sampled without them: the loss trains it as on-policy)."""
+        completion sampled without them: the loss trains it as on-policy), which of them hit the token limit
+        `max_new_tokens` (`truncated`), where the source knows."""
         n = len(completions)
         return cls(
             tokens=[prompt + list(c) for c in completions],
@@ -86,6 +93,8 @@ class Group:
             temperatures=[float(temperature)] * n,
             zero_advantage=[False] * n,
             weight_version=weight_version,
+            truncated=None if truncated is None else [bool(t) for t in truncated],
+            max_new_tokens=max_new_tokens,
         )
 
     def to_wire(self) -> dict[str, Any]:

@@ -106,6 +106,8 @@ class LocalRolloutPipeline(DataPipeline):
     """
 
     concurrent_batches = True
+    reports_truncation = True
+    reports_completion_limit = True
 
     def __init__(
         self,
@@ -270,7 +272,7 @@ class LocalRolloutPipeline(DataPipeline):
             self._check_completions(completions, endpoint.base_url)
         grades = self._grade(prompts, outs, scorer)
         totals["grading_seconds"] += time.monotonic() - t1
-        return [self._group(prompt_ids, completions, grades[i * self.group_size:(i + 1) * self.group_size])
+        return [self._group(prompt_ids, completions, grades[i * self.group_size:(i + 1) * self.group_size], max_tokens)
                 for i, (prompt_ids, completions) in enumerate(zip(ids, outs))]
 
     def _grade(self, prompts: list[Prompt], outs: list[list[Any]], scorer: "_Scorer") -> list[Grade]:
@@ -318,13 +320,15 @@ class LocalRolloutPipeline(DataPipeline):
                     "reports the version at admission and at finish"
                 )
 
-    def _group(self, prompt_ids: list[int], completions: list, grades: list[Grade]) -> Group:
+    def _group(self, prompt_ids: list[int], completions: list, grades: list[Grade], max_tokens: int) -> Group:
         group = Group.sampled(
             prompt_ids, [c.token_ids for c in completions], [c.logprobs for c in completions],
             [g.total for g in grades], self.temperature,
             # The server's versions when the requests were admitted and when they finished: a sync that landed
             # during generation (asynchronous rollouts) makes them differ.
             weight_version=min(c.weight_version for c in completions),
+            # What loss.mask_truncated and loss.overlong_buffer act on (grpo.algorithms.overlong).
+            truncated=[c.finish_reason == "length" for c in completions], max_new_tokens=max_tokens,
         )
         group.last_weight_version = max(c.last_weight_version for c in completions)
         return group

@@ -33,6 +33,9 @@ class MultiTurnPipeline(LocalRolloutPipeline):
     What happens at each limit: grpo.pipeline.environment. An episode's score is `episode_return` of its answer's
     weighted reward and the environment's per-turn rewards, discounted by `turn_reward_discount` per turn."""
 
+    # An episode says whether it was cut at a limit, but has no single completion limit (loss.overlong_buffer).
+    reports_completion_limit = False
+
     def __init__(self, task: Any, rewards: Mapping[str, Any], max_turns: int = 4,
                  max_episode_tokens: Optional[int] = None, turn_reward_discount: float = 1.0, **local: Any) -> None:
         """`local`: every other key of `LocalRolloutPipeline` (prompts_per_step, group_size, max_new_tokens, ...)."""
@@ -149,4 +152,7 @@ def trajectory_group(trajectories: list[Trajectory], scores: list[float], temper
         weight_version=min(v for per in turn_versions for v, _ in per),
         last_weight_version=max(v for per in turn_versions for _, v in per),
         turn_versions=turn_versions,
+        # An episode cut at a turn's or the episode's token limit (loss.mask_truncated); no single completion limit,
+        # so no max_new_tokens (loss.overlong_buffer is refused).
+        truncated=[t.end in (TURN_CUT, MAX_TOKENS) for t in trajectories],
     )

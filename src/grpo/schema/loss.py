@@ -41,6 +41,12 @@ class LossConfig:
     # walking the config cannot iterate; GRPOLoss checks the band (two numbers, low < 1 < high).
     token_mask: Any = None
     sequence_mask: Any = None
+    # Truncated completions (stopped at the token limit, no EOS) add no loss, gradient or normaliser count.
+    mask_truncated: bool = False
+    # DAPO's soft overlong penalty: tokens before the limit over which it grows from 0; null disables it.
+    overlong_buffer: Optional[int] = None
+    # The penalty at the limit, subtracted from the reward.
+    overlong_penalty_factor: float = 1.0
 
 
 __all__ = ["Aggregation", "KLEstimator", "KLReference", "LossConfig", "OldLogprobs"]

@@ -24,6 +24,7 @@ import torch
 from grpo.algorithms.aggregation import AGGREGATIONS, Totals
 from grpo.algorithms.entropy_control import adapt_entropy_coef
 from grpo.algorithms.kl import KL_ESTIMATORS, KLReference
+from grpo.algorithms.overlong import TruncationRule
 from grpo.algorithms.policy import (
     MAX_LOG_RATIO,
     POLICY_OBJECTIVES,
@@ -86,6 +87,10 @@ class GRPOLoss:
             against vLLM's sampler ``mu``. Several updates per batch (``train.ppo_epochs``, ``train.mini_batches``)
             are where the two differ; with ``rollout`` and ``tis_cap`` the ratio is the proximal one (1 in value,
             so the clip never binds), hence use ``recompute`` with ``tis_cap``.
+        mask_truncated, overlong_buffer, overlong_penalty_factor: what happens to completions cut by the token
+            limit (``grpo.algorithms.overlong.TruncationRule``, checked and held as ``truncation``). They act on
+            the rollouts, not here: the batcher leaves masked rows out and adds the penalty to the rewards before
+            advantages (``grpo.build`` hands it the rule from the loss config).
     """
 
     # The registered policy objective (grpo.algorithms.policy) the ratio goes through.
@@ -112,6 +117,9 @@ class GRPOLoss:
         old_logprobs: str = "rollout",
         token_mask: Optional[Sequence[float]] = None,
         sequence_mask: Optional[Sequence[float]] = None,
+        mask_truncated: bool = False,
+        overlong_buffer: Optional[int] = None,
+        overlong_penalty_factor: float = 1.0,
     ):
         # clip_eps = 1: no lower bound on the ratio (CISPO's usual setting).
         if not 0 < clip_eps <= 1:
@@ -156,6 +164,8 @@ class GRPOLoss:
         self.token_mask = _band(token_mask, "token_mask")
         self.sequence_mask = _band(sequence_mask, "sequence_mask")
         self._objective_fn = POLICY_OBJECTIVES.get(self.objective, "objective")
+        # Applied by the batcher to the rollouts before advantages (rows left out, rewards shaped), not in __call__.
+        self.truncation = TruncationRule(bool(mask_truncated), overlong_buffer, float(overlong_penalty_factor))
 
     @property
     def token_separable(self) -> bool:
@@ -207,6 +217,8 @@ class GRPOLoss:
                   "entropy_coef", "entropy_target", "aggregation", "max_tokens_norm", "old_logprobs", "token_mask",
                   "sequence_mask")
         values = {f: getattr(self, f) for f in fields}
+        values.update({f: getattr(self.truncation, f) for f in ("mask_truncated", "overlong_buffer",
+                                                                  "overlong_penalty_factor")})
         # Enum members from the typed config read as their plain values.
         values = {f: getattr(v, "value", v) for f, v in values.items()}
         return f"{type(self).__name__}({', '.join(f'{f}={v!r}' for f, v in values.items())})"
