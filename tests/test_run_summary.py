@@ -233,3 +233,75 @@ def test_device_memory_of_a_run_dir_discarded_at_start_up_is_not_recorded(tmp_pa
     gone = tmp_path / "discarded"
     record_device_memory(gone, {"device_used_gb": 0.5, "allocated_gb": 0.0, "reserved_gb": 0.0}, settle_s=0)
     assert not gone.exists()
+
+
+def _start_racing(config, ready, done, results) -> None:
+    """One trainer's start-up checks (RunDirGuard) in a forked process, released with the other's; it holds what it
+    took (the run dir's lock) until the other has finished its own."""
+    import contextlib
+    import io
+
+    from grpo.run_records import RunDirGuard
+
+    err, code = io.StringIO(), 0
+    ready.wait()
+    with contextlib.redirect_stderr(err):
+        try:
+            RunDirGuard().on_run_start(config)
+        except SystemExit as e:
+            code = e.code
+    results.put((code, err.getvalue()))
+    done.wait()
+
+
+def _probe_often(run_dir, ready, results) -> None:
+    from grpo.config.run_dir import check_run_dir
+
+    ready.wait()
+    try:
+        for _ in range(300):
+            check_run_dir(run_dir)
+    except Exception as e:  # noqa: BLE001 - reported to the test
+        results.put(f"{type(e).__name__}: {e}")
+        return
+    results.put("ok")
+
+
+def test_two_trainers_starting_in_one_fresh_run_dir_at_once_the_loser_is_told_it_is_in_use(tmp_path):
+    """Issue 62.8: both wrote and unlinked one `.write_probe`, and the loser was told the dir "is not writable". Now
+    each probes with a name of its own, one takes the lock, the other is told the dir is in use, and it does not
+    discard the dir the winner runs in."""
+    import multiprocessing
+
+    from hydra import compose, initialize_config_dir
+    from omegaconf import open_dict
+
+    from grpo.config import register_configs
+
+    ctx = multiprocessing.get_context("fork")
+    # The probe alone, hammered by two processes: a shared name fails within a few hundred rounds.
+    ready, results = ctx.Barrier(2), ctx.Queue()
+    procs = [ctx.Process(target=_probe_often, args=(tmp_path / "probed", ready, results)) for _ in range(2)]
+    for p in procs:
+        p.start()
+    assert [results.get(timeout=60) for _ in procs] == ["ok", "ok"]
+    for p in procs:
+        p.join(timeout=30)
+
+    register_configs()
+    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
+        config = compose("train", overrides=["~experiment"], return_hydra_config=True)
+    for round_ in range(5):
+        run = tmp_path / f"run{round_}"
+        with open_dict(config):
+            config.hydra.run.dir = str(run)
+        ready, done, results = ctx.Barrier(2), ctx.Barrier(2), ctx.Queue()
+        procs = [ctx.Process(target=_start_racing, args=(config, ready, done, results)) for _ in range(2)]
+        for p in procs:
+            p.start()
+        outcomes = sorted(results.get(timeout=60) for _ in procs)
+        for p in procs:
+            p.join(timeout=30)
+        assert [code for code, _ in outcomes] == [0, 1], outcomes
+        assert f"ConfigError: run dir {run} is in use by a running trainer (" in outcomes[1][1], outcomes
+        assert run.is_dir()  # the loser left the winner's dir alone

@@ -380,6 +380,41 @@ def first_missing(path: Path) -> Path | None:
     return missing
 
 
+def claim_new_run_dir(run_dir: Path) -> Path | None:
+    """Create `run_dir` when it does not exist and return the topmost dir this process created for it (itself or a
+    parent), or None when it existed already or another process created it first (two trainers started at once: only
+    the one whose `mkdir` made it may discard it). An unwritable parent is left to `check_run_dir` to report."""
+    top = first_missing(run_dir)
+    if top is None:
+        return None
+    try:
+        run_dir.parent.mkdir(parents=True, exist_ok=True)
+        run_dir.mkdir()
+    except OSError:  # FileExistsError: another process made it first; any other, check_run_dir reports
+        return None
+    return top
+
+
+def locked_by_another(run_dir: Path) -> bool:
+    """Whether another process holds `run_dir`'s lock (`lock_run_dir`): a running trainer's dir."""
+    import fcntl
+
+    path = (run_dir / ".grpo.lock").resolve()
+    if _run_dir_lock is not None and Path(_run_dir_lock.name) == path:
+        return False
+    try:
+        f = open(path)
+    except OSError:
+        return False
+    with f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return True
+        fcntl.flock(f, fcntl.LOCK_UN)
+    return False
+
+
 def discard_unstarted_run_dir(run_dir: Path) -> bool:
     """Remove `run_dir` when this process created it and the run stopped at start-up, before any metrics row or
     checkpoint (a mistake in the command line, a missing file or model): such dirs piled up under outputs/ with a
@@ -388,7 +423,7 @@ def discard_unstarted_run_dir(run_dir: Path) -> bool:
     global _created_run_dir
     if _created_run_dir is None or not run_dir.is_dir() or run_dir.resolve() != _created_run_dir.resolve():
         return False
-    if held_run(run_dir)[0]:
+    if held_run(run_dir)[0] or locked_by_another(run_dir):  # the other trainer of a race owns it now
         return False
     unlock_run_dir()
     shutil.rmtree(run_dir, ignore_errors=True)
@@ -437,7 +472,7 @@ class RunDirGuard(Callback):
             if int(os.environ.get("RANK", "0")) == 0:
                 global _created_run_dir, _created_top
                 run_dir = Path(config.hydra.run.dir)
-                top = first_missing(run_dir)
+                top = claim_new_run_dir(run_dir)
                 # Before Hydra opens train.log there: its failure was a traceback ending in "Unable to configure
                 # handler 'file'", the cause (PermissionError ... train.log) buried in it.
                 check_run_dir(run_dir)
