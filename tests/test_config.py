@@ -314,6 +314,21 @@ def test_a_run_does_not_print_bitsandbytes_advice_about_4bit_kernels(tmp_path):
     assert "gemm_4bit" not in out.stdout + out.stderr and "kernels" not in out.stdout + out.stderr
 
 
+def test_the_install_check_and_any_process_importing_grpo_print_no_4bit_kernel_advice():
+    """Issue 62.21: scripts/install.sh's last line imported peft, whose bitsandbytes printed "Failed to load CPU
+    gemm_4bit_forward from kernels-community ..." unexplained at the end of the install."""
+    pytest.importorskip("bitsandbytes")
+    check = [line for line in (REPO / "scripts" / "install.sh").read_text().splitlines()
+             if line.startswith('python -c "import ')][-1]
+    imports = check.split('"', 2)[1].split(";")[0].removeprefix("import ").split(", ")
+    assert imports[0] == "grpo" and "peft" in imports  # grpo (which mutes that logger) is imported first
+    # bitsandbytes warns at its import (peft imports it): the cheaper import of the two shows the same.
+    out = subprocess.run([sys.executable, "-c", "import grpo, bitsandbytes"], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "gemm_4bit" not in out.stdout + out.stderr and "kernels" not in out.stdout + out.stderr
+
+
 def test_instantiation_cause_is_the_error_the_config_caused():
     """Hydra wraps an error in a nested `_target_` once per level; the loss check, the data build and the reward
     build all report the innermost one (the line that names the bad value)."""

@@ -104,6 +104,30 @@ def test_start_up_progress_says_what_vllm_is_doing(tmp_path):
     assert server.start_up_phase() == ""  # only our own header: nothing from vLLM yet
 
 
+def test_the_cpu_aot_note_and_a_long_vllm_message_read_with_matched_brackets(tmp_path):
+    """Issue 62.21: the progress line quoted the 101-character CPU note cut at 100 characters, in brackets of its
+    own: "(grpo: VLLM_USE_AOT_COMPILE=0 on CPU (vLLM's AOT cache never loads there; torch's inductor cache does)"."""
+    from grpo.inference.process import VLLMServer
+    from grpo.inference.server import CPU_AOT_NOTE
+
+    def balanced(text: str) -> bool:
+        depth = 0
+        for ch in text:
+            depth += {"(": 1, ")": -1}.get(ch, 0)
+            if depth < 0:
+                return False
+        return depth == 0
+
+    server = VLLMServer("unused-model-dir", _cfg_port_none(), tmp_path / "vllm.log")
+    long_message = "Loading weights (" + "shard " * 30 + "of 4)"
+    for message, shown in ((CPU_AOT_NOTE, f" ({CPU_AOT_NOTE})"), (long_message, None)):
+        (tmp_path / "vllm.log").write_text(f"===== grpo: starting ...\n{message}\n")
+        phase = server.start_up_phase()
+        assert balanced(CPU_AOT_NOTE) and balanced(phase), phase
+        assert shown is None or phase == shown
+    assert phase.endswith("...))") and len(phase) <= 106
+
+
 def _cfg_port_none():
     cfg = server_cfg()
     cfg.port = None

@@ -115,6 +115,15 @@ _TORCHRUN_VARS = frozenset({
 })
 
 
+def shorten_balanced(text: str, limit: int) -> str:
+    """`text`, cut to about `limit` characters with "..." where cut, and its brackets closed: quoted in a progress
+    line's own brackets, a cut message read as "(grpo: ... (vLLM's AOT cache ... does)" with one left open."""
+    if len(text) <= limit:
+        return text
+    cut = text[: limit - 3] + "..."
+    return cut + ")" * max(0, cut.count("(") - cut.count(")"))
+
+
 class VLLMServer:
     """Launches, watches and stops one vLLM server with our /generate and /grpo/* endpoints.
 
@@ -460,7 +469,7 @@ class VLLMServer:
             # vLLM's lines read "(EngineCore pid=1) INFO 11-25 07:34:25 [file.py:12] message": keep the message.
             message = line.split("] ", 1)[-1].strip()
             if message and not message.startswith("====="):
-                return f" ({message[:100]})"
+                return f" ({shorten_balanced(message, 100)})"
         return ""
 
     def log_tail(self, n: int = 40) -> str:
