@@ -305,3 +305,31 @@ def test_two_trainers_starting_in_one_fresh_run_dir_at_once_the_loser_is_told_it
         assert [code for code, _ in outcomes] == [0, 1], outcomes
         assert f"ConfigError: run dir {run} is in use by a running trainer (" in outcomes[1][1], outcomes
         assert run.is_dir()  # the loser left the winner's dir alone
+
+
+def test_a_resumed_runs_summary_gives_this_sessions_and_the_whole_runs_wall_seconds(tmp_path):
+    """Issue 62.17: `wall_seconds` after a resume covered only the last session. Now it is this session's and
+    `run_wall_seconds` adds every earlier session's, resumed into another dir and then again in place."""
+    from hydra import compose, initialize_config_dir
+
+    from grpo.config import register_configs
+    from grpo.job import Job
+
+    first, second = tmp_path / "first", tmp_path / "second"
+    first.mkdir()
+    second.mkdir()
+    (first / "summary.json").write_text(json.dumps({"status": "interrupted", "wall_seconds": 100.0}))  # older form
+    register_configs()
+    for resume, expected_earlier in ((first, 100.0), (second, None)):
+        with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
+            cfg = compose("train", overrides=["~experiment", "train.device=cpu", f"train.resume={resume}"])
+        earlier = json.loads((resume / "summary.json").read_text())
+        earlier_total = earlier.get("run_wall_seconds", earlier["wall_seconds"])
+        job = Job(run_dir=second, multirun=False, rank0=True)
+        job.start(cfg)
+        job.completed([0.5])
+        summary = json.loads((second / "summary.json").read_text())
+        assert 0 <= summary["wall_seconds"] < 30
+        assert summary["run_wall_seconds"] == pytest.approx(earlier_total + summary["wall_seconds"])
+        assert expected_earlier is None or earlier_total == expected_earlier
+    assert summary["run_wall_seconds"] >= 100.0  # the first session still counted after the second resume

@@ -91,7 +91,7 @@ class Job:
         if not self.rank0:
             return
         record_provenance(self.run_dir, cfg)
-        self.summary = RunSummary(self.run_dir)
+        self.summary = RunSummary(self.run_dir, Path(cfg.train.resume) if cfg.train.resume is not None else None)
         if int(os.environ.get("WORLD_SIZE", "1")) == 1 and cfg.train.device != "cpu":
             self.memory_before = device_memory()
 

@@ -116,17 +116,35 @@ def steps_in(rows: Sequence[dict], default: int) -> int:
     return max((int(r["step"]) for r in rows if r.get("step") is not None), default=default)
 
 
-class RunSummary:
-    """Writes summary.json when a run ends, however it ends."""
+def earlier_wall_seconds(resumed: Path) -> float:
+    """The wall-clock seconds of every session of the run a resume continues, from its summary.json (its
+    `run_wall_seconds`, or `wall_seconds` of a summary that predates it); 0 when it has none (a session killed
+    before writing one)."""
+    try:
+        summary = json.loads((resumed / "summary.json").read_text())
+        return float(summary.get("run_wall_seconds", summary.get("wall_seconds")) or 0.0)
+    except FileNotFoundError:
+        return 0.0
+    except (OSError, ValueError, TypeError, AttributeError) as e:
+        log.warning("earlier sessions' wall time not counted: %s unreadable (%s)", resumed / "summary.json", e)
+        return 0.0
 
-    def __init__(self, run_dir: Path) -> None:
+
+class RunSummary:
+    """Writes summary.json when a run ends, however it ends: `wall_seconds` is this session's wall-clock time,
+    `run_wall_seconds` the whole run's (the earlier sessions' of a resumed run, `resumed` its run dir, added)."""
+
+    def __init__(self, run_dir: Path, resumed: Path | None = None) -> None:
         self.path = run_dir / "summary.json"
         self.t0 = time.time()
+        # Read now: a resume in place writes this session's summary over the earlier one.
+        self.earlier_seconds = earlier_wall_seconds(resumed) if resumed is not None else 0.0
 
     def _write(self, data: dict) -> None:
         """Replace summary.json whole (a crash never leaves half of it); a failed write is logged, not raised: it
         runs inside the error handling of a failed run, whose own error must stay the one reported."""
         data["wall_seconds"] = time.time() - self.t0
+        data["run_wall_seconds"] = self.earlier_seconds + data["wall_seconds"]
         tmp = self.path.with_name(f".{self.path.name}.tmp")
         try:
             tmp.write_text(json.dumps(data, indent=2))
