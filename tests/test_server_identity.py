@@ -311,3 +311,25 @@ def test_grpo_serve_help_says_what_it_adds_without_vllms_deprecation_warnings():
     assert text.lstrip().startswith("grpo-serve (python -m grpo.inference.server)")
     assert "POST /generate" in text and "--max-model-len" in text  # ours first, then vLLM's own options
     assert "DeprecationWarning" not in text and "is deprecated" not in text
+
+
+@pytest.mark.vllm
+def test_a_replica_waited_for_after_another_counts_its_start_up_from_its_own_launch(tmp_path, tiny_qwen2_dir, caplog):
+    """Issue 62.18: replicas start side by side and are waited for in turn; the second's "starting vLLM" line and
+    clock began only when its wait did, so it was "ready after 0 s". Launched, then waited for 7 s later (while the
+    first replica would be waited for), its line comes at the launch and its first progress line counts from there."""
+    from grpo.inference.process import PROGRESS_FIRST_S, ServerStartError, VLLMServer
+
+    server = VLLMServer(tiny_qwen2_dir, _cfg_port_none(), tmp_path / "vllm.log")
+    with caplog.at_level(logging.INFO, logger="grpo.inference.process"):
+        server.start(wait=False)
+        try:
+            assert f"starting vLLM on 127.0.0.1:{server.port} (log: " in caplog.text  # at the launch, not the wait
+            time.sleep(PROGRESS_FIRST_S + 2)
+            with pytest.raises(ServerStartError, match="not healthy"):
+                server.wait_healthy(timeout=PROGRESS_FIRST_S + 3)  # 1 s of waiting left: stops it, unready
+        finally:
+            server.stop()
+    progress = [r.getMessage() for r in caplog.records if r.getMessage().startswith("starting vLLM: ")]
+    assert progress, caplog.text
+    assert int(progress[0].split()[2]) >= PROGRESS_FIRST_S + 2, progress  # counted from the launch

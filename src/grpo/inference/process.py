@@ -173,6 +173,8 @@ class VLLMServer:
         self.proc: subprocess.Popen | None = None
         # Whether the current process has answered /health (a server still starting is stopped without grace).
         self.ready = False
+        # time.monotonic() when this server's process was last launched: its start-up clock (`wait_healthy`).
+        self.started_at: float | None = None
         self._log_file = None
         self.restarts = 0
 
@@ -310,6 +312,10 @@ class VLLMServer:
             start_new_session=True,
             preexec_fn=_die_with_parent,
         )
+        # Replicas start side by side and are waited for one after another: each one's clock and line start here,
+        # with its process, so "ready after N s" is true of each (it read 0 s for a second replica).
+        self.started_at = time.monotonic()
+        log.info("starting vLLM on %s:%s (log: %s)", self.host, self.port, self.log_path)
         # The pid (= process group id) of the running server, for operators and fault tests.
         self.pid_path.write_text(f"{self.proc.pid}\n")
         if wait:
@@ -320,12 +326,12 @@ class VLLMServer:
         self.wait_healthy(timeout if timeout is not None else float(option(self.cfg, "startup_timeout_s", 300)))
 
     def wait_healthy(self, timeout: float) -> None:
-        """Poll /health until this server answers it with the run token's proof; fail fast if the process exits or
-        something else answers on host:port. Logs progress (with what vLLM's log says it is doing) at growing gaps."""
-        t0 = time.monotonic()
+        """Poll /health until this server answers it with the run token's proof, at most `timeout` s from its
+        process's launch; fail fast if the process exits or something else answers on host:port. Logs progress (with
+        what vLLM's log says it is doing) at growing gaps, timed from the launch."""
+        t0 = self.started_at if self.started_at is not None else time.monotonic()
         gap = PROGRESS_FIRST_S
-        deadline, next_report = t0 + timeout, t0 + gap
-        log.info("starting vLLM on %s:%s (log: %s)", self.host, self.port, self.log_path)
+        deadline, next_report = t0 + timeout, max(t0 + gap, time.monotonic())
         while time.monotonic() < deadline:
             proc = self.proc  # once: a stop() on another thread may clear it
             if proc is not None and proc.poll() is not None:
@@ -347,7 +353,7 @@ class VLLMServer:
             if time.monotonic() >= next_report:
                 log.info("starting vLLM: %.0f s%s", time.monotonic() - t0, self.start_up_phase())
                 gap = min(2 * gap, PROGRESS_MAX_S)
-                next_report += gap
+                next_report = max(next_report + gap, time.monotonic() + PROGRESS_FIRST_S)
             time.sleep(0.25)
         self.stop()
         raise self._start_failed(f"inference server not healthy after {timeout:.0f}s")
