@@ -32,7 +32,7 @@ def test_a_run_with_only_its_first_evaluation_does_not_read_as_no_change(tmp_pat
     rows = [{"step": 0, "eval/accuracy": 0.382}, {"step": 1, "reward/mean": 0.5}]
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     RunSummary(tmp_path).finish([0.5])
-    assert "held-out accuracy 0.382 (one evaluation, at step 0)." in done_message(tmp_path)
+    assert "held-out accuracy 0.382 (one evaluation, at step 0); run dir: " in done_message(tmp_path)
 
 
 def test_steps_run_counts_optimizer_steps_when_a_rollout_batch_has_several(tmp_path):
@@ -90,7 +90,7 @@ def test_a_completed_run_ends_with_a_line_saying_how_it_went_and_where_its_outpu
     RunSummary(tmp_path).finish([0.5, 0.7])
     assert done_message(tmp_path) == (
         "run completed: 2 steps; reward 0.600 (mean of its 2 rollout batches); held-out accuracy "
-        f"0.250 -> 0.500.\n  run dir: {tmp_path} (summary: python -m grpo.report {tmp_path})")
+        f"0.250 -> 0.500; run dir: {tmp_path} (summary: python -m grpo.report {tmp_path})")  # one line (issue 62.20)
     longer = tmp_path / "longer"
     longer.mkdir()
     RunSummary(longer).finish([0.1] * 10 + [0.9] * 2)  # 12 batches: the windows differ

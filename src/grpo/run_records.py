@@ -193,7 +193,7 @@ class RunSummary:
 
 
 def done_message(run_dir: Path) -> str:
-    """The line a completed run ends with: steps, reward and held-out accuracy from first to last, and where the
+    """The one line a completed run ends with: steps, reward and held-out accuracy from first to last, and where the
     outputs are (the run dir is otherwise named only among the start-up lines)."""
     summary = json.loads((run_dir / "summary.json").read_text())
     rows = read_metrics(run_dir / "metrics.jsonl") if (run_dir / "metrics.jsonl").exists() else []
@@ -210,7 +210,8 @@ def done_message(run_dir: Path) -> str:
         parts.append(f"held-out accuracy {evals[0]['eval/accuracy']:.3f} -> {evals[-1]['eval/accuracy']:.3f}")
     elif evals:  # "0.382 -> 0.382" read as no learning when only the step-0 eval ran (eval.at_end=false)
         parts.append(f"held-out accuracy {evals[0]['eval/accuracy']:.3f} (one evaluation, at step {evals[0]['step']})")
-    return "; ".join(parts) + f".\n  run dir: {run_dir} (summary: python -m grpo.report {run_dir})"
+    # One line, the run's last (README): the accuracy stood on the line before a second one naming the run dir.
+    return "; ".join([*parts, f"run dir: {run_dir} (summary: python -m grpo.report {run_dir})"])
 
 
 # The metrics keys without a `<group>/` prefix (every other key has one: reward/mean, grpo/kl, eval/accuracy, ...).
