@@ -127,6 +127,9 @@ class Job:
         if self.multirun:  # a failed sweep job is logged and the sweep goes on with the next one
             log.exception("job failed; continuing the sweep", exc_info=error)
             return float("nan")  # sweepers (Optuna) record a NaN objective as a failed trial
+        # The run's own error, named in train.log too (the traceback goes to the console): errors of the teardown
+        # after it are logged as secondary (RunParts.close), never in its place.
+        log.error("run failed: %s: %s", type(error).__name__, error)
         raise error
 
     def release_device_memory(self) -> None:

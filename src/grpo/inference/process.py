@@ -424,7 +424,10 @@ class VLLMServer:
                 except subprocess.TimeoutExpired:
                     self._wait_or_kill(proc, grace)
             self._cleanup_group()
-            self.pid_path.unlink(missing_ok=True)
+            try:
+                self.pid_path.unlink(missing_ok=True)
+            except OSError as e:  # a run dir turned read-only: the server is stopped all the same
+                log.warning("vLLM stopped, but its pid file %s could not be removed: %s", self.pid_path, e)
         self.proc = None
         if self._log_file is not None:
             self._log_file.close()
