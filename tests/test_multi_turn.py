@@ -5,6 +5,7 @@ and the environment's, environment tokens get no gradient, and trainer and sampl
 from __future__ import annotations
 
 import random
+import time
 
 import pytest
 import torch
@@ -54,6 +55,31 @@ def test_calculator_computes_plus_minus_times_with_precedence():
 def test_calculator_refuses_anything_else(text):
     with pytest.raises(CalculatorError):
         evaluate(text)
+
+
+def test_calculator_refuses_non_ascii_digits_as_its_answer_parser_does():
+    # "٣*٤" is 3*4 in Arabic-Indic digits: parse_integer never reads such an answer, so the tool never computes one.
+    with pytest.raises(CalculatorError):
+        evaluate("\u0663*\u0664")
+    assert LongAnswerReward().parses(Prompt("x", "12"), "\u0661\u0662") is False
+    episode = LongArithmeticTask().start(Prompt("x", "12"))
+    assert episode.step("calc: \u0663*\u0664").content.startswith("error:")
+
+
+@pytest.mark.parametrize("value", [None, 12, b"1+1"])
+def test_calculator_refuses_what_is_not_text_with_its_own_error(value):
+    with pytest.raises(CalculatorError, match="must be text"):
+        evaluate(value)
+
+
+def test_a_long_turn_is_read_in_linear_time_before_the_length_limit_applies():
+    # The turn pattern once backtracked quadratically over the spaces (35 s for this turn); now it is a string scan.
+    episode = LongArithmeticTask().start(Prompt("x", "1"))
+    start = time.perf_counter()
+    reply = episode.step("calc: a" + " " * 100000 + "b")
+    answer = episode.step("a" + " " * 100000 + "b")
+    assert time.perf_counter() - start < 1.0
+    assert reply == Reply("error: expression longer than 200 characters", "tool") and isinstance(answer, Finish)
 
 
 def test_calculator_episode_answers_calls_and_ends_on_an_answer():

@@ -32,7 +32,7 @@ DOCS = [README, *sorted((REPO / "docs").glob("*.md"))]
 # Programs outside this package that the docs name; what is checked for each is in `external_ok`.
 EXTERNAL = {"bash", "source", "pip", "run-api", "tensorboard", "lint-imports", "ruff", "mkdocs", "export"}
 # The example run dir the README's resume / rerun commands name; the test gives it a real .hydra/config.yaml.
-EXAMPLE_RUN = "outputs/2026-11-21/12-00-00_tiny_qwen2_none"
+EXAMPLE_RUN = "outputs/2026-11-21/12-00-00_arith_quick"
 SEPARATORS = {"&&", "||", ";", "&", "|"}
 
 

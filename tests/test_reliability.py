@@ -371,3 +371,108 @@ def test_a_server_stopped_during_its_start_up_is_gone_in_seconds(tiny_qwen2_dir,
     assert f"waiting up to {STARTING_STOP_S:.0f} s for it to exit, then SIGKILL" in caplog.text
     with pytest.raises(ProcessLookupError):
         os.killpg(pid, 0)  # the whole process group is gone
+
+
+# ---------------------------------------------------------------------------------------- a run dir turned read-only
+def _set_immutable(paths: list[Path], on: bool) -> None:
+    """chattr +i / -i: a directory no process can add entries to or remove them from, root included (a read-only
+    mount without mounting; chmod binds no root process)."""
+    for path in paths:
+        subprocess.run(["chattr", "+i" if on else "-i", str(path)], check=True, capture_output=True)
+
+
+def _can_set_immutable(tmp_path: Path) -> bool:
+    import shutil
+
+    probe = tmp_path / "immutable_probe"
+    probe.mkdir()
+    try:
+        if shutil.which("chattr") is None:
+            return False
+        _set_immutable([probe], True)
+    except subprocess.CalledProcessError:
+        return False
+    try:
+        (probe / "x").touch()
+        return False
+    except OSError:
+        return True
+    finally:
+        _set_immutable([probe], False)
+
+
+@pytest.mark.slow  # a vLLM start of its own (the teardown stops it): 40-90 s here
+@pytest.mark.vllm
+def test_a_run_dir_turned_read_only_mid_run_reports_its_first_error_and_stops_its_server(tmp_path):
+    """Issue 62.6: the run showed only the teardown's OSError on logs/vllm.pid; the first error (the served weights
+    that could not be written) was shown nowhere. The run dir, logs/ and served_weights/ become read-only once the
+    first sync is served: the next sync's WeightsWriteError is the error the run ends with, the summary is attempted
+    (and said to be unwritable), the pid file that cannot be removed is said so, and the server is stopped."""
+    if not _can_set_immutable(tmp_path):
+        pytest.skip("needs chattr +i on this filesystem (root on ext4)")
+    run = tmp_path / "run"
+    proc, marker = start_train("train.steps=400", "train.checkpoint_every=1000", f"hydra.run.dir={run}")
+    frozen: list[Path] = []
+    try:
+        deadline = time.time() + 300
+        while not (run / "served_weights" / "v1").is_dir() and proc.poll() is None and time.time() < deadline:
+            time.sleep(0.1)
+        assert proc.poll() is None, proc.communicate()[0][-3000:]
+        frozen = [run, run / "logs", run / "served_weights"]
+        _set_immutable(frozen, True)
+        out, _ = proc.communicate(timeout=300)
+    finally:
+        _set_immutable(frozen, False)
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 1, out[-3000:]
+    raised = [line for line in out.splitlines() if re.match(r"[\w.]+(Error|Exception): ", line)]
+    assert re.fullmatch(r"\S*WeightsWriteError: \[Errno 1\] could not write weights to \S*/served_weights/v\d+: .*",
+                        raised[-1]), out[-3000:]  # the error the run ends with: the first one
+    assert "vllm.pid" not in "\n".join(raised), out[-3000:]
+    assert re.search(r"could not write \S*summary\.json \(status failed\)", out), out[-3000:]
+    assert re.search(r"vLLM stopped, but its pid file \S*vllm\.pid could not be removed", out), out[-3000:]
+    assert_clean(marker)
+
+
+class _Part:
+    """A part of a run whose close is recorded, and raises `error` when given."""
+
+    def __init__(self, name: str, closed: list[str], error: Exception | None = None) -> None:
+        self.name, self.closed, self.error = name, closed, error
+
+    def close(self) -> None:
+        self.closed.append(self.name)
+        if self.error is not None:
+            raise self.error
+
+    def shutdown(self) -> None:
+        self.close()
+
+
+def test_teardown_errors_after_the_runs_own_error_are_secondary_and_every_part_is_closed(caplog):
+    """Issue 62.6: a teardown error (the pid file of a read-only run dir) replaced the run's first error. Each part
+    is closed whatever the others do; after the run's own error the teardown's are logged as secondary and noted on
+    it; without one the first teardown error is raised once every part is closed."""
+    import logging
+
+    from grpo.build import RunParts
+
+    def parts(closed: list[str]) -> RunParts:
+        return RunParts(cfg=None, run_dir=Path("."), dist=None, device=torch.device("cpu"), model_dir="", tokenizer=None,
+                        resume=None, sync=_Part("server", closed, OSError("pid file")), loss_fn=None,
+                        data=_Part("data", closed), evaluator=None, trainer=_Part("trainer", closed),
+                        metrics=_Part("metrics", closed, PermissionError("metrics file")))
+
+    closed: list[str] = []
+    first = RuntimeError("could not write weights to served_weights/v8")
+    with caplog.at_level(logging.ERROR, logger="grpo.build"):
+        parts(closed).close(failed=first)  # raises nothing: the caller raises `first`
+    assert closed == ["metrics", "data", "trainer", "server"]
+    assert "PermissionError: metrics file (secondary: the run's error is the RuntimeError)" in caplog.text
+    assert [n for n in first.__notes__ if "pid file" in n]
+    closed.clear()
+    with pytest.raises(PermissionError, match="metrics file"):
+        parts(closed).close()
+    assert closed == ["metrics", "data", "trainer", "server"]

@@ -32,7 +32,7 @@ def test_a_run_with_only_its_first_evaluation_does_not_read_as_no_change(tmp_pat
     rows = [{"step": 0, "eval/accuracy": 0.382}, {"step": 1, "reward/mean": 0.5}]
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     RunSummary(tmp_path).finish([0.5])
-    assert "held-out accuracy 0.382 (one evaluation, at step 0)." in done_message(tmp_path)
+    assert "held-out accuracy 0.382 (one evaluation, at step 0); run dir: " in done_message(tmp_path)
 
 
 def test_steps_run_counts_optimizer_steps_when_a_rollout_batch_has_several(tmp_path):
@@ -90,7 +90,7 @@ def test_a_completed_run_ends_with_a_line_saying_how_it_went_and_where_its_outpu
     RunSummary(tmp_path).finish([0.5, 0.7])
     assert done_message(tmp_path) == (
         "run completed: 2 steps; reward 0.600 (mean of its 2 rollout batches); held-out accuracy "
-        f"0.250 -> 0.500.\n  run dir: {tmp_path} (summary: python -m grpo.report {tmp_path})")
+        f"0.250 -> 0.500; run dir: {tmp_path} (summary: python -m grpo.report {tmp_path})")  # one line (issue 62.20)
     longer = tmp_path / "longer"
     longer.mkdir()
     RunSummary(longer).finish([0.1] * 10 + [0.9] * 2)  # 12 batches: the windows differ
@@ -233,3 +233,103 @@ def test_device_memory_of_a_run_dir_discarded_at_start_up_is_not_recorded(tmp_pa
     gone = tmp_path / "discarded"
     record_device_memory(gone, {"device_used_gb": 0.5, "allocated_gb": 0.0, "reserved_gb": 0.0}, settle_s=0)
     assert not gone.exists()
+
+
+def _start_racing(config, ready, done, results) -> None:
+    """One trainer's start-up checks (RunDirGuard) in a forked process, released with the other's; it holds what it
+    took (the run dir's lock) until the other has finished its own."""
+    import contextlib
+    import io
+
+    from grpo.run_records import RunDirGuard
+
+    err, code = io.StringIO(), 0
+    ready.wait()
+    with contextlib.redirect_stderr(err):
+        try:
+            RunDirGuard().on_run_start(config)
+        except SystemExit as e:
+            code = e.code
+    results.put((code, err.getvalue()))
+    done.wait()
+
+
+def _probe_often(run_dir, ready, results) -> None:
+    from grpo.config.run_dir import check_run_dir
+
+    ready.wait()
+    try:
+        for _ in range(300):
+            check_run_dir(run_dir)
+    except Exception as e:  # noqa: BLE001 - reported to the test
+        results.put(f"{type(e).__name__}: {e}")
+        return
+    results.put("ok")
+
+
+def test_two_trainers_starting_in_one_fresh_run_dir_at_once_the_loser_is_told_it_is_in_use(tmp_path):
+    """Issue 62.8: both wrote and unlinked one `.write_probe`, and the loser was told the dir "is not writable". Now
+    each probes with a name of its own, one takes the lock, the other is told the dir is in use, and it does not
+    discard the dir the winner runs in."""
+    import multiprocessing
+
+    from hydra import compose, initialize_config_dir
+    from omegaconf import open_dict
+
+    from grpo.config import register_configs
+
+    ctx = multiprocessing.get_context("fork")
+    # The probe alone, hammered by two processes: a shared name fails within a few hundred rounds.
+    ready, results = ctx.Barrier(2), ctx.Queue()
+    procs = [ctx.Process(target=_probe_often, args=(tmp_path / "probed", ready, results)) for _ in range(2)]
+    for p in procs:
+        p.start()
+    assert [results.get(timeout=60) for _ in procs] == ["ok", "ok"]
+    for p in procs:
+        p.join(timeout=30)
+
+    register_configs()
+    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
+        config = compose("train", overrides=["~experiment"], return_hydra_config=True)
+    for round_ in range(5):
+        run = tmp_path / f"run{round_}"
+        with open_dict(config):
+            config.hydra.run.dir = str(run)
+        ready, done, results = ctx.Barrier(2), ctx.Barrier(2), ctx.Queue()
+        procs = [ctx.Process(target=_start_racing, args=(config, ready, done, results)) for _ in range(2)]
+        for p in procs:
+            p.start()
+        outcomes = sorted(results.get(timeout=60) for _ in procs)
+        for p in procs:
+            p.join(timeout=30)
+        assert [code for code, _ in outcomes] == [0, 1], outcomes
+        assert f"ConfigError: run dir {run} is in use by a running trainer (" in outcomes[1][1], outcomes
+        assert run.is_dir()  # the loser left the winner's dir alone
+
+
+def test_a_resumed_runs_summary_gives_this_sessions_and_the_whole_runs_wall_seconds(tmp_path):
+    """Issue 62.17: `wall_seconds` after a resume covered only the last session. Now it is this session's and
+    `run_wall_seconds` adds every earlier session's, resumed into another dir and then again in place."""
+    from hydra import compose, initialize_config_dir
+
+    from grpo.config import register_configs
+    from grpo.job import Job
+
+    first, second = tmp_path / "first", tmp_path / "second"
+    first.mkdir()
+    second.mkdir()
+    (first / "summary.json").write_text(json.dumps({"status": "interrupted", "wall_seconds": 100.0}))  # older form
+    register_configs()
+    for resume, expected_earlier in ((first, 100.0), (second, None)):
+        with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
+            cfg = compose("train", overrides=["~experiment", "train.device=cpu", f"train.resume={resume}"])
+        earlier = json.loads((resume / "summary.json").read_text())
+        earlier_total = earlier.get("run_wall_seconds", earlier["wall_seconds"])
+        job = Job(run_dir=second, multirun=False, rank0=True)
+        job.start(cfg)
+        job.completed([0.5])
+        summary = json.loads((second / "summary.json").read_text())
+        assert 0 <= summary["wall_seconds"] < 30
+        assert summary["run_wall_seconds"] == pytest.approx(earlier_total + summary["wall_seconds"])
+        assert expected_earlier is None or earlier_total == expected_earlier
+    assert summary["run_wall_seconds"] >= 100.0  # the first session still counted after the second resume

@@ -104,6 +104,30 @@ def test_start_up_progress_says_what_vllm_is_doing(tmp_path):
     assert server.start_up_phase() == ""  # only our own header: nothing from vLLM yet
 
 
+def test_the_cpu_aot_note_and_a_long_vllm_message_read_with_matched_brackets(tmp_path):
+    """Issue 62.21: the progress line quoted the 101-character CPU note cut at 100 characters, in brackets of its
+    own: "(grpo: VLLM_USE_AOT_COMPILE=0 on CPU (vLLM's AOT cache never loads there; torch's inductor cache does)"."""
+    from grpo.inference.process import VLLMServer
+    from grpo.inference.server import CPU_AOT_NOTE
+
+    def balanced(text: str) -> bool:
+        depth = 0
+        for ch in text:
+            depth += {"(": 1, ")": -1}.get(ch, 0)
+            if depth < 0:
+                return False
+        return depth == 0
+
+    server = VLLMServer("unused-model-dir", _cfg_port_none(), tmp_path / "vllm.log")
+    long_message = "Loading weights (" + "shard " * 30 + "of 4)"
+    for message, shown in ((CPU_AOT_NOTE, f" ({CPU_AOT_NOTE})"), (long_message, None)):
+        (tmp_path / "vllm.log").write_text(f"===== grpo: starting ...\n{message}\n")
+        phase = server.start_up_phase()
+        assert balanced(CPU_AOT_NOTE) and balanced(phase), phase
+        assert shown is None or phase == shown
+    assert phase.endswith("...))") and len(phase) <= 106
+
+
 def _cfg_port_none():
     cfg = server_cfg()
     cfg.port = None
@@ -291,3 +315,25 @@ def test_grpo_serve_help_says_what_it_adds_without_vllms_deprecation_warnings():
     assert "A --host beyond loopback (e.g. 0.0.0.0) is refused without it" in text
     assert "--max-sequences-per-request N" in text
     assert "DeprecationWarning" not in text and "is deprecated" not in text
+
+
+@pytest.mark.vllm
+def test_a_replica_waited_for_after_another_counts_its_start_up_from_its_own_launch(tmp_path, tiny_qwen2_dir, caplog):
+    """Issue 62.18: replicas start side by side and are waited for in turn; the second's "starting vLLM" line and
+    clock began only when its wait did, so it was "ready after 0 s". Launched, then waited for 7 s later (while the
+    first replica would be waited for), its line comes at the launch and its first progress line counts from there."""
+    from grpo.inference.process import PROGRESS_FIRST_S, ServerStartError, VLLMServer
+
+    server = VLLMServer(tiny_qwen2_dir, _cfg_port_none(), tmp_path / "vllm.log")
+    with caplog.at_level(logging.INFO, logger="grpo.inference.process"):
+        server.start(wait=False)
+        try:
+            assert f"starting vLLM on 127.0.0.1:{server.port} (log: " in caplog.text  # at the launch, not the wait
+            time.sleep(PROGRESS_FIRST_S + 2)
+            with pytest.raises(ServerStartError, match="not healthy"):
+                server.wait_healthy(timeout=PROGRESS_FIRST_S + 3)  # 1 s of waiting left: stops it, unready
+        finally:
+            server.stop()
+    progress = [r.getMessage() for r in caplog.records if r.getMessage().startswith("starting vLLM: ")]
+    assert progress, caplog.text
+    assert int(progress[0].split()[2]) >= PROGRESS_FIRST_S + 2, progress  # counted from the launch

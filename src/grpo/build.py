@@ -7,7 +7,6 @@ checkpoint; `RunParts.close` tears everything down in reverse order, also betwee
 
 from __future__ import annotations
 
-import contextlib
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -65,20 +64,34 @@ class RunParts:
     def rank0(self) -> bool:
         return self.dist is None or self.dist.is_rank0
 
-    def close(self) -> None:
+    def close(self, failed: BaseException | None = None) -> None:
         """Tear down in reverse order so a multirun's next job starts from a clean process table and memory. The
         trainer lets go of its model, gradients and optimizer state first, even when a traceback still holds it, and
         before the server stops: under shared_vllm the parameters are views of the server's memory. Each part is
-        closed even when one before it raises: the server this run started is always stopped."""
-        with contextlib.ExitStack() as teardown:
-            if self.dist is not None:
-                teardown.callback(fsdp.destroy)
-            teardown.callback(self.sync.shutdown)
-            teardown.callback(release_device_memory)
-            for part in (self.trainer, self.data, self.evaluator, self.metrics):  # run last to first: metrics first
-                if part is not None:
-                    teardown.callback(part.close)
-            self.trainer = None  # the stack holds trainer.close until it runs, then nothing keeps the trainer
+        closed even when one before it raises: the server this run started is always stopped.
+
+        `failed`: the error the run is ending with. A teardown error after it (a run dir turned read-only fails the
+        run and then its teardown too) is secondary: logged as such and noted on `failed`, never raised in its place.
+        Without one, the first teardown error is raised once every part is closed."""
+        steps = [part.close for part in (self.metrics, self.evaluator, self.data, self.trainer) if part is not None]
+        steps += [release_device_memory, self.sync.shutdown] + ([fsdp.destroy] if self.dist is not None else [])
+        self.trainer = None  # `steps` holds trainer.close until it runs, then nothing keeps the trainer
+        errors: list[Exception] = []
+        while steps:
+            step = steps.pop(0)
+            try:
+                step()
+            except Exception as e:  # noqa: BLE001 - every part is closed; the errors are reported below
+                errors.append(e)
+                if failed is not None:
+                    log.error("while tearing down after %s: %s: %s (secondary: the run's error is the %s)",
+                              type(failed).__name__, type(e).__name__, e, type(failed).__name__)
+                    failed.add_note(f"(teardown afterwards also failed: {type(e).__name__}: {e})")
+            del step  # a bound trainer.close must not keep the trainer alive through the later steps
+        if failed is None and errors:
+            for later in errors[1:]:
+                log.error("teardown also failed: %s: %s", type(later).__name__, later)
+            raise errors[0]
 
 
 def build_parts(cfg: DictConfig, run_dir: Path) -> RunParts:

@@ -91,7 +91,7 @@ class Job:
         if not self.rank0:
             return
         record_provenance(self.run_dir, cfg)
-        self.summary = RunSummary(self.run_dir)
+        self.summary = RunSummary(self.run_dir, Path(cfg.train.resume) if cfg.train.resume is not None else None)
         if int(os.environ.get("WORLD_SIZE", "1")) == 1 and cfg.train.device != "cpu":
             self.memory_before = device_memory()
 
@@ -127,6 +127,9 @@ class Job:
         if self.multirun:  # a failed sweep job is logged and the sweep goes on with the next one
             log.exception("job failed; continuing the sweep", exc_info=error)
             return float("nan")  # sweepers (Optuna) record a NaN objective as a failed trial
+        # The run's own error, named in train.log too (the traceback goes to the console): errors of the teardown
+        # after it are logged as secondary (RunParts.close), never in its place.
+        log.error("run failed: %s: %s", type(error).__name__, error)
         raise error
 
     def release_device_memory(self) -> None:

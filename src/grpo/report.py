@@ -1,7 +1,7 @@
 """Sweep report: one row per job of a multirun dir, and a PNG comparing reward curves; given one run dir, its row.
 
     python -m grpo.report multirun/2026-11-21/12-00-00        (or: grpo-report <dir>)
-    python -m grpo.report outputs/2026-11-21/12-00-00_tiny_qwen2_none     # one run (a resumed one: the whole run)
+    python -m grpo.report outputs/2026-11-21/12-00-00_arith_quick     # one run (a resumed one: the whole run)
 """
 
 from __future__ import annotations

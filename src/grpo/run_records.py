@@ -116,17 +116,35 @@ def steps_in(rows: Sequence[dict], default: int) -> int:
     return max((int(r["step"]) for r in rows if r.get("step") is not None), default=default)
 
 
-class RunSummary:
-    """Writes summary.json when a run ends, however it ends."""
+def earlier_wall_seconds(resumed: Path) -> float:
+    """The wall-clock seconds of every session of the run a resume continues, from its summary.json (its
+    `run_wall_seconds`, or `wall_seconds` of a summary that predates it); 0 when it has none (a session killed
+    before writing one)."""
+    try:
+        summary = json.loads((resumed / "summary.json").read_text())
+        return float(summary.get("run_wall_seconds", summary.get("wall_seconds")) or 0.0)
+    except FileNotFoundError:
+        return 0.0
+    except (OSError, ValueError, TypeError, AttributeError) as e:
+        log.warning("earlier sessions' wall time not counted: %s unreadable (%s)", resumed / "summary.json", e)
+        return 0.0
 
-    def __init__(self, run_dir: Path) -> None:
+
+class RunSummary:
+    """Writes summary.json when a run ends, however it ends: `wall_seconds` is this session's wall-clock time,
+    `run_wall_seconds` the whole run's (the earlier sessions' of a resumed run, `resumed` its run dir, added)."""
+
+    def __init__(self, run_dir: Path, resumed: Path | None = None) -> None:
         self.path = run_dir / "summary.json"
         self.t0 = time.time()
+        # Read now: a resume in place writes this session's summary over the earlier one.
+        self.earlier_seconds = earlier_wall_seconds(resumed) if resumed is not None else 0.0
 
     def _write(self, data: dict) -> None:
         """Replace summary.json whole (a crash never leaves half of it); a failed write is logged, not raised: it
         runs inside the error handling of a failed run, whose own error must stay the one reported."""
         data["wall_seconds"] = time.time() - self.t0
+        data["run_wall_seconds"] = self.earlier_seconds + data["wall_seconds"]
         tmp = self.path.with_name(f".{self.path.name}.tmp")
         try:
             tmp.write_text(json.dumps(data, indent=2))
@@ -175,7 +193,7 @@ class RunSummary:
 
 
 def done_message(run_dir: Path) -> str:
-    """The line a completed run ends with: steps, reward and held-out accuracy from first to last, and where the
+    """The one line a completed run ends with: steps, reward and held-out accuracy from first to last, and where the
     outputs are (the run dir is otherwise named only among the start-up lines)."""
     summary = json.loads((run_dir / "summary.json").read_text())
     rows = read_metrics(run_dir / "metrics.jsonl") if (run_dir / "metrics.jsonl").exists() else []
@@ -192,7 +210,8 @@ def done_message(run_dir: Path) -> str:
         parts.append(f"held-out accuracy {evals[0]['eval/accuracy']:.3f} -> {evals[-1]['eval/accuracy']:.3f}")
     elif evals:  # "0.382 -> 0.382" read as no learning when only the step-0 eval ran (eval.at_end=false)
         parts.append(f"held-out accuracy {evals[0]['eval/accuracy']:.3f} (one evaluation, at step {evals[0]['step']})")
-    return "; ".join(parts) + f".\n  run dir: {run_dir} (summary: python -m grpo.report {run_dir})"
+    # One line, the run's last (README): the accuracy stood on the line before a second one naming the run dir.
+    return "; ".join([*parts, f"run dir: {run_dir} (summary: python -m grpo.report {run_dir})"])
 
 
 # The metrics keys without a `<group>/` prefix (every other key has one: reward/mean, grpo/kl, eval/accuracy, ...).
@@ -380,6 +399,41 @@ def first_missing(path: Path) -> Path | None:
     return missing
 
 
+def claim_new_run_dir(run_dir: Path) -> Path | None:
+    """Create `run_dir` when it does not exist and return the topmost dir this process created for it (itself or a
+    parent), or None when it existed already or another process created it first (two trainers started at once: only
+    the one whose `mkdir` made it may discard it). An unwritable parent is left to `check_run_dir` to report."""
+    top = first_missing(run_dir)
+    if top is None:
+        return None
+    try:
+        run_dir.parent.mkdir(parents=True, exist_ok=True)
+        run_dir.mkdir()
+    except OSError:  # FileExistsError: another process made it first; any other, check_run_dir reports
+        return None
+    return top
+
+
+def locked_by_another(run_dir: Path) -> bool:
+    """Whether another process holds `run_dir`'s lock (`lock_run_dir`): a running trainer's dir."""
+    import fcntl
+
+    path = (run_dir / ".grpo.lock").resolve()
+    if _run_dir_lock is not None and Path(_run_dir_lock.name) == path:
+        return False
+    try:
+        f = open(path)
+    except OSError:
+        return False
+    with f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return True
+        fcntl.flock(f, fcntl.LOCK_UN)
+    return False
+
+
 def discard_unstarted_run_dir(run_dir: Path) -> bool:
     """Remove `run_dir` when this process created it and the run stopped at start-up, before any metrics row or
     checkpoint (a mistake in the command line, a missing file or model): such dirs piled up under outputs/ with a
@@ -388,7 +442,7 @@ def discard_unstarted_run_dir(run_dir: Path) -> bool:
     global _created_run_dir
     if _created_run_dir is None or not run_dir.is_dir() or run_dir.resolve() != _created_run_dir.resolve():
         return False
-    if held_run(run_dir)[0]:
+    if held_run(run_dir)[0] or locked_by_another(run_dir):  # the other trainer of a race owns it now
         return False
     unlock_run_dir()
     shutil.rmtree(run_dir, ignore_errors=True)
@@ -437,7 +491,7 @@ class RunDirGuard(Callback):
             if int(os.environ.get("RANK", "0")) == 0:
                 global _created_run_dir, _created_top
                 run_dir = Path(config.hydra.run.dir)
-                top = first_missing(run_dir)
+                top = claim_new_run_dir(run_dir)
                 # Before Hydra opens train.log there: its failure was a traceback ending in "Unable to configure
                 # handler 'file'", the cause (PermissionError ... train.log) buried in it.
                 check_run_dir(run_dir)

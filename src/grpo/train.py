@@ -60,9 +60,11 @@ def fit(cfg: DictConfig, run_dir: Path) -> list[float]:
         rewards = build_trainer(parts).fit()
         if cfg.logging.plot and parts.rank0:
             plot_curves(run_dir / "metrics.jsonl", run_dir / "curves.png", title=str(run_dir.name))
-        return rewards
-    finally:
-        parts.close()
+    except BaseException as e:
+        parts.close(failed=e)  # the run's own error stays the one reported; teardown errors after it are secondary
+        raise
+    parts.close()
+    return rewards
 
 
 def run() -> None:

@@ -7,6 +7,7 @@ the run dir and the model dir rank 0 uses (a run across nodes needs them on a sh
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import socket
 import uuid
@@ -27,7 +28,9 @@ def check_run_dir(run_dir: Path, key: str = "hydra.run.dir") -> None:
     """The run dir (`key` sets it) must be writable with room for checkpoints; checked before training starts."""
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
-        probe = run_dir / ".write_probe"
+        # A name of this process's own: two trainers starting in one dir at once unlinked each other's shared probe,
+        # and the loser was told the dir "is not writable" instead of "in use" (the run dir's lock, taken next).
+        probe = run_dir / f".write_probe.{os.getpid()}.{uuid.uuid4().hex[:8]}"
         probe.write_text("ok")
         probe.unlink()
     except OSError as e:

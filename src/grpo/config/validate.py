@@ -8,12 +8,13 @@ import re
 from pathlib import Path
 
 from hydra.utils import get_class
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from grpo.config import checks
 from grpo.config.run_dir import check_resume_exists, check_resume_has_steps_left, check_run_dir, check_run_dir_unused
 from grpo.config_values import ConfigError, instantiation_cause, option
 from grpo.pipeline.local import LocalRolloutPipeline
+from grpo.pipeline.prompt_file import PromptFileTask
 from grpo.pipeline.rollout_queue import check_batches_in_flight, queue_capacity
 from grpo.recipes.model_checks import check_model, check_model_files
 from grpo.serving.checks import check_server
@@ -45,6 +46,7 @@ def validate(cfg: DictConfig, run_dir: Path | None = None) -> None:
     checks.check_sweep_needs_multirun(info)
     checks.check_data_fits_default_experiment(info)
     checks.check_missing_values(cfg)
+    check_loop_sizes(cfg)  # before the checks that compute with them
     checks.check_model_source(cfg.model, info)
     checks.check_lora_given_with_a_lora_mode(cfg, info)
     checks.check_async_settings_used(cfg, info)
@@ -69,6 +71,7 @@ def validate(cfg: DictConfig, run_dir: Path | None = None) -> None:
     check_train(cfg)
     check_prefix_sharing(cfg)
     check_data(cfg, info.choices.get("experiment"))
+    check_prompt_files(cfg)
     check_replicas_reach_the_data(cfg)
     check_async(cfg)
     check_rollout_logprobs(cfg)
@@ -120,12 +123,17 @@ def check_loss(cfg: DictConfig) -> None:
         raise ConfigError(f"loss ({cfg.loss._target_}): {cause}{fix}") from None
 
 
+def check_loop_sizes(cfg: DictConfig) -> None:
+    """Each loop size is >= 1; the message names the key that is not (it named all three of micro_batch_size,
+    grad_accum and steps for any one of them)."""
+    for key in ("micro_batch_size", "grad_accum", "steps", "ppo_epochs", "mini_batches"):
+        if cfg.train[key] < 1:
+            raise ConfigError(f"train.{key} must be >= 1, got {cfg.train[key]}")
+
+
 def check_train(cfg: DictConfig) -> None:
-    """Loop sizes and the token budget are positive and `train.resume` exists (choices are typed by the schema)."""
-    if cfg.train.micro_batch_size < 1 or cfg.train.grad_accum < 1 or cfg.train.steps < 1:
-        raise ConfigError("train.micro_batch_size, train.grad_accum and train.steps must all be >= 1")
-    if cfg.train.ppo_epochs < 1 or cfg.train.mini_batches < 1:
-        raise ConfigError("train.ppo_epochs and train.mini_batches must be >= 1")
+    """Loop sizes fit one another (each is >= 1: `check_loop_sizes`), the token budget is positive and
+    `train.resume` exists (choices are typed by the schema)."""
     updates = cfg.train.ppo_epochs * cfg.train.mini_batches
     if cfg.train.steps % updates:
         raise ConfigError(
@@ -274,6 +282,26 @@ def check_data(cfg: DictConfig, experiment: str | None = None) -> None:
             + (f" (experiment={experiment} sets the batch for its own data; '~experiment' gives the bare config)"
                if experiment else "")
         )
+
+
+def check_prompt_files(cfg: DictConfig) -> None:
+    """A prompt file (`PromptFileTask`'s `path` and `eval_path`, as data.task or eval.task) exists: said with its
+    exact key before anything is built. Found while building the task, the message named only `data.task`, after
+    the start-up log had named a run dir that was then discarded."""
+    for prefix in ("data.task", "eval.task"):
+        node = OmegaConf.select(cfg, prefix, default=None)
+        if not isinstance(node, DictConfig) or "_target_" not in node:
+            continue
+        try:
+            if not issubclass(get_class(node._target_), PromptFileTask):
+                continue
+        except Exception:  # a task that does not import: building it says so, with its hint
+            continue
+        for key in ("path", "eval_path"):
+            given = node.get(key)
+            if given is not None and not Path(str(given)).expanduser().exists():
+                raise ConfigError(f"{prefix}.{key}={given}: no file or directory there (relative paths start at "
+                                  f"{Path.cwd()}); set {prefix}.{key} to your prompts' file or directory")
 
 
 def check_rollout_logprobs(cfg: DictConfig) -> None:

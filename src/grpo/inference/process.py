@@ -133,6 +133,15 @@ def compilation_args(server_cfg: Any, extra_args: Sequence[str]) -> list[str]:
     return ["--compilation-config", json.dumps(config)]
 
 
+def shorten_balanced(text: str, limit: int) -> str:
+    """`text`, cut to about `limit` characters with "..." where cut, and its brackets closed: quoted in a progress
+    line's own brackets, a cut message read as "(grpo: ... (vLLM's AOT cache ... does)" with one left open."""
+    if len(text) <= limit:
+        return text
+    cut = text[: limit - 3] + "..."
+    return cut + ")" * max(0, cut.count("(") - cut.count(")"))
+
+
 class VLLMServer:
     """Launches, watches and stops one vLLM server with our /generate and /grpo/* endpoints.
 
@@ -182,6 +191,8 @@ class VLLMServer:
         self.proc: subprocess.Popen | None = None
         # Whether the current process has answered /health (a server still starting is stopped without grace).
         self.ready = False
+        # time.monotonic() when this server's process was last launched: its start-up clock (`wait_healthy`).
+        self.started_at: float | None = None
         self._log_file = None
         self.restarts = 0
 
@@ -323,6 +334,10 @@ class VLLMServer:
             start_new_session=True,
             preexec_fn=_die_with_parent,
         )
+        # Replicas start side by side and are waited for one after another: each one's clock and line start here,
+        # with its process, so "ready after N s" is true of each (it read 0 s for a second replica).
+        self.started_at = time.monotonic()
+        log.info("starting vLLM on %s:%s (log: %s)", self.host, self.port, self.log_path)
         # The pid (= process group id) of the running server, for operators and fault tests.
         self.pid_path.write_text(f"{self.proc.pid}\n")
         if wait:
@@ -333,12 +348,12 @@ class VLLMServer:
         self.wait_healthy(timeout if timeout is not None else float(option(self.cfg, "startup_timeout_s", 300)))
 
     def wait_healthy(self, timeout: float) -> None:
-        """Poll /health until this server answers it with the run token's proof; fail fast if the process exits or
-        something else answers on host:port. Logs progress (with what vLLM's log says it is doing) at growing gaps."""
-        t0 = time.monotonic()
+        """Poll /health until this server answers it with the run token's proof, at most `timeout` s from its
+        process's launch; fail fast if the process exits or something else answers on host:port. Logs progress (with
+        what vLLM's log says it is doing) at growing gaps, timed from the launch."""
+        t0 = self.started_at if self.started_at is not None else time.monotonic()
         gap = PROGRESS_FIRST_S
-        deadline, next_report = t0 + timeout, t0 + gap
-        log.info("starting vLLM on %s:%s (log: %s)", self.host, self.port, self.log_path)
+        deadline, next_report = t0 + timeout, max(t0 + gap, time.monotonic())
         while time.monotonic() < deadline:
             proc = self.proc  # once: a stop() on another thread may clear it
             if proc is not None and proc.poll() is not None:
@@ -360,7 +375,7 @@ class VLLMServer:
             if time.monotonic() >= next_report:
                 log.info("starting vLLM: %.0f s%s", time.monotonic() - t0, self.start_up_phase())
                 gap = min(2 * gap, PROGRESS_MAX_S)
-                next_report += gap
+                next_report = max(next_report + gap, time.monotonic() + PROGRESS_FIRST_S)
             time.sleep(0.25)
         self.stop()
         raise self._start_failed(f"inference server not healthy after {timeout:.0f}s")
@@ -457,7 +472,10 @@ class VLLMServer:
                 except subprocess.TimeoutExpired:
                     self._wait_or_kill(proc, grace)
             self._cleanup_group()
-            self.pid_path.unlink(missing_ok=True)
+            try:
+                self.pid_path.unlink(missing_ok=True)
+            except OSError as e:  # a run dir turned read-only: the server is stopped all the same
+                log.warning("vLLM stopped, but its pid file %s could not be removed: %s", self.pid_path, e)
         self.proc = None
         if self._log_file is not None:
             self._log_file.close()
@@ -508,7 +526,7 @@ class VLLMServer:
             # vLLM's lines read "(EngineCore pid=1) INFO 11-25 07:34:25 [file.py:12] message": keep the message.
             message = line.split("] ", 1)[-1].strip()
             if message and not message.startswith("====="):
-                return f" ({message[:100]})"
+                return f" ({shorten_balanced(message, 100)})"
         return ""
 
     def log_tail(self, n: int = 40) -> str:

@@ -751,6 +751,11 @@ def exit_with_launcher() -> bool:
     return True
 
 
+# Printed into the server's log when `skip_cpu_aot_compile_cache` turns the cache off; the trainer's start-up progress
+# lines quote it as vLLM's latest message.
+CPU_AOT_NOTE = "grpo: VLLM_USE_AOT_COMPILE=0 on CPU: vLLM's AOT cache never loads there, torch's inductor cache does"
+
+
 def skip_cpu_aot_compile_cache() -> bool:
     """On the CPU platform, turn off vLLM's AOT compile cache (VLLM_USE_AOT_COMPILE=0) unless the environment sets
     it. vLLM 0.32 compiles the CPU model with torch's own "inductor" backend (CompilationMode.DYNAMO_TRACE_ONCE),
@@ -788,8 +793,7 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(problem)
     exit_with_launcher()
     if skip_cpu_aot_compile_cache():
-        print("grpo: VLLM_USE_AOT_COMPILE=0 on CPU (vLLM's AOT cache never loads there; torch's inductor cache does)",
-              file=sys.stderr, flush=True)
+        print(CPU_AOT_NOTE, file=sys.stderr, flush=True)
     identity.exclusive_listen(port_arg(args))
     # vLLM deprecates running this module as a command (for its `vllm serve`); we run it on purpose (docstring
     # above), so its two warnings would only tell a grpo-serve user to use a command they did not type.

@@ -22,8 +22,9 @@ from grpo.pipeline.tasks import Prompt, render_chat
 
 MAX_EXPRESSION_CHARS = 200
 MAX_DIGITS = 60  # of any number in an expression and of any intermediate result
-_TOKEN = re.compile(r"\s*(?:(\d+)|([-+*()]))")
-_CALL = re.compile(r"\s*calc:\s*(.+?)\s*", re.DOTALL)
+# ASCII digits only, as `parse_integer` reads them: "٣*٤" is refused, not computed.
+_TOKEN = re.compile(r"\s*(?:([0-9]+)|([-+*()]))")
+CALL_PREFIX = "calc:"
 _INTEGER = re.compile(r"\s*(-?(?:0|[1-9][0-9]*))\s*")
 
 TOOL_INSTRUCTION = "Write calc: <expression> to use the calculator (+ - * on integers). Answer with the integer alone."
@@ -34,6 +35,8 @@ class CalculatorError(ValueError):
 
 
 def _tokens(text: str) -> list[Union[int, str]]:
+    if not isinstance(text, str):
+        raise CalculatorError(f"the expression must be text, got {type(text).__name__}")
     if len(text) > MAX_EXPRESSION_CHARS:
         raise CalculatorError(f"expression longer than {MAX_EXPRESSION_CHARS} characters")
     out: list[Union[int, str]] = []
@@ -113,6 +116,16 @@ def evaluate(expression: str) -> int:
     return value
 
 
+def call_expression(turn: str) -> Optional[str]:
+    """The expression of a turn ``calc: <expression>`` (spaces around either part allowed), or None for any other
+    turn. Linear in the turn's length (string methods, no backtracking regex), so a long turn costs no more to read
+    than to receive; `evaluate` then refuses an expression over `MAX_EXPRESSION_CHARS`."""
+    text = turn.strip()
+    if not text.startswith(CALL_PREFIX) or len(text) == len(CALL_PREFIX):
+        return None
+    return text[len(CALL_PREFIX):].strip()
+
+
 def parse_integer(text: str) -> Optional[int]:
     """The integer `text` states (spaces around it allowed, no leading zeros, no '+'), or None."""
     m = _INTEGER.fullmatch(text)
@@ -129,12 +142,12 @@ class CalculatorEpisode(Episode):
         self.tool, self.tool_role, self.calls = tool, tool_role, 0
 
     def step(self, turn: str) -> Union[Reply, Finish]:
-        call = _CALL.fullmatch(turn) if self.tool else None
-        if call is None:
+        expression = call_expression(turn) if self.tool else None
+        if expression is None:
             return Finish(turn)
         self.calls += 1
         try:
-            return Reply(str(evaluate(call.group(1))), self.tool_role)
+            return Reply(str(evaluate(expression)), self.tool_role)
         except CalculatorError as e:
             return Reply(f"error: {e}", self.tool_role)
 

@@ -152,8 +152,11 @@ def save_model_weights(
     ``durable=False`` skips the fsyncs: for weights written only to be served next (a sync writes them again from the
     trainer's own, and a checkpoint holds its own durable copy), 4 of the 11 ms a sync's save took on CPU."""
     final = Path(out_dir)
-    final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".tmp_{final.name}_", dir=final.parent))
+    try:  # an unwritable parent is the same WeightsWriteError as a failed write into it
+        final.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".tmp_{final.name}_", dir=final.parent))
+    except OSError as e:
+        raise WeightsWriteError(final, e) from e
     try:
         write_model(model, tokenizer, tmp, state_dict)
         publish_dir(tmp, final, durable)
