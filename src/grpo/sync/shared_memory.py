@@ -192,9 +192,9 @@ class SharedMemorySync(SyncStrategy):
             replica.client.rpc("grpo_share_cpu_params", path=str(self.shared_file), create=False)
             replica.client.set_weight_version(self.version, reset_prefix_cache=True)
 
-    def shutdown(self) -> None:
+    def shutdown(self, keep_server: bool = False) -> None:
         try:
-            super().shutdown()
+            super().shutdown(keep_server=keep_server)
         finally:
             if self.shared_file is not None:
                 self.shared_file.unlink(missing_ok=True)  # the pages go once the trainer's views are gone too
