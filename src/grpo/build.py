@@ -2,7 +2,8 @@
 
 `build_parts` builds what needs no server (processes, model dir, tokenizer, sync strategy, loss, data source,
 evaluator); `build_trainer` launches the server and builds the model, optimizer, metrics and the trainer, restoring a
-checkpoint; `RunParts.close` tears everything down in reverse order, also between the jobs of a sweep.
+checkpoint; `RunParts.close` tears everything down in reverse order, also between the jobs of a sweep (whose server
+may be kept for the next job: grpo.serving.kept).
 """
 
 from __future__ import annotations
