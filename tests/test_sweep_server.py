@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO
-from test_train_e2e import QUICK, assert_clean, metrics, run_train
+from test_train_e2e import QUICK, QUICK_SETTINGS, assert_clean, metrics, run_train
 
 pytestmark = pytest.mark.vllm
 
@@ -18,11 +18,12 @@ REUSED = "reusing the vLLM server of the previous job (weights reset to the init
 SERVER_STARTED = "vLLM ready at"
 
 
-def sweep(tmp_path: Path, *overrides: str, env: dict[str, str] | None = None) -> tuple[str, Path]:
-    """A multirun of the quick bare config into tmp_path/sweep; its output, checked to have succeeded, and the
-    sweep dir. Every process it started must be gone once it exits."""
+def sweep(tmp_path: Path, *overrides: str, env: dict[str, str] | None = None,
+          base: tuple[str, ...] | list[str] = QUICK) -> tuple[str, Path]:
+    """A multirun of `base` (the quick bare config) into tmp_path/sweep; its output, checked to have succeeded,
+    and the sweep dir. Every process it started must be gone once it exits."""
     sweep_dir = tmp_path / "sweep"
-    out, marker = run_train("-m", *QUICK, *overrides, f"hydra.sweep.dir={sweep_dir}", timeout=900, env=env)
+    out, marker = run_train("-m", *base, *overrides, f"hydra.sweep.dir={sweep_dir}", timeout=900, env=env)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert_clean(marker)  # the kept server included: the sweep's end stopped it
     return out.stdout + out.stderr, sweep_dir
@@ -47,6 +48,19 @@ def test_a_sweep_starts_vllm_once_and_each_job_samples_from_the_initial_weights(
     # The job that took the server over reads its log and pid file in its own run dir (a link to the first job's log).
     assert (sweep_dir / "1" / "logs" / "vllm.log").resolve() == (sweep_dir / "0" / "logs" / "vllm.log").resolve()
     assert not (sweep_dir / "1" / "logs" / "vllm.pid").exists()  # stopped at the sweep's end
+
+
+@pytest.mark.slow
+def test_a_lora_only_sweep_resets_the_adapters_of_the_job_before(tmp_path):
+    """mode=lora_only: the job that takes the server over unloads the adapters the job before loaded, so its own load
+    under the same names (policy-v1, ...: vLLM refuses a name already loaded) and it trains as job 0 did."""
+    log, sweep_dir = sweep(tmp_path, "experiment=cpu_tiny_lora_only", "train.steps=2", "optimizer.lr=5e-3,1e-2",
+                           base=QUICK_SETTINGS)
+    assert log.count(SERVER_STARTED) == 1, log[-4000:]
+    assert log.count(REUSED) == 1
+    first, second = rows(sweep_dir / "0"), rows(sweep_dir / "1")
+    assert second[0] == first[0]
+    assert second[1] != first[1]
 
 
 @pytest.mark.slow
