@@ -34,6 +34,7 @@ def test_workers_get_disjoint_gpu_groups_and_a_sweep_that_cannot_fit_is_refused(
 
 
 @pytest.mark.vllm
+@pytest.mark.slow
 def test_a_sweep_runs_two_jobs_at_once_to_completion_and_leaves_no_process(tmp_path):
     """Three jobs, two at once (two workers, each with its vLLM server: the CPU has no GPUs to place), so one worker
     runs two jobs on one server. Every job completes, step 1 of each (sampled from the initial weights) is the same,

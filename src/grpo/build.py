@@ -76,7 +76,10 @@ class RunParts:
         with contextlib.ExitStack() as teardown:
             if self.dist is not None:
                 teardown.callback(fsdp.destroy)
-            teardown.callback(self.sync.shutdown, keep_server=completed and self.reuse_server)
+            if completed and self.reuse_server and self.sync.reuses_server:
+                teardown.callback(self.sync.shutdown, keep_server=True)
+            else:  # a mode of your own may define shutdown() without the argument
+                teardown.callback(self.sync.shutdown)
             teardown.callback(release_device_memory)
             for part in (self.trainer, self.data, self.evaluator, self.metrics):  # run last to first: metrics first
                 if part is not None:
