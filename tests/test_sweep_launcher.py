@@ -4,12 +4,20 @@ sweep's jobs several at once, each worker on a GPU group of its own and keeping 
 from __future__ import annotations
 
 import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
 
 import pytest
 from omegaconf import OmegaConf
 
+from conftest import REPO
 from hydra_plugins.grpo_parallel_launcher.grpo_parallel_launcher import layout_gpus, plan_slots
 from test_sweep_server import REUSED, SERVER_STARTED, rows, sweep
+from test_train_e2e import QUICK, assert_clean
 
 
 def server(**values):
@@ -48,3 +56,33 @@ def test_a_sweep_runs_two_jobs_at_once_to_completion_and_leaves_no_process(tmp_p
     assert rows(sweep_dir / "0")[0] == rows(sweep_dir / "1")[0] == rows(sweep_dir / "2")[0]
     assert log.count(SERVER_STARTED) == 2, log[-4000:]
     assert log.count(REUSED) == 1
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_ctrl_c_stops_every_running_job_cleanly_and_starts_no_other(tmp_path):
+    """SIGINT to the launcher while two jobs train: both stop as Ctrl-C stops a run (summary `interrupted`, their
+    servers stopped), the third never starts, and no process is left."""
+    sweep_dir = tmp_path / "sweep"
+    marker = f"GRPO_TEST_{uuid.uuid4().hex}"
+    env = dict(os.environ, GRPO_TEST_MARKER=marker, PYTHONUNBUFFERED="1")
+    with open(tmp_path / "out.log", "w") as out:
+        proc = subprocess.Popen([sys.executable, str(REPO / "train.py"), "-m", *QUICK, "train.steps=200",
+                                 "optimizer.lr=1e-3,2e-3,3e-3", "server.kv_cache_gb=0.25",
+                                 "hydra/launcher=grpo_parallel", "hydra.launcher.jobs_at_once=2",
+                                 f"hydra.sweep.dir={sweep_dir}"], cwd=REPO, env=env, stdout=out, stderr=out)
+        try:
+            deadline = time.time() + 600
+            while not all(rows(sweep_dir / str(job)) if (sweep_dir / str(job) / "metrics.jsonl").exists() else False
+                          for job in (0, 1)):
+                assert proc.poll() is None and time.time() < deadline, (tmp_path / "out.log").read_text()[-3000:]
+                time.sleep(1)
+            proc.send_signal(signal.SIGINT)
+            assert proc.wait(timeout=300) != 0
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+    assert_clean(marker)
+    for job in (0, 1):
+        assert json.loads((sweep_dir / str(job) / "summary.json").read_text())["status"] == "interrupted", job
+    assert not (sweep_dir / "2" / "summary.json").exists()
