@@ -162,8 +162,12 @@ class InferenceServer:
             self.replicas = [self._attach(url, weights.version, i) for i, url in enumerate(urls)]
             return
         if taken is not None:
-            for i, process in enumerate(taken):
-                process.move_records(replica_log(run_dir, i))
+            try:
+                for i, process in enumerate(taken):
+                    process.move_records(replica_log(run_dir, i))
+            except BaseException:
+                kept.stop(taken)
+                raise
             self._adopt(taken)
             return
         processes = [
