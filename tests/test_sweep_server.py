@@ -64,6 +64,18 @@ def test_a_lora_only_sweep_resets_the_adapters_of_the_job_before(tmp_path):
 
 
 @pytest.mark.slow
+def test_a_shared_vllm_sweep_on_the_cpu_resets_the_server_memory_the_job_before_trained(tmp_path):
+    """mode=shared_vllm on the CPU: job 0 trains the server's own tensors in place; the job that takes the server
+    over reloads the initial weights into them and maps them anew, so its step 1 samples from the initial model."""
+    log, sweep_dir = sweep(tmp_path, "mode=shared_vllm", "train.steps=2", "optimizer.lr=1e-3,3e-3")
+    assert log.count(SERVER_STARTED) == 1, log[-4000:]
+    assert log.count(REUSED) == 1
+    first, second = rows(sweep_dir / "0"), rows(sweep_dir / "1")
+    assert second[0] == first[0]
+    assert second[1] != first[1]
+
+
+@pytest.mark.slow
 def test_each_job_of_a_sweep_on_one_server_trains_as_it_does_alone(tmp_path):
     """A 3-job sweep over optimizer.lr starts vLLM once, and each job's loss and mean reward per step equal those of
     the same job run alone (its own server), to the digit."""
