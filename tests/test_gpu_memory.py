@@ -29,7 +29,9 @@ def test_multirun_jobs_return_device_memory_to_their_start(tmp_path):
     sweep = tmp_path / "sweep"
     args = ["~experiment", "server=gpu", "server.gpu_memory_utilization=0.3", "train.device=cuda", "train.steps=2",
             "train.micro_batch_size=8", "train.grad_accum=2", "eval=off", "logging.progress_bar=false",
-            "logging.plot=false", "mode=shared_vllm,lora_only", f"hydra.sweep.dir={sweep}"]
+            "logging.plot=false", "mode=shared_vllm,lora_only", f"hydra.sweep.dir={sweep}",
+            # The teardown is what is measured: a server kept for a next job would hold its memory on purpose.
+            "server.reuse_across_jobs=false"]
     proc = subprocess.run([sys.executable, "train.py", "-m", *args], cwd=REPO, env=env, capture_output=True,
                           text=True, timeout=1200)
     assert proc.returncode == 0, proc.stderr[-4000:]

@@ -70,8 +70,9 @@ case "${1:-shared}" in
     ;;
   memory)
     # Each job writes device_memory.json (device-wide GiB in use at its start and after its teardown).
+    # server.reuse_across_jobs=false: a server kept for the next job would hold its memory on purpose.
     python3 train.py -m "${common[@]}" "${big[@]}" train.steps=2 mode=shared_vllm,lora_only \
-      hydra.sweep.dir="$out/memory" 2>&1 | grep -vE "INFO|DEBUG" | tail -20
+      server.reuse_across_jobs=false hydra.sweep.dir="$out/memory" 2>&1 | grep -vE "INFO|DEBUG" | tail -20
     python3 - "$out/memory" <<'PY'
 import json, pathlib, sys
 bad = 0

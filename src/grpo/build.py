@@ -2,7 +2,8 @@
 
 `build_parts` builds what needs no server (processes, model dir, tokenizer, sync strategy, loss, data source,
 evaluator); `build_trainer` launches the server and builds the model, optimizer, metrics and the trainer, restoring a
-checkpoint; `RunParts.close` tears everything down in reverse order, also between the jobs of a sweep.
+checkpoint; `RunParts.close` tears everything down in reverse order, also between the jobs of a sweep (whose server
+may be kept for the next job: grpo.serving.kept).
 """
 
 from __future__ import annotations
@@ -59,12 +60,14 @@ class RunParts:
     evaluator: Evaluator | None
     trainer: GRPOTrainer | None = None
     metrics: MetricsLogger | NullMetrics | None = None
+    # A sweep's job whose server may be taken from the job before and kept for the next (server.reuse_across_jobs).
+    reuse_server: bool = False
 
     @property
     def rank0(self) -> bool:
         return self.dist is None or self.dist.is_rank0
 
-    def close(self, failed: BaseException | None = None) -> None:
+    def close(self, failed: BaseException | None = None, completed: bool = False) -> None:
         """Tear down in reverse order so a multirun's next job starts from a clean process table and memory. The
         trainer lets go of its model, gradients and optimizer state first, even when a traceback still holds it, and
         before the server stops: under shared_vllm the parameters are views of the server's memory. Each part is
@@ -72,9 +75,13 @@ class RunParts:
 
         `failed`: the error the run is ending with. A teardown error after it (a run dir turned read-only fails the
         run and then its teardown too) is secondary: logged as such and noted on `failed`, never raised in its place.
-        Without one, the first teardown error is raised once every part is closed."""
+        Without one, the first teardown error is raised once every part is closed. The server is kept for the next
+        job when the run `completed` as a sweep's job that keeps it (`reuse_server`, grpo.serving.kept)."""
         steps = [part.close for part in (self.metrics, self.evaluator, self.data, self.trainer) if part is not None]
-        steps += [release_device_memory, self.sync.shutdown] + ([fsdp.destroy] if self.dist is not None else [])
+        keep = completed and self.reuse_server and self.sync.reuses_server
+        # A mode of your own may define shutdown() without the argument.
+        shutdown = (lambda: self.sync.shutdown(keep_server=True)) if keep else self.sync.shutdown
+        steps += [release_device_memory, shutdown] + ([fsdp.destroy] if self.dist is not None else [])
         self.trainer = None  # `steps` holds trainer.close until it runs, then nothing keeps the trainer
         errors: list[Exception] = []
         while steps:
@@ -94,9 +101,10 @@ class RunParts:
             raise errors[0]
 
 
-def build_parts(cfg: DictConfig, run_dir: Path) -> RunParts:
+def build_parts(cfg: DictConfig, run_dir: Path, reuse_server: bool = False) -> RunParts:
     """Everything that needs no server, each part checked as it is built (a data source that does not answer, bad
-    held-out prompts) so that a mistake stops the run before vLLM starts."""
+    held-out prompts) so that a mistake stops the run before vLLM starts. `reuse_server`: a sweep's job that takes
+    the server the job before kept and keeps its own for the next (grpo.serving.kept)."""
     torch.manual_seed(cfg.train.seed)
     if cfg.train.torch_threads is not None:
         torch.set_num_threads(int(cfg.train.torch_threads))
@@ -123,7 +131,8 @@ def build_parts(cfg: DictConfig, run_dir: Path) -> RunParts:
         raise ConfigError(str(e)) from None
     check_objective(cfg.train.objective, evaluator is not None, type(evaluator).metric_names if evaluator else ())
     return RunParts(cfg=cfg, run_dir=run_dir, dist=dist_info, device=device, model_dir=model_dir, tokenizer=tokenizer,
-                    resume=resume_ckpt, sync=sync, loss_fn=loss_fn, data=data, evaluator=evaluator)
+                    resume=resume_ckpt, sync=sync, loss_fn=loss_fn, data=data, evaluator=evaluator,
+                    reuse_server=reuse_server)
 
 
 def build_data(cfg: DictConfig) -> DataPipeline:
@@ -187,7 +196,7 @@ def build_trainer(parts: RunParts) -> GRPOTrainer:
     evaluator on the server; the trainer (also kept in `parts`, with the metrics, for `close`)."""
     cfg, sync, data, tokenizer, run_dir = parts.cfg, parts.sync, parts.data, parts.tokenizer, parts.run_dir
     sync_ctx = SyncContext(run_dir=run_dir, model_dir=Path(parts.model_dir), server_cfg=cfg.server, lora_cfg=cfg.lora,
-                           tokenizer=tokenizer, resume_weights=parts.resume)
+                           tokenizer=tokenizer, resume_weights=parts.resume, reuse_server=parts.reuse_server)
     sync.launch(sync_ctx)
     model = build_model(cfg, sync, sync_ctx, parts.resume, parts.device, parts.dist)
     reference = build_reference_policy(cfg, parts.loss_fn, sync, sync_ctx, model, parts.device, parts.dist)

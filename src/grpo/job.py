@@ -12,9 +12,10 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from hydra.core.hydra_config import HydraConfig
+from hydra.experimental.callback import Callback
 from hydra.types import RunMode
 
-from grpo.config_values import ConfigError
+from grpo.config_values import ConfigError, option
 from grpo.inference.process import ServerStartError
 from grpo.pipeline.base import DataSourceError
 from grpo.run_records import (
@@ -27,6 +28,7 @@ from grpo.run_records import (
     record_provenance,
     release_device_memory,
 )
+from grpo.serving import kept
 from grpo.stop import exit_code, last_step, report_stop
 from grpo.trainer.metrics import MetricsFileError
 
@@ -61,6 +63,14 @@ def has_trained(run_dir: Path) -> bool:
         return False
 
 
+class StopKeptServer(Callback):
+    """Hydra callback: at the end of a multirun, stop the vLLM server its last job kept (grpo.serving.kept; the
+    process's exit would too, through atexit)."""
+
+    def on_multirun_end(self, config: Any, **kwargs: Any) -> None:  # noqa: ARG002
+        kept.stop_kept()
+
+
 @dataclass
 class Job:
     """The running Hydra job: its run dir, whether it is one of a sweep's, whether this process owns the run dir."""
@@ -84,6 +94,12 @@ class Job:
 
     def config_error(self, error: BaseException) -> float:
         return config_error(error, self.multirun, self.own_run_dir)
+
+    def reuses_server(self, cfg: Any) -> bool:
+        """Whether this job takes the vLLM server the sweep's job before kept, and keeps its own for the next
+        (server.reuse_across_jobs): only the jobs of a multirun run by one process (not torchrun's ranks)."""
+        return (self.multirun and bool(option(cfg.server, "reuse_across_jobs", True))
+                and int(os.environ.get("WORLD_SIZE", "1")) == 1)
 
     def start(self, cfg: Any) -> None:
         """provenance.json and the summary.json to come (rank 0); one process training on a GPU notes its device

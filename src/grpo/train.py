@@ -45,7 +45,7 @@ def main(cfg: DictConfig) -> float | None:
     signal.signal(signal.SIGTERM, interrupt_on_sigterm)
     job.start(cfg)
     try:
-        final = job.completed(fit(cfg, job.run_dir))
+        final = job.completed(fit(cfg, job.run_dir, job.reuses_server(cfg)))
     except BaseException as e:
         return job.failed(e, cfg)
     finally:
@@ -53,9 +53,10 @@ def main(cfg: DictConfig) -> float | None:
     return job.objective(cfg, final)
 
 
-def fit(cfg: DictConfig, run_dir: Path) -> list[float]:
-    """Build every component from the config, train, and tear everything down; the rollout batches' mean rewards."""
-    parts = build_parts(cfg, run_dir)
+def fit(cfg: DictConfig, run_dir: Path, reuse_server: bool = False) -> list[float]:
+    """Build every component from the config, train, and tear everything down; the rollout batches' mean rewards.
+    `reuse_server`: a sweep's job that takes the server of the job before and keeps its own for the next."""
+    parts = build_parts(cfg, run_dir, reuse_server)
     try:
         rewards = build_trainer(parts).fit()
         if cfg.logging.plot and parts.rank0:
@@ -63,7 +64,7 @@ def fit(cfg: DictConfig, run_dir: Path) -> list[float]:
     except BaseException as e:
         parts.close(failed=e)  # the run's own error stays the one reported; teardown errors after it are secondary
         raise
-    parts.close()
+    parts.close(completed=True)
     return rewards
 
 

@@ -518,6 +518,23 @@ class VLLMServer:
             time.sleep(0.1)
         self.start(wait=wait)
 
+    def move_records(self, log_path: str | Path) -> None:
+        """A running server taken over by another run dir (a sweep's next job): from now on its log is read, and a
+        restart appends, through `log_path`, a link to the file the process writes, and its pid file lies beside it
+        (where fault tests and `grpo-stop` look); the earlier pid file goes."""
+        log_path = Path(log_path)
+        if log_path != self.log_path:
+            log_path.parent.mkdir(parents=True, exist_ok=True)
+            log_path.unlink(missing_ok=True)
+            log_path.symlink_to(self.log_path.resolve())
+            self.pid_path.unlink(missing_ok=True)
+            self.log_path = log_path
+        if self.proc is not None:
+            self.pid_path.write_text(f"{self.proc.pid}\n")
+        if self._log_file is not None:
+            self._log_file.write(f"\n===== grpo: now serving the run dir {log_path.parent.parent}\n".encode())
+            self._log_file.flush()
+
     def start_up_phase(self) -> str:
         """` (<vLLM's last log message>)`, shortened, or "" when the log has none yet: what a start-up is busy with."""
         if not self.log_path.exists():

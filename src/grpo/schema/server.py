@@ -64,3 +64,7 @@ class ServerConfig:
     # Run vLLM's model worker inside its engine-core process: one process fewer to start and no inter-process hop
     # per engine step. Needs a single worker (no tensor/pipeline/data parallel in extra_args).
     worker_in_engine_process: bool = False
+    # A multirun's jobs (one after another in one process) that need the same server take over the one the job
+    # before kept, its weights reset to the initial model, instead of starting their own (docs/sweeps.md); false
+    # stops it at each job's end. A single run always stops its server.
+    reuse_across_jobs: bool = True

@@ -29,6 +29,7 @@ from grpo.config_values import ConfigError, option
 from grpo.inference.client import Endpoint, InferenceClient, InferenceServerError, ServerUnreachable
 from grpo.inference.process import VLLMServer
 from grpo.inference.routing import ReplicaLoad
+from grpo.serving import kept
 from grpo.serving.gate import GenerationGate
 
 log = logging.getLogger(__name__)
@@ -139,20 +140,40 @@ class InferenceServer:
         self._health_lock = threading.Lock()
         self._cfg: Any = None
         self._weights: ServedWeights | None = None
+        # What the replicas serve (grpo.serving.kept.server_key) when they may be kept for a sweep's next job; None =
+        # stopped at shutdown. `reused`: they were kept by the job before (their weights are the sync's to reset).
+        self._reuse_key: str | None = None
+        self.reused = False
+        # Each process's command line as launched or taken over: one restarted on other weights is never kept.
+        self._commands: list[list[str]] = []
+        self._kept = False
 
     # ------------------------------------------------------------------ launch
     def launch(
         self, server_cfg: Any, weights: ServedWeights, *, model: Path, run_dir: Path, served_names: Sequence[str],
         lora_modules: Mapping[str, Path] | None = None, enable_lora: bool = False,
-        env: Mapping[str, str] | None = None, extra_args: Sequence[str] = (),
+        env: Mapping[str, str] | None = None, extra_args: Sequence[str] = (), reuse_key: str | None = None,
     ) -> None:
         """Start `server.replicas` vLLM servers on `model` at once (the `server` config node `server_cfg`; replica
         i's log in `replica_log(run_dir, i)`), or attach to `server.external_urls` / `server.external_url`, serving
-        `weights.version`. When one fails to start, those started are stopped and the error raised."""
+        `weights.version`. When one fails to start, those started are stopped and the error raised. `reuse_key`
+        (a sweep's job, grpo.serving.kept): take the server the job before kept under that key instead of starting
+        one (`reused`: its weights are the caller's to reset), and let `shutdown(keep=True)` keep it for the next."""
         self._cfg, self._weights = server_cfg, weights
         urls = external_urls(server_cfg)
+        taken = kept.take(reuse_key if not urls else None)  # a kept server of other settings is stopped here
+        self._reuse_key, self.reused = (reuse_key if not urls else None), taken is not None
         if urls:
             self.replicas = [self._attach(url, weights.version, i) for i, url in enumerate(urls)]
+            return
+        if taken is not None:
+            try:
+                for i, process in enumerate(taken):
+                    process.move_records(replica_log(run_dir, i))
+            except BaseException:
+                kept.stop(taken)
+                raise
+            self._adopt(taken)
             return
         processes = [
             VLLMServer(model, replica_config(server_cfg, i), log_path=replica_log(run_dir, i),
@@ -170,8 +191,12 @@ class InferenceServer:
             for process in processes:
                 process.stop()
             raise
+        self._adopt(processes)
+
+    def _adopt(self, processes: list[VLLMServer]) -> None:
         # token: the weight-changing calls of a server this run launched need it.
         self.replicas = [Replica(InferenceClient(p.url, token=p.token), p, index=i) for i, p in enumerate(processes)]
+        self._commands, self._kept = [p.command() for p in processes], False
 
     def _attach(self, url: str, version: int, index: int) -> Replica:
         # A server started with a run token (GRPO_SERVER_TOKEN in its environment) needs it for weight calls.
@@ -350,9 +375,25 @@ class InferenceServer:
             return False
         return self.check_health() or isinstance(error, ServerUnreachable)
 
-    def shutdown(self) -> None:
-        """Stop every process this server launched and close the clients. Safe to call twice."""
+    def shutdown(self, keep: bool = False) -> None:
+        """Stop every process this server launched and close the clients. Safe to call twice. `keep` (a sweep's job
+        that completed): keep the processes for the next job instead (grpo.serving.kept) when they may be: launched
+        with a reuse key, never restarted, on the command line they started with, healthy."""
         for replica in self.replicas:
-            if replica.process is not None:
-                replica.process.stop()
             replica.client.close()
+        processes = [replica.process for replica in self.replicas]
+        if self._kept:  # a second call must not stop what the first one kept
+            return
+        if keep and self.keepable(processes):
+            kept.keep(self._reuse_key, processes)
+            self._kept = True
+            return
+        for process in processes:
+            if process is not None:
+                process.stop()
+
+    def keepable(self, processes: list[VLLMServer | None]) -> bool:
+        """Whether `processes` (the replicas' at shutdown) may serve a sweep's next job."""
+        if self._reuse_key is None or not processes or any(p is None for p in processes) or self.restarts:
+            return False
+        return [p.command() for p in processes] == self._commands and all(p.healthy() for p in processes)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from abc import ABC, abstractmethod
@@ -14,6 +15,7 @@ import torch.nn as nn
 
 from grpo.config_values import ConfigError, option
 from grpo.inference.client import Endpoint, InferenceServerError
+from grpo.serving.kept import server_key
 from grpo.serving.server import InferenceServer, Replica
 from grpo.sync.arrival import check_arrival
 
@@ -37,6 +39,8 @@ class SyncContext:
     tokenizer: Any = None
     # Weights (full HF dir, or adapter dir in LoRA modes) to serve first when resuming; None = model_dir.
     resume_weights: Path | None = None
+    # A sweep's job (server.reuse_across_jobs): take the server the job before kept, and keep it for the next one.
+    reuse_server: bool = False
     extra: dict = field(default_factory=dict)
 
 
@@ -70,6 +74,9 @@ class SyncStrategy(ABC):
     fsdp_gather: ClassVar[Optional[Literal["params", "state_dict"]]] = None
     # Why FSDP2 is refused (fsdp_gather None), for the start-up message.
     fsdp_refusal: ClassVar[str] = "LoRA adapters are not sharded with FSDP2 here"
+    # True when a sweep's next job may take over this mode's server and reset what it serves
+    # (`reset_served_weights`) instead of starting another (server.reuse_across_jobs, docs/sweeps.md).
+    reuses_server: ClassVar[bool] = False
 
     def __init__(self, sync_every: int = 1) -> None:
         if sync_every < 1:
@@ -120,13 +127,35 @@ class SyncStrategy(ABC):
                       env: Mapping[str, str] | None = None, extra_args: Sequence[str] = ()) -> None:
         """Launch `self.server` on `model` with what this mode needs (LoRA on, extra environment, extra flags)."""
         self.ctx = ctx
-        self.server.launch(
-            ctx.server_cfg, self, model=model, run_dir=Path(ctx.run_dir), lora_modules=lora_modules,
-            enable_lora=self.uses_lora, env=env, extra_args=extra_args,
-            # A stable name across restarts and weight directories, so requests never need to change it; then the
-            # aliases in server.served_model_aliases (e.g. model.name) that Atropos environments may ask for.
-            served_names=[str(ctx.model_dir), *(option(ctx.server_cfg, "served_model_aliases", None) or [])],
-        )
+        # A stable name across restarts and weight directories, so requests never need to change it; then the
+        # aliases in server.served_model_aliases (e.g. model.name) that Atropos environments may ask for.
+        served_names = [str(ctx.model_dir), *(option(ctx.server_cfg, "served_model_aliases", None) or [])]
+        reuse_key = None
+        if ctx.reuse_server and self.reuses_server and ctx.resume_weights is None:
+            reuse_key = server_key(mode=self.mode_name, model=str(model), server=ctx.server_cfg,
+                                   lora_modules={k: str(v) for k, v in (lora_modules or {}).items()},
+                                   enable_lora=self.uses_lora, env=dict(env or {}), extra_args=list(extra_args),
+                                   served_names=served_names)
+        launch = functools.partial(
+            self.server.launch, ctx.server_cfg, self, model=model, run_dir=Path(ctx.run_dir),
+            lora_modules=lora_modules, enable_lora=self.uses_lora, env=env, extra_args=extra_args,
+            served_names=served_names, reuse_key=reuse_key)
+        launch()
+        if not self.server.reused:
+            return
+        try:
+            self.reset_served_weights(model)
+        except InferenceServerError as error:  # the kept server broke: this job gets a new one
+            log.warning("resetting the vLLM server of the previous job failed (%s); starting a new one", error)
+            self.server.shutdown()
+            launch()  # nothing is kept now: a start-up
+            return
+        log.info("reusing the vLLM server of the previous job (weights reset to the initial model)")
+
+    def reset_served_weights(self, model: Path) -> None:
+        """A server kept by a sweep's previous job of this mode: serve the initial weights `model` again at this
+        job's weight version, with an empty prefix cache (reloaded in place; vLLM's reload resets the cache)."""
+        self.server.each(lambda replica: replica.client.reload_weights(str(model), version=self.version))
 
     def restore_replica(self, replica: Replica) -> None:
         """The server found `replica` dead: restart it on the current weights (modes whose weights live outside
@@ -147,9 +176,10 @@ class SyncStrategy(ABC):
         batch: a restart may move the server and a sync advances the version)."""
         return self.server.endpoint(self.served_model, int(self.version))
 
-    def shutdown(self) -> None:
-        """Stop every process this strategy started (its server's). Safe to call twice."""
-        self.server.shutdown()
+    def shutdown(self, keep_server: bool = False) -> None:
+        """Stop every process this strategy started (its server's). Safe to call twice. `keep_server` (a sweep's
+        job that completed): keep the server for the next job when it may be (InferenceServer.shutdown)."""
+        self.server.shutdown(keep=keep_server)
 
     # ------------------------------------------------------------------ moving weights
     def before_optimizer_step(self) -> None:

@@ -22,6 +22,7 @@ class LoraHotSwapSync(SyncStrategy):
 
     mode_name = "lora_only"
     uses_lora = True
+    reuses_server = True  # a sweep's next job unloads the adapters: the base weights never change
 
     def __init__(self, sync_every: int = 1, adapter_prefix: str = "policy") -> None:
         super().__init__(sync_every)
@@ -39,6 +40,18 @@ class LoraHotSwapSync(SyncStrategy):
         if ctx.resume_weights:
             self._current, self._current_dir = self._name(self.version), Path(ctx.resume_weights)
             self.server.each(lambda replica: replica.client.load_lora(self._current, str(self._current_dir)))
+
+    def reset_served_weights(self, model: Path) -> None:
+        """The server of a sweep's previous job: unload every adapter it loaded (the served names are the base
+        model's), so this job's `policy-vN` are its own; the version set back and the prefix cache emptied."""
+        def reset(replica: Replica) -> None:
+            base = set(replica.process.served_model_names) if replica.process is not None else set()
+            for name in replica.client.models():
+                if name not in base:
+                    replica.client.unload_lora(name)
+            replica.client.set_weight_version(self.version, reset_prefix_cache=True)
+
+        self.server.each(reset)
 
     @property
     def served_model(self) -> str | None:

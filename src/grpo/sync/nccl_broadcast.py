@@ -303,9 +303,9 @@ class NCCLBroadcastSync(SyncStrategy):
                 raise MappingError(f"HF parameters with no vLLM counterpart: {missing}")
         self._checked = True
 
-    def shutdown(self) -> None:
+    def shutdown(self, keep_server: bool = False) -> None:
         self.group = None
-        super().shutdown()
+        super().shutdown(keep_server=keep_server)
 
 
 def _maps_by_name(hf_name: str, vllm_names: set[str]) -> bool:

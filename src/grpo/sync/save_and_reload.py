@@ -50,6 +50,7 @@ class SaveAndReloadSync(SyncStrategy):
 
     mode_name = "none"
     uses_lora = False
+    reuses_server = True  # a sweep's next job reloads the initial weights in place
     fsdp_gather = "state_dict"  # FSDP2: every rank joins one full state dict gather, rank 0 saves it
 
     def __init__(self, sync_every: int = 1, reload: str = "inplace") -> None:
@@ -150,11 +151,11 @@ class SaveAndReloadSync(SyncStrategy):
             self._landed.wait()
         return super().endpoint()
 
-    def shutdown(self) -> None:
-        self._landed.wait(timeout=60)  # a background reload in flight ends before its server is stopped
+    def shutdown(self, keep_server: bool = False) -> None:
+        landed = self._landed.wait(timeout=60)  # a background reload in flight ends before its server is stopped
         if self._reloader is not None:
             self._reloader.shutdown(wait=False, cancel_futures=True)
-        super().shutdown()
+        super().shutdown(keep_server=keep_server and landed)
 
     def _serve_weights(self, out: Path, version: int) -> dict[str, float]:
         """Every replica serves `out` at `version`: reloaded in place (all at once), or restarted on it."""

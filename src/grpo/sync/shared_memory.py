@@ -87,6 +87,9 @@ class SharedMemorySync(SyncStrategy):
 
     mode_name = "shared_vllm"
     uses_lora = False
+    # A sweep's next job reloads the initial weights into the server's tensors and maps them anew. On the CPU only:
+    # a server whose CUDA memory a job's trainer opened is stopped at its end (re-opening it is not verified).
+    reuses_server = True
     fsdp_refusal = "shared_vllm trains vLLM's own tensors in place, which FSDP2 cannot shard"
 
     def __init__(self, sync_every: int = 1, in_flight_updates: bool = False) -> None:
@@ -192,9 +195,9 @@ class SharedMemorySync(SyncStrategy):
             replica.client.rpc("grpo_share_cpu_params", path=str(self.shared_file), create=False)
             replica.client.set_weight_version(self.version, reset_prefix_cache=True)
 
-    def shutdown(self) -> None:
+    def shutdown(self, keep_server: bool = False) -> None:
         try:
-            super().shutdown()
+            super().shutdown(keep_server=keep_server and self.shared_file is not None)
         finally:
             if self.shared_file is not None:
                 self.shared_file.unlink(missing_ok=True)  # the pages go once the trainer's views are gone too
