@@ -134,23 +134,47 @@ def _view_args(prefix: str) -> list[str]:
     return args
 
 
-def sandbox_command(limits: SandboxLimits, seccomp_fd: int, token: str) -> list[str]:
-    """The bwrap command line of one run (the filter read from `seccomp_fd`; `token` names the run)."""
+def sandbox_command(limits: SandboxLimits, seccomp_fd: int, info_fd: int, token: str) -> list[str]:
+    """The bwrap command line of one run (the filter read from `seccomp_fd`, bwrap's info written to `info_fd`;
+    `token` names the run)."""
     python, prefix = _interpreter()
     cpu_s = int(limits.timeout_s) + 1
     return ["bwrap", "--unshare-all", "--unshare-user", "--die-with-parent", "--new-session", "--disable-userns", "--cap-drop", "ALL",
             *_view_args(prefix), "--dev", "/dev", "--remount-ro", "/dev", "--proc", "/proc",
             "--size", str(limits.box_bytes), "--tmpfs", "/box", "--remount-ro", "/", "--chdir", "/box",
             "--clearenv", "--setenv", "PATH", "/usr/bin:/bin", "--setenv", "HOME", "/box", "--setenv", "TMPDIR", "/box",
-            "--setenv", "LANG", "C.UTF-8", "--seccomp", str(seccomp_fd), "--",
+            "--setenv", "LANG", "C.UTF-8", "--seccomp", str(seccomp_fd), "--info-fd", str(info_fd), "--",
             "prlimit", f"--as={limits.memory_bytes}", f"--cpu={cpu_s}", f"--fsize={limits.box_bytes}",
             f"--nofile={limits.open_files}", "--core=0", "--",
             python, "-I", "-S", "-B", "-c", HARNESS, token]
 
 
-def _kill_tree(proc: subprocess.Popen) -> None:
-    """SIGKILL bwrap's process group: its pid-1 child dies with it, and the kernel then kills every process of the
-    sandbox's pid namespace."""
+def _sandbox_init_pid(info: bytes) -> Optional[int]:
+    """The host pid of the sandbox's pid 1 (bwrap --info-fd writes {"child-pid": N}); None if bwrap wrote none."""
+    try:
+        return int(json.loads(info.decode())["child-pid"])
+    except (ValueError, KeyError, TypeError):
+        return None
+
+
+def _kill_tree(proc: subprocess.Popen, init_pid: Optional[int]) -> None:
+    """SIGKILL the sandbox's pid 1 (the kernel then kills every process of its pid namespace, and pid 1's exit waits
+    for them) and wait for that exit; then bwrap's own process group."""
+    if init_pid is not None:
+        try:
+            pidfd = os.pidfd_open(init_pid)
+        except ProcessLookupError:
+            pidfd = None
+        if pidfd is not None:
+            try:
+                signal.pidfd_send_signal(pidfd, signal.SIGKILL)
+                with selectors.DefaultSelector() as sel:
+                    sel.register(pidfd, selectors.EVENT_READ)
+                    sel.select(10.0)
+            except ProcessLookupError:
+                pass
+            finally:
+                os.close(pidfd)
     try:
         os.killpg(proc.pid, signal.SIGKILL)
     except ProcessLookupError:
@@ -192,14 +216,20 @@ def run_sandboxed(program: str, tests: str, limits: SandboxLimits = SandboxLimit
     seccomp_r, seccomp_w = os.pipe()
     os.write(seccomp_w, no_fork_filter())
     os.close(seccomp_w)
+    info_r, info_w = os.pipe()
+    init_pid: Optional[int] = None
     start = time.monotonic()
     try:
-        proc = subprocess.Popen(sandbox_command(limits, seccomp_r, token), stdin=subprocess.PIPE,
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, pass_fds=(seccomp_r,),
+        proc = subprocess.Popen(sandbox_command(limits, seccomp_r, info_w, token), stdin=subprocess.PIPE,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, pass_fds=(seccomp_r, info_w),
                                 start_new_session=True)
     finally:
         os.close(seccomp_r)
+        os.close(info_w)
     try:
+        # bwrap writes the info and closes its end before it runs the program.
+        with os.fdopen(info_r, "rb") as info:
+            init_pid = _sandbox_init_pid(info.read())
         try:
             proc.stdin.write(json.dumps({"nonce": nonce, "program": program, "tests": tests}).encode())
             proc.stdin.close()
@@ -207,7 +237,7 @@ def run_sandboxed(program: str, tests: str, limits: SandboxLimits = SandboxLimit
             pass
         out, err, truncated, timed_out = _collect(proc, limits)
     finally:
-        _kill_tree(proc)
+        _kill_tree(proc, init_pid)
         returncode = proc.wait()
         proc.stdout.close()
         proc.stderr.close()
