@@ -110,8 +110,8 @@ def no_fork_filter(machine: Optional[str] = None) -> bytes:
     at = {name: len(prog) + i for i, name in enumerate(labels)}
     out = b""
     for i, (code, jt, jf, k) in enumerate(prog):
-        rel = lambda label: at[label] - i - 1 if label else 0  # noqa: E731
-        out += struct.pack("=HBBI", code, rel(jt), rel(jf), k)
+        jump_true, jump_false = (at[label] - i - 1 if label else 0 for label in (jt, jf))
+        out += struct.pack("=HBBI", code, jump_true, jump_false, k)
     return out + b"".join(struct.pack("=HBBI", _RET_K, 0, 0, k) for k in labels.values())
 
 
