@@ -187,6 +187,11 @@ def test_the_reward_refuses_to_start_without_bwrap_and_says_what_to_install(monk
         sandbox._probe.cache_clear()
 
 
+def test_a_sandbox_bwrap_fails_to_start_is_an_error_not_a_zero_score():
+    with pytest.raises(sandbox.SandboxError, match="--size"):
+        sandbox.run_sandboxed(RIGHT, ADD_TESTS, sandbox.SandboxLimits(box_bytes=0))
+
+
 def test_hostile_programs_score_0_in_reward_workers_and_the_batch_goes_on():
     specs = OmegaConf.load(CONFIG_DIR / "data" / "code_tiny.yaml").rewards
     specs.correct.timeout_s = 1.0

@@ -50,6 +50,10 @@ _main()
 """
 
 
+class SandboxError(RuntimeError):
+    """bwrap itself failed to start a sandbox for one run (not the program's fault: it never ran)."""
+
+
 class SandboxUnavailable(RuntimeError):
     """bwrap (or prlimit) is missing, or this kernel refuses the namespaces it needs: the code reward cannot run."""
 
@@ -139,7 +143,8 @@ def sandbox_command(limits: SandboxLimits, seccomp_fd: int, info_fd: int, token:
     `token` names the run)."""
     python, prefix = _interpreter()
     cpu_s = int(limits.timeout_s) + 1
-    return ["bwrap", "--unshare-all", "--unshare-user", "--die-with-parent", "--new-session", "--disable-userns", "--cap-drop", "ALL",
+    return ["bwrap", "--unshare-all", "--unshare-user", "--die-with-parent", "--new-session", "--disable-userns",
+            "--cap-drop", "ALL",
             *_view_args(prefix), "--dev", "/dev", "--remount-ro", "/dev", "--proc", "/proc",
             "--size", str(limits.box_bytes), "--tmpfs", "/box", "--remount-ro", "/", "--chdir", "/box",
             "--clearenv", "--setenv", "PATH", "/usr/bin:/bin", "--setenv", "HOME", "/box", "--setenv", "TMPDIR", "/box",
@@ -157,9 +162,10 @@ def _sandbox_init_pid(info: bytes) -> Optional[int]:
         return None
 
 
-def _kill_tree(proc: subprocess.Popen, init_pid: Optional[int]) -> None:
+def _kill_tree(proc: subprocess.Popen, init_pid: Optional[int], token: str) -> None:
     """SIGKILL the sandbox's pid 1 (the kernel then kills every process of its pid namespace, and pid 1's exit waits
-    for them) and wait for that exit; then bwrap's own process group."""
+    for them) and wait for that exit; then bwrap's own process group. The pid is signalled through a pidfd, and only
+    when that process's command line holds `token`: a pid freed by a sandbox that ended and reused is left alone."""
     if init_pid is not None:
         try:
             pidfd = os.pidfd_open(init_pid)
@@ -167,11 +173,14 @@ def _kill_tree(proc: subprocess.Popen, init_pid: Optional[int]) -> None:
             pidfd = None
         if pidfd is not None:
             try:
-                signal.pidfd_send_signal(pidfd, signal.SIGKILL)
-                with selectors.DefaultSelector() as sel:
-                    sel.register(pidfd, selectors.EVENT_READ)
-                    sel.select(10.0)
-            except ProcessLookupError:
+                with open(f"/proc/{init_pid}/cmdline", "rb") as f:
+                    ours = token.encode() in f.read()
+                if ours:
+                    signal.pidfd_send_signal(pidfd, signal.SIGKILL)
+                    with selectors.DefaultSelector() as sel:
+                        sel.register(pidfd, selectors.EVENT_READ)
+                        sel.select(10.0)
+            except (ProcessLookupError, FileNotFoundError):
                 pass
             finally:
                 os.close(pidfd)
@@ -210,8 +219,13 @@ def _collect(proc: subprocess.Popen, limits: SandboxLimits) -> tuple[bytes, byte
 
 def run_sandboxed(program: str, tests: str, limits: SandboxLimits = SandboxLimits()) -> SandboxResult:
     """Run `program` then `tests` (Python source; the tests assert on the program's names) in the sandbox. `passed`
-    is true only when every test ran to the end within the limits and the output was not truncated."""
+    is true only when every test ran to the end within the limits and the output was not truncated. Raises
+    SandboxUnavailable where bwrap cannot run here, SandboxError when it failed to start this run."""
     check_sandbox()
+    return _run(program, tests, limits)
+
+
+def _run(program: str, tests: str, limits: SandboxLimits) -> SandboxResult:
     nonce, token = secrets.token_hex(16), f"grpo-sandbox-{secrets.token_hex(8)}"
     seccomp_r, seccomp_w = os.pipe()
     os.write(seccomp_w, no_fork_filter())
@@ -237,10 +251,13 @@ def run_sandboxed(program: str, tests: str, limits: SandboxLimits = SandboxLimit
             pass
         out, err, truncated, timed_out = _collect(proc, limits)
     finally:
-        _kill_tree(proc, init_pid)
+        _kill_tree(proc, init_pid, token)
         returncode = proc.wait()
         proc.stdout.close()
         proc.stderr.close()
+    if init_pid is None:  # bwrap failed before the sandbox existed: no fault of the program's
+        raise SandboxError(f"bwrap did not start the sandbox (exit status {returncode}): "
+                           f"{err.decode('utf-8', 'replace').strip()[-500:]}")
     text = out.decode("utf-8", "replace")
     last = text.rstrip("\n").rsplit("\n", 1)[-1]
     passed = not timed_out and not truncated and returncode == 0 and last == f"{nonce} passed"
@@ -250,18 +267,16 @@ def run_sandboxed(program: str, tests: str, limits: SandboxLimits = SandboxLimit
 
 @lru_cache(maxsize=1)
 def _probe() -> Optional[str]:
-    """None when bwrap runs a sandbox here, else why not."""
+    """None when the sandbox runs a test program here (the very command every run uses), else why not."""
     for tool in ("bwrap", "prlimit"):
         if shutil.which(tool) is None:
             return f"{tool} is not on PATH"
     try:
-        done = subprocess.run(["bwrap", "--unshare-all", "--die-with-parent", *_view_args(_interpreter()[1]),
-                               "--dev", "/dev", "--proc", "/proc", "--", "true"],
-                              capture_output=True, text=True, timeout=30)
-    except (OSError, subprocess.TimeoutExpired) as e:
-        return f"bwrap did not run: {e}"
-    if done.returncode != 0:
-        return f"bwrap --unshare-all failed here ({done.stderr.strip() or f'exit status {done.returncode}'})"
+        result = _run("ok = True\n", "assert ok\n", SandboxLimits(timeout_s=30.0))
+    except (OSError, SandboxError, SandboxUnavailable) as e:
+        return str(e)
+    if not result.passed:
+        return f"a test program did not pass in it ({(result.stderr or result.stdout).strip()[-500:]})"
     return None
 
 
