@@ -212,7 +212,7 @@ def test_code_tiny_trains_3_steps_with_the_sandboxed_reward(tmp_path, train_serv
 
     rows = _train(train_server, tiny_qwen2_dir, tmp_path / "run", "experiment=code_tiny", "train.steps=3",
                   "data.prompts_per_step=4", "data.group_size=4", "train.micro_batch_size=8", "train.grad_accum=2",
-                  "data.max_new_tokens=32", "eval.samples_per_prompt=2", "eval.k=2", "logging.progress_bar=false",
+                  "data.max_new_tokens=16", "eval.samples_per_prompt=1", "eval.k=1", "logging.progress_bar=false",
                   base=())
     trained = [r for r in rows if r["step"] > 0]
     assert [r["step"] for r in trained] == [1, 2, 3]
