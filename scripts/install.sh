@@ -10,6 +10,15 @@ cd "$(dirname "$0")/.."
 extras="cpu,atropos"
 [ "${1:-}" = "test" ] && extras="cpu,test"
 venv="${VENV:-.venv}"
+# The code reward (data=code_tiny, docs/code_rewards.md) runs programs in bubblewrap: installed from apt when it is
+# missing (as root on Debian/Ubuntu, e.g. a fresh CI machine; elsewhere the line says what to install).
+if ! command -v bwrap >/dev/null; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq bubblewrap
+  else
+    echo "bwrap not found: install bubblewrap (e.g. sudo apt-get install bubblewrap) for the code reward (data=code_tiny)" >&2
+  fi
+fi
 python3 -m venv "$venv"
 . "$venv/bin/activate"
 pip install -q --upgrade pip
