@@ -161,7 +161,7 @@ def test_math_verify_grades_on_a_producer_thread_too():
 
 def test_an_echoed_question_is_not_a_literal_answer():
     """math-verify evaluates expressions: "13 - 73" is -60 to it. With literal_answer the value must be stated."""
-    literal, plain = MathVerifyReward(literal_answer=True), MathVerifyReward()
+    literal, plain = MathVerifyReward(literal_answer=True), MathVerifyReward(literal_answer=False)
     question = Prompt("What is 13 - 73?", "-60")
     assert plain(question, "13 - 73") == 1.0
     assert [literal(question, c) for c in ["13 - 73", "13 - 73 = -60", "-60", "The answer is $-60$.", "-61"]] == \
