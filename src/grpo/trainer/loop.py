@@ -19,7 +19,7 @@ from grpo.trainer.checkpoint import CheckpointManager
 from grpo.trainer.flops import ModelFlops, pad_fraction, peak_tflops, perf_metrics
 from grpo.trainer.logprobs import can_fuse, fused_token_loss, token_logprobs
 from grpo.trainer.metrics import MetricsLogger, NullMetrics
-from grpo.trainer.minibatch import update_plan, without_zero_advantage_rows
+from grpo.trainer.minibatch import forward_tokens, token_budget_split, update_plan, without_zero_advantage_rows
 from grpo.trainer.prefix import shared_row_lengths
 from grpo.trainer.reference import ReferencePolicy
 from grpo.trainer.train_batch import BatchSource, PreparedBatch, TrainBatch
@@ -94,19 +94,23 @@ class TrainerOutOfMemoryError(RuntimeError):
     """A micro-batch's forward/backward ran out of device memory; the message names the knobs that lower the peak."""
 
 
-def out_of_memory_advice(batch: PreparedBatch, step: int, device: torch.device) -> str:
-    """What ran out of memory (the update's largest micro-batch, the device's free memory) and what to change."""
-    lengths = [mb.attention_mask.sum(dim=1).tolist() for mb in batch.micro_batches]
-    rows, longest = max(len(lens) for lens in lengths), max(max(lens, default=0) for lens in lengths)
+def out_of_memory_advice(batch: PreparedBatch, step: int, device: torch.device, padding_free: bool = False,
+                         shared: bool = False) -> str:
+    """What ran out of memory (the update's largest micro-batch as its forward runs it, the device's free memory)
+    and what to change."""
+    shapes = [(mb.num_sequences, *forward_tokens(mb, padding_free, shared)) for mb in batch.micro_batches]
+    sequences, rows, width = max(shapes, key=lambda s: s[1] * s[2])
+    layout = ("packed into one row" if padding_free and not shared else
+              f"as {rows} shared-prompt rows x {width} tokens" if shared else f"x {width} tokens, padded")
     free = ""
     if device.type == "cuda":
         free_b, total_b = torch.cuda.mem_get_info(device)
         free = f"; {free_b / 2**30:.1f} of the GPU's {total_b / 2**30:.1f} GiB are free now"
     return (
-        f"step {step}: out of device memory in the forward/backward of micro-batches of up to {rows} sequences x "
-        f"{longest} tokens{free}. Lower the peak with a smaller train.micro_batch_size (a larger train.grad_accum "
-        "keeps the batch) or a train.max_tokens_per_micro_batch budget, model.gradient_checkpointing=true, or, when "
-        "vLLM shares this GPU, a smaller server.gpu_memory_utilization"
+        f"step {step}: out of device memory in the forward/backward of a micro-batch of {rows * width} tokens "
+        f"({sequences} sequences {layout}){free}. Lower the peak with a smaller train.micro_batch_size (a larger "
+        "train.grad_accum keeps the batch) or train.max_tokens_per_micro_batch budget, "
+        "model.gradient_checkpointing=true, or, when vLLM shares this GPU, a smaller server.gpu_memory_utilization"
     )
 
 
@@ -286,6 +290,10 @@ class GRPOTrainer:
         batch = self.fetch_batch()
         t_data = time.perf_counter()
         head: dict[str, Any] = {**self.pipeline.metrics(), **batch.metrics}
+        if self.max_tokens is not None and batch.num_loss_tokens > 0:
+            # pi_old's and the KL reference's forwards run on the rollout batch's micro-batches: the budget holds
+            # for them too (the updates' plan re-splits these rows, carrying what those forwards stored).
+            batch = token_budget_split(batch, self.max_tokens, self.packed, self.shared)
         if self.recompute_old:
             self.recompute_old_logprobs(batch)
             head["time/old_logprobs_seconds"] = time.perf_counter() - t_data
@@ -333,11 +341,12 @@ class GRPOTrainer:
         if batch.num_loss_tokens == 0:
             return [(epoch, batch) for epoch in range(self.cfg.ppo_epochs) for _ in range(self.cfg.mini_batches)]
         plan = update_plan(batch, self.cfg.ppo_epochs, self.cfg.mini_batches, self.cfg.seed, self.batch_number,
-                           self.max_tokens, self.packed)
+                           self.max_tokens, self.packed, self.shared)
         if not self.skip_zero_advantage:
             return plan
         # After the mini-batch split, so each update keeps its own normalisers and the gradients are unchanged.
-        return [(epoch, without_zero_advantage_rows(mini, mini.micro_batch_size, self.max_tokens, self.packed))
+        return [(epoch, without_zero_advantage_rows(mini, mini.micro_batch_size, self.max_tokens, self.packed,
+                                                    self.shared))
                 for epoch, mini in plan]
 
     def skip_update(self) -> dict[str, Any]:
@@ -355,7 +364,8 @@ class GRPOTrainer:
         try:
             loss_total, loss_metrics = self.forward_backward(batch)
         except torch.OutOfMemoryError as error:
-            raise TrainerOutOfMemoryError(out_of_memory_advice(batch, self.step + 1, self.device)) from error
+            raise TrainerOutOfMemoryError(out_of_memory_advice(batch, self.step + 1, self.device, self.packed,
+                                                               self.shared)) from error
         t_fwd = time.perf_counter()
         grad_norm = self.optimizer_step(loss_total)
         t_opt = time.perf_counter()
