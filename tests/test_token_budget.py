@@ -6,6 +6,7 @@ out-of-memory error names the largest micro-batch as its forward ran it."""
 from __future__ import annotations
 
 import random
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -93,3 +94,67 @@ def test_pi_old_is_recomputed_on_budgeted_micro_batches(tiny_qwen2_dir, tmp_path
     trainer.metrics.close()
     assert _rows(tmp_path / "run")[0]["grpo/ratio_old_mean"] == pytest.approx(1.0, abs=1e-6)
     assert forwards and all(rows * longest <= budget or rows == 1 for rows, longest in forwards), forwards
+
+
+# --------------------------------------------------------------------- the default bound (train.auto_token_budget)
+class _Decoder(torch.nn.Module):
+    """A module with a decoder's config sizes (SmolLM2-135M's) and a few float32 parameters."""
+
+    def __init__(self, checkpointing: bool = False) -> None:
+        super().__init__()
+        self.config = SimpleNamespace(hidden_size=576, intermediate_size=1536, num_hidden_layers=30)
+        self.weight = torch.nn.Parameter(torch.zeros(1000))
+        self.is_gradient_checkpointing = checkpointing
+
+
+def test_the_cap_is_derived_from_the_free_memory_and_the_models_size():
+    from grpo.trainer.token_cap import CPU_TOKEN_CAP, derived_token_cap
+
+    assert derived_token_cap(_Decoder(), torch.device("cpu"))[0] == CPU_TOKEN_CAP
+    # The issue's H100: vLLM holding 0.25 of 80 GB, about 58 GiB free when the trainer starts.
+    cap, how = derived_token_cap(_Decoder(), torch.device("cuda"), free_bytes=58 * 2**30)
+    assert 8192 <= cap <= 20480 and "58.0 GiB free" in how
+    assert cap < 128 * 591  # micro_batch_size 128 of 591-token sequences, which ran out of memory, is split
+    half, _ = derived_token_cap(_Decoder(), torch.device("cuda"), free_bytes=29 * 2**30)
+    assert half == pytest.approx(cap / 2, abs=1024)
+    assert derived_token_cap(_Decoder(checkpointing=True), torch.device("cuda"), free_bytes=58 * 2**30)[0] > 4 * cap
+
+
+def test_micro_batches_over_the_cap_are_split_and_the_others_kept(tiny_qwen2_dir, caplog):
+    import logging
+
+    from grpo.trainer.token_cap import CPU_TOKEN_CAP
+
+    with caplog.at_level(logging.INFO, logger="grpo.trainer.loop"):
+        trainer = update_trainer(_model(tiny_qwen2_dir), GRPOLoss(), micro_batch_size=128)
+    assert trainer.token_cap == CPU_TOKEN_CAP
+    assert (f"micro-batches: 128 rows (train.micro_batch_size), split further where a forward would run more than "
+            f"{CPU_TOKEN_CAP} tokens (train.auto_token_budget: the CPU default") in caplog.text
+    long = prepare_batch(_long_answers(16), max_seq_len=1024, micro_batch_size=128, pad_token_id=0)
+    assert max(mb.input_ids.numel() for mb in long.micro_batches) > CPU_TOKEN_CAP  # 128 x 590
+    ((_, split),) = trainer.plan(long)
+    assert max(mb.input_ids.numel() for mb in split.micro_batches) <= CPU_TOKEN_CAP
+    assert split.num_sequences == long.num_sequences == sum(mb.num_sequences for mb in split.micro_batches)
+    short = prepare_batch(_long_answers(16, seed=1)[:2], max_seq_len=1024, micro_batch_size=128, pad_token_id=0)
+    ((_, same),) = trainer.plan(short)
+    assert same is short  # under the cap: the batcher's micro-batches, untouched
+    off = update_trainer(_model(tiny_qwen2_dir), GRPOLoss(), micro_batch_size=128, auto_token_budget=False)
+    assert off.token_cap is None and off.plan(long)[0][1] is long
+
+
+def test_the_default_jobs_micro_batches_are_under_the_cpu_cap():
+    """`python train.py`'s micro-batches (micro_batch_size rows of at most model.max_seq_len tokens) can never
+    exceed the CPU cap, so the default job splits, and computes, exactly as before."""
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    from grpo.conf import CONFIG_DIR
+    from grpo.config import register_configs
+    from grpo.trainer.token_cap import CPU_TOKEN_CAP
+
+    register_configs()
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
+        cfg = compose(config_name="train")
+    assert cfg.train.auto_token_budget and cfg.train.max_tokens_per_micro_batch is None
+    assert cfg.train.micro_batch_size * cfg.model.max_seq_len <= CPU_TOKEN_CAP

@@ -19,9 +19,16 @@ from grpo.trainer.checkpoint import CheckpointManager
 from grpo.trainer.flops import ModelFlops, pad_fraction, peak_tflops, perf_metrics
 from grpo.trainer.logprobs import can_fuse, fused_token_loss, token_logprobs
 from grpo.trainer.metrics import MetricsLogger, NullMetrics
-from grpo.trainer.minibatch import forward_tokens, token_budget_split, update_plan, without_zero_advantage_rows
+from grpo.trainer.minibatch import (
+    capped_split,
+    forward_tokens,
+    token_budget_split,
+    update_plan,
+    without_zero_advantage_rows,
+)
 from grpo.trainer.prefix import shared_row_lengths
 from grpo.trainer.reference import ReferencePolicy
+from grpo.trainer.token_cap import derived_token_cap
 from grpo.trainer.train_batch import BatchSource, PreparedBatch, TrainBatch
 
 log = logging.getLogger(__name__)
@@ -206,6 +213,9 @@ class GRPOTrainer:
         self.skip_zero_advantage = bool(getattr(train_cfg, "skip_zero_advantage", False))
         check_skip_zero_advantage(self.skip_zero_advantage, loss_fn)
         self.max_tokens = train_cfg.max_tokens_per_micro_batch
+        # Without an explicit budget, micro_batch_size rows each split further where their forward would exceed a
+        # cap derived from the device (train.auto_token_budget; grpo.trainer.token_cap).
+        self.token_cap = self.micro_batch_bound(train_cfg, model, device, dist)
         self.flops, self.peak = model_flops(model), device_peak(model, device)
         self.rewards: list[float] = []
         # Held-out eval (rank 0 only; None when off). It runs after a rollout batch's sync, so it samples the
@@ -214,6 +224,27 @@ class GRPOTrainer:
         if device.type == "cuda":
             # Peaks are per run: a multirun's earlier jobs must not leak into this one's figures.
             torch.cuda.reset_peak_memory_stats(device)
+
+    @staticmethod
+    def micro_batch_bound(train_cfg: TrainConfig, model: torch.nn.Module, device: torch.device,
+                          dist: Optional[fsdp.DistInfo]) -> Optional[int]:
+        """The token cap on top of micro_batch_size rows (None: an explicit budget or none), said in the log."""
+        if train_cfg.max_tokens_per_micro_batch is not None:
+            log.info("micro-batches: by a budget of %d forwarded tokens (train.max_tokens_per_micro_batch)",
+                     train_cfg.max_tokens_per_micro_batch)
+            return None
+        if not getattr(train_cfg, "auto_token_budget", True):
+            log.info("micro-batches: %d rows, no token bound (train.auto_token_budget=false)", train_cfg.micro_batch_size)
+            return None
+        cap, how = derived_token_cap(model, device)
+        if dist is not None:  # every rank must split alike (the forwards are collectives): the smallest cap
+            bound = torch.tensor([cap], device=device)
+            torch.distributed.all_reduce(bound, op=torch.distributed.ReduceOp.MIN)
+            cap = int(bound.item())
+        log.info("micro-batches: %d rows (train.micro_batch_size), split further where a forward would run more than "
+                 "%d tokens (train.auto_token_budget: %s; set train.max_tokens_per_micro_batch to choose a budget)",
+                 train_cfg.micro_batch_size, cap, how)
+        return cap
 
     @property
     def layout(self) -> dict[str, bool]:
@@ -290,10 +321,10 @@ class GRPOTrainer:
         batch = self.fetch_batch()
         t_data = time.perf_counter()
         head: dict[str, Any] = {**self.pipeline.metrics(), **batch.metrics}
-        if self.max_tokens is not None and batch.num_loss_tokens > 0:
+        if batch.num_loss_tokens > 0:
             # pi_old's and the KL reference's forwards run on the rollout batch's micro-batches: the budget holds
             # for them too (the updates' plan re-splits these rows, carrying what those forwards stored).
-            batch = token_budget_split(batch, self.max_tokens, self.packed, self.shared)
+            batch = self.bounded(batch)
         if self.recompute_old:
             self.recompute_old_logprobs(batch)
             head["time/old_logprobs_seconds"] = time.perf_counter() - t_data
@@ -342,12 +373,21 @@ class GRPOTrainer:
             return [(epoch, batch) for epoch in range(self.cfg.ppo_epochs) for _ in range(self.cfg.mini_batches)]
         plan = update_plan(batch, self.cfg.ppo_epochs, self.cfg.mini_batches, self.cfg.seed, self.batch_number,
                            self.max_tokens, self.packed, self.shared)
-        if not self.skip_zero_advantage:
-            return plan
-        # After the mini-batch split, so each update keeps its own normalisers and the gradients are unchanged.
-        return [(epoch, without_zero_advantage_rows(mini, mini.micro_batch_size, self.max_tokens, self.packed,
-                                                    self.shared))
-                for epoch, mini in plan]
+        if self.skip_zero_advantage:
+            # After the mini-batch split, so each update keeps its own normalisers and the gradients are unchanged.
+            plan = [(epoch, without_zero_advantage_rows(mini, mini.micro_batch_size, self.max_tokens, self.packed,
+                                                        self.shared))
+                    for epoch, mini in plan]
+        return plan if self.token_cap is None else [(epoch, self.bounded(mini)) for epoch, mini in plan]
+
+    def bounded(self, batch: PreparedBatch) -> PreparedBatch:
+        """`batch` in micro-batches within the explicit token budget, or with those over the derived cap re-split
+        (`batch` itself when none is over); unchanged without either."""
+        if self.max_tokens is not None:
+            return token_budget_split(batch, self.max_tokens, self.packed, self.shared)
+        if self.token_cap is not None:
+            return capped_split(batch, self.token_cap, self.packed, self.shared)
+        return batch
 
     def skip_update(self) -> dict[str, Any]:
         """The row of an optimizer step with no token to train on: no forward, no optimizer or schedule step; its

@@ -175,6 +175,26 @@ def token_budget_split(batch: PreparedBatch, max_tokens: int, padding_free: bool
                          num_sequences=batch.num_sequences, max_completion_tokens=batch.max_completion_tokens)
 
 
+def capped_split(batch: PreparedBatch, max_tokens: int, padding_free: bool = False,
+                 shared: bool = False) -> PreparedBatch:
+    """The same update with each micro-batch whose forward runs more than `max_tokens` tokens (`forward_tokens`)
+    re-split by that budget (`token_budget_groups`); the others are kept as they are. `batch` itself when none is
+    over: a cap above every micro-batch changes nothing (train.auto_token_budget)."""
+    if all(rows * width <= max_tokens for rows, width in
+           (forward_tokens(mb, padding_free, shared) for mb in batch.micro_batches)):
+        return batch
+    micro: list[TrainBatch] = []
+    for m, mb in enumerate(batch.micro_batches):
+        rows, width = forward_tokens(mb, padding_free, shared)
+        if rows * width <= max_tokens or mb.num_sequences == 1:
+            micro.append(mb)
+        else:
+            picks = [(m, r) for r in range(mb.num_sequences)]
+            micro += _micro_split(batch.micro_batches, picks, 0, max_tokens, padding_free, shared)
+    return PreparedBatch(micro_batches=micro, metrics=batch.metrics, num_loss_tokens=batch.num_loss_tokens,
+                         num_sequences=batch.num_sequences, max_completion_tokens=batch.max_completion_tokens)
+
+
 def without_zero_advantage_rows(
     batch: PreparedBatch, micro_batch_size: int, max_tokens: Optional[int] = None, padding_free: bool = False,
     shared: bool = False,
