@@ -290,3 +290,16 @@ def test_the_cpu_smoke_experiment_trains_the_real_model(smollm2_dir, tmp_path):
     assert (summary["status"], summary["steps_run"]) == ("completed", 2)
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2] and rows[-1]["sync/version"] == 2
+
+
+def test_the_preset_and_docs_say_the_weights_are_the_dequantized_q4_1_file_not_the_released_ones():
+    from grpo.conf import CONFIG_DIR
+
+    repo = Path(__file__).resolve().parents[1]
+    preset = (CONFIG_DIR / "model" / "smollm2_135m.yaml").read_text()
+    page = " ".join((repo / "docs" / "real_model.md").read_text().split())
+    assert "released ones" not in preset
+    assert "These are not the released weights" in preset.replace("# ", "").replace("\n", " ")
+    assert "Q4_1" in preset and "dequantiz" in preset
+    assert "These are not the released weights." in page
+    assert "every figure of this project for SmolLM2 is for the quantized model" in page
