@@ -71,6 +71,9 @@ class EvalContext:
     seed: int
     total_steps: int
     max_seq_len: int
+    # Optimizer steps per rollout batch (train.ppo_epochs x train.mini_batches): an evaluation can run only between
+    # rollout batches, after the batch's sync.
+    updates_per_batch: int = 1
 
 
 @dataclass
@@ -178,6 +181,7 @@ class Evaluator:
         self.prompts, self.prompt_ids = [prompts[i] for i in keep], [ids[i] for i in keep]
         self.grader.start()
         self.started = time.monotonic()
+        self.every = self.batch_grid(self.every, ctx.updates_per_batch)
         log.info("eval: %d held-out prompts, greedy + %d samples each (pass@%d) at temperature %g",
                  len(self.prompts), self.n, self.k, self.temperature)
 
@@ -191,6 +195,18 @@ class Evaluator:
                 f"task {type(training_task).__name__}; leave eval.task null (the training task's own held-out split) or "
                 "give the training task the same held-out split"
             )
+
+    @staticmethod
+    def batch_grid(every: int, updates_per_batch: int) -> int:
+        """`every` rounded up to a multiple of the updates per rollout batch, said in the log when it changes: with 4
+        updates per batch, eval.every=10 evaluated after the batches that reached steps 10, 20, 30 (steps 12, 20, 32,
+        40, ...: no regular grid); it evaluates every 12 steps now."""
+        grid = -(-every // updates_per_batch) * updates_per_batch if every > 0 and updates_per_batch > 1 else every
+        if grid != every:
+            log.info("eval: every %d steps (eval.every=%d rounded up to a multiple of the %d updates per rollout batch: "
+                     "an evaluation runs between rollout batches, after the batch's weight sync)", grid, every,
+                     updates_per_batch)
+        return grid
 
     def due(self, step: int, total_steps: int) -> bool:
         """Step 0 when `before_train`, every `every` steps, and the last step when `at_end`."""
