@@ -78,6 +78,8 @@ class TrainConfig:
     # split further by that cap, said in the start-up log (grpo.trainer.token_cap). false: rows only.
     auto_token_budget: bool = True
     checkpoint_every: int = 20
+    # Save a checkpoint after the last step; false: only every checkpoint_every steps (a smoke run nobody resumes).
+    save_final_checkpoint: bool = True
     keep_checkpoints: int = 2
     # Run dir of an earlier run to continue from (its latest checkpoint); null starts fresh.
     resume: Optional[str] = None

@@ -282,7 +282,8 @@ class GRPOTrainer:
             if failed is not None:
                 raise failed
             every = self.cfg.checkpoint_every
-            if self.step // every > first // every or self.step == self.cfg.steps:
+            final = self.step == self.cfg.steps and getattr(self.cfg, "save_final_checkpoint", True)
+            if self.step // every > first // every or final:
                 self.metrics.flush()
                 self.save_checkpoint()  # at rollout-batch boundaries; FSDP2: every rank joins, rank 0 writes
         return self.rewards
