@@ -46,9 +46,9 @@ def read_jsonl(path: Path) -> list[dict]:
 
 
 def compose_job(args: list[str]) -> dict:
-    """The composed config of `python train.py <args>` (what `--cfg job` prints), from the checkout root."""
-    out = subprocess.run([sys.executable, "train.py", *args, "--cfg", "job"], cwd=REPO, capture_output=True,
-                         text=True, timeout=120)
+    """The composed config of `python train.py <args>` (what `--cfg job --resolve` prints), from the checkout root."""
+    out = subprocess.run([sys.executable, "train.py", *args, "--cfg", "job", "--resolve"], cwd=REPO,
+                         capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     return yaml.safe_load(out.stdout)
 
@@ -71,6 +71,15 @@ def test_the_command_line_version_composes_the_same_config_as_the_experiment():
     assert argv[:2] == ["python", "train.py"]
     from_cli = compose_job(argv[2:])
     from_experiment = compose_job(["--config-dir", "examples/my_task/conf", "experiment=my_task"])
+    # The experiment's files resolve against its config dir, its functions import from the folder that holds it;
+    # the command line names the same files from the checkout root, the same functions by their path from there.
+    for key in ("path", "eval_path"):
+        assert Path(from_experiment["data"]["task"][key]) == REPO / from_cli["data"]["task"][key]
+        from_experiment["data"]["task"][key] = from_cli["data"]["task"][key]
+    for name in ("exact", "format"):
+        target = from_experiment["data"]["rewards"][name]["_target_"]
+        assert from_cli["data"]["rewards"][name]["_target_"] == f"examples.my_task.{target}"
+        from_experiment["data"]["rewards"][name]["_target_"] = f"examples.my_task.{target}"
     assert from_cli == from_experiment
     assert from_experiment["model"]["offline"] == "warm-arith" and from_experiment["name"] == "my_task"
 
@@ -97,14 +106,14 @@ def test_only_the_right_answer_earns_the_reward_that_judges_held_out_accuracy():
     assert one_integer(p, "12 13") == 0.0 and one_integer(p, "007") == 0.0 and one_integer(p, "") == 0.0
 
 
-def test_the_example_experiment_judges_held_out_accuracy_by_the_exact_answer(monkeypatch):
-    monkeypatch.syspath_prepend(str(REPO))
+def test_the_example_experiment_judges_held_out_accuracy_by_the_exact_answer(monkeypatch, tmp_path):
+    monkeypatch.syspath_prepend(str(EXAMPLE))  # what train.py does for --config-dir: the folder holding it
     GlobalHydra.instance().clear()
     with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
-        # python train.py --config-dir examples/my_task/conf experiment=my_task (from the checkout root)
+        # python train.py --config-dir examples/my_task/conf experiment=my_task
         overrides = [f"hydra.searchpath=[file://{EXAMPLE / 'conf'}]", "experiment=my_task"]
-        cfg = compose(config_name="train", overrides=overrides)
-    monkeypatch.chdir(REPO)  # the experiment's file paths are relative to where you run
+        cfg = compose(config_name="train", overrides=overrides, return_hydra_config=True)
+    monkeypatch.chdir(tmp_path)  # the experiment's files resolve against its config dir, not where you run
     evaluator = build_evaluator(cfg.eval, cfg.data)
     assert evaluator.correct_reward == "exact"
     assert len(evaluator.task.eval_prompts()) == 500
@@ -120,9 +129,8 @@ def test_the_task_class_example_composes_builds_samples_and_is_evaluated(tmp_pat
     other task keys to the class ("takes no arguments"), and a class that is not a `Task` died after vLLM's start-up
     (`bind_tokenizer`)."""
     argv = page_command("data=sums")
-    monkeypatch.syspath_prepend(str(REPO))  # python train.py imports from the checkout root (examples.my_task...)
-    monkeypatch.delitem(sys.modules, "examples", raising=False)  # a namespace package found anew from REPO
-    monkeypatch.chdir(REPO)
+    monkeypatch.syspath_prepend(str(EXAMPLE))  # train.py puts the folder holding --config-dir on the path
+    monkeypatch.chdir(tmp_path)
     GlobalHydra.instance().clear()
     with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
         config_dir = argv[argv.index("--config-dir") + 1]
@@ -130,8 +138,8 @@ def test_the_task_class_example_composes_builds_samples_and_is_evaluated(tmp_pat
                      *argv[argv.index("--config-dir") + 2:]]
         cfg = compose(config_name="train", overrides=overrides, return_hydra_config=True)
         validate(cfg, tmp_path / "run")
-    assert dict(cfg.data.task) == {"_target_": "examples.my_task.my_sums.SumsAndDifferences",
-                                   "eval_path": "examples/my_task/eval_prompts.jsonl"}
+    assert dict(cfg.data.task) == {"_target_": "my_sums.SumsAndDifferences",
+                                   "eval_path": str(EXAMPLE / "eval_prompts.jsonl")}
 
     pipeline = instantiate(cfg.data, _recursive_=False)  # as train.py's build_data
     task = pipeline.task
@@ -149,22 +157,44 @@ def test_the_task_class_example_composes_builds_samples_and_is_evaluated(tmp_pat
     assert set(pipeline.rewards) == {"exact", "format"}
 
 
+def test_a_target_that_does_not_import_says_where_modules_are_found():
+    """Before: "No module named 'examples'", with no word of where modules are looked for."""
+    from grpo.pipeline.local import build_rewards
+
+    with pytest.raises(ValueError) as e:
+        build_rewards({"mine": {"_target_": "no_such_module_of_yours.reward", "_partial_": True}})
+    message = str(e.value)
+    assert message.startswith("data.rewards.mine (no_such_module_of_yours.reward): ")
+    for where in ("the directory you run in", "the folder that holds your --config-dir", "PYTHONPATH="):
+        assert where in message
+
+
 @pytest.mark.vllm
 def test_the_example_task_trains_two_steps_with_the_real_engine(tmp_path, train_server, tiny_qwen2_dir):
     # On the session's shared vLLM server (conftest.train_server, back on the initial weights): what is tested is the
     # user's task and rewards in a real run (model=tiny_qwen2: the weights that server holds; learning is measured
     # in bench/README.md, "Your own task"); a run's own server start and stop are tested in tests/test_train_e2e.py.
+    # Run as `cd ~ && grpo-train --config-dir <checkout>/examples/my_task/conf experiment=my_task` (the console
+    # script's code, with only the package on the path, from a directory outside the checkout): the example's files
+    # resolve against its config dir and its reward module imports from the folder holding it. Before, the files
+    # were looked for under the working directory and `examples.my_task.my_rewards` did not import.
+    import grpo
+
+    elsewhere = tmp_path / "home"
+    elsewhere.mkdir()
     run = tmp_path / "run"
     external, server_env = attach(train_server, tiny_qwen2_dir)
     marker = f"GRPO_TEST_{uuid.uuid4().hex}"
-    env = dict(os.environ, **server_env, GRPO_TEST_MARKER=marker, PYTHONUNBUFFERED="1")
+    env = dict(os.environ, **server_env, GRPO_TEST_MARKER=marker, PYTHONUNBUFFERED="1",
+               PYTHONPATH=str(Path(grpo.__file__).resolve().parents[1]))
     out = subprocess.run(
         # Evaluation left on (the default, as a user runs it): the held-out file is read, checked against the
         # training prompts, and scored before the first step and after the last.
-        [sys.executable, "train.py", "--config-dir", "examples/my_task/conf", "experiment=my_task", "model=tiny_qwen2",
+        [sys.executable, "-c", "from grpo.train import run; run()", "--config-dir", str(EXAMPLE / "conf"),
+         "experiment=my_task", "model=tiny_qwen2",
          *[s for s in QUICK_SETTINGS if s != "eval=off"], "eval.samples_per_prompt=2", "eval.k=2",
          "train.steps=2", external, f"hydra.run.dir={run}"],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=400)
+        cwd=elsewhere, env=env, capture_output=True, text=True, timeout=400)
     assert out.returncode == 0, (out.stdout + out.stderr)[-3000:]
     assert_clean(marker)
     rows = metrics(run)

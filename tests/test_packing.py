@@ -138,7 +138,7 @@ class _Unused(BatchSource):
 def update_trainer(model, loss_fn, reference=None, **train) -> GRPOTrainer:
     """A GRPOTrainer whose updates run on batches the test hands it (no data source, sync or optimizer movement);
     `reference`: the KL penalty's ReferencePolicy."""
-    cfg = OmegaConf.structured(TrainConfig(steps=1, micro_batch_size=3, grad_accum=4, **train))
+    cfg = OmegaConf.structured(TrainConfig(**{"steps": 1, "micro_batch_size": 3, "grad_accum": 4, **train}))
     sync = SimpleNamespace(version=0, prepare_step=lambda step: None)
     return GRPOTrainer(train_cfg=cfg, model=model, tokenizer=None, optimizer=torch.optim.SGD(model.parameters(), 0.0),
                        scheduler=None, loss_fn=loss_fn, pipeline=_Unused(), sync=sync, checkpoints=None,
@@ -332,11 +332,13 @@ def test_out_of_memory_in_an_update_says_which_micro_batch_and_what_to_lower(tin
 
     model = _model(tiny_qwen2_dir)
     batch = prepare_batch(_groups(3), max_seq_len=64, micro_batch_size=3, pad_token_id=0)
-    longest = max(int(mb.attention_mask.sum(dim=1).max()) for mb in batch.micro_batches)
+    largest = max(batch.micro_batches, key=lambda mb: mb.input_ids.numel())
+    longest = int(largest.attention_mask.sum(dim=1).max())
     with pytest.raises(TrainerOutOfMemoryError) as e:
         update_trainer(model, OutOfMemoryLoss()).update(batch)
     msg = str(e.value)
-    assert f"step 1: out of device memory in the forward/backward of micro-batches of up to 3 sequences x {longest} tokens" in msg
+    assert (f"step 1: out of device memory in the forward/backward of a micro-batch of {3 * longest} tokens "
+            f"(3 sequences x {longest} tokens, padded)") in msg
     for knob in ("train.micro_batch_size", "train.max_tokens_per_micro_batch", "model.gradient_checkpointing=true",
                  "server.gpu_memory_utilization"):
         assert knob in msg

@@ -249,3 +249,37 @@ def test_issue_40_losses_compose_with_several_updates_fused_unfused_and_packed(t
         assert max(r["grpo/clipped_fraction"] for r in rows[1:]) > 0
     if name == "masks":  # the masks drop some tokens and train the others
         assert 0 < rows[0]["mismatch/masked_fraction"] < 1 and rows[0]["mismatch/kl"] > 0 and rows[0]["loss"] != 0
+
+
+def test_evaluations_fall_on_a_regular_grid_of_rollout_batches(tiny_qwen2_dir, tmp_path, caplog):
+    """Several updates per rollout batch: evaluations ran after the batches that reached each multiple of
+    eval.every (sweep=clip_eps, 4 updates, every 10: steps 12, 20, 32, 40, ...). eval.every is rounded up to a
+    multiple of the updates per batch now (here 2 updates, every 3: steps 4 and 8, not 4, 6 and 8), said in the log."""
+    import logging
+
+    from transformers import AutoTokenizer
+
+    from grpo.pipeline.evaluation import EvalContext, Evaluator
+    from grpo.pipeline.rewards import DigitFractionReward
+    from grpo.pipeline.tasks import DigitsTask
+
+    class Recorded(Evaluator):
+        """The real evaluator's schedule; its sampling left out (no server here)."""
+
+        def evaluate(self, step):
+            self.steps.append(step)
+            return {}
+
+    trainer = _trainer(tiny_qwen2_dir, tmp_path / "run", steps=8, loss=GRPOLoss(old_logprobs="recompute"),
+                       ppo_epochs=2)
+    evaluator = Recorded(task=DigitsTask(eval_size=4), rewards={"digits": DigitFractionReward()}, every=3)
+    evaluator.steps = []
+    with caplog.at_level(logging.INFO, logger="grpo.pipeline.evaluation"):
+        evaluator.setup(EvalContext(tokenizer=AutoTokenizer.from_pretrained(tiny_qwen2_dir), endpoint=lambda: None,
+                                    run_dir=tmp_path, seed=0, total_steps=8, max_seq_len=64, updates_per_batch=2))
+    assert "eval: every 4 steps (eval.every=3 rounded up to a multiple of the 2 updates per rollout batch" in caplog.text
+    assert Evaluator.batch_grid(10, 4) == 12 and Evaluator.batch_grid(10, 1) == 10 and Evaluator.batch_grid(0, 4) == 0
+    trainer.evaluator = evaluator
+    trainer.fit()
+    trainer.metrics.close()
+    assert evaluator.steps == [0, 4, 8]

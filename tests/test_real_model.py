@@ -161,7 +161,7 @@ def test_math_verify_grades_on_a_producer_thread_too():
 
 def test_an_echoed_question_is_not_a_literal_answer():
     """math-verify evaluates expressions: "13 - 73" is -60 to it. With literal_answer the value must be stated."""
-    literal, plain = MathVerifyReward(literal_answer=True), MathVerifyReward()
+    literal, plain = MathVerifyReward(literal_answer=True), MathVerifyReward(literal_answer=False)
     question = Prompt("What is 13 - 73?", "-60")
     assert plain(question, "13 - 73") == 1.0
     assert [literal(question, c) for c in ["13 - 73", "13 - 73 = -60", "-60", "The answer is $-60$.", "-61"]] == \
@@ -281,7 +281,9 @@ def test_a_tokenizer_without_a_pad_token_trains_a_step(tiny_qwen2_dir, train_ser
 @pytest.mark.slow
 def test_the_cpu_smoke_experiment_trains_the_real_model(smollm2_dir, tmp_path):
     """`python train.py experiment=smollm2_cpu_smoke`: vLLM's CPU engine serves the real model, two GRPO steps run and
-    sync (several minutes on 2 cores: behind `slow`)."""
+    sync, and it shows the path working: the model scores on the task (one-digit sums), so a reward and the loss move,
+    one evaluation runs, and the run dir holds no weights (it held 2.1 GB: a served copy per sync and a final
+    checkpoint with AdamW's moments, for two steps whose rewards were all 0). Several minutes on 2 cores: `slow`."""
     run_dir = tmp_path / "run"
     result = subprocess.run([sys.executable, "train.py", "experiment=smollm2_cpu_smoke", f"hydra.run.dir={run_dir}",
                              "logging.progress_bar=false"], cwd=REPO, capture_output=True, text=True, timeout=1800)
@@ -289,4 +291,23 @@ def test_the_cpu_smoke_experiment_trains_the_real_model(smollm2_dir, tmp_path):
     summary = json.loads((run_dir / "summary.json").read_text())
     assert (summary["status"], summary["steps_run"]) == ("completed", 2)
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows] == [1, 2] and rows[-1]["sync/version"] == 2
+    trained = [r for r in rows if "loss" in r]
+    assert [r["step"] for r in trained] == [1, 2] and trained[-1]["sync/version"] == 2
+    assert max(r["reward/mean"] for r in trained) > 0 and any(r["loss"] != 0 and r["grad_norm"] > 0 for r in trained)
+    evaluated = [r for r in rows if "eval/accuracy" in r]
+    assert [(r["step"], r["eval/prompts"]) for r in evaluated] == [(2, 16.0)]
+    size = sum(f.stat().st_size for f in run_dir.rglob("*") if f.is_file())
+    assert size < 50 * 2**20, f"{size / 2**20:.0f} MiB in the run dir"
+
+
+def test_the_preset_and_docs_say_the_weights_are_the_dequantized_q4_1_file_not_the_released_ones():
+    from grpo.conf import CONFIG_DIR
+
+    repo = Path(__file__).resolve().parents[1]
+    preset = (CONFIG_DIR / "model" / "smollm2_135m.yaml").read_text()
+    page = " ".join((repo / "docs" / "real_model.md").read_text().split())
+    assert "released ones" not in preset
+    assert "These are not the released weights" in preset.replace("# ", "").replace("\n", " ")
+    assert "Q4_1" in preset and "dequantiz" in preset
+    assert "These are not the released weights." in page
+    assert "every figure of this project for SmolLM2 is for the quantized model" in page

@@ -87,9 +87,11 @@ def test_grpo_train_outside_the_checkout_says_which_config_dir_is_missing_and_na
     assert typo.returncode == 1 and "(grpo-train --cfg job prints every key" in typo.stderr, typo.stderr[-2000:]
     # With the example beside it (a copy of the checkout's examples/), the README's command composes it.
     shutil.copytree(REPO / "examples" / "my_task", tmp_path / "examples" / "my_task")
-    job = grpo_train(installed, tmp_path, "--config-dir", "examples/my_task/conf", "experiment=my_task", "--cfg", "job")
+    job = grpo_train(installed, tmp_path, "--config-dir", "examples/my_task/conf", "experiment=my_task", "--cfg", "job",
+                     "--resolve")
     assert job.returncode == 0, job.stderr[-2000:]
-    assert OmegaConf.create(job.stdout).data.task.path == "examples/my_task/prompts.jsonl"
+    # Its files resolve against the config dir (${grpo.config_dir:../prompts.jsonl}), wherever that is.
+    assert OmegaConf.create(job.stdout).data.task.path == str(tmp_path / "examples" / "my_task" / "prompts.jsonl")
 
 
 def _logging_cfg(tensorboard: bool):

@@ -49,10 +49,10 @@ def test_steps_run_counts_optimizer_steps_when_a_rollout_batch_has_several(tmp_p
     assert done_message(tmp_path).startswith("run completed: 4 steps; reward 0.500 (mean of its 1 rollout batch)")
 
 
-def test_without_metrics_the_session_rewards_are_used_and_a_short_run_has_equal_means(tmp_path):
+def test_without_metrics_the_session_rewards_are_used_and_a_short_run_has_disjoint_windows(tmp_path):
     RunSummary(tmp_path).finish([0.1, 0.3])
     summary = json.loads((tmp_path / "summary.json").read_text())
-    assert summary["first10_reward_mean"] == summary["last10_reward_mean"] == 0.2
+    assert (summary["first10_reward_mean"], summary["last10_reward_mean"], summary["reward_window"]) == (0.1, 0.3, 1)
     assert summary["best_reward"] == 0.3 and summary["status"] == "completed"
 
 
@@ -89,12 +89,24 @@ def test_a_completed_run_ends_with_a_line_saying_how_it_went_and_where_its_outpu
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     RunSummary(tmp_path).finish([0.5, 0.7])
     assert done_message(tmp_path) == (
-        "run completed: 2 steps; reward 0.600 (mean of its 2 rollout batches); held-out accuracy "
-        f"0.250 -> 0.500; run dir: {tmp_path} (summary: python -m grpo.report {tmp_path})")  # one line (issue 62.20)
+        "run completed: 2 steps; reward 0.500 -> 0.700 (mean of the first and last 1 rollout batch of 2); held-out "
+        f"accuracy 0.250 -> 0.500; run dir: {tmp_path} (summary: python -m grpo.report {tmp_path})")  # one line
     longer = tmp_path / "longer"
     longer.mkdir()
-    RunSummary(longer).finish([0.1] * 10 + [0.9] * 2)  # 12 batches: the windows differ
-    assert "; reward 0.100 -> 0.260 (mean of the first and last 10 rollout batches)" in done_message(longer)
+    RunSummary(longer).finish([0.1] * 20 + [0.9] * 2)  # 22 batches: windows of 10
+    assert "; reward 0.100 -> 0.260 (mean of the first and last 10 rollout batches of 22)" in done_message(longer)
+
+
+def test_the_first_and_last_reward_windows_never_overlap(tmp_path):
+    """sweep=clip_eps: 60 steps of 4 updates are 15 rollout batches, whose 'first and last 10' shared 5 batches."""
+    from grpo.run_records import done_message, reward_window
+
+    assert [reward_window(n) for n in (1, 2, 3, 15, 19, 20, 60)] == [1, 1, 1, 7, 9, 10, 10]
+    rewards = [0.0] * 8 + [1.0] * 7  # 15 batches: learning at batch 9
+    RunSummary(tmp_path).finish(rewards)
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert (summary["first10_reward_mean"], summary["last10_reward_mean"], summary["reward_window"]) == (0.0, 1.0, 7)
+    assert "reward 0.000 -> 1.000 (mean of the first and last 7 rollout batches of 15)" in done_message(tmp_path)
 
 
 def test_resuming_a_run_with_another_model_or_data_is_refused_naming_the_runs_command(tmp_path):

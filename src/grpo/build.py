@@ -35,7 +35,7 @@ from grpo.sync.follower import FollowerSync
 from grpo.trainer import fsdp
 from grpo.trainer.checkpoint import CheckpointManager, read_trainer_state
 from grpo.trainer.fsdp import DistInfo
-from grpo.trainer.loop import GRPOTrainer, rollout_batches
+from grpo.trainer.loop import GRPOTrainer, rollout_batches, updates_per_batch
 from grpo.trainer.metrics import MetricsLogger, NullMetrics
 from grpo.trainer.optim import build_optimizer, build_scheduler
 
@@ -234,7 +234,8 @@ def build_trainer(parts: RunParts) -> GRPOTrainer:
         # Same server as the rollouts (the endpoint follows restarts and syncs); its own seeds and sampling.
         parts.evaluator.setup(EvalContext(tokenizer=tokenizer, endpoint=sync.endpoint, run_dir=run_dir,
                                           seed=cfg.train.seed, total_steps=cfg.train.steps,
-                                          max_seq_len=cfg.model.max_seq_len))
+                                          max_seq_len=cfg.model.max_seq_len,
+                                          updates_per_batch=updates_per_batch(cfg.train)))
     # A resumed run's metrics.jsonl starts with the earlier rows up to the checkpoint (from the resumed run dir when
     # this one is another), so metrics, curves.png and grpo.report show the whole run.
     parts.metrics = MetricsLogger(run_dir, cfg.logging, cfg, cfg.train.steps, start_step,

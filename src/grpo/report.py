@@ -15,6 +15,7 @@ from typing import Any
 
 from hydra.experimental.callback import Callback
 
+from grpo.run_records import reward_window
 from grpo.trainer.metrics import MetricsFileError, read_metrics
 
 COLUMNS = ("job", "overrides", "status", "steps", "last10_reward_mean", "best_reward", "final_loss", "steps_per_s",
@@ -67,7 +68,7 @@ def job_row(job_dir: Path) -> dict[str, Any]:
     rewards = [r["reward/mean"] for r in rows if r.get("reward/mean") is not None]
     losses = [r["loss"] for r in rows if r.get("loss") is not None]
     step_s = [r["time/step_seconds"] for r in rows if r.get("time/step_seconds")]
-    tail = rewards[-10:]
+    tail = rewards[-reward_window(len(rewards)):]
     evals = [r[EVAL_KEY] for r in rows if r.get(EVAL_KEY) is not None]
     clipped = [r["grpo/clipped_fraction"] for r in rows if r.get("grpo/clipped_fraction") is not None]
     return {

@@ -35,8 +35,16 @@ from grpo.trainer.metrics import read_metrics
 
 log = logging.getLogger(__name__)
 
-# Rollout batches averaged for `first10_reward_mean` and `last10_reward_mean` (the objective sweeps optimise).
+# Rollout batches averaged for `first10_reward_mean` and `last10_reward_mean` (the objective sweeps optimise); a run
+# of fewer than two windows averages half of its batches each (`reward_window`), so the two never overlap.
 REWARD_WINDOW = 10
+
+
+def reward_window(batches: int) -> int:
+    """Rollout batches in each of the first and last reward means: REWARD_WINDOW, or half the run's batches when
+    that is fewer (at least 1): with 15 batches (sweep=clip_eps) the first and last 10 shared 5, which read as less
+    learning than there was."""
+    return max(1, min(REWARD_WINDOW, batches // 2))
 
 
 def git_commit(cwd: Path | None = None) -> str | None:
@@ -160,10 +168,11 @@ class RunSummary:
         rows = self._metric_rows()
         rewards = [float(r["reward/mean"]) for r in rows if r.get("reward/mean") is not None] or rewards
         steps = steps_in(rows, default=len(rewards))
-        last = sum(rewards[-REWARD_WINDOW:]) / len(rewards[-REWARD_WINDOW:]) if rewards else None
-        first = sum(rewards[:REWARD_WINDOW]) / len(rewards[:REWARD_WINDOW]) if rewards else None
+        window = reward_window(len(rewards))
+        last = sum(rewards[-window:]) / len(rewards[-window:]) if rewards else None
+        first = sum(rewards[:window]) / len(rewards[:window]) if rewards else None
         self._write({"status": "completed", "steps_run": steps, "rollout_batches": len(rewards),
-                     "last10_reward_mean": last, "first10_reward_mean": first,
+                     "last10_reward_mean": last, "first10_reward_mean": first, "reward_window": window,
                      "best_reward": max(rewards) if rewards else None})
         return last
 
@@ -200,11 +209,13 @@ def done_message(run_dir: Path) -> str:
     parts = [f"run completed: {summary['steps_run']} steps"]
     first, last = summary.get("first10_reward_mean"), summary.get("last10_reward_mean")
     batches = summary.get("rollout_batches") or 0
-    if last is not None and batches <= 10:
-        # Its first and last 10 rollout batches are the same ones: "0.541 -> 0.541" read as no learning.
+    window = summary.get("reward_window") or reward_window(batches)
+    if last is not None and batches < 2:
+        # One batch is both the first and the last: "0.541 -> 0.541" read as no learning.
         parts.append(f"reward {last:.3f} (mean of its {batches} rollout batch{'es' if batches != 1 else ''})")
     elif last is not None:
-        parts.append(f"reward {first:.3f} -> {last:.3f} (mean of the first and last 10 rollout batches)")
+        parts.append(f"reward {first:.3f} -> {last:.3f} (mean of the first and last {window} rollout "
+                     f"batch{'es' if window != 1 else ''} of {batches})")
     evals = [r for r in rows if r.get("eval/accuracy") is not None]
     if len(evals) > 1:
         parts.append(f"held-out accuracy {evals[0]['eval/accuracy']:.3f} -> {evals[-1]['eval/accuracy']:.3f}")

@@ -24,7 +24,7 @@ from omegaconf import DictConfig
 from grpo.build import build_parts, build_trainer
 from grpo.conf import CONFIG_DIR
 from grpo.config import ConfigError, register_configs, validate
-from grpo.config.command_line import check_command_line, rank_hydra_args
+from grpo.config.command_line import check_command_line, module_dirs, rank_hydra_args
 from grpo.job import Job, config_error, interrupt_on_sigterm
 from grpo.run_records import check_resume_identity
 from grpo.trainer.metrics import plot_curves
@@ -79,6 +79,11 @@ def run() -> None:
         check_command_line(sys.argv[1:], CONFIG_DIR)
     except ConfigError as e:
         config_error(e, multirun=False)
+    # The folder holding each --config-dir too: your modules beside your conf/ (`_target_: my_rewards.fn`) import
+    # from any working directory.
+    for folder in module_dirs(sys.argv[1:]):
+        if folder not in sys.path:
+            sys.path.insert(1, folder)
     sys.argv += rank_hydra_args()
     main()
 

@@ -103,6 +103,12 @@ def command_name() -> str:
     return "grpo-train" if first == "grpo-train" else "python train.py"
 
 
+def module_dirs(args: Sequence[str]) -> list[str]:
+    """The folders whose modules a run imports besides the working directory's: the one holding each --config-dir
+    (an example's `my_rewards.py` beside its `conf/`)."""
+    return [str(d.expanduser().resolve().parent) for d in config_dirs(args)]
+
+
 def check_config_dirs(config_dirs: Sequence[Path]) -> None:
     """Each `--config-dir` is a directory: Hydra's own word for a missing one ("Additional config directory ... not
     found") came after ours for its first option ("experiment=my_task is not one of the experiment options"), and

@@ -7,6 +7,7 @@ bottom layer, `grpo.schema`).
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 from hydra.core.config_store import ConfigStore
@@ -105,6 +106,25 @@ def config_groups() -> str:
     return "\n".join(lines)
 
 
+def config_dir_path(relative: str, *, _root_: Any) -> str:
+    """`${grpo.config_dir:<path>}`: `<path>` resolved against the `--config-dir` the run was given (or a
+    `hydra.searchpath` entry), so that a config dir's files (an example's prompts beside its conf/) are found from any
+    working directory. The job's config has no `hydra` node: Hydra's own record of it is read then."""
+    from hydra.core.hydra_config import HydraConfig
+
+    hydra = HydraConfig.get() if HydraConfig.initialized() else OmegaConf.select(_root_, "hydra", default=None)
+    every = list(hydra.runtime.config_sources) if hydra is not None else []
+    sources = ([s for s in every if s.schema == "file" and s.provider == "command-line"]
+               or [s for s in every if s.schema == "file" and str(s.provider).startswith("hydra.searchpath")])
+    if not sources:
+        raise ValueError(f"${{grpo.config_dir:{relative}}} resolves against the --config-dir of the command line, and "
+                         "none was given: run with --config-dir <the conf dir that holds this file>, or give the path")
+    base = Path(sources[0].path)
+    if not base.is_absolute():
+        base = Path(hydra.runtime.cwd) / base
+    return str((base / relative).resolve())
+
+
 def register_configs() -> None:
     """Register every schema (each group YAML names its schema in its defaults list) and our resolvers."""
     # conf/train.yaml's hydra.run.dir: a resumed run continues in the run dir it resumes (train.resume).
@@ -113,6 +133,8 @@ def register_configs() -> None:
     OmegaConf.register_new_resolver("grpo.config_groups", config_groups, replace=True)
     # ... and every key with its value and the first sentence of its schema comment.
     OmegaConf.register_new_resolver("grpo.config_keys", config_keys, replace=True)
+    # A path relative to the --config-dir (an example's data files beside its conf/).
+    OmegaConf.register_new_resolver("grpo.config_dir", config_dir_path, replace=True)
     cs = ConfigStore.instance()
     cs.store(name="root_schema", node=RootConfig)
     cs.store(group="model", name="model_schema", node=ModelConfig)

@@ -149,7 +149,7 @@ def check_train(cfg: DictConfig) -> None:
     check_train_counts(cfg.train)
     budget = cfg.train.max_tokens_per_micro_batch
     if budget is not None and budget < 1:
-        raise ConfigError(f"train.max_tokens_per_micro_batch must be >= 1 (null = micro_batch_size rows), got {budget}")
+        raise ConfigError(f"train.max_tokens_per_micro_batch must be >= 1 (null = micro_batch_size rows under train.auto_token_budget), got {budget}")
     check_resume_exists(cfg)
     check_resume_has_steps_left(cfg)
 

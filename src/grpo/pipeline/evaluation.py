@@ -27,6 +27,7 @@ from grpo.pipeline.environment import EnvironmentTask, EpisodeLimits
 from grpo.pipeline.episodes import EpisodeRunner
 from grpo.pipeline.grading import Grader, PendingGrades, picklable_specs
 from grpo.pipeline.local import build_rewards
+from grpo.pipeline.rewards import MathVerifyReward
 from grpo.pipeline.tasks import Prompt, Task
 from grpo.trainer.metrics import EVAL_SAMPLES
 
@@ -70,6 +71,9 @@ class EvalContext:
     seed: int
     total_steps: int
     max_seq_len: int
+    # Optimizer steps per rollout batch (train.ppo_epochs x train.mini_batches): an evaluation can run only between
+    # rollout batches, after the batch's sync.
+    updates_per_batch: int = 1
 
 
 @dataclass
@@ -133,6 +137,7 @@ class Evaluator:
             raise ValueError("eval.every, eval.samples_logged must be >= 0 and eval.max_new_tokens, "
                              f"eval.max_concurrency >= 1, got {every}, {samples_logged}, {max_new_tokens}, {max_concurrency}")
         self.task: Task = _build(task)
+        rewards = literal_eval_rewards(rewards)
         self.rewards = build_rewards(rewards)
         # Grades in worker processes (grpo.pipeline.grading; data.reward_workers, handed over by build_evaluator)
         # started by setup(); 0: in this process.
@@ -176,6 +181,7 @@ class Evaluator:
         self.prompts, self.prompt_ids = [prompts[i] for i in keep], [ids[i] for i in keep]
         self.grader.start()
         self.started = time.monotonic()
+        self.every = self.batch_grid(self.every, ctx.updates_per_batch)
         log.info("eval: %d held-out prompts, greedy + %d samples each (pass@%d) at temperature %g",
                  len(self.prompts), self.n, self.k, self.temperature)
 
@@ -189,6 +195,18 @@ class Evaluator:
                 f"task {type(training_task).__name__}; leave eval.task null (the training task's own held-out split) or "
                 "give the training task the same held-out split"
             )
+
+    @staticmethod
+    def batch_grid(every: int, updates_per_batch: int) -> int:
+        """`every` rounded up to a multiple of the updates per rollout batch, said in the log when it changes: with 4
+        updates per batch, eval.every=10 evaluated after the batches that reached steps 10, 20, 30 (steps 12, 20, 32,
+        40, ...: no regular grid); it evaluates every 12 steps now."""
+        grid = -(-every // updates_per_batch) * updates_per_batch if every > 0 and updates_per_batch > 1 else every
+        if grid != every:
+            log.info("eval: every %d steps (eval.every=%d rounded up to a multiple of the %d updates per rollout batch: "
+                     "an evaluation runs between rollout batches, after the batch's weight sync)", grid, every,
+                     updates_per_batch)
+        return grid
 
     def due(self, step: int, total_steps: int) -> bool:
         """Step 0 when `before_train`, every `every` steps, and the last step when `at_end`."""
@@ -319,6 +337,34 @@ class Evaluator:
                     "step": step, "weight_version": s.completion.weight_version, "prompt": prompt.text,
                     "answer": prompt.answer, "completion": s.text, "reward": s.reward, "correct": s.correct,
                 }) + "\n")
+
+
+def literal_eval_rewards(rewards: Mapping[str, Any]) -> dict[str, Any]:
+    """`rewards` as the evaluator grades with them: a math-verify reward that training runs with
+    `literal_answer: false` grades held-out answers literally wherever the reference is a value ("auto"), so that an
+    echoed question ("73 + 84 =", which math-verify evaluates to the answer) never counts as correct."""
+    from hydra.utils import get_class
+
+    out: dict[str, Any] = {}
+    for name, spec in rewards.items():
+        if isinstance(spec, tuple) or not (isinstance(spec, Mapping) or type(spec).__name__ == "DictConfig"):
+            fn = spec[0] if isinstance(spec, tuple) else spec
+            if isinstance(fn, MathVerifyReward) and fn.literal_answer is False:
+                raise ValueError(f"eval reward {name!r} is a MathVerifyReward with literal_answer=False, which counts an "
+                                 "echoed question as correct: give the evaluator one with literal_answer='auto'")
+            out[str(name)] = spec
+            continue
+        target = spec.get("_target_")
+        try:
+            is_math_verify = bool(target) and issubclass(get_class(str(target)), MathVerifyReward)
+        except Exception:  # not importable here: build_rewards names the problem
+            is_math_verify = False
+        if is_math_verify and spec.get("literal_answer") is False:
+            log.info("eval: reward %r grades answers literally (literal_answer=auto): an echoed question never counts "
+                     "as correct, whatever training's literal_answer=false pays", name)
+            spec = {**dict(spec), "literal_answer": "auto"}
+        out[str(name)] = spec
+    return out
 
 
 def _build(node: Any) -> Any:

@@ -52,6 +52,10 @@ def _build(node: Any, key: str) -> Any:
         if isinstance(cause, TypeError) and not node.get("_partial_", False) and _is_function(node["_target_"]):
             hint = (f"; {node['_target_']} is a function: to hand it over as the reward itself (not call it with no "
                     f"arguments), set {key}._partial_=true (+{key}._partial_=true on the command line)")
+        if isinstance(cause, ImportError) or "Error locating target" in message:
+            hint = (f"; {node.get('_target_')} must be importable: the modules found are those of the directory "
+                    "you run in, of the folder that holds your --config-dir, and of PYTHONPATH (e.g. "
+                    "PYTHONPATH=<the folder holding your module's top package>)")
         raise ValueError(f"{key} ({node.get('_target_')}): {message}{hint}") from e
 
 

@@ -81,6 +81,11 @@ def _math_verify_timeouts() -> int | None:
 _LITERAL = re.compile(r"-?(?:\d+(?:\.\d+)?|\d+/\d+|\\d?frac\{?\d+\}?\{?\d+\}?)")
 
 
+def is_literal(text: str) -> bool:
+    """Whether `text` (an answer as math-verify prints its parse, or a reference) is a value, not an expression."""
+    return bool(_LITERAL.fullmatch(text.replace(" ", "").replace(",", "")))
+
+
 class MathVerifyReward:
     """1.0 when Hugging Face's `math-verify` finds the completion's answer equal to the prompt's, else 0.0.
 
@@ -88,9 +93,12 @@ class MathVerifyReward:
     one written) and compares mathematically: `1/2`, `0.5` and `\\boxed{\\frac12}` are the same answer.
     """
 
-    def __init__(self, literal_answer: bool = False) -> None:
-        # True: the answer must be stated as a value ("-60", "1/2", "\\frac12"), not an expression that evaluates to
-        # it: math-verify would grade "13 - 73" right for "What is 13 - 73?", which a policy learns to echo.
+    def __init__(self, literal_answer: bool | str = "auto") -> None:
+        # The answer must be stated as a value ("-60", "1/2", "\\frac12"), not an expression that evaluates to it:
+        # math-verify grades "13 - 73" right for "What is 13 - 73?", and a policy learns to echo the question. "auto"
+        # (the default) requires it wherever the reference answer is a value; true always; false never.
+        if literal_answer not in (True, False, "auto"):
+            raise ValueError(f"MathVerifyReward.literal_answer must be true, false or 'auto', got {literal_answer!r}")
         self.literal_answer = literal_answer
         try:
             import math_verify
@@ -122,10 +130,14 @@ class MathVerifyReward:
         if prompt.answer is None:
             return 0.0
         got = self._parse_completion(completion)
-        if not got or (self.literal_answer and not _LITERAL.fullmatch(str(got[-1]).replace(" ", ""))):
+        if not got or (self.requires_literal(prompt.answer) and not is_literal(str(got[-1]))):
             return 0.0
         same = self._math_verify.verify(self._gold_of(prompt.answer), got, timeout_seconds=_math_verify_timeouts())
         return 1.0 if same else 0.0
+
+    def requires_literal(self, answer: str) -> bool:
+        """Whether a completion must state the reference `answer` as a value to score (see literal_answer)."""
+        return self.literal_answer is True or (self.literal_answer == "auto" and is_literal(answer))
 
     def parses(self, prompt: Prompt, completion: str) -> bool:  # noqa: ARG002
         """Whether math-verify extracts any answer from the completion (the evaluator counts those it doesn't)."""

@@ -73,7 +73,13 @@ class TrainConfig:
     # Micro-batches by a token budget (rows x longest row, or the sum of lengths with padding_free) instead of
     # micro_batch_size rows; null = row count. Normalisers are the update's, so loss and gradients are unchanged.
     max_tokens_per_micro_batch: Optional[int] = None
+    # With max_tokens_per_micro_batch null: a micro-batch of micro_batch_size rows whose forward would run more
+    # tokens than a cap derived from the device (its free memory and the model's size on a GPU; 65536 on CPU) is
+    # split further by that cap, said in the start-up log (grpo.trainer.token_cap). false: rows only.
+    auto_token_budget: bool = True
     checkpoint_every: int = 20
+    # Save a checkpoint after the last step; false: only every checkpoint_every steps (a smoke run nobody resumes).
+    save_final_checkpoint: bool = True
     keep_checkpoints: int = 2
     # Run dir of an earlier run to continue from (its latest checkpoint); null starts fresh.
     resume: Optional[str] = None

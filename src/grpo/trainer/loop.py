@@ -19,9 +19,16 @@ from grpo.trainer.checkpoint import CheckpointManager
 from grpo.trainer.flops import ModelFlops, pad_fraction, peak_tflops, perf_metrics
 from grpo.trainer.logprobs import can_fuse, fused_token_loss, token_logprobs
 from grpo.trainer.metrics import MetricsLogger, NullMetrics
-from grpo.trainer.minibatch import update_plan, without_zero_advantage_rows
+from grpo.trainer.minibatch import (
+    capped_split,
+    forward_tokens,
+    token_budget_split,
+    update_plan,
+    without_zero_advantage_rows,
+)
 from grpo.trainer.prefix import shared_row_lengths
 from grpo.trainer.reference import ReferencePolicy
+from grpo.trainer.token_cap import derived_token_cap
 from grpo.trainer.train_batch import BatchSource, PreparedBatch, TrainBatch
 
 log = logging.getLogger(__name__)
@@ -94,19 +101,23 @@ class TrainerOutOfMemoryError(RuntimeError):
     """A micro-batch's forward/backward ran out of device memory; the message names the knobs that lower the peak."""
 
 
-def out_of_memory_advice(batch: PreparedBatch, step: int, device: torch.device) -> str:
-    """What ran out of memory (the update's largest micro-batch, the device's free memory) and what to change."""
-    lengths = [mb.attention_mask.sum(dim=1).tolist() for mb in batch.micro_batches]
-    rows, longest = max(len(lens) for lens in lengths), max(max(lens, default=0) for lens in lengths)
+def out_of_memory_advice(batch: PreparedBatch, step: int, device: torch.device, padding_free: bool = False,
+                         shared: bool = False) -> str:
+    """What ran out of memory (the update's largest micro-batch as its forward runs it, the device's free memory)
+    and what to change."""
+    shapes = [(mb.num_sequences, *forward_tokens(mb, padding_free, shared)) for mb in batch.micro_batches]
+    sequences, rows, width = max(shapes, key=lambda s: s[1] * s[2])
+    layout = ("packed into one row" if padding_free and not shared else
+              f"as {rows} shared-prompt rows x {width} tokens" if shared else f"x {width} tokens, padded")
     free = ""
     if device.type == "cuda":
         free_b, total_b = torch.cuda.mem_get_info(device)
         free = f"; {free_b / 2**30:.1f} of the GPU's {total_b / 2**30:.1f} GiB are free now"
     return (
-        f"step {step}: out of device memory in the forward/backward of micro-batches of up to {rows} sequences x "
-        f"{longest} tokens{free}. Lower the peak with a smaller train.micro_batch_size (a larger train.grad_accum "
-        "keeps the batch) or a train.max_tokens_per_micro_batch budget, model.gradient_checkpointing=true, or, when "
-        "vLLM shares this GPU, a smaller server.gpu_memory_utilization"
+        f"step {step}: out of device memory in the forward/backward of a micro-batch of {rows * width} tokens "
+        f"({sequences} sequences {layout}){free}. Lower the peak with a smaller train.micro_batch_size (a larger "
+        "train.grad_accum keeps the batch) or train.max_tokens_per_micro_batch budget, "
+        "model.gradient_checkpointing=true, or, when vLLM shares this GPU, a smaller server.gpu_memory_utilization"
     )
 
 
@@ -202,6 +213,9 @@ class GRPOTrainer:
         self.skip_zero_advantage = bool(getattr(train_cfg, "skip_zero_advantage", False))
         check_skip_zero_advantage(self.skip_zero_advantage, loss_fn)
         self.max_tokens = train_cfg.max_tokens_per_micro_batch
+        # Without an explicit budget, micro_batch_size rows each split further where their forward would exceed a
+        # cap derived from the device (train.auto_token_budget; grpo.trainer.token_cap).
+        self.token_cap = self.micro_batch_bound(train_cfg, model, device, dist)
         self.flops, self.peak = model_flops(model), device_peak(model, device)
         self.rewards: list[float] = []
         # Held-out eval (rank 0 only; None when off). It runs after a rollout batch's sync, so it samples the
@@ -210,6 +224,27 @@ class GRPOTrainer:
         if device.type == "cuda":
             # Peaks are per run: a multirun's earlier jobs must not leak into this one's figures.
             torch.cuda.reset_peak_memory_stats(device)
+
+    @staticmethod
+    def micro_batch_bound(train_cfg: TrainConfig, model: torch.nn.Module, device: torch.device,
+                          dist: Optional[fsdp.DistInfo]) -> Optional[int]:
+        """The token cap on top of micro_batch_size rows (None: an explicit budget or none), said in the log."""
+        if train_cfg.max_tokens_per_micro_batch is not None:
+            log.info("micro-batches: by a budget of %d forwarded tokens (train.max_tokens_per_micro_batch)",
+                     train_cfg.max_tokens_per_micro_batch)
+            return None
+        if not getattr(train_cfg, "auto_token_budget", True):
+            log.info("micro-batches: %d rows, no token bound (train.auto_token_budget=false)", train_cfg.micro_batch_size)
+            return None
+        cap, how = derived_token_cap(model, device)
+        if dist is not None:  # every rank must split alike (the forwards are collectives): the smallest cap
+            bound = torch.tensor([cap], device=device)
+            torch.distributed.all_reduce(bound, op=torch.distributed.ReduceOp.MIN)
+            cap = int(bound.item())
+        log.info("micro-batches: %d rows (train.micro_batch_size), split further where a forward would run more than "
+                 "%d tokens (train.auto_token_budget: %s; set train.max_tokens_per_micro_batch to choose a budget)",
+                 train_cfg.micro_batch_size, cap, how)
+        return cap
 
     @property
     def layout(self) -> dict[str, bool]:
@@ -247,7 +282,8 @@ class GRPOTrainer:
             if failed is not None:
                 raise failed
             every = self.cfg.checkpoint_every
-            if self.step // every > first // every or self.step == self.cfg.steps:
+            final = self.step == self.cfg.steps and getattr(self.cfg, "save_final_checkpoint", True)
+            if self.step // every > first // every or final:
                 self.metrics.flush()
                 self.save_checkpoint()  # at rollout-batch boundaries; FSDP2: every rank joins, rank 0 writes
         return self.rewards
@@ -286,6 +322,10 @@ class GRPOTrainer:
         batch = self.fetch_batch()
         t_data = time.perf_counter()
         head: dict[str, Any] = {**self.pipeline.metrics(), **batch.metrics}
+        if batch.num_loss_tokens > 0:
+            # pi_old's and the KL reference's forwards run on the rollout batch's micro-batches: the budget holds
+            # for them too (the updates' plan re-splits these rows, carrying what those forwards stored).
+            batch = self.bounded(batch)
         if self.recompute_old:
             self.recompute_old_logprobs(batch)
             head["time/old_logprobs_seconds"] = time.perf_counter() - t_data
@@ -333,12 +373,22 @@ class GRPOTrainer:
         if batch.num_loss_tokens == 0:
             return [(epoch, batch) for epoch in range(self.cfg.ppo_epochs) for _ in range(self.cfg.mini_batches)]
         plan = update_plan(batch, self.cfg.ppo_epochs, self.cfg.mini_batches, self.cfg.seed, self.batch_number,
-                           self.max_tokens, self.packed)
-        if not self.skip_zero_advantage:
-            return plan
-        # After the mini-batch split, so each update keeps its own normalisers and the gradients are unchanged.
-        return [(epoch, without_zero_advantage_rows(mini, mini.micro_batch_size, self.max_tokens, self.packed))
-                for epoch, mini in plan]
+                           self.max_tokens, self.packed, self.shared)
+        if self.skip_zero_advantage:
+            # After the mini-batch split, so each update keeps its own normalisers and the gradients are unchanged.
+            plan = [(epoch, without_zero_advantage_rows(mini, mini.micro_batch_size, self.max_tokens, self.packed,
+                                                        self.shared))
+                    for epoch, mini in plan]
+        return plan if self.token_cap is None else [(epoch, self.bounded(mini)) for epoch, mini in plan]
+
+    def bounded(self, batch: PreparedBatch) -> PreparedBatch:
+        """`batch` in micro-batches within the explicit token budget, or with those over the derived cap re-split
+        (`batch` itself when none is over); unchanged without either."""
+        if self.max_tokens is not None:
+            return token_budget_split(batch, self.max_tokens, self.packed, self.shared)
+        if self.token_cap is not None:
+            return capped_split(batch, self.token_cap, self.packed, self.shared)
+        return batch
 
     def skip_update(self) -> dict[str, Any]:
         """The row of an optimizer step with no token to train on: no forward, no optimizer or schedule step; its
@@ -355,7 +405,8 @@ class GRPOTrainer:
         try:
             loss_total, loss_metrics = self.forward_backward(batch)
         except torch.OutOfMemoryError as error:
-            raise TrainerOutOfMemoryError(out_of_memory_advice(batch, self.step + 1, self.device)) from error
+            raise TrainerOutOfMemoryError(out_of_memory_advice(batch, self.step + 1, self.device, self.packed,
+                                                               self.shared)) from error
         t_fwd = time.perf_counter()
         grad_norm = self.optimizer_step(loss_total)
         t_opt = time.perf_counter()
