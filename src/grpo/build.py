@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -37,6 +38,7 @@ from grpo.trainer.fsdp import DistInfo
 from grpo.trainer.loop import GRPOTrainer, rollout_batches
 from grpo.trainer.metrics import MetricsLogger, NullMetrics
 from grpo.trainer.optim import build_optimizer, build_scheduler
+from grpo.trainer.wall_clock import WallClock
 
 log = logging.getLogger(__name__)
 
@@ -59,6 +61,8 @@ class RunParts:
     evaluator: Evaluator | None
     trainer: GRPOTrainer | None = None
     metrics: MetricsLogger | NullMetrics | None = None
+    # Where the job's wall clock goes (the server's start and the model's load are timed here).
+    clock: WallClock | None = None
 
     @property
     def rank0(self) -> bool:
@@ -80,7 +84,7 @@ class RunParts:
             self.trainer = None  # the stack holds trainer.close until it runs, then nothing keeps the trainer
 
 
-def build_parts(cfg: DictConfig, run_dir: Path) -> RunParts:
+def build_parts(cfg: DictConfig, run_dir: Path, clock: WallClock | None = None) -> RunParts:
     """Everything that needs no server, each part checked as it is built (a data source that does not answer, bad
     held-out prompts) so that a mistake stops the run before vLLM starts."""
     torch.manual_seed(cfg.train.seed)
@@ -109,7 +113,8 @@ def build_parts(cfg: DictConfig, run_dir: Path) -> RunParts:
         raise ConfigError(str(e)) from None
     check_objective(cfg.train.objective, evaluator is not None, type(evaluator).metric_names if evaluator else ())
     return RunParts(cfg=cfg, run_dir=run_dir, dist=dist_info, device=device, model_dir=model_dir, tokenizer=tokenizer,
-                    resume=resume_ckpt, sync=sync, loss_fn=loss_fn, data=data, evaluator=evaluator)
+                    resume=resume_ckpt, sync=sync, loss_fn=loss_fn, data=data, evaluator=evaluator,
+                    clock=clock if clock is not None else WallClock())
 
 
 def build_data(cfg: DictConfig) -> DataPipeline:
@@ -174,9 +179,14 @@ def build_trainer(parts: RunParts) -> GRPOTrainer:
     cfg, sync, data, tokenizer, run_dir = parts.cfg, parts.sync, parts.data, parts.tokenizer, parts.run_dir
     sync_ctx = SyncContext(run_dir=run_dir, model_dir=Path(parts.model_dir), server_cfg=cfg.server, lora_cfg=cfg.lora,
                            tokenizer=tokenizer, resume_weights=parts.resume)
+    clock = parts.clock if parts.clock is not None else WallClock()
+    t0 = time.perf_counter()
     sync.launch(sync_ctx)
+    t_launched = time.perf_counter()
+    clock.add_startup("server_start", t_launched - t0)
     model = build_model(cfg, sync, sync_ctx, parts.resume, parts.device, parts.dist)
     reference = build_reference_policy(cfg, parts.loss_fn, sync, sync_ctx, model, parts.device, parts.dist)
+    clock.add_startup("model_load", time.perf_counter() - t_launched)
     optimizer = build_optimizer(model, cfg.optimizer)
     scheduler = build_scheduler(optimizer, cfg.train.lr_schedule, cfg.train.warmup_steps, cfg.train.steps)
     log.info("optimizer %s lr %g", type(optimizer).__name__, cfg.optimizer.lr)
@@ -219,7 +229,7 @@ def build_trainer(parts: RunParts) -> GRPOTrainer:
         loss_fn=parts.loss_fn, pipeline=source, sync=sync, checkpoints=checkpoints, metrics=parts.metrics,
         device=parts.device, start_step=start_step, start_batch=start_batch, loss_state=loss_state, reference=reference,
         dist=parts.dist,
-        evaluator=parts.evaluator,
+        evaluator=parts.evaluator, clock=clock,
         logprob_fn=fsdp.sharded_token_logprobs(model) if parts.dist is not None else None,
     )
     return parts.trainer

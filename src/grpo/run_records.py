@@ -32,6 +32,7 @@ from grpo.config.run_dir import (
 )
 from grpo.config_values import ConfigError
 from grpo.trainer.metrics import read_metrics
+from grpo.trainer.wall_clock import WallClock, describe
 
 log = logging.getLogger(__name__)
 
@@ -134,19 +135,22 @@ class RunSummary:
         except OSError as e:
             log.error("could not write %s (status %s): %s", self.path, data.get("status"), e)
 
-    def finish(self, rewards: list[float]) -> float | None:
+    def finish(self, rewards: list[float], wall_clock: WallClock | None = None) -> float | None:
         """Record a completed run; returns the mean reward of the last REWARD_WINDOW rollout batches.
 
         A run resumed in its own run dir counts every step of its metrics.jsonl, not only this session's `rewards`.
+        `wall_clock`: where this session's wall clock went (summary.json's `wall_clock`, from the process's start).
         """
         rows = self._metric_rows()
         rewards = [float(r["reward/mean"]) for r in rows if r.get("reward/mean") is not None] or rewards
         steps = steps_in(rows, default=len(rewards))
         last = sum(rewards[-REWARD_WINDOW:]) / len(rewards[-REWARD_WINDOW:]) if rewards else None
         first = sum(rewards[:REWARD_WINDOW]) / len(rewards[:REWARD_WINDOW]) if rewards else None
-        self._write({"status": "completed", "steps_run": steps, "rollout_batches": len(rewards),
-                     "last10_reward_mean": last, "first10_reward_mean": first,
-                     "best_reward": max(rewards) if rewards else None})
+        data = {"status": "completed", "steps_run": steps, "rollout_batches": len(rewards),
+                "last10_reward_mean": last, "first10_reward_mean": first, "best_reward": max(rewards) if rewards else None}
+        if wall_clock is not None:
+            data["wall_clock"] = wall_clock.summary()
+        self._write(data)
         return last
 
     def _metric_rows(self) -> list[dict]:
@@ -187,12 +191,14 @@ def done_message(run_dir: Path) -> str:
         parts.append(f"reward {last:.3f} (mean of its {batches} rollout batch{'es' if batches != 1 else ''})")
     elif last is not None:
         parts.append(f"reward {first:.3f} -> {last:.3f} (mean of the first and last 10 rollout batches)")
-    evals = [r for r in rows if r.get("eval/accuracy") is not None]
+    # By step: evaluations beside training write their rows when they complete.
+    evals = sorted((r for r in rows if r.get("eval/accuracy") is not None), key=lambda r: r["step"])
     if len(evals) > 1:
         parts.append(f"held-out accuracy {evals[0]['eval/accuracy']:.3f} -> {evals[-1]['eval/accuracy']:.3f}")
     elif evals:  # "0.382 -> 0.382" read as no learning when only the step-0 eval ran (eval.at_end=false)
         parts.append(f"held-out accuracy {evals[0]['eval/accuracy']:.3f} (one evaluation, at step {evals[0]['step']})")
-    return "; ".join(parts) + f".\n  run dir: {run_dir} (summary: python -m grpo.report {run_dir})"
+    clock = f"\n  {describe(summary['wall_clock'])}" if summary.get("wall_clock") else ""
+    return "; ".join(parts) + f".{clock}\n  run dir: {run_dir} (summary: python -m grpo.report {run_dir})"
 
 
 # The metrics keys without a `<group>/` prefix (every other key has one: reward/mean, grpo/kl, eval/accuracy, ...).

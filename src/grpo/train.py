@@ -28,6 +28,7 @@ from grpo.config.command_line import check_command_line, rank_hydra_args
 from grpo.job import Job, config_error, interrupt_on_sigterm
 from grpo.run_records import check_resume_identity
 from grpo.trainer.metrics import plot_curves
+from grpo.trainer.wall_clock import WallClock
 
 register_configs()
 
@@ -45,7 +46,7 @@ def main(cfg: DictConfig) -> float | None:
     signal.signal(signal.SIGTERM, interrupt_on_sigterm)
     job.start(cfg)
     try:
-        final = job.completed(fit(cfg, job.run_dir))
+        final = job.completed(fit(cfg, job.run_dir, job.clock))
     except BaseException as e:
         return job.failed(e, cfg)
     finally:
@@ -53,9 +54,10 @@ def main(cfg: DictConfig) -> float | None:
     return job.objective(cfg, final)
 
 
-def fit(cfg: DictConfig, run_dir: Path) -> list[float]:
-    """Build every component from the config, train, and tear everything down; the rollout batches' mean rewards."""
-    parts = build_parts(cfg, run_dir)
+def fit(cfg: DictConfig, run_dir: Path, clock: WallClock | None = None) -> list[float]:
+    """Build every component from the config, train, and tear everything down; the rollout batches' mean rewards.
+    `clock`: where the job's wall clock goes (start-up, the loop's parts)."""
+    parts = build_parts(cfg, run_dir, clock)
     try:
         rewards = build_trainer(parts).fit()
         if cfg.logging.plot and parts.rank0:

@@ -70,6 +70,9 @@ class SyncStrategy(ABC):
     fsdp_gather: ClassVar[Optional[Literal["params", "state_dict"]]] = None
     # Why FSDP2 is refused (fsdp_gather None), for the start-up message.
     fsdp_refusal: ClassVar[str] = "LoRA adapters are not sharded with FSDP2 here"
+    # When the served weights change: at the sync (False), or at every optimizer step (True: the trainer writes the
+    # server's own tensors, shared_vllm). An evaluation beside training must have generated before then.
+    serves_weights_in_place: ClassVar[bool] = False
 
     def __init__(self, sync_every: int = 1) -> None:
         if sync_every < 1:

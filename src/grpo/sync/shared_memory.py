@@ -88,6 +88,7 @@ class SharedMemorySync(SyncStrategy):
     mode_name = "shared_vllm"
     uses_lora = False
     fsdp_refusal = "shared_vllm trains vLLM's own tensors in place, which FSDP2 cannot shard"
+    serves_weights_in_place = True  # each optimizer step changes what the server samples
 
     def __init__(self, sync_every: int = 1, in_flight_updates: bool = False) -> None:
         super().__init__(sync_every)
