@@ -10,6 +10,7 @@ the weight version the sync strategy says is served): what is tested is the loop
 from __future__ import annotations
 
 import shutil
+import threading
 import time
 
 import pytest
@@ -32,27 +33,45 @@ class _InPlaceServer(_NoServer):
         self.changes += 1
 
 
+class _Watched(BackgroundEvaluations):
+    """Says when the loop starts waiting for an evaluation's requests (`settling`)."""
+
+    def __init__(self, *args) -> None:
+        super().__init__(*args)
+        self.settling = threading.Event()
+
+    def settle(self) -> None:
+        self.settling.set()
+        super().settle()
+
+
 class _SlowEval:
-    """Requests that take `generate_s` (recording which weights were served when they began and ended), grading
-    that takes `score_s`."""
+    """Requests that last until the loop waits for them (or the served weights change under them, or `generate_s`
+    at most), so a loop that does not wait changes the weights under them; grading that takes `score_s`. Records
+    which weights were served when its requests began and ended."""
 
     background = True
 
-    def __init__(self, served, due_steps, generate_s: float = 0.3, score_s: float = 1.0) -> None:
+    def __init__(self, served, due_steps, generate_s: float = 30.0, score_s: float = 1.5) -> None:
         self.served, self.due_steps, self.generate_s, self.score_s = served, set(due_steps), generate_s, score_s
+        self.evals: _Watched | None = None
 
     def due(self, step, total_steps):  # noqa: ARG002
         return step in self.due_steps
 
     def generate(self, step):
-        begin = self.served()
-        time.sleep(self.generate_s)
-        return step, begin, self.served()
+        self.evals.settling.clear()
+        t0, begin = time.monotonic(), self.served()
+        while (time.monotonic() < t0 + self.generate_s and not self.evals.settling.is_set()
+               and self.served() == begin):
+            time.sleep(0.01)
+        return step, begin, self.served(), time.monotonic() - t0
 
     def score(self, generated):
         time.sleep(self.score_s)
-        _, begin, end = generated
-        return {"eval/accuracy": 0.5, "eval/served_at_start": float(begin), "eval/served_at_end": float(end)}
+        _, begin, end, seconds = generated
+        return {"eval/accuracy": 0.5, "eval/served_at_start": float(begin), "eval/served_at_end": float(end),
+                "eval/generation_seconds": seconds}
 
     def evaluate(self, step):
         return self.score(self.generate(step))
@@ -60,7 +79,7 @@ class _SlowEval:
 
 def _beside(trainer, evaluator) -> None:
     trainer.evaluator = evaluator
-    trainer.evals = BackgroundEvaluations(evaluator, trainer.sync.recover)
+    trainer.evals = evaluator.evals = _Watched(evaluator, trainer.sync.recover)
 
 
 @pytest.mark.parametrize("in_place", [False, True], ids=["weights_change_at_sync", "weights_change_at_optimizer_step"])
@@ -81,10 +100,10 @@ def test_an_eval_beside_training_sees_one_set_of_weights_and_the_loop_waits_only
     assert [r["step"] for r in evaluated] == [0, 2, 4] and table[-1] is evaluated[-1]  # the last one completes first
     for r in evaluated:  # no weight change while its requests ran
         assert r["eval/served_at_start"] == r["eval/served_at_end"], r
-    # The scoring (1 s each) of the evaluations of steps 0 and 2 ran beside training: the loop waited at most for
-    # their requests (0.3 s each). The last one it waited for at the end (beside the last checkpoint's write).
+    # The scoring (1.5 s each) of the evaluations of steps 0 and 2 ran beside training: the loop waited at most for
+    # their requests. The last one it waited for at the end (beside the last checkpoint's write).
     waited = sum(r["time/eval_wait_seconds"] for r in table if "loss" in r)
-    assert waited < 1.0, waited
+    assert waited < evaluated[0]["eval/generation_seconds"] + evaluated[1]["eval/generation_seconds"] + 1.0, waited
     assert trainer.clock.parts["eval_wait"] == pytest.approx(waited + evaluated[-1]["time/eval_wait_seconds"])
 
 
@@ -95,7 +114,7 @@ def test_a_resume_evaluates_its_checkpoint_step_when_the_stopped_run_had_not_wri
     written is not evaluated again."""
     run = tmp_path / "run"
     trainer = build_trainer(tiny_qwen2_dir, run, steps=4)
-    _beside(trainer, _SlowEval(lambda: trainer.sync.version, {2, 4}, generate_s=0.0, score_s=0.0))
+    _beside(trainer, _SlowEval(lambda: trainer.sync.version, {2, 4}, 0.0, 0.0))
     fit(trainer)
     # As if stopped after the checkpoint of step 2, before the evaluation of step 2 wrote its row.
     shutil.rmtree(run / "checkpoints" / "step_000004")
@@ -105,7 +124,7 @@ def test_a_resume_evaluates_its_checkpoint_step_when_the_stopped_run_had_not_wri
 
     def resume() -> list[dict]:
         again = build_trainer(tiny_qwen2_dir, run, steps=4, resume=run)
-        _beside(again, _SlowEval(lambda: again.sync.version, {2, 4}, generate_s=0.0, score_s=0.0))
+        _beside(again, _SlowEval(lambda: again.sync.version, {2, 4}, 0.0, 0.0))
         fit(again)
         return rows(run)
 
