@@ -117,7 +117,7 @@ class Job:
         # A config problem is no failed run: a sweep's job is skipped, a single run's dir removed (config_error);
         # a summary.json of `failed` would also replace the one of a run resumed in place.
         if self.summary is not None and not config_problem:
-            self.summary.fail(error)
+            self.summary.fail(error, self.clock)
         if isinstance(error, KeyboardInterrupt):  # Ctrl-C / SIGTERM: a short block (grpo.stop), not a traceback
             if self.rank0:
                 report_stop(error, cfg, self.run_dir, HydraConfig.get().overrides.task)

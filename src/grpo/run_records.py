@@ -165,17 +165,20 @@ class RunSummary:
             return
         self._write({"status": "skipped", "error": f"{type(error).__name__}: {error}"})
 
-    def fail(self, error: BaseException) -> None:
+    def fail(self, error: BaseException, wall_clock: WallClock | None = None) -> None:
         """Record a failed or interrupted run, with the steps its metrics.jsonl holds (0 before the first; None when
-        that file cannot be read: the run's own error stays the one reported)."""
+        that file cannot be read: the run's own error stays the one reported) and where its wall clock went."""
         status = "interrupted" if isinstance(error, KeyboardInterrupt) else "failed"
         try:
             steps: int | None = steps_in(self._metric_rows(), default=0)
         except (OSError, ValueError) as e:  # MetricsFileError is a ValueError
             log.error("steps_run of %s unknown: %s", self.path, e)
             steps = None
-        self._write({"status": status, "steps_run": steps, "error": f"{type(error).__name__}: {error}",
-                     "traceback": "".join(traceback.format_exception(error))[-4000:]})
+        data = {"status": status, "steps_run": steps, "error": f"{type(error).__name__}: {error}",
+                "traceback": "".join(traceback.format_exception(error))[-4000:]}
+        if wall_clock is not None:
+            data["wall_clock"] = wall_clock.summary()
+        self._write(data)
 
 
 def done_message(run_dir: Path) -> str:
