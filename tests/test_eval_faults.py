@@ -26,11 +26,15 @@ def test_a_server_killed_during_an_in_run_eval_is_restarted_and_the_eval_row_wri
     assert code == 0, out[-3000:]
     assert "GRPO_FAULT: kill_server_evaluating" in out and "restart 1 of 1 on weight version 2" in out, out[-3000:]
     table = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in table] == [0, 1, 2, 3]
-    # Evals before training, after step 2 (on the restarted server, which serves step 2's weights) and at the end.
-    assert [r["step"] for r in table if "eval/accuracy" in r] == [0, 2, 3]
-    assert table[2]["eval/weight_version"] == 2
-    assert [r.get("server/restarts") for r in table] == [None, 0, 0, 1]  # counted from the next row on
+    trained = [r for r in table if "loss" in r]
+    assert [r["step"] for r in trained] == [1, 2, 3]
+    # Evals before training, after step 2 (on the restarted server, which serves step 2's weights) and at the end,
+    # beside training: each in a row of its own, once.
+    evaluated = [r for r in table if "eval/accuracy" in r]
+    assert [r["step"] for r in evaluated] == [0, 2, 3]
+    assert evaluated[1]["eval/weight_version"] == 2
+    # The eval of step 2 killed the server; the health check before step 3 restarted it (counted from its row on).
+    assert [r.get("server/restarts") for r in trained] == [0, 0, 1]
     samples = [json.loads(line)["step"] for line in (run / "eval_samples.jsonl").read_text().splitlines()]
     assert sorted(set(samples)) == [0, 2, 3] and samples.count(2) == samples.count(0)  # the eval of step 2 once
     assert server_starts(run)[1] == str(run / "served_weights" / "v2")

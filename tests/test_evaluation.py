@@ -204,12 +204,12 @@ def test_evaluator_against_vllm(vllm_server, tiny_qwen2_dir, tmp_path, caplog):
     for key in ("eval/accuracy", "eval/pass@k", "eval/mean@k", "eval/reward_mean", "eval/unparsed_fraction"):
         assert 0.0 <= first[key] <= 1.0, key
     assert first["eval/prompts"] == 6 and first["eval/k"] == 2 and 1 <= first["eval/response_tokens_mean"] <= 8
-    assert first["eval/weight_version"] == 0 and first["eval/seconds"] > 0
+    assert first["eval/weight_version"] == 0 and first["eval/seconds"] >= first["eval/generation_seconds"] > 0
     assert sorted(first) == sorted(Evaluator.metric_names)  # what train.objective=eval/... is checked against
     assert first["eval/pass@k"] >= first["eval/mean@k"]  # pass@2 of the same samples can only be higher
     # Fixed prompts, greedy and seeded samples, same weights: the same figures twice.
-    assert {k: v for k, v in first.items() if k != "eval/seconds"} == {
-        k: v for k, v in again.items() if k != "eval/seconds"}
+    timing = ("eval/seconds", "eval/generation_seconds")
+    assert {k: v for k, v in first.items() if k not in timing} == {k: v for k, v in again.items() if k not in timing}
     lines = [json.loads(x) for x in (tmp_path / "eval_samples.jsonl").read_text().splitlines()]
     assert [x["step"] for x in lines] == [0, 0, 1, 1]
     assert lines[0]["prompt"] == ev.prompts[0].text and lines[0]["reward"] == DigitFractionReward()(
@@ -252,24 +252,48 @@ def _train(server, model_dir: Path, run_dir: Path, *overrides: str, base: tuple[
     return metrics(run_dir)
 
 
+# The eval runs: a completion is "correct" when an eighth of it is digits, so the tiny random model's sampled
+# completions score above 0 and the metrics move with its weights.
+EVAL_SETTINGS = ("eval.every=2", "train.objective=eval/accuracy", "eval.correct_threshold=0.1")
+EVAL_METRICS = ("eval/accuracy", "eval/pass@k", "eval/mean@k", "eval/reward_mean", "eval/response_tokens_mean",
+                "eval/unparsed_fraction", "eval/weight_version", "eval/prompts")
+
+
 @pytest.fixture(scope="module")
 def eval_run(tmp_path_factory, train_server, tiny_qwen2_dir) -> tuple[Path, list[dict]]:
+    """The default: evaluations beside training (eval.background=true)."""
     run_dir = tmp_path_factory.mktemp("eval_on") / "run"
-    return run_dir, _train(train_server, tiny_qwen2_dir, run_dir, "eval.every=2", "train.objective=eval/accuracy")
+    return run_dir, _train(train_server, tiny_qwen2_dir, run_dir, *EVAL_SETTINGS)
+
+
+@pytest.fixture(scope="module")
+def blocking_eval_run(tmp_path_factory, train_server, tiny_qwen2_dir) -> tuple[Path, list[dict]]:
+    """The same run with each evaluation waited for whole (eval.background=false)."""
+    run_dir = tmp_path_factory.mktemp("eval_blocking") / "run"
+    return run_dir, _train(train_server, tiny_qwen2_dir, run_dir, *EVAL_SETTINGS, "eval.background=false")
+
+
+def eval_rows(rows: list[dict]) -> dict[int, dict]:
+    """The evaluations of a run by step (each once)."""
+    evaluated = [r for r in rows if "eval/accuracy" in r]
+    assert len({r["step"] for r in evaluated}) == len(evaluated)
+    return {r["step"]: r for r in evaluated}
 
 
 @pytest.mark.vllm
 def test_eval_rows_at_step0_every_n_and_end(eval_run):
     run_dir, rows = eval_run
-    assert [r["step"] for r in rows] == [0, 1, 2, 3]
-    evaluated = [r["step"] for r in rows if "eval/accuracy" in r]
-    assert evaluated == [0, 2, 3]  # before training, every 2 steps, and at the end
-    assert "reward/mean" not in rows[0] and "loss" not in rows[0]  # the step-0 row is eval only
-    for r in rows:
-        if r["step"] in evaluated:
-            assert {"eval/pass@k", "eval/mean@k", "eval/reward_mean", "eval/response_tokens_mean", "eval/seconds"} <= set(r)
-            # mode=none syncs after every step: the eval after step N sampled weight version N.
-            assert r["eval/weight_version"] == r["step"]
+    # Beside training, an evaluation's row comes when it completes: after its step's row, maybe after later ones.
+    assert [r["step"] for r in rows if "loss" in r] == [1, 2, 3]
+    evaluated = eval_rows(rows)
+    assert [r["step"] for r in rows if "eval/accuracy" in r] == [0, 2, 3]  # in step order among themselves
+    assert all("reward/mean" not in r and "loss" not in r for r in evaluated.values())  # rows of their own
+    for step, r in evaluated.items():
+        assert {"eval/pass@k", "eval/mean@k", "eval/reward_mean", "eval/response_tokens_mean", "eval/seconds",
+                "eval/generation_seconds", "time/run_seconds"} <= set(r)
+        # mode=none syncs after every step: the eval after step N sampled weight version N.
+        assert r["eval/weight_version"] == step
+    assert rows[-1]["step"] == 3 and "eval/accuracy" in rows[-1]  # the final evaluation completed before the run
     samples = [json.loads(x) for x in (run_dir / "eval_samples.jsonl").read_text().splitlines()]
     assert sorted({s["step"] for s in samples}) == [0, 2, 3]
     assert (run_dir / "curves.png").stat().st_size > 0
@@ -278,7 +302,59 @@ def test_eval_rows_at_step0_every_n_and_end(eval_run):
     from grpo.report import job_row
 
     row = job_row(run_dir)
-    assert row["eval_first"] == rows[0]["eval/accuracy"] and row["eval_last"] == rows[-1]["eval/accuracy"]
+    assert row["steps"] == 3
+    assert row["eval_first"] == evaluated[0]["eval/accuracy"] and row["eval_last"] == evaluated[3]["eval/accuracy"]
+
+
+@pytest.mark.vllm
+def test_evaluation_beside_training_gives_the_blocking_figures_and_the_loop_does_not_wait(eval_run,
+                                                                                          blocking_eval_run):
+    """Same seed, same steps: the evaluations beside training sample the same weights (version = step) as blocking
+    ones, so every figure per step is the same; the loop waited for the blocking ones whole, for those beside
+    training only at the end (the last one, nothing left to overlap it with)."""
+    (_, beside), (_, blocking) = eval_run, blocking_eval_run
+    ev_beside, ev_blocking = eval_rows(beside), eval_rows(blocking)
+    assert sorted(ev_beside) == sorted(ev_blocking) == [0, 2, 3]
+    assert any(r["eval/mean@k"] > 0 for r in ev_blocking.values())  # figures that could differ
+    for step in ev_blocking:
+        for key in EVAL_METRICS:
+            assert ev_beside[step][key] == pytest.approx(ev_blocking[step][key], rel=1e-9), (step, key)
+    train_beside, train_blocking = ([r for r in rows if "loss" in r] for rows in (beside, blocking))
+    for a, b in zip(train_beside, train_blocking):
+        for key in TRAIN_KEYS:
+            assert a[key] == pytest.approx(b[key], rel=1e-6, abs=1e-7), (a["step"], key)
+
+    def waited(rows):  # the loop's waits on evaluations while it trained (the final one's excluded)
+        return sum(r.get("time/eval_wait_seconds", 0.0) for r in rows if "loss" in r or r["step"] == 0)
+
+    blocking_eval_s = sum(ev_blocking[s]["eval/seconds"] for s in (0, 2))
+    assert waited(blocking) == pytest.approx(blocking_eval_s + ev_blocking[3]["eval/seconds"], rel=0.1, abs=0.05)
+    beside_eval_s = sum(ev_beside[s]["eval/seconds"] for s in (0, 2))
+    assert waited(beside) < 0.5 * beside_eval_s, (waited(beside), beside_eval_s)
+
+
+@pytest.mark.vllm
+def test_summary_says_where_the_wall_clock_went(eval_run):
+    """summary.json's wall_clock: from the process's start, start-up then the loop's parts then the teardown; the
+    named parts account for the whole (the loop's unnamed rest, writing rows, is small)."""
+    from grpo.run_records import done_message
+
+    run_dir, _ = eval_run
+    summary = json.loads((run_dir / "summary.json").read_text())
+    clock = summary["wall_clock"]
+    total = clock["since_process_start_seconds"]
+    named = ("startup_seconds", "generation_wait_seconds", "training_seconds", "eval_wait_seconds", "sync_seconds",
+             "checkpoint_seconds", "teardown_seconds")
+    assert all(clock[k] >= 0 for k in named) and clock["training_seconds"] > 0 and clock["generation_wait_seconds"] > 0
+    assert sum(clock[k] for k in named) == pytest.approx(total, rel=0.05)
+    assert abs(clock["other_seconds"]) < 0.05 * total
+    startup = clock["startup"]
+    assert startup["model_load_seconds"] > 0 and startup["before_job_seconds"] > 0
+    assert sum(startup.values()) == pytest.approx(clock["startup_seconds"])
+    # summary.json's wall_seconds counts from the job's start, after the interpreter's imports and the config's
+    # composition (before_job).
+    assert total == pytest.approx(summary["wall_seconds"] + startup["before_job_seconds"], abs=1.0)
+    assert "wall clock" in done_message(run_dir) and "start-up" in done_message(run_dir)
 
 
 @pytest.mark.vllm
@@ -289,7 +365,8 @@ def test_training_metrics_identical_with_eval_on_and_off(eval_run, tmp_path, tra
                      base=tuple(o for o in QUICK if not o.startswith("eval.")))
     assert [r["step"] for r in without] == [1, 2, 3]
     assert not any(k.startswith("eval/") for r in without for k in r)
-    trained = [r for r in with_eval if r["step"] > 0]
+    trained = [r for r in with_eval if "loss" in r]
+    assert len(trained) == 3
     for a, b in zip(trained, without):
         for key in TRAIN_KEYS:
             assert a[key] == pytest.approx(b[key], rel=1e-6, abs=1e-7), (a["step"], key)

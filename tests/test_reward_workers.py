@@ -193,8 +193,10 @@ def test_a_run_grading_in_workers_trains_evaluates_and_leaves_no_process(tmp_pat
                   "train.steps=2", "eval.every=0",
                   base=tuple(o for o in QUICK if not o.startswith(("data.task.", "train.steps"))) + (
                       "data.task.heldout_size=8",))
-    assert [r["step"] for r in rows] == [0, 1, 2]
-    trained = rows[1:]
+    trained = [r for r in rows if "loss" in r]
+    assert [r["step"] for r in trained] == [1, 2]
     for r in trained:
         assert {"reward/correct", "reward/format", "reward/weighted", "data/graded_fraction", "loss"} <= set(r)
-    assert {"eval/accuracy", "eval/pass@k", "eval/unparsed_fraction"} <= set(rows[0]) <= set(rows[-1])
+    evaluated = [r for r in rows if "eval/accuracy" in r]  # rows of their own (evaluation beside training)
+    assert [r["step"] for r in evaluated] == [0, 2]
+    assert all({"eval/accuracy", "eval/pass@k", "eval/unparsed_fraction"} <= set(r) for r in evaluated)

@@ -9,6 +9,7 @@ may be kept for the next job: grpo.serving.kept).
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -38,6 +39,7 @@ from grpo.trainer.fsdp import DistInfo
 from grpo.trainer.loop import GRPOTrainer, rollout_batches, updates_per_batch
 from grpo.trainer.metrics import MetricsLogger, NullMetrics
 from grpo.trainer.optim import build_optimizer, build_scheduler
+from grpo.trainer.wall_clock import WallClock
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +64,8 @@ class RunParts:
     metrics: MetricsLogger | NullMetrics | None = None
     # A sweep's job whose server may be taken from the job before and kept for the next (server.reuse_across_jobs).
     reuse_server: bool = False
+    # Where the job's wall clock goes (the server's start and the model's load are timed here).
+    clock: WallClock | None = None
 
     @property
     def rank0(self) -> bool:
@@ -101,7 +105,8 @@ class RunParts:
             raise errors[0]
 
 
-def build_parts(cfg: DictConfig, run_dir: Path, reuse_server: bool = False) -> RunParts:
+def build_parts(cfg: DictConfig, run_dir: Path, reuse_server: bool = False,
+                clock: WallClock | None = None) -> RunParts:
     """Everything that needs no server, each part checked as it is built (a data source that does not answer, bad
     held-out prompts) so that a mistake stops the run before vLLM starts. `reuse_server`: a sweep's job that takes
     the server the job before kept and keeps its own for the next (grpo.serving.kept)."""
@@ -132,7 +137,7 @@ def build_parts(cfg: DictConfig, run_dir: Path, reuse_server: bool = False) -> R
     check_objective(cfg.train.objective, evaluator is not None, type(evaluator).metric_names if evaluator else ())
     return RunParts(cfg=cfg, run_dir=run_dir, dist=dist_info, device=device, model_dir=model_dir, tokenizer=tokenizer,
                     resume=resume_ckpt, sync=sync, loss_fn=loss_fn, data=data, evaluator=evaluator,
-                    reuse_server=reuse_server)
+                    reuse_server=reuse_server, clock=clock if clock is not None else WallClock())
 
 
 def build_data(cfg: DictConfig) -> DataPipeline:
@@ -197,9 +202,14 @@ def build_trainer(parts: RunParts) -> GRPOTrainer:
     cfg, sync, data, tokenizer, run_dir = parts.cfg, parts.sync, parts.data, parts.tokenizer, parts.run_dir
     sync_ctx = SyncContext(run_dir=run_dir, model_dir=Path(parts.model_dir), server_cfg=cfg.server, lora_cfg=cfg.lora,
                            tokenizer=tokenizer, resume_weights=parts.resume, reuse_server=parts.reuse_server)
+    clock = parts.clock if parts.clock is not None else WallClock()
+    t0 = time.perf_counter()
     sync.launch(sync_ctx)
+    t_launched = time.perf_counter()
+    clock.add_startup("server_start", t_launched - t0)
     model = build_model(cfg, sync, sync_ctx, parts.resume, parts.device, parts.dist)
     reference = build_reference_policy(cfg, parts.loss_fn, sync, sync_ctx, model, parts.device, parts.dist)
+    clock.add_startup("model_load", time.perf_counter() - t_launched)
     optimizer = build_optimizer(model, cfg.optimizer)
     scheduler = build_scheduler(optimizer, cfg.train.lr_schedule, cfg.train.warmup_steps, cfg.train.steps)
     log.info("optimizer %s lr %g", type(optimizer).__name__, cfg.optimizer.lr)
@@ -246,7 +256,7 @@ def build_trainer(parts: RunParts) -> GRPOTrainer:
         loss_fn=parts.loss_fn, pipeline=source, sync=sync, checkpoints=checkpoints, metrics=parts.metrics,
         device=parts.device, start_step=start_step, start_batch=start_batch, loss_state=loss_state, reference=reference,
         dist=parts.dist,
-        evaluator=parts.evaluator,
+        evaluator=parts.evaluator, clock=clock,
         logprob_fn=fsdp.sharded_token_logprobs(model) if parts.dist is not None else None,
     )
     return parts.trainer

@@ -31,6 +31,7 @@ from grpo.run_records import (
 from grpo.serving import kept
 from grpo.stop import exit_code, last_step, report_stop
 from grpo.trainer.metrics import MetricsFileError
+from grpo.trainer.wall_clock import WallClock
 
 log = logging.getLogger(__name__)
 
@@ -80,6 +81,8 @@ class Job:
     rank0: bool  # torchrun: rank 0 owns the run dir and every output
     summary: RunSummary | None = None
     memory_before: dict[str, float] | None = None
+    # Where the job's wall clock goes (from the process's start for its first job); summary.json's wall_clock.
+    clock: WallClock | None = None
 
     @classmethod
     def current(cls) -> Job:
@@ -104,6 +107,7 @@ class Job:
     def start(self, cfg: Any) -> None:
         """provenance.json and the summary.json to come (rank 0); one process training on a GPU notes its device
         memory, checked against the end (device_memory.json)."""
+        self.clock = WallClock()
         if not self.rank0:
             return
         record_provenance(self.run_dir, cfg)
@@ -115,7 +119,7 @@ class Job:
         """summary.json of a completed run and its closing line; the mean reward of the last rollout batches."""
         if self.summary is None:
             return None
-        final = self.summary.finish(rewards)
+        final = self.summary.finish(rewards, self.clock)
         log.info(done_message(self.run_dir))
         return final
 
@@ -129,7 +133,7 @@ class Job:
         # A config problem is no failed run: a sweep's job is skipped, a single run's dir removed (config_error);
         # a summary.json of `failed` would also replace the one of a run resumed in place.
         if self.summary is not None and not config_problem:
-            self.summary.fail(error)
+            self.summary.fail(error, self.clock)
         if isinstance(error, KeyboardInterrupt):  # Ctrl-C / SIGTERM: a short block (grpo.stop), not a traceback
             if self.rank0:
                 report_stop(error, cfg, self.run_dir, HydraConfig.get().overrides.task)

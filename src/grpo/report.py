@@ -75,7 +75,8 @@ def job_row(job_dir: Path) -> dict[str, Any]:
         "job": job_dir.name,
         "overrides": _overrides(job_dir),
         "status": "unreadable" if unreadable else summary.get("status", "running" if rows else "not started"),
-        "steps": rows[-1]["step"] if rows else 0,
+        # The largest: an evaluation beside training writes its row (of an earlier step) after later steps' rows.
+        "steps": max(r["step"] for r in rows) if rows else 0,
         "last10_reward_mean": sum(tail) / len(tail) if tail else None,
         "best_reward": max(rewards) if rewards else None,
         "final_loss": losses[-1] if losses else None,

@@ -32,6 +32,7 @@ from grpo.config.run_dir import (
 )
 from grpo.config_values import ConfigError
 from grpo.trainer.metrics import read_metrics
+from grpo.trainer.wall_clock import WallClock, describe
 
 log = logging.getLogger(__name__)
 
@@ -160,10 +161,11 @@ class RunSummary:
         except OSError as e:
             log.error("could not write %s (status %s): %s", self.path, data.get("status"), e)
 
-    def finish(self, rewards: list[float]) -> float | None:
+    def finish(self, rewards: list[float], wall_clock: WallClock | None = None) -> float | None:
         """Record a completed run; returns the mean reward of the last REWARD_WINDOW rollout batches.
 
         A run resumed in its own run dir counts every step of its metrics.jsonl, not only this session's `rewards`.
+        `wall_clock`: where this session's wall clock went (summary.json's `wall_clock`, from the process's start).
         """
         rows = self._metric_rows()
         rewards = [float(r["reward/mean"]) for r in rows if r.get("reward/mean") is not None] or rewards
@@ -171,9 +173,12 @@ class RunSummary:
         window = reward_window(len(rewards))
         last = sum(rewards[-window:]) / len(rewards[-window:]) if rewards else None
         first = sum(rewards[:window]) / len(rewards[:window]) if rewards else None
-        self._write({"status": "completed", "steps_run": steps, "rollout_batches": len(rewards),
-                     "last10_reward_mean": last, "first10_reward_mean": first, "reward_window": window,
-                     "best_reward": max(rewards) if rewards else None})
+        data = {"status": "completed", "steps_run": steps, "rollout_batches": len(rewards),
+                "last10_reward_mean": last, "first10_reward_mean": first, "reward_window": window,
+                "best_reward": max(rewards) if rewards else None}
+        if wall_clock is not None:
+            data["wall_clock"] = wall_clock.summary()
+        self._write(data)
         return last
 
     def _metric_rows(self) -> list[dict]:
@@ -188,17 +193,20 @@ class RunSummary:
             return
         self._write({"status": "skipped", "error": f"{type(error).__name__}: {error}"})
 
-    def fail(self, error: BaseException) -> None:
+    def fail(self, error: BaseException, wall_clock: WallClock | None = None) -> None:
         """Record a failed or interrupted run, with the steps its metrics.jsonl holds (0 before the first; None when
-        that file cannot be read: the run's own error stays the one reported)."""
+        that file cannot be read: the run's own error stays the one reported) and where its wall clock went."""
         status = "interrupted" if isinstance(error, KeyboardInterrupt) else "failed"
         try:
             steps: int | None = steps_in(self._metric_rows(), default=0)
         except (OSError, ValueError) as e:  # MetricsFileError is a ValueError
             log.error("steps_run of %s unknown: %s", self.path, e)
             steps = None
-        self._write({"status": status, "steps_run": steps, "error": f"{type(error).__name__}: {error}",
-                     "traceback": "".join(traceback.format_exception(error))[-4000:]})
+        data = {"status": status, "steps_run": steps, "error": f"{type(error).__name__}: {error}",
+                "traceback": "".join(traceback.format_exception(error))[-4000:]}
+        if wall_clock is not None:
+            data["wall_clock"] = wall_clock.summary()
+        self._write(data)
 
 
 def done_message(run_dir: Path) -> str:
@@ -216,13 +224,16 @@ def done_message(run_dir: Path) -> str:
     elif last is not None:
         parts.append(f"reward {first:.3f} -> {last:.3f} (mean of the first and last {window} rollout "
                      f"batch{'es' if window != 1 else ''} of {batches})")
-    evals = [r for r in rows if r.get("eval/accuracy") is not None]
+    # By step: evaluations beside training write their rows when they complete.
+    evals = sorted((r for r in rows if r.get("eval/accuracy") is not None), key=lambda r: r["step"])
     if len(evals) > 1:
         parts.append(f"held-out accuracy {evals[0]['eval/accuracy']:.3f} -> {evals[-1]['eval/accuracy']:.3f}")
     elif evals:  # "0.382 -> 0.382" read as no learning when only the step-0 eval ran (eval.at_end=false)
         parts.append(f"held-out accuracy {evals[0]['eval/accuracy']:.3f} (one evaluation, at step {evals[0]['step']})")
-    # One line, the run's last (README): the accuracy stood on the line before a second one naming the run dir.
-    return "; ".join([*parts, f"run dir: {run_dir} (summary: python -m grpo.report {run_dir})"])
+    # Where the wall clock went on a line of its own, then one line, the run's last (README): steps, reward, held-out
+    # accuracy and the run dir.
+    clock = f"{describe(summary['wall_clock'])}\n" if summary.get("wall_clock") else ""
+    return clock + "; ".join([*parts, f"run dir: {run_dir} (summary: python -m grpo.report {run_dir})"])
 
 
 # The metrics keys without a `<group>/` prefix (every other key has one: reward/mean, grpo/kl, eval/accuracy, ...).

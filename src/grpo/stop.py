@@ -112,10 +112,11 @@ def command(argv: Sequence[str], overrides: Sequence[str], run_dir: Optional[Pat
 
 
 def last_step(run_dir: Path) -> Optional[int]:
-    """The last step written to metrics.jsonl, or None before the first."""
+    """The last step written to metrics.jsonl (the largest: an evaluation beside training writes its row after later
+    steps' rows), or None before the first."""
     path = run_dir / "metrics.jsonl"
     rows = read_metrics(path) if path.exists() else []
-    return int(rows[-1]["step"]) if rows else None
+    return max(int(r["step"]) for r in rows) if rows else None
 
 
 def server_state(run_dir: Path, external_url: Optional[str]) -> str:

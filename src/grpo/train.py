@@ -28,6 +28,7 @@ from grpo.config.command_line import check_command_line, module_dirs, rank_hydra
 from grpo.job import Job, config_error, interrupt_on_sigterm
 from grpo.run_records import check_resume_identity
 from grpo.trainer.metrics import plot_curves
+from grpo.trainer.wall_clock import WallClock
 
 register_configs()
 
@@ -45,7 +46,7 @@ def main(cfg: DictConfig) -> float | None:
     signal.signal(signal.SIGTERM, interrupt_on_sigterm)
     job.start(cfg)
     try:
-        final = job.completed(fit(cfg, job.run_dir, job.reuses_server(cfg)))
+        final = job.completed(fit(cfg, job.run_dir, job.reuses_server(cfg), job.clock))
     except BaseException as e:
         return job.failed(e, cfg)
     finally:
@@ -53,10 +54,11 @@ def main(cfg: DictConfig) -> float | None:
     return job.objective(cfg, final)
 
 
-def fit(cfg: DictConfig, run_dir: Path, reuse_server: bool = False) -> list[float]:
+def fit(cfg: DictConfig, run_dir: Path, reuse_server: bool = False, clock: WallClock | None = None) -> list[float]:
     """Build every component from the config, train, and tear everything down; the rollout batches' mean rewards.
-    `reuse_server`: a sweep's job that takes the server of the job before and keeps its own for the next."""
-    parts = build_parts(cfg, run_dir, reuse_server)
+    `reuse_server`: a sweep's job that takes the server of the job before and keeps its own for the next. `clock`:
+    where the job's wall clock goes (start-up, the loop's parts)."""
+    parts = build_parts(cfg, run_dir, reuse_server, clock)
     try:
         rewards = build_trainer(parts).fit()
         if cfg.logging.plot and parts.rank0:

@@ -5,9 +5,12 @@ with sampling settings and seeds of its own: greedy (temperature 0) for accuracy
 samples at `temperature` for pass@k (the unbiased estimator of Chen et al. 2021) and mean@k. It never draws from a
 training random stream: its prompts are the task's fixed `eval_prompts()` and its vLLM seeds are `eval.seed`.
 
-Which weights: the trainer calls `evaluate(step)` after step `step` has finished, i.e. after that step's sync, so
-the server serves the weights of the last sync at or before `step` (version `step` when `mode.sync_every=1`).
-`eval/weight_version` records the version every completion was generated with.
+Which weights: the trainer starts the evaluation of `step` after step `step` has finished, i.e. after that step's
+sync, so the server serves the weights of the last sync at or before `step` (version `step` when
+`mode.sync_every=1`). `eval/weight_version` records the version every completion was generated with. An evaluation
+has two phases, `generate` (on the server, at those weights) and `score` (grading, metrics, samples); with
+`eval.background` the trainer runs them beside training and waits only for `generate`, before the weights next
+change (grpo.trainer.background_eval).
 """
 
 from __future__ import annotations
@@ -77,6 +80,20 @@ class EvalContext:
 
 
 @dataclass
+class GeneratedEval:
+    """What the generation phase of one evaluation produced (Evaluator.generate), for its scoring phase."""
+
+    step: int
+    # time.monotonic() when the generation began, and how long it took.
+    started: float
+    generation_seconds: float
+    # (completions per prompt, the texts to grade per prompt or None: the texts their tokens decode to), greedy and
+    # sampled.
+    greedy: tuple[list[list[Completion]], Optional[list[list[str]]]]
+    sampled: tuple[list[list[Completion]], Optional[list[list[str]]]]
+
+
+@dataclass
 class _Scored:
     """One eval completion with its rewards."""
 
@@ -93,7 +110,7 @@ class Evaluator:
     Metrics of one evaluation (`evaluate(step)`): `eval/accuracy` (share of greedy completions that are correct),
     `eval/pass@k`, `eval/mean@k` (share of the sampled completions that are correct), `eval/reward_mean` (greedy),
     `eval/response_tokens_mean` (greedy), `eval/unparsed_fraction`, `eval/weight_version`, `eval/prompts`, `eval/k`,
-    `eval/seconds`. A completion is correct when the reward `correct_reward` gives it >= `correct_threshold`.
+    `eval/seconds` (from the generation's start to the metrics), `eval/generation_seconds`. A completion is correct when the reward `correct_reward` gives it >= `correct_threshold`.
 
     An environment task (grpo.pipeline.environment.EnvironmentTask, data=calculator) is evaluated on whole episodes
     under the training data's limits (`max_turns`, `max_new_tokens` per turn, `max_episode_tokens`): the episode's
@@ -102,7 +119,8 @@ class Evaluator:
 
     # Every key an evaluation logs (what `train.objective=eval/...` may name; checked at start-up).
     metric_names = ("eval/accuracy", "eval/pass@k", "eval/mean@k", "eval/reward_mean", "eval/response_tokens_mean",
-                    "eval/unparsed_fraction", "eval/weight_version", "eval/prompts", "eval/k", "eval/seconds")
+                    "eval/unparsed_fraction", "eval/weight_version", "eval/prompts", "eval/k", "eval/seconds",
+                    "eval/generation_seconds")
 
     def __init__(
         self,
@@ -125,6 +143,7 @@ class Evaluator:
         max_turns: int = 4,
         max_episode_tokens: Optional[int] = None,
         reward_workers: int = 0,
+        background: bool = True,
     ) -> None:
         if k < 1 or samples_per_prompt < k:
             raise ValueError(f"eval.k must be >= 1 and <= eval.samples_per_prompt, got k={k}, "
@@ -154,6 +173,8 @@ class Evaluator:
         # Episode limits of an environment task (the training data's: build_evaluator passes them); null total =
         # model.max_seq_len.
         self.max_turns, self.max_episode_tokens = int(max_turns), max_episode_tokens
+        # Run beside training (the trainer waits only for the generation, before the weights next change).
+        self.background = bool(background)
         self.ctx: Optional[EvalContext] = None
         self.prompts: list[Prompt] = []
         self.prompt_ids: list[list[int]] = []
@@ -215,9 +236,9 @@ class Evaluator:
         return (self.at_end and step == total_steps) or (self.every > 0 and step % self.every == 0)
 
     def close(self) -> None:
-        """Print a hint when eval took a large share of a long run's wall clock (eval_time_hint); release the client
-        and stop the grading workers."""
-        hint = eval_time_hint(self.total_seconds, time.monotonic() - self.started)
+        """Print a hint when a blocking eval took a large share of a long run's wall clock (eval_time_hint; one beside
+        training costs the run little of its time); release the client and stop the grading workers."""
+        hint = None if self.background else eval_time_hint(self.total_seconds, time.monotonic() - self.started)
         if hint:
             log.warning(hint)
         if self._client is not None:
@@ -227,7 +248,14 @@ class Evaluator:
 
     # ------------------------------------------------------------------ one evaluation
     def evaluate(self, step: int) -> dict[str, float]:
-        """Generate on every held-out prompt (greedy and sampled), score, append samples; returns `eval/*` metrics."""
+        """Generate on every held-out prompt (greedy and sampled), score, append samples; returns `eval/*` metrics.
+        The two phases apart: `generate` (needs the server at the step's weights) and `score` (does not)."""
+        return self.score(self.generate(step))
+
+    def generate(self, step: int) -> GeneratedEval:
+        """The generation phase of the evaluation of `step`: every completion, from the weights the server serves
+        now. The only phase that needs the server (and its weights unchanged): a caller running it beside training
+        must let it finish before the weights next change; `score` may run later, in any thread."""
         assert self.ctx is not None, "Evaluator.setup() was not called"
         t0 = time.monotonic()
         faults.kill_server_evaluating(step, self.ctx.run_dir / "logs" / "vllm.pid")  # test-only (GRPO_FAULT)
@@ -235,25 +263,32 @@ class Evaluator:
         client = self._client_for(endpoint)
         longest = max(len(x) for x in self.prompt_ids)
         max_tokens = max(1, min(self.max_new_tokens, self.ctx.max_seq_len - longest))
-        # _score decodes the token ids itself: the server need not detokenize, nor compute log-probs.
+        # score() decodes the token ids itself: the server need not detokenize, nor compute log-probs.
         common = dict(max_tokens=max_tokens, top_p=self.top_p, model=endpoint.model, detokenize=False, logprobs=False)
         if isinstance(self.task, EnvironmentTask):  # whole episodes, scored on their answers
-            greedy_scored = self._episodes(client, endpoint.model, 1, 0.0, None)
-            sampled_scored = self._episodes(client, endpoint.model, self.n, self.temperature, self.seed)
+            greedy = self._episodes(client, endpoint.model, 1, 0.0, None)
+            sampled = self._episodes(client, endpoint.model, self.n, self.temperature, self.seed)
         else:
             # Greedy and sampled requests each send the whole eval set at once; the client bounds the concurrency.
-            # With reward workers the greedy completions are graded while the samples generate.
-            greedy = client.generate(self.prompt_ids, n=1, temperature=0.0, **common)
-            greedy_grading = self._submit(greedy)
-            sampled = client.generate(self.prompt_ids, n=self.n, temperature=self.temperature, seed=self.seed, **common)
-            greedy_scored = self._scored(greedy, *greedy_grading)
-            sampled_scored = self._scored(sampled, *self._submit(sampled))
-        greedy_scored = [per_prompt[0] for per_prompt in greedy_scored]
+            greedy = (client.generate(self.prompt_ids, n=1, temperature=0.0, **common), None)
+            sampled = (client.generate(self.prompt_ids, n=self.n, temperature=self.temperature, seed=self.seed,
+                                       **common), None)
+        return GeneratedEval(step, t0, time.monotonic() - t0, greedy, sampled)
+
+    def score(self, generated: GeneratedEval) -> dict[str, float]:
+        """The scoring phase: grade the completions `generate` returned, append the samples, the `eval/*` metrics
+        (`eval/seconds` from the generation's start to now)."""
+        # Both sets go to the grading workers at once (with data.reward_workers > 0) before either is waited for.
+        greedy_grading = self._submit(*generated.greedy)
+        sampled_grading = self._submit(*generated.sampled)
+        greedy_scored = [per_prompt[0] for per_prompt in self._scored(generated.greedy[0], *greedy_grading)]
+        sampled_scored = self._scored(generated.sampled[0], *sampled_grading)
         metrics = self._metrics(greedy_scored, sampled_scored)
-        self._write_samples(step, greedy_scored)
-        seconds = time.monotonic() - t0
+        self._write_samples(generated.step, greedy_scored)
+        seconds = time.monotonic() - generated.started
         self.total_seconds += seconds
         metrics["eval/seconds"] = seconds
+        metrics["eval/generation_seconds"] = generated.generation_seconds
         return metrics
 
     def _client_for(self, endpoint: Endpoint) -> RoutedClient:
@@ -266,9 +301,9 @@ class Evaluator:
         return self._client
 
     def _episodes(self, client: RoutedClient, model: Optional[str], n: int, temperature: float,
-                  seed: Optional[int]) -> list[list[_Scored]]:
-        """`n` whole episodes of every held-out prompt (grpo.pipeline.episodes), each scored on its answer and counted
-        by its model tokens and its oldest turn's weight version."""
+                  seed: Optional[int]) -> tuple[list[list[Completion]], list[list[str]]]:
+        """`n` whole episodes of every held-out prompt (grpo.pipeline.episodes), each as a completion of its model
+        tokens and its oldest turn's weight version, with its answer (what is scored)."""
         assert self.ctx is not None
         limits = EpisodeLimits(self.max_turns, self.max_new_tokens, self.max_episode_tokens or self.ctx.max_seq_len)
 
@@ -282,7 +317,7 @@ class Evaluator:
         outs = [[Completion(token_ids=[tok for r in t.turns for tok in t.tokens[r.start:r.end]], logprobs=None,
                             finish_reason=t.end, weight_version=min(r.weight_version for r in t.turns))
                  for t in per_prompt] for per_prompt in episodes]
-        return self._scored(outs, *self._submit(outs, [[t.answer for t in per_prompt] for per_prompt in episodes]))
+        return outs, [[t.answer for t in per_prompt] for per_prompt in episodes]
 
     def _submit(self, outs: list[list[Completion]], texts: Optional[list[list[str]]] = None
                 ) -> tuple[list[list[str]], PendingGrades]:

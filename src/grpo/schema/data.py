@@ -88,3 +88,5 @@ class EvalConfig:
     seed: int = 1234
     max_concurrency: int = 16
     samples_logged: int = 4
+    # Run beside training: the run waits only for the eval's generation, before the weights next change.
+    background: bool = True

@@ -77,6 +77,9 @@ class SyncStrategy(ABC):
     # True when a sweep's next job may take over this mode's server and reset what it serves
     # (`reset_served_weights`) instead of starting another (server.reuse_across_jobs, docs/sweeps.md).
     reuses_server: ClassVar[bool] = False
+    # When the served weights change: at the sync (False), or at every optimizer step (True: the trainer writes the
+    # server's own tensors, shared_vllm). An evaluation beside training must have generated before then.
+    serves_weights_in_place: ClassVar[bool] = False
 
     def __init__(self, sync_every: int = 1) -> None:
         if sync_every < 1:

@@ -15,6 +15,7 @@ from grpo.config_values import ConfigError
 from grpo.schema.train import TrainConfig
 from grpo.sync.base import SyncStrategy
 from grpo.trainer import fsdp
+from grpo.trainer.background_eval import BackgroundEvaluations, PhasedEvaluator
 from grpo.trainer.checkpoint import CheckpointManager
 from grpo.trainer.flops import ModelFlops, pad_fraction, peak_tflops, perf_metrics
 from grpo.trainer.logprobs import can_fuse, fused_token_loss, token_logprobs
@@ -30,6 +31,7 @@ from grpo.trainer.prefix import shared_row_lengths
 from grpo.trainer.reference import ReferencePolicy
 from grpo.trainer.token_cap import derived_token_cap
 from grpo.trainer.train_batch import BatchSource, PreparedBatch, TrainBatch
+from grpo.trainer.wall_clock import WallClock
 
 log = logging.getLogger(__name__)
 
@@ -84,9 +86,11 @@ def batch_summary(rows: list[dict[str, Any]]) -> dict[str, float]:
     return out
 
 
-class StepEvaluator(Protocol):
+class StepEvaluator(PhasedEvaluator, Protocol):
     """What the loop needs of an evaluator (grpo.pipeline.evaluation.Evaluator; typed here so the trainer does not
-    import the pipeline)."""
+    import the pipeline). `background`: its evaluations run beside training (grpo.trainer.background_eval)."""
+
+    background: bool
 
     def due(self, step: int, total_steps: int) -> bool: ...
 
@@ -169,6 +173,7 @@ class GRPOTrainer:
         dist: Optional[fsdp.DistInfo] = None,
         logprob_fn: Optional[Callable[..., torch.Tensor]] = None,
         evaluator: Optional[StepEvaluator] = None,
+        clock: Optional[WallClock] = None,
     ) -> None:
         self.cfg = train_cfg
         self.model = model
@@ -218,9 +223,15 @@ class GRPOTrainer:
         self.token_cap = self.micro_batch_bound(train_cfg, model, device, dist)
         self.flops, self.peak = model_flops(model), device_peak(model, device)
         self.rewards: list[float] = []
-        # Held-out eval (rank 0 only; None when off). It runs after a rollout batch's sync, so it samples the
-        # weights of the step it is labelled with.
+        # Held-out eval (rank 0 only; None when off). It starts after a rollout batch's sync, so it samples the
+        # weights of the step it is labelled with; with eval.background it runs beside training (`evals`).
         self.evaluator = evaluator
+        self.evals = (BackgroundEvaluations(evaluator, self.sync.recover)
+                      if evaluator is not None and getattr(evaluator, "background", False) else None)
+        # Seconds the loop waited on evaluations not yet reported in a row (time/eval_wait_seconds).
+        self.eval_wait_unreported = 0.0
+        # Where this session's wall clock goes (summary.json's wall_clock); a private one when none is given.
+        self.clock = clock if clock is not None else WallClock()
         if device.type == "cuda":
             # Peaks are per run: a multirun's earlier jobs must not leak into this one's figures.
             torch.cuda.reset_peak_memory_stats(device)
@@ -262,31 +273,108 @@ class GRPOTrainer:
         # Wall-clock of every row since this session's loop began (a resumed run starts again at 0): what
         # time-to-accuracy curves plot; the server's start-up before it is in summary.json's wall_seconds.
         t_fit = time.perf_counter()
-        if self.evaluator is not None and self.step == 0 and self.evaluator.due(0, self.cfg.steps):
-            self.log_row({"step": 0, **self.evaluate(0)}, t_fit)  # before_train: the initial weights
-        while self.step < self.cfg.steps:
-            self.sync.server.prepare_step(self.step + 1)
-            first = self.step
-            rows, failed = self.train_batch()
-            if failed is None and self.evaluator is not None and any(self.evaluator.due(s, self.cfg.steps)
-                                                                     for s in range(first + 1, self.step + 1)):
-                try:
-                    rows[-1].update(self.evaluate(self.step))
-                except BaseException as error:  # the steps were trained (a SIGTERM too): their rows first, then raise
-                    failed = error
-            # The rows go to disk before the checkpoint that holds these steps' weights: a run stopped or failing
-            # inside the checkpoint write has them, and a resume from an older checkpoint trims them
-            # (MetricsLogger), so every step is in metrics.jsonl exactly once.
-            for row in rows:
-                self.log_row(row, t_fit)
-            if failed is not None:
-                raise failed
-            every = self.cfg.checkpoint_every
-            final = self.step == self.cfg.steps and getattr(self.cfg, "save_final_checkpoint", True)
-            if self.step // every > first // every or final:
-                self.metrics.flush()
-                self.save_checkpoint()  # at rollout-batch boundaries; FSDP2: every rank joins, rank 0 writes
+        self.clock.loop_started()
+        try:
+            self.evaluate_at_start(t_fit)
+            while self.step < self.cfg.steps:
+                self.sync.server.prepare_step(self.step + 1)
+                first = self.step
+                rows, failed = self.train_batch()
+                if failed is None and self.evaluator is not None and any(self.evaluator.due(s, self.cfg.steps)
+                                                                         for s in range(first + 1, self.step + 1)):
+                    try:
+                        self.start_evaluation(self.step, rows[-1])
+                    except BaseException as error:  # the steps were trained (a SIGTERM too): their rows first, then raise
+                        failed = error
+                rows[-1]["time/eval_wait_seconds"] = self.take_eval_wait()
+                # The rows go to disk before the checkpoint that holds these steps' weights: a run stopped or failing
+                # inside the checkpoint write has them, and a resume from an older checkpoint trims them
+                # (MetricsLogger), so every step is in metrics.jsonl exactly once.
+                for row in rows:
+                    self.log_row(row, t_fit)
+                if self.evals is not None:
+                    self.log_evaluations(self.evals.finished(), t_fit)
+                if failed is not None:
+                    raise failed
+                every = self.cfg.checkpoint_every
+                final = self.step == self.cfg.steps and getattr(self.cfg, "save_final_checkpoint", True)
+                if self.step // every > first // every or final:
+                    self.checkpoint(t_fit)
+            if self.evals is not None:  # the last evaluations complete before the run does
+                self.log_evaluations(self.evals.wait(), t_fit, last=True)
+                self.take_eval_wait()  # into the wall clock when no row was left to carry it
+        finally:
+            self.clock.loop_ended()
         return self.rewards
+
+    def checkpoint(self, t_fit: float) -> None:
+        """Write a checkpoint at a rollout-batch boundary (FSDP2: every rank joins, rank 0 writes), after the rows
+        of the evaluations of earlier steps (beside training): a resume from it cannot evaluate their weights
+        again. The evaluation of this step may still run: a resume evaluates it when its row is missing."""
+        if self.evals is not None:
+            self.log_evaluations(self.evals.wait(before=self.step), t_fit)
+        t0 = time.perf_counter()
+        self.metrics.flush()
+        self.save_checkpoint()
+        self.clock.add("checkpoint", time.perf_counter() - t0)
+
+    def evaluate_at_start(self, t_fit: float) -> None:
+        """The evaluation of the weights the session starts from: step 0's before training (eval.before_train), or
+        a resumed run's checkpoint step when it is due and its row is missing (an evaluation beside training still
+        running when the run stopped)."""
+        if self.evaluator is None or not self.evaluator.due(self.step, self.cfg.steps) or self.step >= self.cfg.steps:
+            return
+        if self.step > 0 and self.metrics.logged(self.step, "eval/"):
+            return
+        if self.evals is not None:
+            self.evals.submit(self.step)
+            return
+        row: dict[str, Any] = {"step": self.step}
+        self.start_evaluation(self.step, row)
+        self.log_row({**row, "time/eval_wait_seconds": self.take_eval_wait()}, t_fit)
+
+    def start_evaluation(self, step: int, row: dict[str, Any]) -> None:
+        """The evaluation of `step`, whose weights the server serves now: beside training (its row comes when it
+        completes), or blocking, its metrics added to `row`."""
+        if self.evals is not None:
+            self.evals.submit(step)
+            return
+        t0 = time.perf_counter()
+        try:
+            row.update(self.evaluate(step))
+        finally:
+            self.note_eval_wait(time.perf_counter() - t0)
+
+    def log_evaluations(self, results: list[tuple[int, dict[str, float]]], t_fit: float, last: bool = False) -> None:
+        """The rows of evaluations run beside training, each with its own step (after that step's training row,
+        possibly after later steps' rows); the last one of the run carries the final wait."""
+        for i, (step, metrics) in enumerate(results):
+            row: dict[str, Any] = {"step": step, **metrics}
+            if last and i == len(results) - 1:
+                row["time/eval_wait_seconds"] = self.take_eval_wait()
+            self.log_row(row, t_fit)
+
+    def settle_evaluation(self) -> None:
+        """Before the served weights change: wait until an evaluation beside training has generated."""
+        if self.evals is not None:
+            self.evals.settle()
+
+    def note_eval_wait(self, seconds: float) -> None:
+        """A blocking evaluation's seconds (those beside training are counted by `BackgroundEvaluations`)."""
+        self.eval_wait_unreported += seconds
+
+    def eval_waited_total(self) -> float:
+        """Seconds this session's loop waited on evaluations beside training so far."""
+        return self.evals.waited_total if self.evals is not None else 0.0
+
+    def take_eval_wait(self) -> float:
+        """Seconds the loop waited on evaluations since the last call (time/eval_wait_seconds), also added to the
+        wall clock's eval_wait."""
+        if self.evals is not None:
+            self.eval_wait_unreported += self.evals.take_waited()
+        waited, self.eval_wait_unreported = self.eval_wait_unreported, 0.0
+        self.clock.add("eval_wait", waited)
+        return waited
 
     def close(self) -> None:
         """Drop the model, its gradients and the optimizer state (the job's device memory), so nothing that still
@@ -320,7 +408,7 @@ class GRPOTrainer:
         the steps were trained."""
         t_start = time.perf_counter()
         batch = self.fetch_batch()
-        t_data = time.perf_counter()
+        t_data, waited_data = time.perf_counter(), self.eval_waited_total()
         head: dict[str, Any] = {**self.pipeline.metrics(), **batch.metrics}
         if batch.num_loss_tokens > 0:
             # pi_old's and the KL reference's forwards run on the rollout batch's micro-batches: the budget holds
@@ -341,7 +429,7 @@ class GRPOTrainer:
             rows.append({"step": self.step + 1, **update, "batch": float(self.batch_number + 1), "epoch": float(epoch)})
             self.step += 1
         self.batch_number += 1
-        t_sync = time.perf_counter()
+        t_sync, waited_sync = time.perf_counter(), self.eval_waited_total()
         failed: Optional[BaseException] = None
         try:
             sync_metrics = self.maybe_sync()
@@ -349,6 +437,10 @@ class GRPOTrainer:
             failed = error
             sync_metrics = {"sync/seconds": math.nan, "sync/version": float(self.sync.version)}
         t_end = time.perf_counter()
+        # The wall clock's parts; an evaluation's generation waited on before the weights changed is eval_wait's.
+        self.clock.add("generation_wait", t_data - t_start)
+        self.clock.add("training", t_sync - t_data - (waited_sync - waited_data))
+        self.clock.add("sync", t_end - t_sync - (self.eval_waited_total() - waited_sync))
         rows[0] = {"step": rows[0]["step"], **head, **rows[0]}
         rows[0]["time/data_seconds"] = t_data - t_start
         # Step times add up to the batch's wall time: fetch (and pi_old) count on the first update, sync on the last.
@@ -586,6 +678,8 @@ class GRPOTrainer:
         grad_norm = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
         if math.isfinite(loss_total) and math.isfinite(grad_norm):
             self.nonfinite_in_a_row = 0
+            if self.sync.serves_weights_in_place:  # the step changes what the server samples: an eval must be done
+                self.settle_evaluation()
             self.sync.before_optimizer_step()
             try:
                 faults.point("optimizer_step", self.step + 1)
@@ -611,6 +705,7 @@ class GRPOTrainer:
         and after the last step. With the batch's generation stall (`sync/gen_stall_seconds`: the server could not
         generate because of weight updates, shared_vllm's optimizer-step pauses included; `sync/drain_seconds`)."""
         if self.batch_number % self.sync.sync_every == 0 or self.step == self.cfg.steps:
+            self.settle_evaluation()  # an evaluation beside training generates on the weights this sync replaces
             try:
                 out = self.sync.sync(self.model, self.step)
             except Exception as error:

@@ -129,6 +129,10 @@ class MetricsLogger:
                 mode=mode,
                 config=OmegaConf.to_container(full_cfg, resolve=True),
             )
+            # Charts against the row's own `step`, not wandb's call counter: an evaluation beside training logs its
+            # row after later steps' rows, which wandb's monotonic step would drop.
+            self._wandb.define_metric("step")
+            self._wandb.define_metric("*", step_metric="step")
         self._tensorboard = None
         if logging_cfg.get("tensorboard", False):
             self._tensorboard = tensorboard_writer_class()(log_dir=str(run_dir / TENSORBOARD_DIR), purge_step=start_step + 1)
@@ -162,14 +166,23 @@ class MetricsLogger:
             raise MetricsWriteError(e.errno, f"could not write the metrics row of step {clean['step']} to "
                                     f"{self.path}: {e.strerror or e}") from e
         if self._wandb is not None:
-            self._wandb.log(clean, step=clean["step"])
+            self._wandb.log(clean)
         if self._tensorboard is not None:
             for key, value in clean.items():
                 if key != "step" and isinstance(value, float) and math.isfinite(value):
                     self._tensorboard.add_scalar(key, value, clean["step"])
         if self._bar is not None:
-            self._bar.update(1 if clean["step"] > 0 else 0)  # the step-0 row (eval before training) is no step
+            # Up to the row's step: an evaluation's row (step 0's, or one beside training, written after later
+            # steps' rows) moves it no further.
+            self._bar.update(max(0, clean["step"] - self._bar.n))
             self._bar.set_postfix({k.split("/")[-1]: f"{clean[k]:.3g}" for k in BAR_KEYS if isinstance(clean.get(k), float)})
+
+    def logged(self, step: int, prefix: str) -> bool:
+        """Whether metrics.jsonl holds a row of `step` with a key starting with `prefix` (e.g. a resumed run's
+        evaluation of its checkpoint step)."""
+        if not self._file.closed:
+            self._file.flush()
+        return any(row["step"] == step and any(k.startswith(prefix) for k in row) for row in read_metrics(self.path))
 
     def flush(self) -> None:
         """Force the rows written so far onto disk (fsync), so they outlive a crash of the machine too; the trainer
@@ -240,7 +253,8 @@ def plot_curves(metrics_path: Path, out_path: Path, title: str = "") -> Path:
 
     rows = read_metrics(metrics_path)
     train_rows = [r for r in rows if r["step"] > 0]  # step 0 is the eval before training
-    eval_rows = [r for r in rows if r.get("eval/accuracy") is not None]
+    # By step: evaluations beside training write their rows when they complete.
+    eval_rows = sorted((r for r in rows if r.get("eval/accuracy") is not None), key=lambda r: r["step"])
     fig, axes = plt.subplots(1, 3 if eval_rows else 2, figsize=(15 if eval_rows else 10, 3.8))
     for ax, key in zip(axes, ("reward/mean", "loss")):
         # Only the rows that have the key: with several updates per rollout batch reward/mean is on each batch's
@@ -285,6 +299,10 @@ class NullMetrics:
 
     def log(self, metrics: dict) -> None:
         """Drop the row."""
+
+    def logged(self, step: int, prefix: str) -> bool:  # noqa: ARG002
+        """Rank 0 writes the rows and decides what to log: said to be there."""
+        return True
 
     def flush(self) -> None:
         """Nothing to flush."""
