@@ -41,6 +41,9 @@ def test_plan_job_composes_and_validates(plan, job, tmp_path, monkeypatch):
     if kind == "trl":
         assert (CONFIG_DIR / "experiment" / f"{args[0]}.yaml").exists() and args[1].isdigit()
         return
+    if kind == "grpo_eval":  # grpo-eval on another job's checkpoints: the experiment it evaluates exists
+        assert (CONFIG_DIR / "experiment" / f"{args[0]}.yaml").exists() and "grpo.eval" in command
+        return
     if kind == "trl_step":
         import trl_step
 

@@ -139,7 +139,7 @@ def update_trainer(model, loss_fn, reference=None, **train) -> GRPOTrainer:
     """A GRPOTrainer whose updates run on batches the test hands it (no data source, sync or optimizer movement);
     `reference`: the KL penalty's ReferencePolicy."""
     cfg = OmegaConf.structured(TrainConfig(**{"steps": 1, "micro_batch_size": 3, "grad_accum": 4, **train}))
-    sync = SimpleNamespace(version=0, prepare_step=lambda step: None)
+    sync = SimpleNamespace(version=0, prepare_step=lambda step: None, serves_weights_in_place=False)
     return GRPOTrainer(train_cfg=cfg, model=model, tokenizer=None, optimizer=torch.optim.SGD(model.parameters(), 0.0),
                        scheduler=None, loss_fn=loss_fn, pipeline=_Unused(), sync=sync, checkpoints=None,
                        metrics=NullMetrics(), device=torch.device("cpu"), reference=reference)

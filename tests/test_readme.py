@@ -30,7 +30,7 @@ README = REPO / "README.md"
 # The pages whose commands are run: the README and every page of the documentation site (mkdocs.yml).
 DOCS = [README, *sorted((REPO / "docs").glob("*.md"))]
 # Programs outside this package that the docs name; what is checked for each is in `external_ok`.
-EXTERNAL = {"bash", "source", "pip", "run-api", "tensorboard", "lint-imports", "ruff", "mkdocs", "export"}
+EXTERNAL = {"bash", "source", "pip", "run-api", "tensorboard", "lint-imports", "ruff", "mkdocs", "export", "sudo", "echo"}
 # The example run dir the README's resume / rerun commands name; the test gives it a real .hydra/config.yaml.
 EXAMPLE_RUN = "outputs/2026-11-21/12-00-00_arith_quick"
 SEPARATORS = {"&&", "||", ";", "&", "|"}
@@ -121,6 +121,8 @@ def to_check(argv: list[str]) -> list[str] | None:
         module, func = scripts[prog].split(":")
         return [sys.executable, "-c", f"import sys; from {module} import {func}; sys.argv[0] = {prog!r}; sys.exit({func}())",
                 "--help"]
+    if prog == "bwrap":  # docs/code_rewards.md's check that the sandbox works here: it runs as written
+        return ["bwrap", *args]
     if prog in EXTERNAL:
         return None
     raise AssertionError(f"docs command {shlex.join(argv)!r}: no rule in tests/test_readme.py for {prog!r}")
@@ -133,6 +135,9 @@ def external_ok(argv: list[str]) -> None:
         assert (REPO / args[0]).is_file(), argv
     elif prog == "export":
         assert all(re.fullmatch(r"[A-Z_][A-Z0-9_]*=.+", a) for a in args), argv
+    elif prog == "sudo":  # an OS package the project's own install step installs too (scripts/install.sh)
+        assert args[:2] == ["apt-get", "install"] and all(a in (REPO / "scripts" / "install.sh").read_text()
+                                                          for a in args[2:]), argv
     elif prog == "mkdocs":
         assert args[:1] in (["build"], ["serve"]) and (REPO / "mkdocs.yml").is_file(), argv
     elif prog == "source":
@@ -312,7 +317,7 @@ def test_readme_command_runs_as_written(argv, example_run):
         # Composing is not enough: a run's first check (the pipeline's step fills the loop's batch) must pass too,
         # or the command stops at start-up with a ConfigError.
         check_data(OmegaConf.create(cfg))
-    else:
+    elif check[0] != "bwrap":  # bwrap ran the sandbox check itself: its exit status 0 is the answer
         assert "usage" in (out.stdout + out.stderr).lower() or "== configuration groups ==" in out.stdout.lower(), \
             out.stdout[:500]
 

@@ -112,7 +112,11 @@ def config_dir_path(relative: str, *, _root_: Any) -> str:
     working directory. The job's config has no `hydra` node: Hydra's own record of it is read then."""
     from hydra.core.hydra_config import HydraConfig
 
-    hydra = HydraConfig.get() if HydraConfig.initialized() else OmegaConf.select(_root_, "hydra", default=None)
+    # A config composed with its hydra node (compose(return_hydra_config=True)) names its own sources; a job's config
+    # has none, and Hydra's record of the running job is read.
+    hydra = OmegaConf.select(_root_, "hydra", default=None)
+    if hydra is None and HydraConfig.initialized():
+        hydra = HydraConfig.get()
     every = list(hydra.runtime.config_sources) if hydra is not None else []
     sources = ([s for s in every if s.schema == "file" and s.provider == "command-line"]
                or [s for s in every if s.schema == "file" and str(s.provider).startswith("hydra.searchpath")])

@@ -248,7 +248,7 @@ class GRPOTrainer:
             log.info("micro-batches: %d rows, no token bound (train.auto_token_budget=false)", train_cfg.micro_batch_size)
             return None
         cap, how = derived_token_cap(model, device)
-        if dist is not None:  # every rank must split alike (the forwards are collectives): the smallest cap
+        if dist is not None and dist.enabled:  # every rank must split alike (the forwards are collectives): the smallest cap
             bound = torch.tensor([cap], device=device)
             torch.distributed.all_reduce(bound, op=torch.distributed.ReduceOp.MIN)
             cap = int(bound.item())
