@@ -50,17 +50,23 @@ def test_a_sweep_starts_vllm_once_and_each_job_samples_from_the_initial_weights(
     assert not (sweep_dir / "1" / "logs" / "vllm.pid").exists()  # stopped at the sweep's end
 
 
+def assert_second_job_restarts_from_the_initial_model(log: str, sweep_dir: Path) -> None:
+    """One vLLM start for the 2-job sweep, the second job reusing it: its first step equals the first job's (both
+    sample from the initial model), its second differs (another learning rate)."""
+    assert log.count(SERVER_STARTED) == 1, log[-4000:]
+    assert log.count(REUSED) == 1
+    first, second = rows(sweep_dir / "0"), rows(sweep_dir / "1")
+    assert second[0] == first[0]
+    assert second[1] != first[1]
+
+
 @pytest.mark.slow
 def test_a_lora_only_sweep_resets_the_adapters_of_the_job_before(tmp_path):
     """mode=lora_only: the job that takes the server over unloads the adapters the job before loaded, so its own load
     under the same names (policy-v1, ...: vLLM refuses a name already loaded) and it trains as job 0 did."""
     log, sweep_dir = sweep(tmp_path, "experiment=cpu_tiny_lora_only", "train.steps=2", "optimizer.lr=5e-3,1e-2",
                            base=QUICK_SETTINGS)
-    assert log.count(SERVER_STARTED) == 1, log[-4000:]
-    assert log.count(REUSED) == 1
-    first, second = rows(sweep_dir / "0"), rows(sweep_dir / "1")
-    assert second[0] == first[0]
-    assert second[1] != first[1]
+    assert_second_job_restarts_from_the_initial_model(log, sweep_dir)
 
 
 @pytest.mark.slow
@@ -68,11 +74,7 @@ def test_a_shared_vllm_sweep_on_the_cpu_resets_the_server_memory_the_job_before_
     """mode=shared_vllm on the CPU: job 0 trains the server's own tensors in place; the job that takes the server
     over reloads the initial weights into them and maps them anew, so its step 1 samples from the initial model."""
     log, sweep_dir = sweep(tmp_path, "mode=shared_vllm", "train.steps=2", "optimizer.lr=1e-3,3e-3")
-    assert log.count(SERVER_STARTED) == 1, log[-4000:]
-    assert log.count(REUSED) == 1
-    first, second = rows(sweep_dir / "0"), rows(sweep_dir / "1")
-    assert second[0] == first[0]
-    assert second[1] != first[1]
+    assert_second_job_restarts_from_the_initial_model(log, sweep_dir)
 
 
 @pytest.mark.slow

@@ -226,20 +226,7 @@ def build_trainer(parts: RunParts) -> GRPOTrainer:
         log.info("resumed from %s at step %d", parts.resume, start_step)
     first_batch, total_batches = rollout_batches(cfg.train, start_step, start_batch)
     if data is not None:
-        data.setup(PipelineContext(
-            tokenizer=tokenizer, endpoint=sync.endpoint, batch_size=cfg.train.micro_batch_size * cfg.train.grad_accum,
-            max_seq_len=cfg.model.max_seq_len, run_dir=run_dir, total_steps=total_batches, start_step=first_batch,
-            checkpoint_every=cfg.train.checkpoint_every, seed=cfg.train.seed, max_staleness=cfg.train.max_staleness,
-            generation_gate=sync.server.gate,
-            batch_shape=BatchShape(
-                micro_batch_size=cfg.train.micro_batch_size, max_seq_len=cfg.model.max_seq_len,
-                pad_token_id=tokenizer.pad_token_id, vocab_size=model.get_input_embeddings().num_embeddings,
-                advantage_norm=cfg.train.advantage_norm,
-                # From the config, not the loss object: a loss class of one's own needs no `truncation` attribute.
-                truncation=TruncationRule(cfg.loss.mask_truncated, cfg.loss.overlong_buffer,
-                                          cfg.loss.overlong_penalty_factor),
-            ),
-        ))
+        data.setup(pipeline_context(cfg, tokenizer, sync, model, run_dir, first_batch, total_batches))
     if parts.evaluator is not None:
         # Same server as the rollouts (the endpoint follows restarts and syncs); its own seeds and sampling.
         parts.evaluator.setup(EvalContext(tokenizer=tokenizer, endpoint=sync.endpoint, run_dir=run_dir,
@@ -260,3 +247,23 @@ def build_trainer(parts: RunParts) -> GRPOTrainer:
         logprob_fn=fsdp.sharded_token_logprobs(model) if parts.dist is not None else None,
     )
     return parts.trainer
+
+
+def pipeline_context(cfg: DictConfig, tokenizer: Any, sync: SyncStrategy, model: torch.nn.Module, run_dir: Path,
+                     first_batch: int, total_batches: int) -> PipelineContext:
+    """What the data source learns at setup: the server's endpoint, the loop's batch and its shape, the rollout
+    batches to produce (from `first_batch` of `total_batches`), where and how often the run saves."""
+    return PipelineContext(
+        tokenizer=tokenizer, endpoint=sync.endpoint, batch_size=cfg.train.micro_batch_size * cfg.train.grad_accum,
+        max_seq_len=cfg.model.max_seq_len, run_dir=run_dir, total_steps=total_batches, start_step=first_batch,
+        checkpoint_every=cfg.train.checkpoint_every, seed=cfg.train.seed, max_staleness=cfg.train.max_staleness,
+        generation_gate=sync.server.gate,
+        batch_shape=BatchShape(
+            micro_batch_size=cfg.train.micro_batch_size, max_seq_len=cfg.model.max_seq_len,
+            pad_token_id=tokenizer.pad_token_id, vocab_size=model.get_input_embeddings().num_embeddings,
+            advantage_norm=cfg.train.advantage_norm,
+            # From the config, not the loss object: a loss class of one's own needs no `truncation` attribute.
+            truncation=TruncationRule(cfg.loss.mask_truncated, cfg.loss.overlong_buffer,
+                                      cfg.loss.overlong_penalty_factor),
+        ),
+    )
