@@ -44,6 +44,16 @@ def test_plan_job_composes_and_validates(plan, job, tmp_path, monkeypatch):
     if kind == "grpo_eval":  # grpo-eval on another job's checkpoints: the experiment it evaluates exists
         assert (CONFIG_DIR / "experiment" / f"{args[0]}.yaml").exists() and "grpo.eval" in command
         return
+    if kind == "sh":  # a script of bench/gpu/; sweep_run.sh's overrides compose (each swept key at its first value)
+        assert (REPO / args[0]).is_file() and command[:2] == ["bash", args[0]]
+        if args[0].endswith("sweep_run.sh"):
+            overrides = ["experiment=smollm2_chat_arith_shared",
+                         *(a.split(",")[0] for a in args[2:] if not a.startswith("hydra/launcher"))]
+            monkeypatch.setattr(sys.modules["grpo.config.validate"], "_cuda_available", lambda: True)
+            GlobalHydra.instance().clear()
+            with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
+                validate(compose(config_name="train", overrides=overrides, return_hydra_config=True), tmp_path / name)
+        return
     if kind == "trl_step":
         import trl_step
 

@@ -10,7 +10,8 @@ on one GPU together). A job line is `name | experiment | overrides...` for `pyth
 evaluation step into /tmp/trl_ckpt/<name>), or `name | grpo_eval | experiment trl_job [overrides]` for our evaluator
 (grpo-eval, a vLLM server of its own) on the initial model and that TRL job's checkpoints, or
 `name | trl_step | --preset qwen3b --steps 20 ...` for TRL's whole step at a preset's size (bench/gpu/trl_step.py), or
-`name | gen_probe | --preset qwen3b ...` for bench/gpu/gen_probe.py; a first override
+`name | gen_probe | --preset qwen3b ...` for bench/gpu/gen_probe.py, or `name | sh | script args...` for a script
+(bash; $OUT is --out), e.g. bench/gpu/sweep_run.sh; a first override
 `gpus=2,3` gives the job only those GPUs (CUDA_VISIBLE_DEVICES; inside the job they are numbered 0, 1, ...), and
 then `pyspy=ROWS:SECONDS` profiles the run with py-spy for SECONDS once its metrics have ROWS rows
 (bench/gpu/pyspy_run.py), and `torchrun=K` starts train.py under torchrun with K processes (an FSDP2 trainer).
@@ -34,6 +35,8 @@ import time
 from pathlib import Path
 
 RUNS = Path("/tmp/runs")
+# The plan's --out (set by main): `sh` jobs write their results there too.
+PLAN_OUT = Path("/tmp/plan_out")
 # TRL jobs' checkpoints (bench/trl_arith.py --checkpoints), one folder per job, for grpo_eval jobs.
 TRL_CHECKPOINTS = Path("/tmp/trl_ckpt")
 
@@ -68,6 +71,8 @@ def job_port(name: str) -> int:
 def job_env(job: list[str]) -> dict[str, str]:
     gpus = job_gpus(job)
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": ",".join(sorted(gpus, key=int))} if gpus else dict(os.environ)
+    if job[1] == "sh":  # the script's own results go where the plan's do
+        env["OUT"] = str(PLAN_OUT)
     if job[1] in ("trl", "trl_step"):  # TRL's colocated vLLM joins a one-process group: a port of its own per job
         env["MASTER_PORT"] = str(job_port(job[0]))
     return env
@@ -85,6 +90,8 @@ def command(job: list[str], out: Path) -> list[str]:
         experiment, source, *extra = args
         return [sys.executable, "-m", "grpo.eval", f"experiment={experiment}", "--initial", str(TRL_CHECKPOINTS / source),
                 "--work-dir", str(RUNS / name), "--out", str(out / f"{name}.json"), *extra]
+    if kind == "sh":  # a script of bench/gpu/ (e.g. sweep_run.sh), its arguments as given; it writes into $OUT
+        return ["bash", *args]
     if kind in ("trl_step", "gen_probe"):  # bench/gpu/trl_step.py (TRL's whole step at a preset's size) or
         # bench/gpu/gen_probe.py (our /generate against vLLM in-process), their arguments as given
         return [sys.executable, f"bench/gpu/{kind}.py", *args, "--out", str(out / f"{name}.json")]
@@ -214,6 +221,8 @@ def main() -> None:
                          "gpus= holds every GPU)")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
+    global PLAN_OUT
+    PLAN_OUT = args.out
     shutil.copy(args.plan, args.out / "plan.txt")
     waves = parse_plan(args.plan.read_text())
     if args.queue:

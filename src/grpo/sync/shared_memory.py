@@ -87,8 +87,9 @@ class SharedMemorySync(SyncStrategy):
 
     mode_name = "shared_vllm"
     uses_lora = False
-    # A sweep's next job reloads the initial weights into the server's tensors and maps them anew. On the CPU only:
-    # a server whose CUDA memory a job's trainer opened is stopped at its end (re-opening it is not verified).
+    # A sweep's next job reloads the initial weights into the server's tensors (in place: the same memory) and maps
+    # them anew: on the CPU the file mapping, on a GPU the CUDA IPC handles (torch closes the previous job's handles
+    # once its views are gone, and re-opens them for the next trainer).
     reuses_server = True
     fsdp_refusal = "shared_vllm trains vLLM's own tensors in place, which FSDP2 cannot shard"
     serves_weights_in_place = True  # each optimizer step changes what the server samples
@@ -198,7 +199,7 @@ class SharedMemorySync(SyncStrategy):
 
     def shutdown(self, keep_server: bool = False) -> None:
         try:
-            super().shutdown(keep_server=keep_server and self.shared_file is not None)
+            super().shutdown(keep_server=keep_server)
         finally:
             if self.shared_file is not None:
                 self.shared_file.unlink(missing_ok=True)  # the pages go once the trainer's views are gone too
