@@ -210,6 +210,18 @@ def quoted_mistakes() -> list[tuple[str, list[str]]]:
     return rows
 
 
+def test_the_architecture_page_says_where_each_folder_lives():
+    """docs/architecture.md's "Where things live" had no rows for algorithms/, schema/, serving/ and recipes/: each
+    package under src/grpo/ and each tracked folder at the root (conf/ and experiments/ among them) has a row."""
+    section = (REPO / "docs" / "architecture.md").read_text().split("## Where things live", 1)[1].split("\n## ", 1)[0]
+    rows = set(re.findall(r"^\| `([^`]+)` ", section, re.M))
+    tracked = subprocess.run(["git", "ls-files"], cwd=REPO, capture_output=True, text=True, check=True).stdout.split()
+    folders = {f"{path.split('/', 1)[0]}/" for path in tracked if "/" in path and not path.startswith(".")}
+    packages = {f"src/grpo/{p.parent.name}/" for p in (REPO / "src" / "grpo").glob("*/__init__.py")}
+    missing = sorted(((folders - {"src/"}) | packages | {"src/hydra_plugins/"}) - rows)
+    assert not missing, f"docs/architecture.md's 'Where things live' has no row for {missing}"
+
+
 def test_the_configuring_page_lists_the_mistakes_as_a_table():
     """The mistakes that stop a run were one 20-line paragraph of 30 cases; they are a table, one row each."""
     section = (REPO / "docs" / "configuring.md").read_text().split("## Mistakes stop the run", 1)[1].split("\n## ", 1)[0]
