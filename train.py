@@ -1,5 +1,5 @@
 """`python train.py [overrides]` from the checkout: the same command as `grpo-train` (grpo/train.py; its configs are
-grpo/conf/). Usage and examples: `python train.py --help`, docs/running.md."""
+conf/ and experiments/). Usage and examples: `python train.py --help`, docs/running.md."""
 
 from grpo.train import run
 

@@ -1,4 +1,4 @@
-"""Held-out accuracy against wall-clock for runs of the skill experiment (src/grpo/conf/experiment/arith_grpo.yaml), in one PNG.
+"""Held-out accuracy against wall-clock for runs of the skill experiment (experiments/arith_grpo.yaml), in one PNG.
 
     python bench/arith_curves.py <run dir> [more ...] --out bench/results/arith_grpo_seeds
     python bench/arith_curves.py <run dir> ... bench/results/trl_arith_s0.json ... --out bench/results/arith_vs_trl

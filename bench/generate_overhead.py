@@ -52,7 +52,7 @@ def main() -> None:
     from grpo.recipes.warmstart import warmstart_path
 
     model = str(warmstart_path("warm-arith", 0))
-    cfg = OmegaConf.load(ROOT / "src" / "grpo" / "conf" / "server" / "cpu.yaml")
+    cfg = OmegaConf.load(ROOT / "conf" / "server" / "cpu.yaml")
     cfg.pop("defaults")
     cfg.served_model_aliases = []
     cfg.extra_args = list(args.server_arg)

@@ -196,7 +196,7 @@ def compose_ours(overrides: list[str], experiment: str = "arith_grpo"):
     from grpo.config import register_configs
 
     register_configs()
-    with initialize_config_dir(version_base="1.3", config_dir=str(ROOT / "src" / "grpo" / "conf")):
+    with initialize_config_dir(version_base="1.3", config_dir=str(ROOT / "conf")):
         return compose(config_name="train", overrides=[f"experiment={experiment}", *overrides])
 
 

@@ -13,7 +13,7 @@ from hydra.core.global_hydra import GlobalHydra
 from hydra.utils import get_class
 from omegaconf import OmegaConf
 
-from grpo.conf import CONFIG_DIR
+from grpo.conf import CONFIG_DIR, EXPERIMENTS_DIR
 from grpo.config import ConfigError, register_configs, validate
 
 REPO = Path(__file__).resolve().parents[1]
@@ -21,7 +21,7 @@ CONF = CONFIG_DIR
 MODES = sorted(p.stem for p in (CONF / "mode").glob("*.yaml"))
 MODELS = sorted(p.stem for p in (CONF / "model").glob("*.yaml"))
 OPTIMIZERS = sorted(p.stem for p in (CONF / "optimizer").glob("*.yaml"))
-EXPERIMENTS = sorted(p.stem for p in (CONF / "experiment").glob("*.yaml"))
+EXPERIMENTS = sorted(p.stem for p in EXPERIMENTS_DIR.glob("*.yaml"))
 
 register_configs()
 
@@ -111,7 +111,7 @@ def test_each_experiment_names_its_run_dirs_after_itself():
     from hydra.core.hydra_config import HydraConfig
     from omegaconf import OmegaConf
 
-    for path in sorted((CONF / "experiment").glob("*.yaml")):  # each one's own: no two experiments' dirs alike
+    for path in sorted(EXPERIMENTS_DIR.glob("*.yaml")):  # each one's own: no two experiments' dirs alike
         assert OmegaConf.load(path).get("name") == path.stem, path.name
     cases = [(["experiment=cpu_tiny_none"], "cpu_tiny_none"), (["~experiment"], "grpo"), (["name=mine"], "mine")]
     GlobalHydra.instance().clear()

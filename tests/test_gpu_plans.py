@@ -13,7 +13,7 @@ import pytest
 from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 
-from grpo.conf import CONFIG_DIR
+from grpo.conf import CONFIG_DIR, EXPERIMENTS_DIR
 from grpo.config import register_configs, validate
 from grpo.models.tiny import offline_presets
 
@@ -39,10 +39,10 @@ def test_plan_job_composes_and_validates(plan, job, tmp_path, monkeypatch):
         assert gpus and all(g.isdigit() for g in gpus), f"{name}: gpus= takes GPU indices, got {args[0]}"
         args = args[1:]
     if kind == "trl":
-        assert (CONFIG_DIR / "experiment" / f"{args[0]}.yaml").exists() and args[1].isdigit()
+        assert (EXPERIMENTS_DIR / f"{args[0]}.yaml").exists() and args[1].isdigit()
         return
     if kind == "grpo_eval":  # grpo-eval on another job's checkpoints: the experiment it evaluates exists
-        assert (CONFIG_DIR / "experiment" / f"{args[0]}.yaml").exists() and "grpo.eval" in command
+        assert (EXPERIMENTS_DIR / f"{args[0]}.yaml").exists() and "grpo.eval" in command
         return
     if kind == "sh":  # a script of bench/gpu/; sweep_run.sh's overrides compose (each swept key at its first value)
         assert (REPO / args[0]).is_file() and command[:2] == ["bash", args[0]]

@@ -191,9 +191,7 @@ def test_the_configuring_page_lists_every_option_of_every_group():
     and gsm8k were missing): every option file of every group is named in its group's row."""
     rows = dict(re.findall(r"^\| `(\w+)` \| (.*) \|$", (REPO / "docs" / "configuring.md").read_text(), re.M))
     for group in sorted(p for p in CONFIG_DIR.iterdir() if p.is_dir() and p.name != "__pycache__"):
-        options = {f.stem for f in group.glob("*.yaml")}
-        if group.name == "experiment":
-            continue  # a whole job each; the row names the folder
+        options = {f.stem for f in group.glob("*.yaml")}  # experiments/ is apart: a whole job each, the row names it
         assert group.name in rows, f"docs/configuring.md has no row for the `{group.name}` group"
         missing = {o for o in options if f"`{o}`" not in rows[group.name]}
         assert not missing, f"docs/configuring.md's `{group.name}` row lacks {sorted(missing)}"
@@ -210,6 +208,18 @@ def quoted_mistakes() -> list[tuple[str, list[str]]]:
         if override and quotes:
             rows.append((override, quotes))
     return rows
+
+
+def test_the_architecture_page_says_where_each_folder_lives():
+    """docs/architecture.md's "Where things live" had no rows for algorithms/, schema/, serving/ and recipes/: each
+    package under src/grpo/ and each tracked folder at the root (conf/ and experiments/ among them) has a row."""
+    section = (REPO / "docs" / "architecture.md").read_text().split("## Where things live", 1)[1].split("\n## ", 1)[0]
+    rows = set(re.findall(r"^\| `([^`]+)` ", section, re.M))
+    tracked = subprocess.run(["git", "ls-files"], cwd=REPO, capture_output=True, text=True, check=True).stdout.split()
+    folders = {f"{path.split('/', 1)[0]}/" for path in tracked if "/" in path and not path.startswith(".")}
+    packages = {f"src/grpo/{p.parent.name}/" for p in (REPO / "src" / "grpo").glob("*/__init__.py")}
+    missing = sorted(((folders - {"src/"}) | packages | {"src/hydra_plugins/"}) - rows)
+    assert not missing, f"docs/architecture.md's 'Where things live' has no row for {missing}"
 
 
 def test_the_configuring_page_lists_the_mistakes_as_a_table():

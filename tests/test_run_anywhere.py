@@ -12,7 +12,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from conftest import REPO
-from grpo.conf import CONFIG_DIR
+from grpo.conf import CONFIG_DIR, EXPERIMENTS_DIR
 
 
 @pytest.fixture(scope="module")
@@ -45,6 +45,7 @@ def test_grpo_train_composes_the_shipped_configs_from_a_directory_outside_the_ch
     out = grpo_train(installed, tmp_path, "--cfg", "job", "mode=lora_only", "experiment=cpu_tiny_none")
     assert out.returncode == 0, out.stderr[-2000:]
     cfg = OmegaConf.create(out.stdout)
+    assert cfg.name == "cpu_tiny_none"  # experiments/cpu_tiny_none.yaml, as the wheel ships it
     assert cfg.data.task._target_ == "grpo.pipeline.tasks.DigitsTask" and cfg.train.steps == 20
     assert cfg.mode._target_ == "grpo.sync.lora_hotswap.LoraHotSwapSync"  # the command line wins over the experiment
     assert cfg.logging.tensorboard is False
@@ -153,12 +154,33 @@ def test_a_prompt_file_without_held_out_prompts_stops_with_a_config_error(tmp_pa
     assert not (tmp_path / "logs" / "vllm.pid").exists()  # stopped before any server started
 
 
-def test_the_config_tree_is_one_real_directory_that_the_wheel_ships(installed):
-    """Issue 38: no symlinks (src/grpo/train.py, src/grpo/conf and conf/experiment were ones): the configs live in
-    grpo/conf/ alone, the experiments in its experiment/ group, and an installed wheel holds every one of them."""
+def test_the_config_tree_is_conf_and_experiments_at_the_root_and_the_wheel_ships_both(installed):
+    """The promised layout: conf/ (train.yaml, its groups) and experiments/ at the repository root are the files, with
+    no symlink (src/grpo/train.py, src/grpo/conf and conf/experiment once were ones) and no copy in the package
+    (conf/ holds only the code that finds them); an installed wheel holds every one of them."""
     tracked = subprocess.run(["git", "ls-files", "-s"], cwd=REPO, capture_output=True, text=True, check=True).stdout
     assert [line.split("\t", 1)[1] for line in tracked.splitlines() if line.startswith("120000")] == []
-    shipped = sorted(p.relative_to(CONFIG_DIR) for p in CONFIG_DIR.rglob("*.yaml"))
-    assert Path("experiment/arith_quick.yaml") in shipped and Path("train.yaml") in shipped
-    wheel_conf = installed / "grpo" / "conf"
-    assert sorted(p.relative_to(wheel_conf) for p in wheel_conf.rglob("*.yaml")) == shipped
+    assert (CONFIG_DIR, EXPERIMENTS_DIR) == (REPO / "conf", REPO / "experiments")
+    assert list((REPO / "src").rglob("*.yaml")) == [] and not (CONFIG_DIR / "experiment").exists()
+    conf = sorted(p.relative_to(CONFIG_DIR) for p in CONFIG_DIR.rglob("*.yaml"))
+    experiments = sorted(p.relative_to(EXPERIMENTS_DIR) for p in EXPERIMENTS_DIR.rglob("*.yaml"))
+    assert {Path("train.yaml"), Path("mode/none.yaml"), Path("model/tiny_qwen2.yaml"), Path("optimizer/adamw.yaml")} <= set(conf)
+    assert Path("arith_quick.yaml") in experiments
+    wheel_conf, wheel_experiments = installed / "grpo" / "conf", installed / "grpo" / "experiments"
+    assert sorted(p.relative_to(wheel_conf) for p in wheel_conf.rglob("*.yaml")) == conf
+    assert sorted(p.relative_to(wheel_experiments) for p in wheel_experiments.rglob("*.yaml")) == experiments
+
+
+def test_python_train_py_composes_conf_and_experiments_of_the_checkout_from_any_directory(tmp_path):
+    """`python train.py experiment=NAME` takes experiments/NAME.yaml: Hydra searches conf/ and, as the group
+    `experiment`, experiments/ (hydra_plugins.grpo_experiments), whichever the working directory."""
+    # One process: Hydra's search path, the defaults list and the composed config.
+    info = subprocess.run([sys.executable, str(REPO / "train.py"), "--info", "all", "experiment=cpu_tiny_lora_only"],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert info.returncode == 0, info.stderr[-2000:]
+    rows = [[c.strip() for c in line.strip("| ").split("|")] for line in info.stdout.splitlines() if line.startswith("|")]
+    assert ["main", f"file://{REPO / 'conf'}"] in rows
+    assert ["grpo-experiments", f"grpo-experiments://{REPO / 'experiments'}"] in rows
+    assert ["experiment/cpu_tiny_lora_only", "", "False", "train"] in rows
+    cfg = OmegaConf.create(info.stdout.split("\nConfig\n******\n", 1)[1])
+    assert cfg.name == "cpu_tiny_lora_only" and cfg.mode._target_ == "grpo.sync.lora_hotswap.LoraHotSwapSync"

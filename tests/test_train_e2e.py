@@ -14,7 +14,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from conftest import REPO, attach, free_port
-from grpo.conf import CONFIG_DIR
+from grpo.conf import EXPERIMENTS_DIR
 
 pytestmark = pytest.mark.vllm
 
@@ -30,7 +30,7 @@ QUICK_SETTINGS = [
     "logging.progress_bar=false", "eval=off", "server.enforce_eager=true",
 ]
 QUICK = ["~experiment", *QUICK_SETTINGS]
-CPU_EXPERIMENTS = sorted(p.stem for p in (CONFIG_DIR / "experiment").glob("cpu_*.yaml"))
+CPU_EXPERIMENTS = sorted(p.stem for p in EXPERIMENTS_DIR.glob("cpu_*.yaml"))
 REQUIRED_KEYS = {"step", "loss", "reward/mean", "grpo/mean_ratio", "grpo/clipped_fraction", "sync/seconds",
                  "time/step_seconds", "tokens/trained"}
 

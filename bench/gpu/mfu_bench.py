@@ -111,7 +111,7 @@ def one(preset: str, name: str, steps: int, device_name: str = "cuda", spread: s
     set_attention(model, attn)
     if name.endswith("+compile"):
         compile_decoder_layers(model)
-    loss_cfg = OmegaConf.load(ROOT / "src/grpo/conf/loss/grpo.yaml")
+    loss_cfg = OmegaConf.load(ROOT / "conf/loss/grpo.yaml")
     loss_cfg.pop("defaults")
     fused = {"fused": True} if os.environ.get("MFU_FUSED_ADAMW") == "1" else {}
     opt = build_optimizer(model, {"_target_": "torch.optim.AdamW", "lr": 1e-6, "weight_decay": 0.0, **fused})

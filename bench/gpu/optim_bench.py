@@ -32,10 +32,10 @@ def one(preset: str, optimizer: str, steps: int, batch: int, seq: int, chunk: in
     from grpo.trainer.optim import build_optimizer
 
     model = load_model(str(build_model_dir(preset, dtype="bfloat16")), torch.bfloat16, torch.device("cuda"), True)
-    opt_cfg = OmegaConf.load(ROOT / f"src/grpo/conf/optimizer/{optimizer}.yaml")
+    opt_cfg = OmegaConf.load(ROOT / f"conf/optimizer/{optimizer}.yaml")
     opt_cfg.pop("defaults")
     opt_cfg.lr = 1e-6
-    loss_cfg = OmegaConf.load(ROOT / "src/grpo/conf/loss/grpo.yaml")
+    loss_cfg = OmegaConf.load(ROOT / "conf/loss/grpo.yaml")
     loss_cfg.pop("defaults")
     loss_fn = instantiate(loss_cfg)
     opt = build_optimizer(model, opt_cfg)

@@ -108,7 +108,7 @@ PY
       python3 bench/gpu/trl_step.py --preset qwen3b --steps "${STEPS:-10}" --micro-batch "$mb" --optim "${TRL_OPTIM:-adamw_torch}" \
         ${TRL_ARGS:-} --out "$out/whole_step_trl_mb$mb.json" \
         2>&1 | grep -vE "INFO|DEBUG|it/s\]" | tail -15
-    elif [ "$impl" = experiment ]; then  # the same recipe as src/grpo/conf/experiment/qwen3b_whole_step.yaml, as a user runs it
+    elif [ "$impl" = experiment ]; then  # the same recipe as experiments/qwen3b_whole_step.yaml, as a user runs it
       # shellcheck disable=SC2086  # EXTRA: space-separated overrides (e.g. data.rollout_logprobs=true)
       python3 train.py experiment=qwen3b_whole_step model.offline=qwen3b logging.progress_bar=false \
         train.steps="${STEPS:-10}" ${EXTRA:-} hydra.run.dir="$out/whole_step/experiment_qwen3b_whole_step${TAG:-}" \

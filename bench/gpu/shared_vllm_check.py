@@ -71,7 +71,7 @@ def main() -> None:
     model_dir = build_model_dir(args.preset, seed=0, dtype="bfloat16")
     res["build_model_s"] = time.perf_counter() - t0
     tok = AutoTokenizer.from_pretrained(model_dir)
-    server_cfg = OmegaConf.load(ROOT / "src/grpo/conf/server/gpu.yaml")
+    server_cfg = OmegaConf.load(ROOT / "conf/server/gpu.yaml")
     server_cfg.pop("defaults")
     server_cfg.port = args.port
     server_cfg.gpu_memory_utilization = args.gpu_memory_utilization

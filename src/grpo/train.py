@@ -5,7 +5,7 @@
     grpo-train mode=lora_only model=qwen3b server=gpu
     grpo-train experiment=qwen3b_lora_restart
     grpo-train -m loss.clip_eps=0.1,0.2 optimizer.lr=1e-4,1e-3
-    grpo-train --config-dir ./my_conf experiment=my_task  # your own configs beside the shipped ones (grpo/conf)
+    grpo-train --config-dir ./my_conf experiment=my_task  # your own configs beside the shipped ones (conf/)
 
 A job reads top to bottom: compose (Hydra), validate (grpo.config), build (grpo.build), fit (the trainer), clean up;
 how a job that does not complete ends is grpo.job's. See docs/architecture.md.
@@ -33,7 +33,7 @@ from grpo.trainer.wall_clock import WallClock
 register_configs()
 
 
-@hydra.main(version_base="1.3", config_path="conf", config_name="train")
+@hydra.main(version_base="1.3", config_path=str(CONFIG_DIR), config_name="train")
 def main(cfg: DictConfig) -> float | None:
     """One job. Returns `train.objective` (default: the mean reward of the last 10 rollout batches), which sweeps
     optimise."""

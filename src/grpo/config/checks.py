@@ -15,7 +15,7 @@ from typing import Any, Mapping, Sequence
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
-from grpo.conf import CONFIG_DIR
+from grpo.conf import EXPERIMENTS_DIR
 from grpo.config.command_line import command_name
 from grpo.config_values import ConfigError
 from grpo.pipeline.evaluation import ATROPOS_EVAL_EXAMPLE, eval_enabled
@@ -155,7 +155,7 @@ def check_data_fits_default_experiment(info: HydraInfo) -> None:
 def _experiment_data(name: str) -> str | None:
     """The data option a shipped experiment's defaults choose (`override /data: arithmetic`), None when it chooses
     none or is not a shipped one."""
-    path = CONFIG_DIR / "experiment" / f"{name}.yaml"
+    path = EXPERIMENTS_DIR / f"{name}.yaml"
     if not path.is_file():
         return None
     for entry in OmegaConf.load(path).get("defaults") or []:

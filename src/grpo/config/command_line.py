@@ -20,6 +20,7 @@ from hydra.core.override_parser.overrides_parser import OverridesParser
 from omegaconf import OmegaConf
 from omegaconf.errors import ValidationError
 
+from grpo.conf import group_dir, group_names
 from grpo.config_values import ConfigError
 from grpo.schema import EvalConfig, RootConfig
 
@@ -57,7 +58,7 @@ def check_saved_config_overrides(args: Sequence[str], shipped_config_dir: Path) 
     primary = Path(path or ".") / f"{(name or 'config').removesuffix('.yaml')}.yaml"
     if path is None or not primary.is_file() or "defaults" in (OmegaConf.load(primary) or {}):
         return
-    groups = {d.name for d in shipped_config_dir.iterdir() if d.is_dir()}
+    groups = group_names(shipped_config_dir)
     for arg in args:
         key, sep, value = arg.lstrip("+").partition("=")
         if sep and key in groups and not arg.startswith("-"):
@@ -140,13 +141,14 @@ def check_hydra_plugins(args: Sequence[str]) -> None:
 
 def check_group_option_names(args: Sequence[str], config_dirs: Sequence[Path]) -> None:
     """Each `group=option` on the command line names an option of that group (a YAML file in a config dir's
-    `<group>/`), and each `key=value` a key the config has (`check_override_key`). Checked before Hydra composes:
+    `<group>/`; the shipped experiments: experiments/), and each `key=value` a key the config has (`check_override_key`). Checked before Hydra composes:
     Hydra's own error for a typo (`optimizer=adamW`) lists the schema entries beside the options and its search
     path, with no suggestion."""
     chosen = _default_groups(config_dirs[0] / "train.yaml") if config_dirs else set()
     for arg in args:
         key, sep, value = arg.lstrip("+").partition("=")
-        dirs = [d / key for d in config_dirs if key and (d / key).is_dir()] if sep and not arg.startswith("-") else []
+        dirs = [group_dir(d, key) for d in config_dirs if key and group_dir(d, key).is_dir()] \
+            if sep and not arg.startswith("-") else []
         if dirs and arg.startswith("+") and not arg.startswith("++") and key in chosen:
             # Hydra: "Multiple values for experiment. To override a value use 'override experiment: ...'" (YAML
             # syntax, no command line); `+experiment=x` is the usual form in other Hydra projects.
@@ -196,7 +198,7 @@ def check_override_key(key: str, value: str, config_dirs: Sequence[Path]) -> Non
     if "/" in key or not all(parts):  # hydra/launcher=..., or not a dotted key
         return
     schema: Any = RootConfig
-    groups = {d.name for c in config_dirs if c.is_dir() for d in c.iterdir() if d.is_dir()}
+    groups = {g for c in config_dirs if c.is_dir() for g in group_names(c)}
     for depth, part in enumerate(parts):
         if schema is None or not dataclasses.is_dataclass(schema):
             return  # a node whose keys depend on the option chosen (optimizer, mode, data, ...): Hydra checks it
