@@ -127,7 +127,11 @@ class LocalRolloutPipeline(DataPipeline):
         dynamic_sampling: bool = False,
         max_refill_rounds: int = 3,
         reward_workers: int = 0,
+        min_new_tokens: int = 0,
     ) -> None:
+        if not 0 <= min_new_tokens <= max_new_tokens:
+            raise ValueError(f"data.min_new_tokens must be in [0, data.max_new_tokens={max_new_tokens}] (vLLM's "
+                             f"min_tokens: no EOS before that many tokens), got {min_new_tokens}")
         if prompts_per_step < 1 or group_size < 1 or max_new_tokens < 1:
             raise ValueError(
                 "data.prompts_per_step, data.group_size and data.max_new_tokens must be >= 1, got "
@@ -156,6 +160,7 @@ class LocalRolloutPipeline(DataPipeline):
         self.prompts_per_step = int(prompts_per_step)
         self.group_size = int(group_size)
         self.max_new_tokens = int(max_new_tokens)
+        self.min_new_tokens = int(min_new_tokens)
         self.temperature = float(temperature)
         self.top_p = float(top_p)
         self.seeded_sampling = bool(seeded_sampling)
@@ -267,7 +272,7 @@ class LocalRolloutPipeline(DataPipeline):
             outs = self._client(endpoint).generate(
                 ids, n=self.group_size, max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p,
                 model=endpoint.model, detokenize=False, logprobs=self.rollout_logprobs,
-                **self._sampling_seed(step, refill_round),
+                **self._sampling_seed(step, refill_round), **self._min_tokens(max_tokens),
             )
         t1 = time.monotonic()
         totals["seconds"] += t1 - t0
@@ -292,6 +297,10 @@ class LocalRolloutPipeline(DataPipeline):
         for completion, grade in zip((c for completions in outs for c in completions), grades):
             scorer.record(completion, grade)
         return grades
+
+    def _min_tokens(self, max_tokens: int) -> dict[str, int]:
+        """vLLM's `min_tokens` of a request when data.min_new_tokens is set (never above this round's cap)."""
+        return {"min_tokens": min(self.min_new_tokens, max_tokens)} if self.min_new_tokens > 0 else {}
 
     def _sampling_seed(self, step: int, refill_round: int = 0) -> dict[str, int]:
         """The step's base seed, or nothing when seeded_sampling is off.
