@@ -75,6 +75,9 @@ class SyncStrategy(ABC):
     fsdp_gather: ClassVar[Optional[Literal["params", "state_dict", "adapter"]]] = None
     # Why FSDP2 is refused (fsdp_gather None), for the start-up message.
     fsdp_refusal: ClassVar[str] = "its sync has no FSDP2 gather"
+    # Why vLLM cannot quantize this mode's served weights itself (server.quantization=fp8), for the start-up message;
+    # None where it can: every sync reloads the trainer's weights through vLLM's loader, which quantizes them anew.
+    quantization_refusal: ClassVar[Optional[str]] = "its syncs do not reload the weights through vLLM's loader"
     # True when a sweep's next job may take over this mode's server and reset what it serves
     # (`reset_served_weights`) instead of starting another (server.reuse_across_jobs, docs/sweeps.md).
     reuses_server: ClassVar[bool] = False
@@ -111,6 +114,12 @@ class SyncStrategy(ABC):
                 f"mode=none, or mode=broadcast server.device=<a GPU index >= {world_size}>, or run one process for "
                 "this mode"
             )
+        quantization = option(cfg.server, "quantization", None)
+        if quantization is not None and cls.quantization_refusal is not None:
+            raise ConfigError(
+                f"server.quantization={quantization} with mode={cls.mode_name}: {cls.quantization_refusal}; use "
+                "mode=none or mode=broadcast (mode.receive=engine), whose syncs reload the trained weights through "
+                "vLLM's loader, which quantizes them at every sync, or set server.quantization=null")
         if cls.uses_lora:
             r, max_rank = option(cfg.lora, "r"), option(cfg.server, "max_lora_rank")
             if r not in VLLM_LORA_RANKS:

@@ -36,6 +36,8 @@ class LoraRestartSync(SyncStrategy):
     mode_name = "lora_restart"
     uses_lora = True
     fsdp_gather = "adapter"  # FSDP2: every rank joins the gather of the adapter, rank 0 saves it and restarts vLLM
+    quantization_refusal = ("its base weights are loaded once, never reloaded, and LoRA adapters over a base vLLM "
+                            "quantized itself are not supported here")
 
     def __init__(self, sync_every: int = 1, adapter_name: str = "policy") -> None:
         super().__init__(sync_every)
