@@ -90,7 +90,8 @@ def _lora_step(rank: int, world: int, port: int, model_dir: str, out_root: str) 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     source = _Pipeline(tokenizer.pad_token_id)
     pipeline = source if not info.enabled else (LeaderPipeline(source) if rank0 else FollowerPipeline())
-    sync = _AdapterSync(run_dir, model_dir) if rank0 else FollowerSync(gather=LoraHotSwapSync.fsdp_gather)
+    sync = _AdapterSync(run_dir, model_dir) if rank0 else FollowerSync(gather=LoraHotSwapSync.fsdp_gather,
+                                                                        uses_lora=True)
     trainer = GRPOTrainer(
         train_cfg=cfg, model=model, tokenizer=tokenizer, optimizer=optimizer,
         scheduler=build_scheduler(optimizer, "constant", 0, 1), loss_fn=GRPOLoss(kl_coef=0.1), pipeline=pipeline,
@@ -190,3 +191,40 @@ def test_lora_fsdp2_checkpoint_holds_the_adapter_and_resumes(lora_runs):
     assert adapters["after"].keys() == adapters["resumed"].keys()
     for name, t in adapters["after"].items():
         torch.testing.assert_close(adapters["resumed"][name], t, atol=0, rtol=0, msg=name)
+
+
+@pytest.mark.vllm
+def test_torchrun_two_ranks_lora_only_trains_syncs_the_adapter_and_resumes(tmp_path):
+    """`torchrun --nproc-per-node 2 train.py mode=lora_only` end to end on the CPU (a vLLM server of its own): every
+    sync gathers the adapter alone and hot-swaps it, with a KL penalty against the adapter-off reference; the
+    checkpoints hold the adapter, and a resume goes on from them with the served version carried over."""
+    import subprocess
+    import sys
+    import uuid
+
+    from conftest import free_port
+    from test_train_e2e import QUICK, assert_clean, metrics
+
+    repo = Path(__file__).resolve().parents[1]
+    run_dir = tmp_path / "run"
+
+    def torchrun(*overrides):
+        marker = f"GRPO_TEST_{uuid.uuid4().hex}"
+        env = dict(os.environ, GRPO_TEST_MARKER=marker, PYTHONUNBUFFERED="1")
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
+               str(free_port()), str(repo / "train.py"), "mode=lora_only", "server=cpu", *QUICK, "lora.r=8",
+               "loss.kl_coef=0.05", "train.checkpoint_every=1", f"hydra.run.dir={run_dir}", *overrides]
+        out = subprocess.run(cmd, capture_output=True, text=True, cwd=repo, timeout=540, env=env)
+        assert out.returncode == 0, (out.stdout[-2000:], out.stderr[-3000:])
+        assert_clean(marker)
+
+    torchrun("train.steps=2")
+    rows = metrics(run_dir)
+    assert [r["step"] for r in rows] == [1, 2] and [r["sync/served_version"] for r in rows] == [1.0, 2.0]
+    assert all(0 < r["sync/gathered_bytes"] == r["sync/adapter_bytes"] for r in rows)
+    assert rows[0]["grpo/kl"] == 0.0 < rows[1]["grpo/kl"]  # the adapter moved away from the reference
+    ckpt = run_dir / "checkpoints" / "step_000002"
+    assert (ckpt / "adapter_model.safetensors").exists() and not (ckpt / "model.safetensors").exists()
+    torchrun("train.steps=3", f"train.resume={run_dir}")
+    rows = metrics(run_dir)
+    assert [r["step"] for r in rows] == [1, 2, 3] and rows[-1]["sync/served_version"] == 3.0

@@ -19,8 +19,12 @@ class FollowerSync(SyncStrategy):
 
     mode_name = "follower"
 
-    def __init__(self, sync_every: int = 1, gather: Literal["params", "state_dict", "adapter"] = "params") -> None:
+    def __init__(self, sync_every: int = 1, gather: Literal["params", "state_dict", "adapter"] = "params",
+                 uses_lora: bool = False) -> None:
         super().__init__(sync_every)
+        # Rank 0's mode trains a LoRA adapter: this rank's model must be built the same way (its shards and
+        # collectives match rank 0's), and so must the KL reference (the adapter switched off).
+        self.uses_lora = uses_lora
         if gather not in ("params", "state_dict", "adapter"):
             raise ValueError(f"gather must be 'params', 'state_dict' or 'adapter', got {gather!r}")
         self.gather = gather
