@@ -98,6 +98,17 @@ def weighted_reward(rewards: Mapping[str, tuple[Any, float]], prompt: Prompt, te
     return sum(weight * values[name] for name, (_, weight) in rewards.items()), values
 
 
+def check_sampling(temperature: float, top_p: float, max_new_tokens: int, min_new_tokens: int) -> None:
+    """The rollouts' sampling settings: ValueError naming the data.* key out of range."""
+    if temperature <= 0:
+        raise ValueError(f"data.temperature must be > 0 (the loss divides logits by it), got {temperature}")
+    if not 0 < top_p <= 1:
+        raise ValueError(f"data.top_p must be in (0, 1] (1 = the whole distribution), got {top_p}")
+    if not 0 <= min_new_tokens <= max_new_tokens:
+        raise ValueError(f"data.min_new_tokens must be in [0, data.max_new_tokens={max_new_tokens}] (vLLM's "
+                         f"min_tokens: no EOS before that many tokens), got {min_new_tokens}")
+
+
 class LocalRolloutPipeline(DataPipeline):
     """Generates and scores its own groups each step: `prompts_per_step` prompts x `group_size` completions.
 
@@ -129,9 +140,6 @@ class LocalRolloutPipeline(DataPipeline):
         reward_workers: int = 0,
         min_new_tokens: int = 0,
     ) -> None:
-        if not 0 <= min_new_tokens <= max_new_tokens:
-            raise ValueError(f"data.min_new_tokens must be in [0, data.max_new_tokens={max_new_tokens}] (vLLM's "
-                             f"min_tokens: no EOS before that many tokens), got {min_new_tokens}")
         if prompts_per_step < 1 or group_size < 1 or max_new_tokens < 1:
             raise ValueError(
                 "data.prompts_per_step, data.group_size and data.max_new_tokens must be >= 1, got "
@@ -140,10 +148,7 @@ class LocalRolloutPipeline(DataPipeline):
         if group_size < 2:
             raise ValueError("data.group_size=1 gives every completion advantage 0 (its reward is compared with the other "
                              "completions of its prompt, and there are none), so nothing trains; use data.group_size >= 2")
-        if temperature <= 0:
-            raise ValueError(f"data.temperature must be > 0 (the loss divides logits by it), got {temperature}")
-        if not 0 < top_p <= 1:
-            raise ValueError(f"data.top_p must be in (0, 1] (1 = the whole distribution), got {top_p}")
+        check_sampling(temperature, top_p, max_new_tokens, min_new_tokens)
         if max_refill_rounds < 0:
             raise ValueError(f"data.max_refill_rounds must be >= 0 (0 = drop zero-variance groups, never refill), "
                              f"got {max_refill_rounds}")
