@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
-# LoRA under FSDP2 at 14 B on two GPUs (nvidia-h100-x2 or h200-x2, after the vLLM kit is installed: bench/gpu/README.md):
-#   bash bench/gpu/lora_fsdp2_14b.sh
+# LoRA under FSDP2 at 14 B on two GPUs (nvidia-h100-x2 or h200-x2, after the vLLM kit is installed: bench/gpu/README.md).
+# Two 14 B start-ups (the random-weight directory built first, vLLM's start-up ~3.5 min at 14 B) outlast one device
+# call, so start it detached and read its files in a later call:
+#   setsid nohup bash bench/gpu/lora_fsdp2_14b.sh > /tmp/lora_fsdp2_14b.log 2>&1 < /dev/null &
+#   tail -5 /tmp/lora_fsdp2_14b.log; cat bench/results/gpu/lora_fsdp2_14b_summary.json   # (or $OUT's) once done
 # experiment=qwen14b_lora_fsdp2 with random weights of the real shape (model.offline=qwen14b), torchrun over both GPUs,
 # vLLM beside rank 0: 4 steps with a checkpoint every 2, then a resume in the same run dir to step 6. Shows that it
 # trains, syncs (sync/gathered_bytes == sync/adapter_bytes every step: the adapter alone is gathered) and resumes
@@ -14,7 +17,7 @@ mkdir -p "$out"
 run=/tmp/runs/lora_fsdp2_14b
 nvidia-smi --query-gpu=index,name,memory.total,driver_version --format=csv | tee "$out/gpu_lora_fsdp2_14b.txt"
 train() {
-  timeout 560 torchrun --nproc-per-node 2 --master-port 29641 train.py experiment=qwen14b_lora_fsdp2 model.offline=qwen14b \
+  timeout 1200 torchrun --nproc-per-node 2 --master-port 29641 train.py experiment=qwen14b_lora_fsdp2 model.offline=qwen14b \
     eval=off train.checkpoint_every=2 logging.progress_bar=false hydra.run.dir="$run" "$@" 2>&1 \
     | grep -vE "INFO|DEBUG|Loading weights|Writing model" | tail -15
 }
