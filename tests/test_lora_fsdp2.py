@@ -17,7 +17,8 @@ from grpo.sync.follower import FollowerSync
 from grpo.sync.lora_hotswap import LoraHotSwapSync
 from grpo.trainer.metrics import NullMetrics
 
-# ~21 s on the 2-core CI host (one process, then two spawned gloo ranks, each importing torch and transformers).
+# The equality tests share one fixture, ~21 s on an idle 2-core host (one process, then two spawned gloo ranks, each
+# importing torch and transformers); the torchrun run below starts vLLM twice, ~4 min there under load.
 pytestmark = pytest.mark.slow
 
 
