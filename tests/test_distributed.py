@@ -302,13 +302,15 @@ def test_broadcast_layout_errors():
     cls.check_config(_compose(["experiment=qwen3b_broadcast_2gpu"]), cuda=True)
     with pytest.raises(ConfigError, match=">= 2"):  # torchrun with 2 trainer ranks: vLLM needs GPU 2+
         cls.check_config(_compose(["experiment=qwen3b_broadcast_2gpu"]), cuda=True, world_size=2)
-    # torchrun (FSDP2): mode=none and mode=broadcast compose; LoRA modes and shared_vllm stop with what works.
-    get_class("grpo.sync.save_and_reload.SaveAndReloadSync").check_config(
-        _compose(["mode=none"]), cuda=False, world_size=2)
-    for mode in ("lora_only", "lora_restart", "shared_vllm"):
-        cfg = _compose([f"mode={mode}"])
-        with pytest.raises(ConfigError, match=r"composes with mode=none or mode=broadcast, not"):
-            get_class(cfg.mode._target_).check_config(cfg, cuda=True, world_size=2)
+    # torchrun (FSDP2): mode=none, mode=broadcast and the LoRA modes (the adapter gathered) compose; shared_vllm
+    # stops with what works.
+    for mode in ("none", "lora_only", "lora_restart"):
+        cfg = _compose([f"mode={mode}", "server.dtype=bfloat16"])
+        get_class(cfg.mode._target_).check_config(cfg, cuda=True, world_size=2)
+    cfg = _compose(["mode=shared_vllm"])
+    with pytest.raises(ConfigError, match=r"composes with mode=none, mode=broadcast, mode=lora_only or "
+                                          r"mode=lora_restart, not mode=shared_vllm"):
+        get_class(cfg.mode._target_).check_config(cfg, cuda=True, world_size=2)
 
 
 def test_broadcast_across_nodes_counts_the_trainer_gpus_of_vllms_host():

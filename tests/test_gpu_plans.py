@@ -110,3 +110,13 @@ def test_queue_starts_each_job_once_its_gpus_are_free_in_plan_order(tmp_path, mo
     assert all(r["rc"] == 0 for r in rows.values())
     order = [r["name"] for r in map(json.loads, (tmp_path / "jobs.jsonl").read_text().splitlines())]
     assert order.index("all") > order.index("long") and order.index("after") > order.index("all")
+
+
+def test_the_seeds_examples_and_the_long_completion_benchmark_are_planned():
+    """The seeds' examples at their size (and the long-completion benchmark) are jobs of a GPU plan, so the checks
+    above run on each of them as on a CUDA machine at its torchrun size."""
+    planned = {(job[1], run_plan.command(job, Path("/tmp")).count("torch.distributed.run")) for _, job in JOBS}
+    for experiment, torchrun in [("gsm8k_hermes8b_shared", 0), ("qwen14b_lora_only", 0), ("qwen14b_lora_fsdp2", 1),
+                                 ("hermes8b_fsdp2", 1), ("hermes8b_fsdp2_broadcast", 1),
+                                 ("qwen3b_long_completions", 0)]:
+        assert (experiment, torchrun) in planned, experiment

@@ -125,3 +125,29 @@ def test_compressed_results_read_as_the_plain_files_did(tmp_path):
     assert subprocess.run(table, capture_output=True, text=True, check=True).stdout == before
     assert real_model_curves.ours_curve(tmp_path / "big.metrics.jsonl") == curve
     assert "| big |" in before and "| small |" in before
+
+
+def test_long_completion_table_takes_medians_after_the_first_step_and_shares_of_the_step(tmp_path):
+    def row(step, step_s, wait_s, gen_s, peak):
+        return {"step": step, "time/step_seconds": step_s, "time/data_seconds": wait_s, "generation/seconds": gen_s,
+                "time/train_seconds": 2.0, "sync/seconds": 0.5, "perf/mfu": 0.3, "memory/peak_gb": peak,
+                "tokens/trained": 1000.0}
+
+    # The first step (warm-up) is left out of the medians but not of the memory peak.
+    rows = [row(1, 60.0, 50.0, 50.0, 40.0), row(2, 10.0, 4.0, 8.0, 30.0), row(3, 12.0, 6.0, 8.0, 31.0),
+            row(4, 20.0, 5.0, 9.0, 32.0)]
+    (tmp_path / "L2k_1gpu_async.metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (tmp_path / "L2k_trl.json").write_text(json.dumps({"impl": "trl", "step_s": [9.0, 3.0, 4.0],
+                                                       "steady_step_s_median": 3.5}))
+    (tmp_path / "jobs.json").write_text(json.dumps([{"not": "a result"}]))
+    subprocess.run([sys.executable, str(REPO / "bench" / "gpu" / "long_completions.py"), str(tmp_path), "--out",
+                    str(tmp_path / "table")], check=True, capture_output=True)
+    got = {r["job"]: r for r in json.loads((tmp_path / "table" / "long_completions.json").read_text())}
+    ours = got["L2k_1gpu_async"]
+    assert (ours["steps"], ours["step_s"], ours["wait_s"], ours["gen_s"]) == (4, 12.0, 5.0, 8.0)
+    assert ours["wait_share"] == 5.0 / 12.0 and ours["gen_share"] == 8.0 / 12.0 and ours["peak_gb"] == 40.0
+    assert ours["tokens_per_s"] == 1000.0 / 12.0 and ours["mfu"] == 0.3
+    assert got["L2k_trl"] == {"job": "L2k_trl", "impl": "trl", "steps": 3, "step_s": 3.5}
+    assert set(got) == {"L2k_1gpu_async", "L2k_trl"}
+    table = (tmp_path / "table" / "long_completions.md").read_text().splitlines()
+    assert table[0].startswith("| job | steps | step s | wait s") and len(table) == 4

@@ -94,6 +94,8 @@ def test_config_errors(tokenizer):
         LocalRolloutPipeline(task=DigitsTask(), rewards={"x": {"weight": 1.0}})
     with pytest.raises(ValueError, match="temperature"):
         LocalRolloutPipeline(task=DigitsTask(), rewards={"d": DigitFractionReward()}, temperature=0.0)
+    with pytest.raises(ValueError, match=r"data.min_new_tokens must be in \[0, data.max_new_tokens=16\]"):
+        LocalRolloutPipeline(task=DigitsTask(), rewards={"d": DigitFractionReward()}, min_new_tokens=17)
     p = LocalRolloutPipeline(task=DigitsTask(), rewards={"d": DigitFractionReward()}, prompts_per_step=2, group_size=2)
     with pytest.raises(ValueError, match="fewer than"):
         p.setup(_ctx(tokenizer, batch_size=8))
@@ -129,6 +131,21 @@ def test_digits_groups_through_vllm(vllm_url, tokenizer):
     assert batch.num_sequences == 16 and len(batch.micro_batches) == 2
     assert batch.metrics["data/missing_logprobs"] == 0 and batch.metrics["data/dropped_too_long"] == 0
     pipe.close()
+
+
+@pytest.mark.vllm
+def test_min_new_tokens_forces_every_completion_to_the_cap(vllm_url, tokenizer):
+    """data.min_new_tokens (vLLM's min_tokens): no completion ends before it, where the same seeded step without it
+    has completions that stop early (the tiny model samples EOS)."""
+    lengths = {}
+    for floor in (0, 48):
+        pipe = _pipeline("local_digits", prompts_per_step=4, group_size=4, max_new_tokens=48, min_new_tokens=floor)
+        pipe.setup(_ctx(tokenizer, vllm_url))
+        groups = pipe.next_groups(2)
+        lengths[floor] = [len(t) - g.masks[i].count(IGNORE_INDEX) for g in groups for i, t in enumerate(g.tokens)]
+        pipe.close()
+    assert min(lengths[0]) < 48
+    assert lengths[48] == [48] * 16
 
 
 @pytest.mark.vllm

@@ -37,6 +37,10 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--preset", default="qwen3b")
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--min-new-tokens", type=int, default=0,
+                    help="no EOS before this many tokens (vLLM's min_tokens, transformers' min_new_tokens): the forced "
+                         "long completions of experiment=qwen3b_long_completions")
+    ap.add_argument("--vllm-gpu-memory-utilization", type=float, default=0.3)
     ap.add_argument("--micro-batch", type=int, default=16, help="per_device_train_batch_size (x 64/it accumulated)")
     ap.add_argument("--cpu-smoke", action="store_true", help="a tiny preset on CPU, transformers' generate (no vLLM)")
     ap.add_argument("--optim", default="adamw_torch", help="transformers' optim (adamw_torch_fused = fused AdamW)")
@@ -90,7 +94,9 @@ def main() -> None:
         lr_scheduler_type="constant", optim=args.optim, weight_decay=0.0, max_grad_norm=1.0, beta=0.0,
         epsilon=0.2, loss_type="dapo", bf16=gpu, gradient_checkpointing=not args.no_gradient_checkpointing,
         max_steps=args.steps, seed=0,
-        use_vllm=gpu, vllm_mode="colocate", vllm_gpu_memory_utilization=0.3, vllm_max_model_length=1024, use_cpu=not gpu,
+        use_vllm=gpu, vllm_mode="colocate", vllm_gpu_memory_utilization=args.vllm_gpu_memory_utilization,
+        vllm_max_model_length=max(1024, args.max_new_tokens + 64), use_cpu=not gpu,
+        generation_kwargs={"min_tokens" if gpu else "min_new_tokens": args.min_new_tokens} if args.min_new_tokens else None,
         report_to=[], logging_steps=1, save_strategy="no", disable_dropout=True, shuffle_dataset=False,
     )  # fmt: skip
     trainer = GRPOTrainer(model=model, reward_funcs=digits_reward, args=cfg, processing_class=tok,
@@ -104,7 +110,8 @@ def main() -> None:
     tokens = [r.get("completions/mean_length", float("nan")) * 64 for r in logs]
     result = {
         "impl": "trl", "trl_version": __import__("trl").__version__, "vllm_version": __import__("vllm").__version__ if gpu else None,
-        "preset": args.preset, "micro_batch": args.micro_batch, "gradient_checkpointing": cfg.gradient_checkpointing, "device": torch.cuda.get_device_name() if gpu else "cpu", "steps": args.steps,
+        "preset": args.preset, "max_new_tokens": args.max_new_tokens, "min_new_tokens": args.min_new_tokens,
+        "micro_batch": args.micro_batch, "gradient_checkpointing": cfg.gradient_checkpointing, "device": torch.cuda.get_device_name() if gpu else "cpu", "steps": args.steps,
         "first_step_s": step_s[0] if step_s else None, "step_s": step_s,
         "steady_step_s_mean": statistics.mean(steady) if steady else None,
         "steady_step_s_median": statistics.median(steady) if steady else None,

@@ -187,8 +187,9 @@ def resume_checkpoint(cfg: DictConfig) -> Path | None:
 
 def build_sync(cfg: DictConfig, rank0: bool, resume_ckpt: Path | None) -> SyncStrategy:
     """The run's sync strategy; torchrun ranks > 0 get a follower that joins the gathers rank 0's strategy runs."""
-    sync = instantiate(cfg.mode) if rank0 else FollowerSync(
-        cfg.mode.sync_every, gather=get_class(cfg.mode._target_).fsdp_gather)
+    mode = get_class(cfg.mode._target_)
+    sync = instantiate(cfg.mode) if rank0 else FollowerSync(cfg.mode.sync_every, gather=mode.fsdp_gather,
+                                                            uses_lora=mode.uses_lora)
     if resume_ckpt is not None:
         # The server reports the resumed weights' version from its first answer on.
         sync.version = int(read_trainer_state(resume_ckpt).get("weight_version", 0))

@@ -18,7 +18,7 @@ from grpo.pipeline.prompt_file import PromptFileTask
 from grpo.pipeline.rollout_queue import check_batches_in_flight, queue_capacity
 from grpo.recipes.model_checks import check_model, check_model_files
 from grpo.serving.checks import check_server
-from grpo.serving.server import replica_count
+from grpo.serving.server import external_urls, replica_count
 from grpo.trainer.layers import resolve_layer_indices
 from grpo.trainer.metrics import tensorboard_writer_class
 from grpo.trainer.optim import build_optimizer
@@ -76,6 +76,7 @@ def validate(cfg: DictConfig, run_dir: Path | None = None) -> None:
     check_async(cfg)
     check_rollout_logprobs(cfg)
     check_off_policy_masks(cfg)
+    check_quantized_rollouts(cfg, cuda=_cuda_available())
     check_logging(cfg)
     if run_dir is not None:
         check_run_dir(run_dir)
@@ -334,6 +335,39 @@ def check_rollout_logprobs(cfg: DictConfig) -> None:
                 f"data.rollout_logprobs=false trains each rollout as on-policy, but {what}, which needs vLLM's "
                 f"log-probs: {fix}, or keep data.rollout_logprobs=true"
             )
+
+
+QUANTIZATIONS = ("fp8",)
+
+
+def check_quantized_rollouts(cfg: DictConfig, cuda: bool) -> None:
+    """`server.quantization=fp8`: vLLM quantizes the served weights itself, so rollouts are sampled from another
+    policy than the trainer's. Needs a GPU vLLM launches on (its CPU engine has no FP8 kernels; a server started
+    elsewhere has its own settings), and an off-policy correction reading vLLM's log-probs (truncated importance
+    sampling or a mask). The mode's own refusal (`SyncStrategy.quantization_refusal`) is its check_config's."""
+    quantization = cfg.server.get("quantization")
+    if quantization is None:
+        return
+    if quantization not in QUANTIZATIONS:
+        raise ConfigError(f"server.quantization={quantization} is not one of {', '.join(QUANTIZATIONS)} (or null: "
+                          "the weights served as the trainer has them)")
+    extra = [str(a).split("=", 1)[0] for a in cfg.server.get("extra_args") or []]
+    if "--quantization" in extra or "-q" in extra:
+        raise ConfigError(f"server.quantization={quantization} and --quantization in server.extra_args: set one")
+    if external_urls(cfg.server):
+        raise ConfigError(f"server.quantization={quantization} sets how the run launches vLLM, but the run attaches "
+                          "to a server started elsewhere, with settings of its own: start that server with "
+                          "--quantization fp8 and set server.quantization=null")
+    if not cuda:
+        raise ConfigError(f"server.quantization={quantization} needs vLLM on a CUDA GPU (its CPU engine has no FP8 "
+                          "kernels); set server.quantization=null on this machine")
+    loss = cfg.loss
+    if loss.get("tis_cap") is None and not _masks(loss):
+        raise ConfigError(
+            f"server.quantization={quantization} samples rollouts from FP8 weights while the trainer computes with its "
+            "own, an off-policy gap no setting of this run corrects: set loss.old_logprobs=recompute with "
+            "loss.tis_cap=2.0 (truncated importance sampling against vLLM's log-probs), or an off-policy mask "
+            "(loss.token_mask=[0.5,2.0] or loss.sequence_mask=[...])")
 
 
 def _masks(loss: DictConfig) -> list[str]:

@@ -239,6 +239,9 @@ class VLLMServer:
         kv_cache_gb = option(c, "kv_cache_gb", None)
         if kv_cache_gb is not None:
             args += ["--kv-cache-memory-bytes", str(int(float(kv_cache_gb) * 2**30))]
+        quantization = option(c, "quantization", None)
+        if quantization is not None:
+            args += ["--quantization", str(quantization)]
         if option(c, "enforce_eager") is True:
             args.append("--enforce-eager")
         args += compilation_args(c, self.all_extra_args)

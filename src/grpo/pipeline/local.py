@@ -98,6 +98,17 @@ def weighted_reward(rewards: Mapping[str, tuple[Any, float]], prompt: Prompt, te
     return sum(weight * values[name] for name, (_, weight) in rewards.items()), values
 
 
+def check_sampling(temperature: float, top_p: float, max_new_tokens: int, min_new_tokens: int) -> None:
+    """The rollouts' sampling settings: ValueError naming the data.* key out of range."""
+    if temperature <= 0:
+        raise ValueError(f"data.temperature must be > 0 (the loss divides logits by it), got {temperature}")
+    if not 0 < top_p <= 1:
+        raise ValueError(f"data.top_p must be in (0, 1] (1 = the whole distribution), got {top_p}")
+    if not 0 <= min_new_tokens <= max_new_tokens:
+        raise ValueError(f"data.min_new_tokens must be in [0, data.max_new_tokens={max_new_tokens}] (vLLM's "
+                         f"min_tokens: no EOS before that many tokens), got {min_new_tokens}")
+
+
 class LocalRolloutPipeline(DataPipeline):
     """Generates and scores its own groups each step: `prompts_per_step` prompts x `group_size` completions.
 
@@ -127,6 +138,7 @@ class LocalRolloutPipeline(DataPipeline):
         dynamic_sampling: bool = False,
         max_refill_rounds: int = 3,
         reward_workers: int = 0,
+        min_new_tokens: int = 0,
     ) -> None:
         if prompts_per_step < 1 or group_size < 1 or max_new_tokens < 1:
             raise ValueError(
@@ -136,10 +148,7 @@ class LocalRolloutPipeline(DataPipeline):
         if group_size < 2:
             raise ValueError("data.group_size=1 gives every completion advantage 0 (its reward is compared with the other "
                              "completions of its prompt, and there are none), so nothing trains; use data.group_size >= 2")
-        if temperature <= 0:
-            raise ValueError(f"data.temperature must be > 0 (the loss divides logits by it), got {temperature}")
-        if not 0 < top_p <= 1:
-            raise ValueError(f"data.top_p must be in (0, 1] (1 = the whole distribution), got {top_p}")
+        check_sampling(temperature, top_p, max_new_tokens, min_new_tokens)
         if max_refill_rounds < 0:
             raise ValueError(f"data.max_refill_rounds must be >= 0 (0 = drop zero-variance groups, never refill), "
                              f"got {max_refill_rounds}")
@@ -156,6 +165,7 @@ class LocalRolloutPipeline(DataPipeline):
         self.prompts_per_step = int(prompts_per_step)
         self.group_size = int(group_size)
         self.max_new_tokens = int(max_new_tokens)
+        self.min_new_tokens = int(min_new_tokens)
         self.temperature = float(temperature)
         self.top_p = float(top_p)
         self.seeded_sampling = bool(seeded_sampling)
@@ -267,7 +277,7 @@ class LocalRolloutPipeline(DataPipeline):
             outs = self._client(endpoint).generate(
                 ids, n=self.group_size, max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p,
                 model=endpoint.model, detokenize=False, logprobs=self.rollout_logprobs,
-                **self._sampling_seed(step, refill_round),
+                **self._sampling_seed(step, refill_round), **self._min_tokens(max_tokens),
             )
         t1 = time.monotonic()
         totals["seconds"] += t1 - t0
@@ -292,6 +302,10 @@ class LocalRolloutPipeline(DataPipeline):
         for completion, grade in zip((c for completions in outs for c in completions), grades):
             scorer.record(completion, grade)
         return grades
+
+    def _min_tokens(self, max_tokens: int) -> dict[str, int]:
+        """vLLM's `min_tokens` of a request when data.min_new_tokens is set (never above this round's cap)."""
+        return {"min_tokens": min(self.min_new_tokens, max_tokens)} if self.min_new_tokens > 0 else {}
 
     def _sampling_seed(self, step: int, refill_round: int = 0) -> dict[str, int]:
         """The step's base seed, or nothing when seeded_sampling is off.

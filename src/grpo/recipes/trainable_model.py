@@ -72,8 +72,8 @@ def build_reference_policy(cfg: DictConfig, loss_fn: Any, sync: SyncStrategy, sy
     torchrun as the policy is."""
     if not getattr(loss_fn, "needs_reference_policy", False):
         return None
-    if sync.uses_lora:
-        reference = ReferencePolicy.adapter_off(model)
+    if sync.uses_lora:  # under FSDP2 through the sharded model's registered log-prob method, as the policy's
+        reference = ReferencePolicy.adapter_off(model, fsdp.sharded_token_logprobs(model) if dist_info else None)
     else:
         copy = load_model(str(sync_ctx.model_dir), pick_dtype(cfg.model.dtype, device), device, False)
         set_attention(copy, cfg.model.attn_implementation)

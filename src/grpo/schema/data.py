@@ -33,6 +33,9 @@ class LocalDataConfig:
     prompts_per_step: int = 8
     group_size: int = 8
     max_new_tokens: int = 16
+    # vLLM's min_tokens: EOS and stop tokens are suppressed until a completion has this many (0 = off). Forces long
+    # completions (a benchmark's workload); completions of a trained model end where they would not otherwise.
+    min_new_tokens: int = 0
     temperature: float = 1.0
     top_p: float = 1.0
     # Per-request sampling seeds (a re-run draws the same rollouts); false samples from the engine's own stream.

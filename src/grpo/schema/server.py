@@ -29,6 +29,10 @@ class ServerConfig:
     kv_cache_gb: Optional[float] = None
     max_model_len: int = 2048
     dtype: str = "auto"
+    # fp8: vLLM quantizes the served weights to FP8 itself (--quantization fp8) at start-up and at every reload of
+    # synced weights; null serves them as the trainer has them. Start-up checks: a GPU, a sync that reloads through
+    # vLLM's loader, an off-policy correction (grpo.config.validate.check_quantized_rollouts).
+    quantization: Optional[str] = None
     # null = vLLM decides; true forces eager mode (slower decoding).
     enforce_eager: Optional[bool] = None
     # torch.compile of the served model: null = vLLM decides (on for its GPU engine); false skips it (vLLM's

@@ -69,11 +69,15 @@ class SyncStrategy(ABC):
     # True when the trainer trains a LoRA adapter instead of the full model (the server runs with --enable-lora).
     uses_lora: ClassVar[bool] = False
     # How an FSDP2 trainer (torchrun) gathers full weights for this strategy's sync, which every rank joins:
-    # "params" (one `full_tensor()` per parameter), "state_dict" (one full state dict on rank 0), or None when
-    # the strategy does not compose with FSDP2 (refused at start-up). See grpo.sync.follower.FollowerSync.
-    fsdp_gather: ClassVar[Optional[Literal["params", "state_dict"]]] = None
+    # "params" (one `full_tensor()` per parameter), "state_dict" (one full state dict on rank 0), "adapter" (the
+    # trainable parameters alone: a LoRA adapter, the frozen base never gathered), or None when the strategy does
+    # not compose with FSDP2 (refused at start-up). See grpo.sync.follower.FollowerSync.
+    fsdp_gather: ClassVar[Optional[Literal["params", "state_dict", "adapter"]]] = None
     # Why FSDP2 is refused (fsdp_gather None), for the start-up message.
-    fsdp_refusal: ClassVar[str] = "LoRA adapters are not sharded with FSDP2 here"
+    fsdp_refusal: ClassVar[str] = "its sync has no FSDP2 gather"
+    # Why vLLM cannot quantize this mode's served weights itself (server.quantization=fp8), for the start-up message;
+    # None where it can: every sync reloads the trainer's weights through vLLM's loader, which quantizes them anew.
+    quantization_refusal: ClassVar[Optional[str]] = "its syncs do not reload the weights through vLLM's loader"
     # True when a sweep's next job may take over this mode's server and reset what it serves
     # (`reset_served_weights`) instead of starting another (server.reuse_across_jobs, docs/sweeps.md).
     reuses_server: ClassVar[bool] = False
@@ -105,10 +109,17 @@ class SyncStrategy(ABC):
             raise ConfigError(f"mode.sync_every must be >= 1 (sync after every N rollout batches), got {sync_every}")
         if world_size > 1 and cls.fsdp_gather is None:
             raise ConfigError(
-                f"a torchrun trainer ({world_size} processes, FSDP2) composes with mode=none or mode=broadcast, not "
-                f"mode={cls.mode_name} ({cls.fsdp_refusal}); run it with mode=none, or mode=broadcast "
-                f"server.device=<a GPU index >= {world_size}>, or run one process for this mode"
+                f"a torchrun trainer ({world_size} processes, FSDP2) composes with mode=none, mode=broadcast, "
+                f"mode=lora_only or mode=lora_restart, not mode={cls.mode_name} ({cls.fsdp_refusal}); run it with "
+                f"mode=none, or mode=broadcast server.device=<a GPU index >= {world_size}>, or run one process for "
+                "this mode"
             )
+        quantization = option(cfg.server, "quantization", None)
+        if quantization is not None and cls.quantization_refusal is not None:
+            raise ConfigError(
+                f"server.quantization={quantization} with mode={cls.mode_name}: {cls.quantization_refusal}; use "
+                "mode=none or mode=broadcast (mode.receive=engine), whose syncs reload the trained weights through "
+                "vLLM's loader, which quantizes them at every sync, or set server.quantization=null")
         if cls.uses_lora:
             r, max_rank = option(cfg.lora, "r"), option(cfg.server, "max_lora_rank")
             if r not in VLLM_LORA_RANKS:

@@ -22,6 +22,9 @@ class LoraHotSwapSync(SyncStrategy):
 
     mode_name = "lora_only"
     uses_lora = True
+    fsdp_gather = "adapter"  # FSDP2: every rank joins the gather of the adapter, rank 0 saves and loads it
+    quantization_refusal = ("its base weights are loaded once, never reloaded, and LoRA adapters over a base vLLM "
+                            "quantized itself are not supported here")
     reuses_server = True  # a sweep's next job unloads the adapters: the base weights never change
 
     def __init__(self, sync_every: int = 1, adapter_prefix: str = "policy") -> None:

@@ -16,12 +16,18 @@ from grpo.serving.server import external_setting, external_urls
 from grpo.sync.base import SyncContext, SyncStrategy
 from grpo.sync.weight_dirs import prune, save_and_load
 from grpo.weights.hf_dir import save_model_weights
+from grpo.weights.params import full_trainable_params, is_sharded, trainable_bytes
 
 
-def save_adapter(model: nn.Module, out_dir: Path) -> Path:
+def save_adapter(model: nn.Module, out_dir: Path) -> tuple[Path, dict[str, float]]:
     """The PEFT adapter of `model` in `out_dir`, written atomically; not fsynced: adapters are rewritten from the
-    trainer's at every sync (checkpoints are durable)."""
-    return save_model_weights(model, None, out_dir, durable=False)
+    trainer's at every sync (checkpoints are durable). With the figures of what moved: `sync/adapter_bytes` (the
+    adapter's full size) and `sync/gathered_bytes` (what was all-gathered from FSDP2 shards: the adapter alone,
+    never the frozen base; 0 in one process). Sharded, it is a collective the other ranks join through
+    `FollowerSync` (gather "adapter")."""
+    adapter, gathered = full_trainable_params(model) if is_sharded(model) else (None, 0)
+    path = save_model_weights(model, None, out_dir, adapter, durable=False)
+    return path, {"sync/adapter_bytes": float(trainable_bytes(model)), "sync/gathered_bytes": float(gathered)}
 
 
 class LoraRestartSync(SyncStrategy):
@@ -29,6 +35,9 @@ class LoraRestartSync(SyncStrategy):
 
     mode_name = "lora_restart"
     uses_lora = True
+    fsdp_gather = "adapter"  # FSDP2: every rank joins the gather of the adapter, rank 0 saves it and restarts vLLM
+    quantization_refusal = ("its base weights are loaded once, never reloaded, and LoRA adapters over a base vLLM "
+                            "quantized itself are not supported here")
 
     def __init__(self, sync_every: int = 1, adapter_name: str = "policy") -> None:
         super().__init__(sync_every)

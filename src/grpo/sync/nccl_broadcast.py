@@ -114,6 +114,8 @@ class NCCLBroadcastSync(SyncStrategy):
     mode_name = "broadcast"
     uses_lora = False
     fsdp_gather = "params"
+    # mode.receive=engine: vLLM's layer-wise reload quantizes the received weights anew (direct: refused below).
+    quantization_refusal = None
 
     @classmethod
     def check_config(cls, cfg: Any, *, cuda: bool, world_size: int = 1,
@@ -125,10 +127,12 @@ class NCCLBroadcastSync(SyncStrategy):
                 "is visible here. Use mode=none, mode=lora_only or mode=lora_restart on this machine."
             )
         extra = [str(a).split("=", 1)[0] for a in (option(cfg.server, "extra_args", None) or [])]
-        if str(option(cfg.mode, "receive", "engine")) == "direct" and ("--quantization" in extra or "-q" in extra):
+        quantized = option(cfg.server, "quantization", None) is not None or "--quantization" in extra or "-q" in extra
+        if str(option(cfg.mode, "receive", "engine")) == "direct" and quantized:
             raise ConfigError(
                 "mode.receive=direct loads the trainer's tensors with the model's load_weights, without the "
-                "post-load processing a quantized server needs; use mode.receive=engine with --quantization"
+                "post-load processing a quantized server needs; use mode.receive=engine with server.quantization "
+                "(or --quantization)"
             )
         # The trainer's ranks on vLLM's host take GPUs 0..k-1 there (across nodes fewer than world_size); vLLM's GPUs
         # must come after them.

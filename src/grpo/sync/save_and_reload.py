@@ -52,6 +52,7 @@ class SaveAndReloadSync(SyncStrategy):
     uses_lora = False
     reuses_server = True  # a sweep's next job reloads the initial weights in place
     fsdp_gather = "state_dict"  # FSDP2: every rank joins one full state dict gather, rank 0 saves it
+    quantization_refusal = None  # vLLM reloads (or restarts on) the saved weights with its loader: quantized anew
 
     def __init__(self, sync_every: int = 1, reload: str = "inplace") -> None:
         super().__init__(sync_every)

@@ -92,6 +92,8 @@ class SharedMemorySync(SyncStrategy):
     # once its views are gone, and re-opens them for the next trainer).
     reuses_server = True
     fsdp_refusal = "shared_vllm trains vLLM's own tensors in place, which FSDP2 cannot shard"
+    quantization_refusal = ("shared_vllm trains vLLM's own tensors in place, and the trainer cannot train weights vLLM "
+                            "holds in FP8")
     serves_weights_in_place = True  # each optimizer step changes what the server samples
 
     def __init__(self, sync_every: int = 1, in_flight_updates: bool = False) -> None:

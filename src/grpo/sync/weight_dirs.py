@@ -28,15 +28,16 @@ def prune(run_dir: Path, kind: str, keep: set[Path]) -> None:
 
 
 def save_and_load(
-    sync: SyncStrategy, kind: str, save: Callable[[Path], Path],
+    sync: SyncStrategy, kind: str, save: Callable[[Path], Path | tuple[Path, Mapping[str, float]]],
     load: Callable[[Path, int], Mapping[str, float] | None], step: int,
 ) -> dict[str, float]:
     """One sync of a file-based mode: ``save`` the weights into the directory of `sync`'s next version, have the
     server ``load(dir, version)`` them, then advance `sync.version`. Returns the timings every such mode reports plus
-    whatever ``load`` adds."""
+    the figures ``save`` returns with the directory (when it does) and whatever ``load`` adds."""
     t0 = time.perf_counter()
     version = sync.version + 1
-    out = save(versioned_dir(sync.ctx.run_dir, kind, version))
+    saved = save(versioned_dir(sync.ctx.run_dir, kind, version))
+    out, figures = saved if isinstance(saved, tuple) else (saved, {})
     t_saved = time.perf_counter()
     process = sync.server.replicas[0].process if sync.server.replicas else None
     if process is not None:  # GRPO_FAULT (tests): the (first) server dies while the sync runs
@@ -48,6 +49,7 @@ def save_and_load(
         "sync/seconds": t1 - t0,
         "sync/save_seconds": t_saved - t0,
         "sync/load_seconds": t1 - t_saved,
+        **figures,
         **extra,
         "sync/version": float(version),
     }

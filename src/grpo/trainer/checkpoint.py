@@ -36,6 +36,8 @@ from grpo import faults
 from grpo.trainer import fsdp
 from grpo.weights import params
 from grpo.weights.hf_dir import (
+    adapter_by_param_name,
+    is_peft,
     load_model_weights,
     os_error_of,
     publish_dir,
@@ -328,7 +330,9 @@ def _read_checkpoint(
     small parts (trainer state, scheduler, RNG) that every rank receives by broadcast."""
     if not (path / COMPLETE).exists():
         raise FileNotFoundError(f"{path} is not a complete checkpoint (no {COMPLETE} marker)")
-    model_state = read_safetensors(path, "model")
+    # A LoRA run's checkpoint holds the adapter alone (the base is the initial model, loaded before).
+    model_state = (adapter_by_param_name(model, read_safetensors(path, "adapter_model")) if is_peft(model)
+                   else read_safetensors(path, "model"))
     _check_covers(model, model_state, path)
     optimizer_state: dict = {}
     if optimizer is not None:
@@ -411,11 +415,13 @@ def _by_name(optimizer_state: dict, model: nn.Module, optimizer: torch.optim.Opt
 
 
 def _check_covers(model: nn.Module, state_dict: dict[str, torch.Tensor], path: Path) -> None:
-    """Every parameter of ``model`` (tied ones once) in ``state_dict``, and no key the model lacks."""
+    """Every parameter of ``model`` (tied ones once; of a PEFT model the adapter's) in ``state_dict``, and no key the
+    model lacks."""
     known = {n for n, _ in model.named_parameters(remove_duplicate=False)} | {n for n, _ in model.named_buffers()}
     unexpected = [k for k in state_dict if k not in known]
     if unexpected:
         raise RuntimeError(f"checkpoint {path} has keys the model lacks: {unexpected[:5]}")
-    missing = [n for n, _ in model.named_parameters() if n not in state_dict]
+    adapter_only = is_peft(model)
+    missing = [n for n, p in model.named_parameters() if n not in state_dict and (p.requires_grad or not adapter_only)]
     if missing:
         raise RuntimeError(f"checkpoint {path} lacks parameters: {missing[:5]}")

@@ -18,10 +18,12 @@ WORLD_SIZE). The scheme, chosen for being simple and correct:
 - loss and metrics summed over ranks (`all_reduce_sum`), reported once by rank 0;
 - weight sync: every rank joins the gathers rank 0's sync needs, rank 0 alone talks to the server. Each sync
   strategy says which gather it runs (`SyncStrategy.fsdp_gather`): mode=broadcast iterates `iter_full_params` (a
-  `full_tensor()` all-gather per parameter, grpo.weights.params) and sends, mode=none gathers `full_state_dict` and saves it for vLLM;
-  modes without one (LoRA, shared_vllm) are refused at start-up (`SyncStrategy.check_config`);
+  `full_tensor()` all-gather per parameter, grpo.weights.params) and sends, mode=none gathers `full_state_dict` and saves it for vLLM,
+  the LoRA modes gather the adapter alone (`full_trainable_params`; the frozen base is never gathered); a mode
+  without one (shared_vllm) is refused at start-up (`SyncStrategy.check_config`);
 - checkpoints (`CheckpointManager.save_distributed` / `load_distributed`): every rank joins the gathers of the full
-  model and optimizer state, rank 0 writes the usual checkpoint; on resume rank 0 reads it and broadcasts it.
+  model (of a LoRA model: the adapter) and optimizer state, rank 0 writes the usual checkpoint; on resume rank 0
+  reads it and broadcasts it.
 """
 
 from __future__ import annotations

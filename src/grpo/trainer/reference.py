@@ -47,9 +47,11 @@ class ReferencePolicy:
         return cls(model, logprob_fn=logprob_fn)
 
     @classmethod
-    def adapter_off(cls, peft_model: torch.nn.Module) -> "ReferencePolicy":
-        """pi_ref as the trained PEFT model with its adapter disabled: the base weights, which LoRA never trains."""
-        return cls(peft_model, switched_off=peft_model.disable_adapter)
+    def adapter_off(cls, peft_model: torch.nn.Module, logprob_fn: Optional[Callable[..., torch.Tensor]] = None,
+                    ) -> "ReferencePolicy":
+        """pi_ref as the trained PEFT model with its adapter disabled: the base weights, which LoRA never trains.
+        ``logprob_fn``: the model's FSDP2 log-prob method when it is sharded."""
+        return cls(peft_model, switched_off=peft_model.disable_adapter, logprob_fn=logprob_fn)
 
     @torch.no_grad()
     def logprobs(self, *batch: torch.Tensor, **layout: Any) -> torch.Tensor:

@@ -209,6 +209,18 @@ def safetensors_problem(path: Path) -> Optional[str]:
     return None
 
 
+def adapter_by_param_name(model: nn.Module, saved: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A saved PEFT adapter (``adapter_model.safetensors``) keyed by ``model``'s own parameter names, the form
+    torch.distributed's ``set_model_state_dict`` takes: PEFT writes each trainable parameter's name without the
+    adapter's (``.lora_A.default.weight`` -> ``.lora_A.weight``). Keys the model lacks raise."""
+    adapter = getattr(model, "active_adapter", "default")
+    names = {n.replace(f".{adapter}", ""): n for n, p in model.named_parameters() if p.requires_grad}
+    unexpected = [k for k in saved if k not in names]
+    if unexpected:
+        raise RuntimeError(f"the adapter has keys the model lacks: {unexpected[:5]}")
+    return {names[k]: v for k, v in saved.items()}
+
+
 def load_model_weights(model: nn.Module, directory: str | Path) -> None:
     """Load weights written by ``save_model_weights`` into ``model`` in place (adapter only for PEFT models)."""
     directory = Path(directory)

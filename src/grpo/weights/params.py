@@ -11,7 +11,7 @@ from typing import Any, Iterator
 import torch
 from torch import nn
 
-from grpo.weights.hf_dir import save_model_weights
+from grpo.weights.hf_dir import is_peft, save_model_weights
 
 
 def is_sharded(model: nn.Module) -> bool:
@@ -37,11 +37,45 @@ def drain_full_params(model: nn.Module) -> None:
         pass
 
 
-def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
-    """Full (unsharded) state dict on rank 0, on CPU; empty on the other ranks. A collective."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+def full_trainable_params(model: nn.Module) -> tuple[dict[str, torch.Tensor], int]:
+    """The parameters that train (a LoRA adapter's, the base frozen), full and on CPU on rank 0 (empty elsewhere),
+    and the bytes of the full tensors gathered from shards (0 when nothing is sharded). One `full_tensor()` per
+    trainable FSDP2 parameter, a collective: every rank must call it; frozen parameters are never gathered."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
 
-    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    keep = not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
+    out: dict[str, torch.Tensor] = {}
+    gathered = 0
+    for name, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        t = p.detach()
+        if isinstance(t, DTensor):
+            t = t.full_tensor()
+            gathered += t.numel() * t.element_size()
+        if keep:
+            out[name] = t.cpu()
+    return out, gathered
+
+
+def trainable_bytes(model: nn.Module) -> int:
+    """Bytes of the parameters that train, at their full (unsharded) size: a LoRA adapter's size."""
+    return sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+
+
+def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Full (unsharded) state dict on rank 0, on CPU; empty on the other ranks. A collective. For a PEFT model only
+    the parameters that train (its adapter): the frozen base is the initial model directory's, never gathered."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    return get_model_state_dict(model, options=_full_options(model))
+
+
+def _full_options(model: nn.Module) -> Any:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    return StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=is_peft(model))
 
 
 def full_state_dicts(
@@ -49,13 +83,12 @@ def full_state_dicts(
 ) -> tuple[dict[str, torch.Tensor], dict[str, Any] | None]:
     """Full model and optimizer state dicts on rank 0, on CPU (empty on the other ranks); the optimizer's keyed by
     parameter name. Collectives: every rank must call it. The optimizer's is None without an optimizer."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
     model_state = full_state_dict(model)
     if optimizer is None:
         return model_state, None
-    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    return model_state, get_optimizer_state_dict(model, optimizer, options=options)
+    return model_state, get_optimizer_state_dict(model, optimizer, options=_full_options(model))
 
 
 def save_full_weights(model: nn.Module, tokenizer: Any, out_dir: Any, durable: bool = True) -> Any:
