@@ -18,7 +18,7 @@ from conftest import REPO
 from hydra_plugins.grpo_parallel_launcher.lora_server import SharedLoraServer, shares_server
 from hydra_plugins.grpo_parallel_launcher.placement import check_fits, job_gpus, place
 from test_sweep_server import REUSED, SERVER_STARTED, rows, sweep
-from test_train_e2e import QUICK, QUICK_SETTINGS, assert_clean
+from test_train_e2e import QUICK, QUICK_SETTINGS, assert_clean, metrics
 
 
 def server(**values):
@@ -119,3 +119,48 @@ def test_ctrl_c_stops_every_running_job_cleanly_and_starts_no_other(tmp_path):
     for job in (0, 1):
         assert json.loads((sweep_dir / str(job) / "summary.json").read_text())["status"] == "interrupted", job
     assert not (sweep_dir / "2" / "summary.json").exists()
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_lora_jobs_train_side_by_side_on_one_server_and_a_job_whose_worker_dies_is_recorded(tmp_path):
+    """Three mode=lora_only jobs, two at once, on ONE vLLM server the launcher starts: each job's adapters are loaded
+    under its own name (job<N>-v<version>) and each rollout reports the job's own version. The worker of job 0 is
+    killed after its first step: job 0 is recorded as failed (summary.json, NaN objective), the sweep goes on, the
+    other jobs complete, and no process is left."""
+    import re
+
+    sweep_dir = tmp_path / "sweep"
+    marker = f"GRPO_TEST_{uuid.uuid4().hex}"
+    env = dict(os.environ, GRPO_TEST_MARKER=marker, PYTHONUNBUFFERED="1")
+    out_log = tmp_path / "out.log"
+    with open(out_log, "w") as out:
+        proc = subprocess.Popen([sys.executable, str(REPO / "train.py"), "-m", *QUICK_SETTINGS,
+                                 "experiment=cpu_tiny_lora_only", "train.steps=3", "optimizer.lr=5e-3,1e-2,2e-2",
+                                 "server.kv_cache_gb=0.25", "hydra/launcher=grpo_parallel",
+                                 "hydra.launcher.jobs_at_once=2", f"hydra.sweep.dir={sweep_dir}"],
+                                cwd=REPO, env=env, stdout=out, stderr=out)
+        try:
+            deadline = time.time() + 600
+            while not ((sweep_dir / "0" / "metrics.jsonl").exists() and rows(sweep_dir / "0")):
+                assert proc.poll() is None and time.time() < deadline, out_log.read_text()[-3000:]
+                time.sleep(0.5)
+            worker0 = int(re.search(r"worker 0 \(pid (\d+)\)", out_log.read_text()).group(1))
+            os.kill(worker0, signal.SIGKILL)
+            assert proc.wait(timeout=600) == 0, out_log.read_text()[-3000:]
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+    assert_clean(marker)
+    log = out_log.read_text()
+    assert log.count(SERVER_STARTED) == 1, log[-4000:]  # the shared server alone
+    assert "job #0: its worker" in log and "recorded as failed" in log
+    assert json.loads((sweep_dir / "0" / "summary.json").read_text())["status"] == "failed"
+    for job in (1, 2):
+        assert json.loads((sweep_dir / str(job) / "summary.json").read_text())["status"] == "completed", job
+        trained = [r for r in metrics(sweep_dir / str(job)) if "loss" in r]
+        assert [r["sync/served_version"] for r in trained] == [1.0, 2.0, 3.0]
+    server_log = (sweep_dir / "lora_server" / "vllm.log").read_text()
+    assert all(f"job{job}-v3" in server_log for job in (1, 2)) and "job0-v1" in server_log
+    assert rows(sweep_dir / "1")[0][:2] == rows(sweep_dir / "2")[0][:2]  # step 1: both from the base model
+    assert "sweep done: 3 jobs" in log

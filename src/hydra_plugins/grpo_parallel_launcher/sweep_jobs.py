@@ -12,6 +12,7 @@ import signal
 import time
 from collections import deque
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Deque, Dict, List, Optional
 
 from hydra.core.singleton import Singleton
@@ -165,7 +166,7 @@ class Sweep:
                     self.lora.ensure_healthy()
                 except Exception as error:  # noqa: BLE001 - the job fails with it, the sweep goes on
                     log.error("job #%d: %s; recorded as failed, the sweep goes on", idx, error)
-                    self.returns[idx] = self.failed(idx, error)
+                    self.returns[idx] = self.failed(idx)
                     continue
             w.job = idx
             w.jobs.put((idx, self.configs[idx]))
@@ -254,13 +255,26 @@ class Sweep:
                 continue
             log.error("job #%d: its worker (pid %d) exited with code %s; recorded as failed, the sweep goes on",
                       w.job, w.process.pid, w.process.exitcode)
-            self.returns[w.job] = self.failed(w.job, RuntimeError(
-                f"the worker running job #{w.job} exited with code {w.process.exitcode}"))
+            error = RuntimeError(f"the worker running job #{w.job} exited with code {w.process.exitcode}")
+            self.returns[w.job] = self.failed(w.job)
+            self.record_failed(w.job, error)
 
-    def failed(self, idx: int, error: BaseException) -> JobReturn:
+    def record_failed(self, idx: int, error: BaseException) -> None:
+        """summary.json of a job whose worker died in it (it could not write its own): `failed`, for grpo.report."""
+        from grpo.run_records import RunSummary
+
+        run_dir = Path(str(self.configs[idx].hydra.sweep.dir)) / str(self.configs[idx].hydra.sweep.subdir)
+        if run_dir.is_dir():
+            RunSummary(run_dir).fail(error)
+
+    def failed(self, idx: int) -> JobReturn:
+        """Job `idx` failed outside its own error handling: its objective is NaN, as train.py returns for a sweep's
+        failed job (a FAILED return would make Hydra's sweepers stop the sweep; Optuna records NaN as a failed
+        trial)."""
         cfg = self.configs[idx]
-        return JobReturn(overrides=list(cfg.hydra.overrides.task), hydra_cfg=cfg, return_value=error,
-                         status=JobStatus.FAILED)
+        ret = JobReturn(overrides=list(cfg.hydra.overrides.task), hydra_cfg=cfg, status=JobStatus.COMPLETED)
+        ret.return_value = float("nan")
+        return ret
 
     def stop(self) -> None:
         """Ctrl-C: every worker stops its job the way Ctrl-C stops a run; those that do not within STOP_GRACE_S are
