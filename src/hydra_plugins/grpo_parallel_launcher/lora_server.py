@@ -4,7 +4,9 @@ which train their adapters against it side by side (`hydra.launcher.share_lora_s
 The launcher owns it: it starts it before the first job, with `--max-loras` = the jobs at once (each job's current
 adapter in one batch) and `--max-cpu-loras` twice that (each job also keeps its previous adapter while requests on it
 finish), and `server.max_lora_rank` = the largest `lora.r` of the jobs; restarts it between jobs when it died; stops
-it at the sweep's end, on Ctrl-C and when the launcher dies (the server dies with the process that started it). Each
+it on Ctrl-C, at the sweep's end and when the launcher dies (the server dies with the process that started it); a
+sweeper that launches its jobs in batches (Optuna's n_jobs) gets the same server for its next batch (kept as
+grpo.serving.kept keeps a job's server for the next job). Each
 job attaches with `server.external_url` (the server's run token in GRPO_SERVER_TOKEN), names its adapters
 `job<N>-v<version>` (`mode.adapter_prefix`) and gives each its own weight version (`mode.shared_server`).
 """
@@ -55,11 +57,13 @@ class SharedLoraServer:
         if any(a.split("=")[0] in ("--max-loras", "--max-cpu-loras") for a in extra):
             raise ValueError("server.extra_args sets --max-loras / --max-cpu-loras, which the parallel launcher sets "
                              "for LoRA jobs at once (the jobs at once, and twice that); drop them")
-        self.max_loras = max(1, min(jobs_at_once, len(configs)))
+        # The jobs at once, not this batch's count: a sweeper's batches of trials keep one server (`start`).
+        self.max_loras = max(1, jobs_at_once)
         server_cfg = OmegaConf.to_container(first.server, resolve=True)
         # Jobs of another rank need the largest: vLLM refuses an adapter above --max-lora-rank.
         server_cfg["max_lora_rank"] = max(int(cfg.lora.r) for cfg in configs.values())
         self.server_cfg: Dict[str, Any] = server_cfg
+        self.key = keys[self.jobs[0]]
         self.log_path = sweep_dir / "lora_server" / "vllm.log"
         self.process: Any = None
         self.restarts = 0
@@ -67,7 +71,17 @@ class SharedLoraServer:
     def start(self, gpus: Optional[str]) -> None:
         """Start the server (on `gpus`, the sharing jobs' GPU group, numbered as their configs number theirs)."""
         from grpo.inference.process import VLLMServer, gpus_per_server, server_visible_devices
+        from grpo.serving import kept
 
+        # A sweeper's next batch of jobs (Optuna's n_jobs trials at a time) takes the server the batch before kept.
+        self.key = json.dumps({"jobs": self.key, "max_loras": self.max_loras, "gpus": gpus,
+                               "max_lora_rank": self.server_cfg["max_lora_rank"]}, sort_keys=True)
+        taken = kept.take(self.key)
+        if taken is not None:
+            self.process = taken[0]
+            log.info("LoRA jobs at once: %d job(s) on the shared vLLM server of the batch before (pid %s)",
+                     len(self.jobs), self.process.pid)
+            return
         env = {}
         if gpus is not None:
             device = self.server_cfg.get("device")
@@ -111,10 +125,18 @@ class SharedLoraServer:
                     self.restarts, limit)
         self.process.restart()
 
-    def stop(self) -> None:
-        if self.process is not None:
-            log.info("stopping the shared LoRA server (pid %s)", self.process.pid)
-            self.process.stop()
+    def stop(self, keep: bool = False) -> None:
+        """The batch's end: keep the server for a sweeper's next batch (`keep`, a healthy server; the sweep's end
+        stops it: grpo.job.StopKeptServer, atexit), or stop it (Ctrl-C, a server that broke)."""
+        from grpo.serving import kept
+
+        if self.process is None:
+            return
+        if keep and self.restarts == 0 and self.process.healthy():
+            kept.keep(self.key, [self.process])
+            return
+        log.info("stopping the shared LoRA server (pid %s)", self.process.pid)
+        self.process.stop()
 
 
 def sharing_jobs(configs: Dict[int, DictConfig], enabled: bool) -> List[int]:

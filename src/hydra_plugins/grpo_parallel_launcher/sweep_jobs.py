@@ -123,12 +123,14 @@ class Sweep:
 
     # ------------------------------------------------------------------ the run
     def run(self) -> List[JobReturn]:
+        completed = False
         try:
             if self.lora is not None:
                 self.start_lora_server()
             while self.pending or self.running():
                 self.dispatch()
                 self.collect()
+            completed = True
         except KeyboardInterrupt:
             self.stop()
             raise SystemExit(130) from None
@@ -136,7 +138,7 @@ class Sweep:
             for w in list(self.workers.values()):
                 self.retire(w)
             if self.lora is not None:
-                self.lora.stop()
+                self.lora.stop(keep=completed)
             self.results.cancel_join_thread()
         log.info("sweep wall clock %.0f s for %d jobs", time.monotonic() - self.t0, len(self.configs))
         return [self.returns[idx] for idx in sorted(self.returns)]
