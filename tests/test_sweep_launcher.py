@@ -93,14 +93,16 @@ def test_a_sweep_runs_two_jobs_at_once_to_completion_and_leaves_no_process(tmp_p
 
 @pytest.mark.vllm
 @pytest.mark.slow
-def test_ctrl_c_stops_every_running_job_cleanly_and_starts_no_other(tmp_path):
+@pytest.mark.parametrize("base", [QUICK, [*QUICK_SETTINGS, "experiment=cpu_tiny_lora_only"]], ids=["none", "lora_only"])
+def test_ctrl_c_stops_every_running_job_cleanly_and_starts_no_other(tmp_path, base):
     """SIGINT to the launcher while two jobs train: both stop as Ctrl-C stops a run (summary `interrupted`, their
-    servers stopped), the third never starts, and no process is left."""
+    servers stopped; lora_only: the shared server the launcher started), the third never starts, and no process is
+    left."""
     sweep_dir = tmp_path / "sweep"
     marker = f"GRPO_TEST_{uuid.uuid4().hex}"
     env = dict(os.environ, GRPO_TEST_MARKER=marker, PYTHONUNBUFFERED="1")
     with open(tmp_path / "out.log", "w") as out:
-        proc = subprocess.Popen([sys.executable, str(REPO / "train.py"), "-m", *QUICK, "train.steps=200",
+        proc = subprocess.Popen([sys.executable, str(REPO / "train.py"), "-m", *base, "train.steps=200",
                                  "optimizer.lr=1e-3,2e-3,3e-3", "server.kv_cache_gb=0.25",
                                  "hydra/launcher=grpo_parallel", "hydra.launcher.jobs_at_once=2",
                                  f"hydra.sweep.dir={sweep_dir}"], cwd=REPO, env=env, stdout=out, stderr=out)

@@ -20,7 +20,7 @@ from hydra.core.utils import JobReturn, JobStatus, run_job, setup_globals
 from hydra.types import HydraContext, TaskFunction
 from omegaconf import DictConfig
 
-from hydra_plugins.grpo_parallel_launcher.placement import group_ids, place
+from hydra_plugins.grpo_parallel_launcher.placement import check_fits, group_ids, place
 
 log = logging.getLogger(__name__)
 
@@ -148,6 +148,8 @@ class Sweep:
             need = max(self.needs[idx] for idx in self.lora.jobs)
             self.lora_gpus = ",".join(self.free[:need])
             self.free = self.free[need:]
+            # The server's GPUs are the sweep's: the other jobs must fit in the rest.
+            check_fits([(i, n) for i, n in self.needs.items() if i not in self.lora.jobs], self.free)
         self.lora.start(self.lora_gpus)
         for idx in self.lora.jobs:
             self.lora.job_config(idx, self.configs[idx])
@@ -161,6 +163,9 @@ class Sweep:
             idx = self.pending[0]
             w = self.worker_for(idx)
             if w is None:
+                if not self.running():  # nothing will free GPUs (check_fits rules it out; never wait forever)
+                    raise RuntimeError(f"job #{idx} needs {self.needs[idx]} GPU(s) and none of the free ones "
+                                       f"({','.join(self.free) or 'none'}) or idle workers' suffice")
                 return  # its GPUs are not free yet: it waits, and so do the jobs after it
             self.pending.popleft()
             if self.lora is not None and w.shared_lora:
