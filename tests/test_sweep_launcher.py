@@ -66,6 +66,7 @@ def test_lora_jobs_share_a_server_sized_for_the_largest_rank_or_are_refused_clea
     assert all(shares_server(cfg) for cfg in jobs.values())
     assert not shares_server(lora_job(mode={"_target_": "grpo.sync.lora_restart.LoraRestartSync"}))
     assert not shares_server(lora_job(train={"resume": "outputs/x"}))
+    assert not shares_server(lora_job(server={"replicas": 2}))  # its replicas stay its own
     shared = SharedLoraServer(jobs, jobs_at_once=2, sweep_dir=tmp_path)
     assert shared.server_cfg["max_lora_rank"] == 32 and shared.max_loras == 2
     with pytest.raises(ValueError, match="jobs #0 and #1 need different servers"):

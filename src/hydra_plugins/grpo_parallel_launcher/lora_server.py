@@ -25,10 +25,13 @@ PER_JOB_SERVER_KEYS = ("max_lora_rank", "port", "reuse_across_jobs")
 
 
 def shares_server(cfg: DictConfig) -> bool:
-    """Whether a job trains its adapter on the shared server: `mode=lora_only` launching its own server (not
-    attached to one elsewhere), fresh (a resumed job serves its checkpoint's adapter on a server of its own)."""
-    return (str(cfg.mode.get("_target_", "")).endswith("LoraHotSwapSync") and not cfg.server.get("external_url")
-            and not cfg.server.get("external_urls") and not cfg.train.get("resume"))
+    """Whether a job trains its adapter on the shared server: `mode=lora_only` launching one server of its own (not
+    attached to one elsewhere, not several replicas), fresh (a resumed job serves its checkpoint's adapter on a
+    server of its own)."""
+    server = cfg.server
+    return (str(cfg.mode.get("_target_", "")).endswith("LoraHotSwapSync") and not server.get("external_url")
+            and not server.get("external_urls") and not server.get("devices")
+            and int(server.get("replicas") or 1) == 1 and not cfg.train.get("resume"))
 
 
 def sharing_key(cfg: DictConfig, model_dir: str) -> str:
