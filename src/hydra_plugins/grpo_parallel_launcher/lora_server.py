@@ -100,9 +100,12 @@ class SharedLoraServer:
         self.process.start()
 
     def job_config(self, idx: int, cfg: DictConfig) -> None:
-        """Point job `idx`'s config at the server: attach by URL, adapters named `job<idx>`, versions per adapter."""
+        """Point job `idx`'s config at the server: attach by URL, adapters named `job<idx>`, versions per adapter,
+        and the server's LoRA rank bound (the job's own check of `lora.r` against it then passes for every rank the
+        server takes)."""
         with open_dict(cfg):
             cfg.server.external_url = self.process.url
+            cfg.server.max_lora_rank = self.server_cfg["max_lora_rank"]
             cfg.mode.adapter_prefix = f"job{idx}"
             cfg.mode.shared_server = True
 
