@@ -167,3 +167,15 @@ def test_lora_jobs_train_side_by_side_on_one_server_and_a_job_whose_worker_dies_
     assert all(f"job{job}-v3" in server_log for job in (1, 2)) and "job0-v1" in server_log
     assert rows(sweep_dir / "1")[0][:2] == rows(sweep_dir / "2")[0][:2]  # step 1: both from the base model
     assert "sweep done: 3 jobs" in log
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_a_shared_lora_server_that_does_not_start_fails_its_jobs_and_the_sweep_ends_cleanly(tmp_path):
+    """The launcher's LoRA server refuses its command line: its jobs are recorded as failed (NaN objectives), the sweep
+    ends with exit 0 and its last lines, and no process is left."""
+    log, _ = sweep(tmp_path, "experiment=cpu_tiny_lora_only", "optimizer.lr=1e-3,2e-3",
+                   "server.extra_args=[--no-such-flag]", "hydra/launcher=grpo_parallel", "hydra.launcher.jobs_at_once=2",
+                   base=QUICK_SETTINGS)
+    assert "the shared LoRA server did not start" in log and "its 2 job(s) are recorded as failed" in log
+    assert "sweep done: 0 jobs" in log and "worker 0" not in log

@@ -150,7 +150,19 @@ class Sweep:
             self.free = self.free[need:]
             # The server's GPUs are the sweep's: the other jobs must fit in the rest.
             check_fits([(i, n) for i, n in self.needs.items() if i not in self.lora.jobs], self.free)
-        self.lora.start(self.lora_gpus)
+        from grpo.inference.process import ServerStartError
+
+        try:
+            self.lora.start(self.lora_gpus)
+        except ServerStartError as error:  # the LoRA jobs fail with it (NaN objectives); the others still run
+            log.error("the shared LoRA server did not start (%s); its %d job(s) are recorded as failed, the sweep "
+                      "goes on", error, len(self.lora.jobs))
+            for idx in self.lora.jobs:
+                self.returns[idx] = self.failed(idx)
+            self.pending = deque(i for i in self.pending if i not in self.lora.jobs)
+            self.lora = None
+            self.release(Worker(None, None, self.lora_gpus, False))  # its GPUs go to the other jobs
+            return
         for idx in self.lora.jobs:
             self.lora.job_config(idx, self.configs[idx])
 
