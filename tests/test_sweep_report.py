@@ -44,6 +44,34 @@ def test_the_callbacks_of_the_composed_config_end_a_sweep_with_its_dir_and_the_r
     assert f"compare them: python -m grpo.report {sweep}" in out
 
 
+def wall_clock(startup: float, loop: float, teardown: float) -> dict:
+    """summary.json's `wall_clock` of a job whose start-up, training loop and teardown took these seconds."""
+    from grpo.trainer.wall_clock import WallClock
+
+    clock = WallClock(origin=1000.0)
+    clock.loop_start, clock.loop_end = 1000.0 + startup, 1000.0 + startup + loop
+    return clock.summary(now=1000.0 + startup + loop + teardown)
+
+
+def test_the_last_line_of_a_sweep_gives_its_wall_clock_and_the_jobs_training_summed(tmp_path, capsys):
+    """The sweep's wall clock (from its start) and its jobs' training loops summed (start-up and teardown left out):
+    what a sweep spent beyond training shows at a glance."""
+    sweep = tmp_path / "multirun" / "12-00-00"
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
+        cfg = compose(config_name="train", overrides=[f"hydra.sweep.dir={sweep}"], return_hydra_config=True)
+    callbacks = [instantiate(c) for c in cfg.hydra.callbacks.values()]
+    for callback in callbacks:  # what Hydra does before the first job, then the jobs, then after the last
+        callback.on_multirun_start(config=cfg)
+    job(sweep, 0, {"status": "completed", "wall_clock": wall_clock(40.0, 100.0, 2.0)}, 2)
+    job(sweep, 1, {"status": "failed", "wall_clock": wall_clock(3.0, 20.5, 1.0)}, 1)
+    job(sweep, 2, {"status": "skipped", "error": "ConfigError: x"}, 0)
+    for callback in callbacks:
+        callback.on_multirun_end(config=cfg)
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    assert last.startswith("  wall clock 0 s; training 120 s summed over the 2 jobs that ran"), last
+
+
 def test_a_sweep_into_a_dir_whose_jobs_ran_stops_before_hydra_rewrites_their_records(tmp_path):
     """A sweep given the same hydra.sweep.dir twice: each job used to be skipped by train.py's own check, but only
     after Hydra had written that job's .hydra/ over the earlier run's config and overrides."""

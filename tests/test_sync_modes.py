@@ -202,6 +202,41 @@ def test_mode_lora_only_hot_swaps(tmp_path, tiny_qwen2_dir):
 
 
 @pytest.mark.vllm
+def test_lora_jobs_sharing_one_server_each_count_their_own_versions_and_unload_their_adapters(
+        tmp_path, tiny_qwen2_dir, vllm_server, monkeypatch):
+    """mode.shared_server (LoRA configurations at once): two jobs attached to one server hot-swap adapters under
+    their own names; each rollout and arrival check reports the version of the job's own adapter (job A at 2, job
+    B at 1), not the last one any job set; the server's own version is left alone; each job unloads its adapters
+    when it ends, and the server keeps serving."""
+    from grpo.inference.identity import TOKEN_ENV
+    from grpo.sync.lora_hotswap import LoraHotSwapSync
+
+    monkeypatch.setenv(TOKEN_ENV, vllm_server.token)
+    client = vllm_server.client()
+    global_version = client.weight_version()
+    jobs = {name: LoraHotSwapSync(adapter_prefix=name, shared_server=True) for name in ("jobA", "jobB")}
+    try:
+        for name, sync in jobs.items():
+            sync.launch(make_ctx(tmp_path / name, tiny_qwen2_dir, external_url=vllm_server.url))
+        model_a, model_b = lora_model(tiny_qwen2_dir), lora_model(tiny_qwen2_dir)
+        for sync, model, step in ((jobs["jobA"], model_a, 1), (jobs["jobB"], model_b, 1), (jobs["jobA"], model_a, 2)):
+            optimizer_step(model, 2e-2)
+            sync.sync(model, step)  # the last version set on the server: A's 2
+        assert {jobs["jobA"].served_model, jobs["jobB"].served_model} <= set(client.models())
+        for sync, model, version in ((jobs["jobA"], model_a, 2), (jobs["jobB"], model_b, 1)):
+            (gen,) = client.generate([SEQ[:4]], n=1, max_tokens=3, model=sync.served_model)
+            assert gen[0].weight_version == version
+            assert sync.check_arrival(model)["sync/served_version"] == version
+        assert client.weight_version() == global_version
+    finally:
+        for sync in jobs.values():
+            sync.shutdown()
+    assert [m for m in client.models() if m.startswith("job")] == []
+    assert vllm_server.healthy()
+    client.close()
+
+
+@pytest.mark.vllm
 def test_shared_vllm_on_the_cpu_trains_the_servers_own_memory_and_a_restart_keeps_it(tmp_path, tiny_qwen2_dir):
     """mode=shared_vllm on vLLM's CPU backend: the trainer's parameters are views of the server's (one shared file
     mapping, the server multiplying with them as they are), so an optimizer step changes what vLLM computes with no

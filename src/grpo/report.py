@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -87,7 +88,20 @@ def job_row(job_dir: Path) -> dict[str, Any]:
         "eval_best": max(evals) if evals else None,
         "eval_last": evals[-1] if evals else None,
         "_rewards": [(r["step"], r["reward/mean"]) for r in rows if r.get("reward/mean") is not None],
+        "_loop_seconds": loop_seconds(summary.get("wall_clock")),
     }
+
+
+def loop_seconds(wall_clock: Any) -> float | None:
+    """The seconds of a job's training loop (its wall clock less its start-up and teardown: generation, training,
+    evaluation, syncs, checkpoints), from summary.json's `wall_clock`; None without one."""
+    if not isinstance(wall_clock, dict):
+        return None
+    try:
+        return float(wall_clock["since_process_start_seconds"] - wall_clock["startup_seconds"]
+                     - wall_clock["teardown_seconds"])
+    except (KeyError, TypeError):
+        return None
 
 
 def job_dirs(sweep_dir: Path) -> list[Path]:
@@ -145,21 +159,37 @@ def report(sweep_dir: Path) -> tuple[str, list[dict[str, Any]]]:
     return table, rows
 
 
-def sweep_done_message(sweep_dir: Path) -> str:
-    """The line a sweep (`python train.py -m ...`) ends with: its jobs by status, where they are, and the command
-    that compares them (each job's own last line names only that job's dir)."""
+def sweep_done_message(sweep_dir: Path, wall_seconds: float | None = None) -> str:
+    """The lines a sweep (`python train.py -m ...`) ends with: its jobs by status, where they are, the command that
+    compares them (each job's own last line names only that job's dir), and last its wall clock (`wall_seconds`)
+    against the jobs' training loops summed (`loop_seconds`; what is not in them went to start-ups, teardowns and
+    waits between jobs)."""
     rows = [job_row(d) for d in job_dirs(sweep_dir)] if sweep_dir.is_dir() else []
     counts = Counter(r["status"] for r in rows)
     statuses = ", ".join(f"{n} {status}" for status, n in counts.most_common())
     jobs = f"{len(rows)} job{'s' if len(rows) != 1 else ''}" + (f" ({statuses})" if statuses else "")
-    return f"sweep done: {jobs} in {sweep_dir}\n  compare them: python -m grpo.report {sweep_dir}"
+    lines = [f"sweep done: {jobs} in {sweep_dir}", f"  compare them: python -m grpo.report {sweep_dir}"]
+    if wall_seconds is not None:
+        loops = [r["_loop_seconds"] for r in rows if r["_loop_seconds"] is not None]
+        lines.append(f"  wall clock {wall_seconds:.0f} s; training {sum(loops):.0f} s summed over the {len(loops)} "
+                     f"job{'s' if len(loops) != 1 else ''} that ran (their training loops, without start-up and "
+                     "teardown)")
+    return "\n".join(lines)
 
 
 class SweepDone(Callback):
-    """Hydra callback (conf/train.yaml, hydra.callbacks): after the last job of a sweep, print `sweep_done_message`."""
+    """Hydra callback (conf/train.yaml, hydra.callbacks): after the last job of a sweep, print `sweep_done_message`
+    with the sweep's wall clock from its start."""
+
+    def __init__(self) -> None:
+        self.started: float | None = None
+
+    def on_multirun_start(self, config: Any, **kwargs: Any) -> None:  # noqa: ARG002
+        self.started = time.monotonic()
 
     def on_multirun_end(self, config: Any, **kwargs: Any) -> None:  # noqa: ARG002
-        print(sweep_done_message(Path(str(config.hydra.sweep.dir))), flush=True)
+        wall = time.monotonic() - self.started if self.started is not None else None
+        print(sweep_done_message(Path(str(config.hydra.sweep.dir)), wall), flush=True)
 
 
 def main(argv: list[str] | None = None) -> None:

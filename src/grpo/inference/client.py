@@ -11,6 +11,7 @@ import time
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import quote
 
 import requests
 
@@ -350,16 +351,20 @@ class InferenceClient:
         self._watched_post("/v1/unload_lora_adapter", {"lora_name": name})
 
     # ------------------------------------------------------------------ grpo extensions (our server only)
-    def weight_version(self) -> int:
-        """Weight version the server reports on /generate."""
-        return int(self._request("GET", "/grpo/weight_version").json()["weight_version"])
+    def weight_version(self, model: str | None = None) -> int:
+        """Weight version the server reports on /generate (for requests naming LoRA adapter `model`, when given)."""
+        path = "/grpo/weight_version" + (f"?model={quote(model)}" if model else "")
+        return int(self._request("GET", path).json()["weight_version"])
 
-    def set_weight_version(self, version: int, reset_prefix_cache: bool = False) -> None:
+    def set_weight_version(self, version: int, reset_prefix_cache: bool = False, model: str | None = None) -> None:
         """Tell the server which weight version it serves now (after a LoRA swap or a restart); with
-        `reset_prefix_cache`, KV blocks cached under older weights are dropped too (weights changed in place)."""
+        `reset_prefix_cache`, KV blocks cached under older weights are dropped too (weights changed in place). With
+        `model` (a LoRA adapter's name): the version of that adapter alone, which requests naming it report."""
         payload: dict[str, Any] = {"weight_version": int(version)}
         if reset_prefix_cache:
             payload["reset_prefix_cache"] = True
+        if model:
+            payload["model"] = model
         self._watched_post("/grpo/weight_version", payload)
 
     def reload_weights(self, path: str, version: int | None = None) -> dict:

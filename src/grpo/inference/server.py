@@ -91,6 +91,23 @@ def _upper_version(state) -> int:
     return max(_version(state), getattr(state, "grpo_weight_version_pending", 0))
 
 
+def _adapter_versions(state) -> dict[str, int]:
+    """The weight version each LoRA adapter was given (POST /grpo/weight_version with a "model"): several trainers
+    hot-swapping adapters of their own into one server each count their own versions."""
+    if not hasattr(state, "grpo_adapter_versions"):
+        state.grpo_adapter_versions = {}
+    return state.grpo_adapter_versions
+
+
+def _request_versions(state, lora: Any) -> tuple[int, int]:
+    """(admission version, upper version) of a request: an adapter given a version of its own is that version
+    throughout (an adapter never changes once loaded); otherwise the server's."""
+    own = _adapter_versions(state).get(lora.lora_name) if lora is not None else None
+    if own is not None:
+        return own, own
+    return _version(state), _upper_version(state)
+
+
 async def _lora_request(state, name: str | None):
     """The LoRARequest registered under `name` (None for the base model or no name)."""
     if not name:
@@ -267,11 +284,11 @@ async def handle_generate(request) -> dict:
     tokenizer = engine.get_tokenizer() if decodes_here(body) else None
     params = _sampling_params(body)
     # Read before the request starts: the version the weights had when this batch was scheduled.
-    version = _version(state)
+    version = _request_versions(state, lora)[0]
     final = await _final_output(engine, prompt_ids, params, lora, ids)
     # Built on a thread: n=128 long samples with 20 log-probs each took seconds of the event loop (/health waited).
-    return await asyncio.to_thread(_prompt_response, prompt_ids, final, params, version, _upper_version(state),
-                                   tokenizer)
+    return await asyncio.to_thread(_prompt_response, prompt_ids, final, params, version,
+                                   _request_versions(state, lora)[1], tokenizer)
 
 
 def describe(e: BaseException) -> str:
@@ -328,7 +345,7 @@ async def handle_generate_batch(state: Any, body: dict[str, Any], ids: list[str]
     # One SamplingParams per prompt, built as the single form builds it (same checks; the seed as the client sets it).
     per_prompt = [_sampling_params(dict(body) if seed is None else {**body, "seed": (seed + i * int(n)) % (2**63)})
                   for i in range(len(prompt_ids))]
-    version = _version(state)
+    version = _request_versions(state, lora)[0]
     # Tasks, not awaited one by one: each adds its request to the engine at its first step, all before the engine
     # has answered any.
     tasks = [asyncio.ensure_future(_final_output(engine, one, p, lora, ids)) for one, p in zip(prompt_ids, per_prompt)]
@@ -337,7 +354,7 @@ async def handle_generate_batch(state: Any, body: dict[str, Any], ids: list[str]
     failed = next(((i, f) for i, f in enumerate(finals) if isinstance(f, BaseException)), None)
     if failed is not None:
         raise PromptFailed(*failed)
-    last = _upper_version(state)
+    last = _request_versions(state, lora)[1]
     # Built on a thread (as in the single form): a large batch's answer kept /health waiting for seconds.
     results = await asyncio.to_thread(
         lambda: [_prompt_response(one, f, p, version, last, tokenizer)
@@ -371,15 +388,23 @@ def prompt_topk(prompt_ids: list[int], entries: list[Any], k: int) -> list[dict[
 
 
 async def handle_weight_version(request) -> dict:
-    """GET: the served version. POST {"weight_version": int, "reset_prefix_cache": bool?}: set it after a sync."""
+    """GET: the served version (`?model=<adapter>`: that adapter's own, when it was given one). POST
+    {"weight_version": int, "reset_prefix_cache": bool?, "model": str?}: set it after a sync; with "model", the version
+    of that LoRA adapter alone (a trainer sharing the server with others), the server's own left as it is."""
     state = _state(request)
     if request.method == "POST":
         body = await request.json()
         if body.get("reset_prefix_cache"):
             # Weights changed under vLLM (shared memory): KV blocks cached before must not be reused.
             await state.engine_client.reset_prefix_cache(reset_running_requests=True)
+        if body.get("model"):
+            _adapter_versions(state)[str(body["model"])] = int(body["weight_version"])
+            return {"weight_version": int(body["weight_version"])}
         state.grpo_weight_version = state.grpo_weight_version_pending = int(body["weight_version"])
-    return {"weight_version": _version(state)}
+        return {"weight_version": _version(state)}
+    model = request.query_params.get("model")
+    own = _adapter_versions(state).get(model) if model else None
+    return {"weight_version": own if own is not None else _version(state)}
 
 
 async def handle_reload_weights(request) -> dict:

@@ -43,6 +43,11 @@ class LoraHotSwapSyncConfig:
 
     _target_: str = "grpo.sync.lora_hotswap.LoraHotSwapSync"
     sync_every: int = 1
+    # The adapters' served names are <adapter_prefix>-v<version>.
+    adapter_prefix: str = "policy"
+    # The server (server.external_url) serves other jobs' adapters too (LoRA configurations at once, docs/sweeps.md):
+    # each adapter reports its own weight version, and the job unloads its adapters when it ends.
+    shared_server: bool = False
 
 
 @dataclass

@@ -70,11 +70,13 @@ def compare(expected: Mapping[str, float], served: Mapping[str, float]) -> tuple
     return worst <= MATCH_TOLERANCE, worst
 
 
-def check_arrival(model: nn.Module, client: Any, version: int, *, fingerprint: bool = True) -> dict[str, float]:
-    """The served version, and (with `fingerprint`, a model not sharded by FSDP2, and the served version at
+def check_arrival(model: nn.Module, client: Any, version: int, *, fingerprint: bool = True,
+                  served: str | None = None) -> dict[str, float]:
+    """The served version (of LoRA adapter `served`, when given: a server shared by several jobs counts each
+    adapter's own), and (with `fingerprint`, a model not sharded by FSDP2, and the served version at
     `version`) whether the served probe parameters equal the trainer's: ``sync/weights_match`` 1 or 0 and
     ``sync/weights_max_rel_diff``. A mismatch is logged as a warning naming the parameters compared."""
-    served_version = client.weight_version()
+    served_version = client.weight_version(served) if served else client.weight_version()
     out = {"sync/served_version": float(served_version)}
     if not fingerprint or served_version != version or is_sharded(model):
         return out  # e.g. a background reload still in flight: its version is not served yet

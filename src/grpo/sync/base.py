@@ -216,7 +216,8 @@ class SyncStrategy(ABC):
         t0 = time.perf_counter()
         try:
             per_replica = self.server.each(
-                lambda replica: check_arrival(model, replica.client, self.version, fingerprint=not self.uses_lora))
+                lambda replica: check_arrival(model, replica.client, self.version, fingerprint=not self.uses_lora,
+                                              served=self.served_model if self.uses_lora else None))
         except InferenceServerError as error:  # a dead server is the next generation's to restart, not the check's
             log.warning("the arrival check after the sync to version %d failed: %s", self.version, error)
             return {"sync/arrival_check_failed": 1.0}

@@ -3,18 +3,28 @@
 The adapter is loaded under a new versioned name (`policy-v3`), `served_model` switches to it so the next rollouts
 use it, and the previous version is unloaded one sync later, so requests still running on it finish instead of
 failing. No --enforce-eager: vLLM runs LoRA inside its CUDA graphs.
+
+`mode.shared_server=true` (what the parallel launcher sets for LoRA configurations at once, docs/sweeps.md): the
+server, attached by `server.external_url`, serves other jobs' adapters too. Each job's adapters carry its own
+`mode.adapter_prefix`, each adapter its own weight version (set per adapter on the server, which requests naming it
+report); the server's own version is left alone, and the job unloads its adapters when it ends.
 """
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
+from typing import Any
 
 import torch.nn as nn
 
-from grpo.serving.server import Replica
+from grpo.config_values import ConfigError, option
+from grpo.serving.server import Replica, external_urls
 from grpo.sync.base import SyncContext, SyncStrategy
 from grpo.sync.lora_restart import save_adapter
 from grpo.sync.weight_dirs import prune, save_and_load
+
+log = logging.getLogger(__name__)
 
 
 class LoraHotSwapSync(SyncStrategy):
@@ -27,9 +37,10 @@ class LoraHotSwapSync(SyncStrategy):
                             "quantized itself are not supported here")
     reuses_server = True  # a sweep's next job unloads the adapters: the base weights never change
 
-    def __init__(self, sync_every: int = 1, adapter_prefix: str = "policy") -> None:
+    def __init__(self, sync_every: int = 1, adapter_prefix: str = "policy", shared_server: bool = False) -> None:
         super().__init__(sync_every)
         self.adapter_prefix = adapter_prefix
+        self.shared_server = shared_server
         self._current: str | None = None
         self._current_dir: Path | None = None
         self._previous: str | None = None
@@ -38,11 +49,20 @@ class LoraHotSwapSync(SyncStrategy):
     def _name(self, version: int) -> str:
         return f"{self.adapter_prefix}-v{version}"
 
+    @classmethod
+    def check_config(cls, cfg: Any, *, cuda: bool, world_size: int = 1,
+                     local_world_size: int | None = None) -> None:
+        super().check_config(cfg, cuda=cuda, world_size=world_size, local_world_size=local_world_size)
+        if option(cfg.mode, "shared_server", False) and len(external_urls(cfg.server)) != 1:
+            raise ConfigError("mode.shared_server=true trains an adapter on a server other jobs share: attach to it "
+                              "with server.external_url=http://host:port (the parallel launcher sets both)")
+
     def launch(self, ctx: SyncContext) -> None:
         self._start_server(ctx, Path(ctx.model_dir))
         if ctx.resume_weights:
             self._current, self._current_dir = self._name(self.version), Path(ctx.resume_weights)
             self.server.each(lambda replica: replica.client.load_lora(self._current, str(self._current_dir)))
+            self._set_version(self._current, self.version)
 
     def reset_served_weights(self, model: Path) -> None:
         """The server of a sweep's previous job: unload every adapter it loaded (the served names are the base
@@ -86,7 +106,27 @@ class LoraHotSwapSync(SyncStrategy):
         with self.stalling():
             self.server.each(swap)
         self._previous, self._current = self._current, name
-        self.server.each(lambda replica: replica.client.set_weight_version(version))
+        self._set_version(name, version)
         keep = {out} | ({self._current_dir} if self._current_dir else set())
         self._previous_dir, self._current_dir = self._current_dir, out
         prune(self.ctx.run_dir, "adapters", keep=keep)
+
+    def _set_version(self, name: str, version: int) -> None:
+        """The server reports `version` for rollouts of adapter `name`: its own version (a server this job owns), or
+        that adapter's alone (a shared server: the other jobs count their own versions)."""
+        model = name if self.shared_server else None
+        self.server.each(lambda replica: replica.client.set_weight_version(version, model=model))
+
+    def shutdown(self, keep_server: bool = False) -> None:
+        """A shared server keeps serving the other jobs: unload this job's adapters from it (a failure is logged,
+        the server's owner stops it at the sweep's end); otherwise as every strategy."""
+        if self.shared_server and self.server.replicas:
+            for name in (self._previous, self._current):
+                if name is None:
+                    continue
+                try:
+                    self.server.each(lambda replica, n=name: replica.client.unload_lora(n))
+                except Exception as error:  # noqa: BLE001 - the server's owner stops it at the sweep's end anyway
+                    log.warning("unloading adapter %s from the shared server failed: %s", name, error)
+            self._previous = self._current = None
+        super().shutdown(keep_server)
