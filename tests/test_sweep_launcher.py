@@ -55,9 +55,9 @@ def test_a_job_takes_free_gpus_or_an_idle_worker_of_its_size_and_waits_when_none
 
 
 def lora_job(**values):
-    cfg = OmegaConf.load(REPO / "src/grpo/conf/server/cpu.yaml")
+    cfg = OmegaConf.load(REPO / "conf/server/cpu.yaml")
     job = {"mode": {"_target_": "grpo.sync.lora_hotswap.LoraHotSwapSync"}, "server": cfg, "train": {"resume": None},
-           "lora": {"r": 8}, "model": OmegaConf.load(REPO / "src/grpo/conf/model/tiny_qwen2.yaml")}
+           "lora": {"r": 8}, "model": OmegaConf.load(REPO / "conf/model/tiny_qwen2.yaml")}
     return OmegaConf.merge(job, values)
 
 
