@@ -213,7 +213,7 @@ def test_resume_goes_on_from_the_entropy_coefficient_the_run_had_adapted_to(tiny
     resumed_loss = loss()
     resumed = _trainer(tiny_qwen2_dir, tmp_path / "part", steps=4, loss=resumed_loss,
                        start=CheckpointManager(tmp_path / "part").latest())
-    assert resumed_loss.entropy_coef == pytest.approx(0.05)  # 0.01 + 2 x 0.02, from the checkpoint
+    assert resumed_loss.entropy.coef == pytest.approx(0.05)  # 0.01 + 2 x 0.02, from the checkpoint
     resumed.fit()
     resumed.metrics.close()
     a, b = _rows(tmp_path / "full"), _rows(tmp_path / "part")

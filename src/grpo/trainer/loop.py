@@ -20,7 +20,7 @@ from grpo.trainer.background_eval import BackgroundEvaluations, PhasedEvaluator
 from grpo.trainer.checkpoint import CheckpointManager
 from grpo.trainer.flops import ModelFlops, pad_fraction, peak_tflops, perf_metrics
 from grpo.trainer.logprobs import can_fuse, fused_token_loss, token_logprobs
-from grpo.trainer.loss_interface import LossInputs, PolicyLoss
+from grpo.trainer.loss_interface import LossInputs, LossNeeds, PolicyLoss
 from grpo.trainer.metrics import MetricsLogger, NullMetrics
 from grpo.trainer.minibatch import (
     capped_split,
@@ -140,6 +140,23 @@ def rollout_batches(train_cfg: TrainConfig, start_step: int, start_batch: Option
     return first, int(train_cfg.steps) // per_batch
 
 
+def take_loss(loss_fn: PolicyLoss, loss_state: Optional[dict[str, Any]],
+              reference: Optional[ReferencePolicy]) -> LossNeeds:
+    """What `loss_fn` asks of the trainer, read once, after a resumed run's `loss_state` (what the loss had adapted to,
+    which may turn an entropy bonus on). TypeError for anything but a `PolicyLoss`; ConfigError for a loss that needs
+    the initial policy when the trainer was given none."""
+    if not isinstance(loss_fn, PolicyLoss):
+        raise TypeError(f"loss_fn must be a grpo.trainer.loss_interface.PolicyLoss (it declares what it needs), "
+                        f"got {type(loss_fn).__name__}")
+    if loss_state:
+        loss_fn.load_state_dict(loss_state)
+    needs = loss_fn.needs
+    if needs.reference_policy and reference is None:
+        raise ConfigError(f"{loss_fn!r} measures its KL penalty against the initial policy, and the trainer was "
+                          "given none (reference=ReferencePolicy...; train.py builds it)")
+    return needs
+
+
 def check_skip_zero_advantage(skip: bool, loss_fn: PolicyLoss) -> None:
     """`train.skip_zero_advantage` needs a loss that gains nothing from rows whose advantage is 0 everywhere."""
     if skip and not loss_fn.needs.zero_advantage_adds_nothing:
@@ -182,14 +199,12 @@ class GRPOTrainer:
         self.tokenizer = tokenizer
         self.optimizer = optimizer
         self.scheduler = scheduler
-        if not isinstance(loss_fn, PolicyLoss):
-            raise TypeError(f"loss_fn must be a grpo.trainer.loss_interface.PolicyLoss (it declares what it needs), "
-                            f"got {type(loss_fn).__name__}")
         self.loss_fn = loss_fn
-        if loss_state:  # a resumed run: what the loss had adapted to
-            loss_fn.load_state_dict(loss_state)
-        # What the loss asks of the trainer, read once (after the resumed state, which may turn a bonus on).
-        self.loss_needs = loss_fn.needs
+        # What the loss asks of the trainer: pi_old recomputed by one extra forward per rollout batch
+        # (loss.old_logprobs), the KL penalty's frozen initial policy (`reference`, one forward per rollout batch),
+        # the entropies with their gradient (an entropy bonus), its token-separability (the fused path's passes).
+        self.loss_needs = take_loss(loss_fn, loss_state, reference)
+        self.reference = reference
         self.pipeline = pipeline
         self.sync = sync
         self.checkpoints = checkpoints
@@ -198,13 +213,6 @@ class GRPOTrainer:
         self.step = start_step
         # Rollout batches done (the data source's index); a run resumes at a batch boundary.
         self.batch_number = rollout_batches(train_cfg, start_step, start_batch)[0]
-        # pi_old of the PPO ratio: recomputed by one extra forward per rollout batch (loss.old_logprobs).
-        self.recompute_old = self.loss_needs.recomputed_old_logprobs
-        # The KL penalty's frozen initial policy (loss.kl_reference=initial): one forward per rollout batch.
-        self.reference = reference
-        if self.loss_needs.reference_policy and reference is None:
-            raise ConfigError(f"{loss_fn!r} measures its KL penalty against the initial policy, and the trainer was "
-                              "given none (reference=ReferencePolicy...; train.py builds it)")
         # Under torchrun (FSDP2) the ranks' roles; None in a single process.
         self.dist = dist if dist is not None and dist.enabled else None
         self.nonfinite_in_a_row = self.nonfinite_total = 0
@@ -214,8 +222,6 @@ class GRPOTrainer:
         self.fused = bool(train_cfg.fused_loss) and self.dist is None and can_fuse(model)
         # grpo/entropy from the log-probs' own chunks of logits (train.entropy_metric).
         self.entropy_metric = bool(getattr(train_cfg, "entropy_metric", True))
-        # The loss takes the entropies with their gradient (loss.entropy_coef > 0: an entropy bonus).
-        self.entropy_in_loss = self.loss_needs.entropy
         self.token_logprobs = logprob_fn or (lambda *batch, **kw: token_logprobs(model, *batch, **kw))
         # Padding-free forwards (each micro-batch packed into one row) and the token budget of a micro-batch.
         self.packed = bool(train_cfg.padding_free)
@@ -420,7 +426,7 @@ class GRPOTrainer:
             # pi_old's and the KL reference's forwards run on the rollout batch's micro-batches: the budget holds
             # for them too (the updates' plan re-splits these rows, carrying what those forwards stored).
             batch = self.bounded(batch)
-        if self.recompute_old:
+        if self.loss_needs.recomputed_old_logprobs:
             self.recompute_old_logprobs(batch)
             head["time/old_logprobs_seconds"] = time.perf_counter() - t_data
         if self.reference is not None:
@@ -647,12 +653,12 @@ class GRPOTrainer:
         ) -> tuple[torch.Tensor, dict[str, Any]]:
             inputs = LossInputs(logprobs, mb.inference_logprobs, mb.advantages, mb.loss_mask,
                                 ref_logprobs=mb.ref_logprobs, old_logprobs=mb.old_logprobs,
-                                entropy=entropy if self.entropy_in_loss else None, totals=totals)
+                                entropy=entropy if self.loss_needs.entropy else None, totals=totals)
             return self.loss_fn(inputs, with_metrics=with_metrics)
 
         # Receives the entropies: for grpo/entropy, and with their gradient for an entropy bonus.
-        stats: Optional[dict[str, torch.Tensor]] = {} if self.entropy_metric or self.entropy_in_loss else None
-        grad_kw = {"entropy_grad": True} if self.entropy_in_loss else {}  # a custom logprob_fn may predate it
+        stats: Optional[dict[str, torch.Tensor]] = {} if self.entropy_metric or self.loss_needs.entropy else None
+        grad_kw = {"entropy_grad": True} if self.loss_needs.entropy else {}  # a custom logprob_fn may predate it
         if self.fused:
             loss, m, _ = fused_token_loss(
                 self.model, mb.input_ids, mb.attention_mask, mb.labels, mb.temperatures, loss_of,
