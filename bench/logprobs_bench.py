@@ -94,6 +94,7 @@ def _worker(args) -> dict:
 
     # The GRPO loss of conf/loss/grpo.yaml on rollout log-probs near the policy's (ratios on both sides of the clip).
     from grpo.trainer.loss import GRPOLoss
+    from grpo.trainer.loss_interface import LossInputs
 
     loss_fn = GRPOLoss()
     mask = (labels != -100).float()
@@ -102,7 +103,7 @@ def _worker(args) -> dict:
     adv = torch.randn(labels.shape[0], generator=gen).to(device)
 
     def loss_of(lp, with_metrics=True):
-        return loss_fn(lp, rollout, adv, mask, with_metrics=with_metrics)
+        return loss_fn(LossInputs(lp, rollout, adv, mask), with_metrics=with_metrics)
 
     def stats():  # a fresh dict per step asks for the tokens' entropies; None leaves them out
         return {} if args.entropy == "on" else None

@@ -74,9 +74,11 @@ def setup(args):
     n_tokens = int(d["cmask"].sum())
 
     if args.impl == "ours":
+        from grpo.algorithms.aggregation import Totals
         from grpo.pipeline.batching import prepare_batch
         from grpo.trainer.logprobs import fused_token_loss
         from grpo.trainer.loss import GRPOLoss
+        from grpo.trainer.loss_interface import LossInputs
         from grpo.trainer.optim import build_optimizer
 
         groups = []
@@ -103,8 +105,9 @@ def setup(args):
             model.train()
             opt.zero_grad(set_to_none=True)
             def loss_of(lp, with_metrics=True):
-                return loss_fn(lp, mb.inference_logprobs, mb.advantages, mb.loss_mask, total_tokens=batch.num_loss_tokens,
-                               total_sequences=batch.num_sequences, with_metrics=with_metrics)  # fmt: skip
+                inputs = LossInputs(lp, mb.inference_logprobs, mb.advantages, mb.loss_mask,
+                                    totals=Totals(tokens=batch.num_loss_tokens, sequences=batch.num_sequences))
+                return loss_fn(inputs, with_metrics=with_metrics)
 
             # The trainer's default path (train.fused_loss=true, train.logprob_chunk=512; GRPOTrainer._train_step).
             loss, _, _ = fused_token_loss(model, mb.input_ids, mb.attention_mask, mb.labels, mb.temperatures, loss_of, 512)

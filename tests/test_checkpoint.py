@@ -14,6 +14,7 @@ from grpo.trainer.checkpoint import COMPLETE, CheckpointManager, save_model_weig
 from grpo.trainer.layers import apply_lora
 from grpo.trainer.logprobs import token_logprobs
 from grpo.trainer.loss import GRPOLoss
+from grpo.trainer.loss_interface import LossInputs
 from grpo.trainer.optim import build_optimizer, build_scheduler
 
 LORA = {"r": 4, "alpha": 8, "dropout": 0.0, "target_modules": ["q_proj", "v_proj"]}
@@ -168,7 +169,7 @@ def _train(model, opt, sched, batches, steps):
         b = batches[(torch.randint(0, len(batches), ()).item() + random.randrange(2) + np.random.randint(2)) % len(batches)]
         lp = token_logprobs(model, b["input_ids"], b["attention_mask"], b["labels"], b["temperatures"], chunk_size=8)
         mask = (b["labels"] != -100).float()
-        loss, _ = loss_fn(lp, b["inference_logprobs"], b["advantages"], mask)
+        loss, _ = loss_fn(LossInputs(lp, b["inference_logprobs"], b["advantages"], mask))
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()

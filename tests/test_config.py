@@ -278,9 +278,9 @@ def test_a_loss_option_is_grpo_with_what_differs():
     base = OmegaConf.to_container(_compose(["loss=grpo"]).loss)
     options = {
         "dapo": {"clip_eps_high": 0.28}, "dr_grpo": {"aggregation": "seq_mean_token_sum_norm"},
-        "gspo": {"_target_": "grpo.trainer.loss.GSPOLoss", "clip_eps": 3e-4, "clip_eps_high": 4e-4,
+        "gspo": {"objective": "gspo", "clip_eps": 3e-4, "clip_eps_high": 4e-4,
                  "aggregation": "seq_mean_token_mean"},
-        "cispo": {"_target_": "grpo.trainer.loss.CISPOLoss", "clip_eps": 1.0, "clip_eps_high": 0.28},
+        "cispo": {"objective": "cispo", "clip_eps": 1.0, "clip_eps_high": 0.28},
     }
     for option, differs in options.items():
         composed = OmegaConf.to_container(_compose([f"loss={option}"]).loss)

@@ -355,21 +355,40 @@ def test_resuming_a_finished_run_says_how_to_go_on_instead_of_starting_a_server(
     _validate([resume, "train.steps=6", f"hydra.run.dir={tmp_path}/run"], tmp_path / "run")  # steps 5-6 are left
 
 
+def _build_loss(overrides: list[str]):
+    """Compose as train.py does and build the run's loss as `build_parts` does (the one place it is built)."""
+    from grpo.build import build_loss
+
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
+        return build_loss(compose(config_name="train", overrides=overrides))
+
+
 @pytest.mark.parametrize("override, needle", [
     ("loss.clip_eps=-0.1", "clip_eps must be in (0, 1], got -0.1"),
     ("loss.kl_coef=-1", "kl_coef must be >= 0, got -1"),
     ("loss.dual_clip=0.5", "dual_clip must be > 1, got 0.5"),
 ])
-def test_a_bad_loss_setting_is_a_config_error_before_the_server_starts(tmp_path, override, needle):
-    """The loss validates itself when built; validate builds it, so a sweep's bad value is a ConfigError naming it."""
+def test_a_bad_loss_setting_is_a_config_error_before_the_server_starts(override, needle):
+    """The loss validates itself when built; the run builds it first thing (grpo.build.build_loss), so a sweep's bad
+    value is a ConfigError naming it."""
     with pytest.raises(ConfigError, match="loss \\(grpo.trainer.loss.GRPOLoss\\): " + re.escape(needle)):
-        _validate([override], tmp_path)
+        _build_loss([override])
 
 
 @pytest.mark.parametrize("overrides, needle", [
     (["loss.token_mask=[1.5,2.0]"], "loss (grpo.trainer.loss.GRPOLoss): loss.token_mask must be [low, high] with 0 < low < 1 < high"),
     (["loss.sequence_mask=[0.5]"], "loss (grpo.trainer.loss.GRPOLoss): loss.sequence_mask must be [low, high]"),
-    (["loss=cispo", "loss.dual_clip=2.0"], "loss (grpo.trainer.loss.CISPOLoss): loss.dual_clip does not apply to CISPO"),
+    (["loss=cispo", "loss.dual_clip=2.0"],
+     "loss (grpo.trainer.loss.GRPOLoss): loss.dual_clip does not apply to loss.objective=cispo"),
+])
+def test_an_off_policy_band_or_a_cispo_dual_clip_is_refused_when_the_loss_is_built(overrides, needle):
+    """The masks' bands and CISPO's refusal of a dual clip are checked when the loss is built."""
+    with pytest.raises(ConfigError, match=re.escape(needle)):
+        _build_loss(overrides)
+
+
+@pytest.mark.parametrize("overrides, needle", [
     (["loss.token_mask=[0.5,2.0]", "data.rollout_logprobs=false"],
      "data.rollout_logprobs=false trains each rollout as on-policy, but loss.token_mask=[0.5, 2.0] mask tokens by "
      "pi_old / vLLM's sampling probability"),
@@ -377,20 +396,19 @@ def test_a_bad_loss_setting_is_a_config_error_before_the_server_starts(tmp_path,
      "loss.sequence_mask=[0.9, 1.1] with 2 updates per batch (train.ppo_epochs x train.mini_batches) and "
      "loss.old_logprobs=rollout would compare vLLM's log-probs with weights the batch's updates already moved"),
 ])
-def test_an_off_policy_mask_or_cispo_setting_that_cannot_work_is_refused_at_start_up(tmp_path, overrides, needle):
-    """Issue 40: the masks' bands and CISPO's refusal of a dual clip are checked when validate builds the loss."""
+def test_an_off_policy_mask_that_cannot_work_is_refused_at_start_up(tmp_path, overrides, needle):
     with pytest.raises(ConfigError, match=re.escape(needle)):
         _validate(overrides, tmp_path)
 
 
-def test_a_loss_error_that_says_what_to_set_gets_no_second_fix(tmp_path):
+def test_a_loss_error_that_says_what_to_set_gets_no_second_fix():
     """CISPO's refusal names its own fix ("set loss.dual_clip=null"); the generic "set the loss.* key it names" once
     followed it anyway. A cause without a fix (a bad clip range) still gets it."""
     with pytest.raises(ConfigError) as e:
-        _validate(["loss=cispo", "loss.dual_clip=2.0"], tmp_path)
+        _build_loss(["loss=cispo", "loss.dual_clip=2.0"])
     assert str(e.value).endswith("set loss.dual_clip=null")
     with pytest.raises(ConfigError) as e:
-        _validate(["loss.clip_eps=-0.1"], tmp_path)
+        _build_loss(["loss.clip_eps=-0.1"])
     assert str(e.value).endswith("; set the loss.* key it names")
 
 

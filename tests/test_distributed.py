@@ -396,13 +396,13 @@ class _GatherSync(SyncStrategy):
 def _loss(name: str):
     """The losses the FSDP2 runs train with: GRPO's, and GSPO with both off-policy masks (issue 40: a loss that is
     not token-separable, whose sequence terms pool tokens that may sit in one rank's micro-batch)."""
-    from grpo.trainer.loss import GRPOLoss, GSPOLoss
+    from grpo.trainer.loss import GRPOLoss
 
     if name == "gspo_masks":
         # The scripted rollout log-probs lie ~3.5 nats above the tiny model's: bands that mask some tokens only.
         # With an entropy bonus: its gradient through FSDP2's sharded head (unfused) as through the fused path; and a
         # KL penalty against a reference policy sharded as the policy is (`_reference`).
-        return GSPOLoss(clip_eps=0.01, clip_eps_high=0.01, aggregation="seq_mean_token_mean",
+        return GRPOLoss(objective="gspo", clip_eps=0.01, clip_eps_high=0.01, aggregation="seq_mean_token_mean",
                         token_mask=[0.02, 50.0], sequence_mask=[0.01, 100.0], entropy_coef=0.05, kl_coef=0.1)
     return GRPOLoss()
 
@@ -415,7 +415,7 @@ def _reference(loss, model_dir: str, sharded: bool):
     from grpo.trainer import fsdp
     from grpo.trainer.reference import ReferencePolicy
 
-    if not loss.needs_reference_policy:
+    if not loss.needs.reference_policy:
         return None
     copy = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     g = torch.Generator().manual_seed(1)

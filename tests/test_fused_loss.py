@@ -5,8 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from grpo.algorithms.aggregation import Totals
 from grpo.trainer.logprobs import can_fuse, fused_token_loss, naive_token_entropy, naive_token_logprobs
-from grpo.trainer.loss import CISPOLoss, GRPOLoss, GSPOLoss
+from grpo.trainer.loss import GRPOLoss
+from grpo.trainer.loss_interface import LossInputs
 
 
 @pytest.fixture(scope="module")
@@ -53,14 +55,13 @@ LOSSES = {
     # fused path's two passes).
     "token_mask": dict(token_mask=[0.8, 1.25]),
     "sequence_mask": dict(sequence_mask=[0.97, 1.03], aggregation="seq_mean_token_mean"),
-    "gspo": dict(cls=GSPOLoss, clip_eps=0.01, clip_eps_high=0.02, aggregation="seq_mean_token_mean"),
-    "cispo": dict(cls=CISPOLoss, clip_eps=1.0, clip_eps_high=0.28),
+    "gspo": dict(objective="gspo", clip_eps=0.01, clip_eps_high=0.02, aggregation="seq_mean_token_mean"),
+    "cispo": dict(objective="cispo", clip_eps=1.0, clip_eps_high=0.28),
 }
 
 
 def _loss(name: str, **extra):
-    kwargs = dict(LOSSES[name])
-    return kwargs.pop("cls", GRPOLoss)(**kwargs, **extra)
+    return GRPOLoss(**LOSSES[name], **extra)
 
 
 def _grads(model):
@@ -75,10 +76,10 @@ def test_fused_equals_unfused(model, name, chunk):
     ids, attn, labels, mask, rollout, ref, adv, temps = _inputs(model)
     loss_fn = _loss(name)
     # Normalisers of a bigger optimizer step, as under gradient accumulation.
-    kw = dict(ref_logprobs=ref, total_tokens=71.0, total_sequences=6.0, max_tokens=17.0)
+    kw = dict(ref_logprobs=ref, totals=Totals(tokens=71.0, sequences=6.0, max_tokens=17.0))
 
     def loss_of(lp, with_metrics=True):
-        return loss_fn(lp, rollout, adv, mask, with_metrics=with_metrics, **kw)
+        return loss_fn(LossInputs(lp, rollout, adv, mask, **kw), with_metrics=with_metrics)
 
     model.zero_grad(set_to_none=True)
     lp = naive_token_logprobs(model, ids, attn, labels, temps)
@@ -88,7 +89,7 @@ def test_fused_equals_unfused(model, name, chunk):
 
     stats: dict = {}
     loss, metrics, fused_lp = fused_token_loss(model, ids, attn, labels, temps, loss_of, chunk_size=chunk,
-                                               separable=loss_fn.token_separable, stats=stats)
+                                               separable=loss_fn.needs.token_separable, stats=stats)
     (loss * 3.0).backward()
     got = _grads(model)
 
@@ -116,11 +117,11 @@ def test_entropy_bonus_fused_equals_unfused(model, name, chunk):
     through full logits; the bonus moves the gradients."""
     ids, attn, labels, mask, rollout, ref, adv, temps = _inputs(model)
     loss_fn = _loss(name, entropy_coef=0.05)
-    assert loss_fn.uses_entropy and not loss_fn.zero_advantage_adds_nothing
-    kw = dict(ref_logprobs=ref, total_tokens=71.0, total_sequences=6.0, max_tokens=17.0)
+    assert loss_fn.needs.entropy and not loss_fn.needs.zero_advantage_adds_nothing
+    kw = dict(ref_logprobs=ref, totals=Totals(tokens=71.0, sequences=6.0, max_tokens=17.0))
 
     def loss_of(lp, with_metrics=True, entropy=None):
-        return loss_fn(lp, rollout, adv, mask, with_metrics=with_metrics, entropy=entropy, **kw)
+        return loss_fn(LossInputs(lp, rollout, adv, mask, entropy=entropy, **kw), with_metrics=with_metrics)
 
     model.zero_grad(set_to_none=True)
     ref_loss, ref_metrics = loss_of(naive_token_logprobs(model, ids, attn, labels, temps),
@@ -130,7 +131,7 @@ def test_entropy_bonus_fused_equals_unfused(model, name, chunk):
 
     stats: dict = {}
     loss, metrics, _ = fused_token_loss(model, ids, attn, labels, temps, loss_of, chunk_size=chunk,
-                                        separable=loss_fn.token_separable, stats=stats, entropy_grad=True)
+                                        separable=loss_fn.needs.token_separable, stats=stats, entropy_grad=True)
     loss.backward()
     got = _grads(model)
     torch.testing.assert_close(loss, ref_loss.detach(), atol=1e-6, rtol=1e-5)
@@ -141,8 +142,8 @@ def test_entropy_bonus_fused_equals_unfused(model, name, chunk):
 
     plain_fn = _loss(name)
     fused_token_loss(model, ids, attn, labels, temps,
-                     lambda lp, with_metrics=True: plain_fn(lp, rollout, adv, mask, with_metrics=with_metrics, **kw),
-                     chunk_size=chunk, separable=plain_fn.token_separable)[0].backward()
+                     lambda lp, with_metrics=True: plain_fn(LossInputs(lp, rollout, adv, mask, **kw), with_metrics),
+                     chunk_size=chunk, separable=plain_fn.needs.token_separable)[0].backward()
     head = "lm_head.weight" if "lm_head.weight" in want else max(want, key=lambda n: want[n].numel())
     assert (_grads(model)[head] - want[head]).abs().max() > 1e-6
 
@@ -151,27 +152,27 @@ def test_fused_without_loss_tokens_keeps_graph(model):
     ids, attn, labels, mask, rollout, ref, adv, temps = _inputs(model)
     labels = torch.full_like(labels, -100)
     mask = torch.zeros_like(mask)
-    loss, metrics, lp = fused_token_loss(model, ids, attn, labels, None, lambda x, with_metrics=True: GRPOLoss()(x, rollout, adv, mask, with_metrics=with_metrics))
+    loss, metrics, lp = fused_token_loss(model, ids, attn, labels, None, lambda x, with_metrics=True: GRPOLoss()(LossInputs(x, rollout, adv, mask), with_metrics))
     loss.backward()
     grads = _grads(model)
     assert float(loss.detach()) == 0.0 and (lp == 0).all() and metrics["grpo/tokens"] == 0.0
     assert all(float(g.abs().sum()) == 0.0 for g in grads.values())
 
 
-def test_can_fuse_needs_a_separable_loss_and_a_linear_head(model, tiny_qwen2_dir):
+def test_can_fuse_needs_a_linear_head_and_the_loss_declares_its_separability(model, tiny_qwen2_dir):
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
-    assert can_fuse(model, GRPOLoss())
-    assert can_fuse(model, GSPOLoss()) and not GSPOLoss().token_separable  # two passes
-    assert not GRPOLoss(sequence_mask=[0.5, 2.0]).token_separable
-    assert GRPOLoss(sequence_mask=[0.5, 2.0], old_logprobs="recompute").token_separable  # pi_old is a constant
-    assert not can_fuse(model, lambda *a, **k: None)  # an arbitrary callable makes no separability promise
+    assert can_fuse(model)
+    assert GRPOLoss().needs.token_separable and GRPOLoss(objective="cispo").needs.token_separable
+    assert not GRPOLoss(objective="gspo").needs.token_separable  # a sequence's ratio: two passes
+    assert not GRPOLoss(sequence_mask=[0.5, 2.0]).needs.token_separable
+    assert GRPOLoss(sequence_mask=[0.5, 2.0], old_logprobs="recompute").needs.token_separable  # pi_old is a constant
     lora_head = get_peft_model(
         AutoModelForCausalLM.from_pretrained(tiny_qwen2_dir, dtype=torch.float32),
         LoraConfig(r=2, target_modules=["lm_head", "q_proj"]),
     )
-    assert not can_fuse(lora_head, GRPOLoss())  # LoRA on lm_head: the checkpointed per-chunk path instead
+    assert not can_fuse(lora_head)  # LoRA on lm_head: the checkpointed per-chunk path instead
     assert can_fuse(get_peft_model(
         AutoModelForCausalLM.from_pretrained(tiny_qwen2_dir, dtype=torch.float32), LoraConfig(r=2, target_modules=["q_proj"])
-    ), GRPOLoss())
+    ))

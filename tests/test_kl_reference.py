@@ -22,6 +22,7 @@ from grpo.trainer.layers import apply_lora
 from grpo.trainer.logprobs import token_logprobs
 from grpo.trainer.loop import GRPOTrainer
 from grpo.trainer.loss import GRPOLoss
+from grpo.trainer.loss_interface import LossInputs
 from grpo.trainer.metrics import MetricsLogger
 from grpo.trainer.optim import build_scheduler
 from grpo.trainer.reference import ReferencePolicy
@@ -52,16 +53,16 @@ def _per_sequence(batch, field: str) -> list[tuple[tuple[int, ...], torch.Tensor
 
 
 def test_the_loss_asks_for_the_initial_policy_only_while_the_penalty_is_on():
-    assert GRPOLoss(kl_coef=0.1).needs_reference_policy  # the default reference: the initial weights
-    assert not GRPOLoss().needs_reference_policy
-    assert not GRPOLoss(kl_coef=0.1, kl_reference="rollout").needs_reference_policy
+    assert GRPOLoss(kl_coef=0.1).needs.reference_policy  # the default reference: the initial weights
+    assert not GRPOLoss().needs.reference_policy
+    assert not GRPOLoss(kl_coef=0.1, kl_reference="rollout").needs.reference_policy
     with pytest.raises(ValueError, match="kl_reference must be one of"):
         GRPOLoss(kl_coef=0.1, kl_reference="sft")
     logp, mask, adv = torch.full((1, 3), -1.0), torch.ones(1, 3), torch.zeros(1)
     # Without the reference's log-probs the penalty is not quietly measured against the rollouts.
     with pytest.raises(ValueError, match="initial policy's log-probs"):
-        GRPOLoss(kl_coef=0.1)(logp, logp - 0.5, adv, mask)
-    _, m = GRPOLoss(kl_coef=0.1)(logp, logp - 0.5, adv, mask, ref_logprobs=logp - 0.2)
+        GRPOLoss(kl_coef=0.1)(LossInputs(logp, logp - 0.5, adv, mask))
+    _, m = GRPOLoss(kl_coef=0.1)(LossInputs(logp, logp - 0.5, adv, mask, ref_logprobs=logp - 0.2))
     assert m["grpo/kl"] == pytest.approx(torch.expm1(torch.tensor(-0.2)).item() + 0.2, rel=1e-5)  # k3 at x = -0.2
 
 

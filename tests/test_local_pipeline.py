@@ -207,6 +207,7 @@ def test_rollouts_without_log_probs_sample_the_same_tokens_and_train_as_on_polic
 
     from grpo.pipeline.batching import prepare_batch
     from grpo.trainer.loss import GRPOLoss
+    from grpo.trainer.loss_interface import LossInputs
 
     def step_0(rollout_logprobs: bool) -> list:
         pipe = _pipeline("local_digits", prompts_per_step=2, group_size=4, max_new_tokens=12,
@@ -230,7 +231,7 @@ def test_rollouts_without_log_probs_sample_the_same_tokens_and_train_as_on_polic
     assert bool(torch.isnan(mb.inference_logprobs[mb.loss_mask > 0]).all())
     # The loss then takes pi_old = its own log-probs: the ratio is exactly 1 at every token, as TRL's one update.
     logprobs = torch.randn(mb.loss_mask.shape, requires_grad=True).clamp(max=0)
-    _, m = GRPOLoss()(logprobs, mb.inference_logprobs, mb.advantages, mb.loss_mask, with_metrics=True)
+    _, m = GRPOLoss()(LossInputs(logprobs, mb.inference_logprobs, mb.advantages, mb.loss_mask), with_metrics=True)
     assert m["grpo/mean_ratio"] == 1.0 and m["grpo/logprob_diff"] == 0.0 and m["grpo/clipped_fraction"] == 0.0
 
 

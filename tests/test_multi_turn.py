@@ -331,6 +331,7 @@ def test_environment_tokens_get_no_gradient_and_sampler_logprobs_match_the_train
 
     from grpo.pipeline.batching import prepare_batch
     from grpo.trainer.loss import GRPOLoss
+    from grpo.trainer.loss_interface import LossInputs
 
     _, episodes, _, groups = played
     multi = [g for g, per in zip(groups, episodes) if any(len(t.turns) > 1 for t in per)]
@@ -340,7 +341,7 @@ def test_environment_tokens_get_no_gradient_and_sampler_logprobs_match_the_train
     logits.retain_grad()
     labels = batch.labels.clamp(min=0)
     logprobs = torch.log_softmax(logits / batch.temperatures[:, None, None], -1).gather(-1, labels[..., None])[..., 0]
-    loss, _ = GRPOLoss()(logprobs, batch.inference_logprobs, batch.advantages, batch.loss_mask)
+    loss, _ = GRPOLoss()(LossInputs(logprobs, batch.inference_logprobs, batch.advantages, batch.loss_mask))
     loss.backward()
     # Environment positions: inside the sequence (attention 1), after the first model token, not trained.
     env = torch.zeros_like(batch.loss_mask, dtype=torch.bool)

@@ -16,6 +16,7 @@ from grpo.pipeline.group import Group
 from grpo.trainer.logprobs import fused_token_loss, naive_token_entropy, packed_inputs, token_logprobs
 from grpo.trainer.loop import GRPOTrainer
 from grpo.trainer.loss import GRPOLoss
+from grpo.trainer.loss_interface import LossInputs
 from grpo.trainer.metrics import NullMetrics
 from grpo.trainer.minibatch import token_budget_groups, token_budget_split, update_plan
 from grpo.trainer.train_batch import IGNORE_INDEX, BatchSource
@@ -88,7 +89,7 @@ def test_packed_fused_loss_equals_the_padded_path(tiny_qwen2_dir, aggregation):
     adv = torch.tensor([1.0, -0.5, 0.3, -1.2])
 
     def loss_of(lp, with_metrics=True):
-        return loss_fn(lp, rollout, adv, mask, with_metrics=with_metrics)
+        return loss_fn(LossInputs(lp, rollout, adv, mask), with_metrics=with_metrics)
 
     out = {}
     for packed in (False, True):

@@ -20,7 +20,7 @@ from grpo.pipeline.group import Group
 from grpo.sync.base import SyncStrategy
 from grpo.trainer.checkpoint import CheckpointManager
 from grpo.trainer.loop import GRPOTrainer
-from grpo.trainer.loss import CISPOLoss, GRPOLoss, GSPOLoss
+from grpo.trainer.loss import GRPOLoss
 from grpo.trainer.metrics import MetricsLogger
 from grpo.trainer.minibatch import split_mini_batches, update_plan
 from grpo.trainer.optim import build_scheduler
@@ -213,7 +213,7 @@ def test_resume_goes_on_from_the_entropy_coefficient_the_run_had_adapted_to(tiny
     resumed_loss = loss()
     resumed = _trainer(tiny_qwen2_dir, tmp_path / "part", steps=4, loss=resumed_loss,
                        start=CheckpointManager(tmp_path / "part").latest())
-    assert resumed_loss.entropy_coef == pytest.approx(0.05)  # 0.01 + 2 x 0.02, from the checkpoint
+    assert resumed_loss.entropy.coef == pytest.approx(0.05)  # 0.01 + 2 x 0.02, from the checkpoint
     resumed.fit()
     resumed.metrics.close()
     a, b = _rows(tmp_path / "full"), _rows(tmp_path / "part")
@@ -223,9 +223,9 @@ def test_resume_goes_on_from_the_entropy_coefficient_the_run_had_adapted_to(tiny
 
 
 @pytest.mark.parametrize("name, loss", [
-    ("gspo", lambda: GSPOLoss(clip_eps=3e-4, clip_eps_high=4e-4, aggregation="seq_mean_token_mean",
+    ("gspo", lambda: GRPOLoss(objective="gspo", clip_eps=3e-4, clip_eps_high=4e-4, aggregation="seq_mean_token_mean",
                               old_logprobs="recompute")),
-    ("cispo", lambda: CISPOLoss(clip_eps=1.0, clip_eps_high=0.28, old_logprobs="recompute")),
+    ("cispo", lambda: GRPOLoss(objective="cispo", clip_eps=1.0, clip_eps_high=0.28, old_logprobs="recompute")),
     # The scripted rollout log-probs lie ~3.3 nats above the tiny model's (ratio ~0.04): bands around that.
     ("masks", lambda: GRPOLoss(token_mask=[0.04, 25.0], sequence_mask=[0.035, 30.0])),
 ])

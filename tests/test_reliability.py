@@ -221,13 +221,14 @@ def _loss_is_finite(groups: list[dict], missing: int) -> None:
     """prepare_batch counts `missing` sequences without log-probs and the GRPO loss over them stays finite."""
     from grpo.pipeline.batching import prepare_batch
     from grpo.trainer.loss import GRPOLoss
+    from grpo.trainer.loss_interface import LossInputs
 
     batch = prepare_batch(groups, advantage_norm="group", max_seq_len=64, micro_batch_size=8, pad_token_id=0,
                           vocab_size=300)
     assert batch.metrics["data/missing_logprobs"] == missing
     for mb in batch.micro_batches:
-        loss, m = GRPOLoss(clip_eps=0.2)(torch.full(mb.loss_mask.shape, -1.0), mb.inference_logprobs, mb.advantages,
-                                         mb.loss_mask)
+        logprobs = torch.full(mb.loss_mask.shape, -1.0)
+        loss, m = GRPOLoss(clip_eps=0.2)(LossInputs(logprobs, mb.inference_logprobs, mb.advantages, mb.loss_mask))
         assert torch.isfinite(loss) and all(torch.isfinite(torch.as_tensor(v)) for v in m.values())
 
 

@@ -29,6 +29,7 @@ def one(preset: str, optimizer: str, steps: int, batch: int, seq: int, chunk: in
     from grpo.models.loading import load_model
     from grpo.models.tiny import build_model_dir
     from grpo.trainer.logprobs import fused_token_loss, token_logprobs
+    from grpo.trainer.loss_interface import LossInputs
     from grpo.trainer.optim import build_optimizer
 
     model = load_model(str(build_model_dir(preset, dtype="bfloat16")), torch.bfloat16, torch.device("cuda"), True)
@@ -61,7 +62,7 @@ def one(preset: str, optimizer: str, steps: int, batch: int, seq: int, chunk: in
                + 0.01 * torch.randn_like(mask)) * mask
 
     def loss_of(lp, with_metrics=True):
-        return loss_fn(lp, old, adv, mask, with_metrics=with_metrics)
+        return loss_fn(LossInputs(lp, old, adv, mask), with_metrics=with_metrics)
 
     torch.cuda.reset_peak_memory_stats()
     for _ in range(steps):

@@ -9,6 +9,7 @@ may be kept for the next job: grpo.serving.kept).
 from __future__ import annotations
 
 import logging
+import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,6 +38,7 @@ from grpo.trainer import fsdp
 from grpo.trainer.checkpoint import CheckpointManager, read_trainer_state
 from grpo.trainer.fsdp import DistInfo
 from grpo.trainer.loop import GRPOTrainer, rollout_batches, updates_per_batch
+from grpo.trainer.loss_interface import PolicyLoss
 from grpo.trainer.metrics import MetricsLogger, NullMetrics
 from grpo.trainer.optim import build_optimizer, build_scheduler
 from grpo.trainer.wall_clock import WallClock
@@ -57,7 +59,7 @@ class RunParts:
     tokenizer: Any
     resume: Path | None  # the checkpoint this run resumes from
     sync: SyncStrategy
-    loss_fn: Any
+    loss_fn: PolicyLoss
     data: DataPipeline | None
     evaluator: Evaluator | None
     trainer: GRPOTrainer | None = None
@@ -111,6 +113,8 @@ def build_parts(cfg: DictConfig, run_dir: Path, reuse_server: bool = False,
     held-out prompts) so that a mistake stops the run before vLLM starts. `reuse_server`: a sweep's job that takes
     the server the job before kept and keeps its own for the next (grpo.serving.kept)."""
     torch.manual_seed(cfg.train.seed)
+    loss_fn = build_loss(cfg)  # first: a bad loss setting stops the run before processes, warm start or server
+    log.info("loss %s", loss_fn)
     if cfg.train.torch_threads is not None:
         torch.set_num_threads(int(cfg.train.torch_threads))
         log.info("trainer torch threads: %d", torch.get_num_threads())
@@ -124,8 +128,6 @@ def build_parts(cfg: DictConfig, run_dir: Path, reuse_server: bool = False,
     log.info("run %s | run dir %s | model %s | device %s", cfg.name, run_dir, model_dir, device)
     resume_ckpt = resume_checkpoint(cfg)
     sync = build_sync(cfg, rank0, resume_ckpt)
-    loss_fn = instantiate(cfg.loss)
-    log.info("loss %s", loss_fn)
     data = build_data(cfg) if rank0 else None
     log.info("data pipeline %s", type(data).__name__ if data is not None else "rank 0's")
     if data is not None:
@@ -138,6 +140,25 @@ def build_parts(cfg: DictConfig, run_dir: Path, reuse_server: bool = False,
     return RunParts(cfg=cfg, run_dir=run_dir, dist=dist_info, device=device, model_dir=model_dir, tokenizer=tokenizer,
                     resume=resume_ckpt, sync=sync, loss_fn=loss_fn, data=data, evaluator=evaluator,
                     reuse_server=reuse_server, clock=clock if clock is not None else WallClock())
+
+
+def build_loss(cfg: DictConfig) -> PolicyLoss:
+    """The run's loss, built once from its `loss` node (`GRPOLoss` for every shipped option). The loss checks its
+    own settings when built: a bad value (a clip-eps sweep's `loss.clip_eps=-0.1`) is a ConfigError naming it."""
+    try:
+        loss_fn = instantiate(cfg.loss)
+    except InstantiationException as e:
+        cause = instantiation_cause(e)
+        if not isinstance(cause, (ValueError, TypeError)):
+            raise
+        # A cause that already says what to set stands alone; otherwise point at the keys it names.
+        fix = "" if re.search(r"\bset loss\.\w+", str(cause)) else "; set the loss.* key it names"
+        raise ConfigError(f"loss ({cfg.loss._target_}): {cause}{fix}") from None
+    if not isinstance(loss_fn, PolicyLoss):
+        raise ConfigError(f"loss._target_={cfg.loss._target_} builds a {type(loss_fn).__name__}, which is no "
+                          "grpo.trainer.loss_interface.PolicyLoss (the trainer reads what a loss needs from it); "
+                          "subclass PolicyLoss, or name a loss.objective of grpo.trainer.loss.GRPOLoss")
+    return loss_fn
 
 
 def build_data(cfg: DictConfig) -> DataPipeline:

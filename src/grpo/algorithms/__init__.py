@@ -1,7 +1,8 @@
 """Training algorithms as small functions on tensors, each kind behind a registry of names.
 
 - `advantages`: group scores → advantages (`train.advantage_norm`).
-- `policy`: the policy-gradient objective per token (PPO's clip), and the choice of pi_old.
+- `policy`: the policy-gradient objectives per token (`loss.objective`: PPO's clip, GSPO, CISPO), and the choice of
+  pi_old.
 - `kl`: per-token KL estimators (`loss.kl_estimator`).
 - `aggregation`: per-token losses → one number (`loss.aggregation`).
 - `schedules`: learning-rate multipliers after warm-up (`train.lr_schedule`).

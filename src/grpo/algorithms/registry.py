@@ -22,12 +22,13 @@ class Registry(Generic[F]):
 
     def register(self, name: str) -> Callable[[F], F]:
         """Decorator registering a function under ``name``; a second, different function under a taken name is an
-        error (it would silently change what every config naming it runs)."""
+        error (it would silently change what every config naming it runs). A registered object that is equal to the
+        one registered (the same function with the same declarations) is no second one."""
 
         def add(fn: F) -> F:
             taken = self._functions.get(name)
-            if taken is not None and taken is not fn:
-                raise ValueError(f"{self.kind} {name!r} is already registered ({taken.__module__}.{taken.__qualname__})")
+            if taken is not None and taken != fn:
+                raise ValueError(f"{self.kind} {name!r} is already registered ({_origin(taken)})")
             self._functions[name] = fn
             return fn
 
@@ -58,3 +59,10 @@ class Registry(Generic[F]):
         enum = StrEnum(enum_name, [(n, n) for n in self._functions], module=module)
         enum.__doc__ = doc
         return enum
+
+
+def _origin(fn: Callable) -> str:
+    """Where a registered function was defined (for a declaration that wraps one, e.g. a policy objective's, its
+    ``fn``'s)."""
+    fn = getattr(fn, "fn", fn)
+    return f"{fn.__module__}.{fn.__qualname__}"

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import importlib
 import os
-import re
 from pathlib import Path
 
 from hydra.utils import get_class
@@ -12,7 +11,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from grpo.config import checks
 from grpo.config.run_dir import check_resume_exists, check_resume_has_steps_left, check_run_dir, check_run_dir_unused
-from grpo.config_values import ConfigError, instantiation_cause, option
+from grpo.config_values import ConfigError, option
 from grpo.pipeline.local import LocalRolloutPipeline
 from grpo.pipeline.prompt_file import PromptFileTask
 from grpo.pipeline.rollout_queue import check_batches_in_flight, queue_capacity
@@ -57,8 +56,8 @@ def validate(cfg: DictConfig, run_dir: Path | None = None) -> None:
     check_model_files(cfg.model)
     check_layers(cfg)
     check_optimizer(cfg)
-    check_loss(cfg)
-    checks.check_clip_can_act(cfg, info)  # after the loss's own range checks
+    # The loss checks its own settings when it is built, once (grpo.build.build_loss, first thing of the run).
+    checks.check_clip_can_act(cfg, info)
     checks.check_truncation_options_have_what_they_read(cfg)
     sync_cls = get_class(cfg.mode._target_)
     local = os.environ.get("LOCAL_WORLD_SIZE")  # torchrun's ranks on this host (fewer than WORLD_SIZE across nodes)
@@ -104,24 +103,6 @@ def check_optimizer(cfg: DictConfig) -> None:
         build_optimizer(torch.nn.Linear(1, 1), cfg.optimizer)
     except (ValueError, TypeError) as e:
         raise ConfigError(f"optimizer ({cfg.optimizer._target_}): {e}; set the optimizer.* key it names") from None
-
-
-def check_loss(cfg: DictConfig) -> None:
-    """The loss checks its own settings when built (`grpo.trainer.loss`): build it once here, so a bad value (a
-    clip-eps sweep's `loss.clip_eps=-0.1`) stops the run as a ConfigError before the server starts, not as a
-    traceback from the run's own instantiate."""
-    from hydra.errors import InstantiationException
-    from hydra.utils import instantiate
-
-    try:
-        instantiate(cfg.loss)
-    except InstantiationException as e:
-        cause = instantiation_cause(e)
-        if not isinstance(cause, (ValueError, TypeError)):
-            raise
-        # A cause that already says what to set stands alone; otherwise point at the keys it names.
-        fix = "" if re.search(r"\bset loss\.\w+", str(cause)) else "; set the loss.* key it names"
-        raise ConfigError(f"loss ({cfg.loss._target_}): {cause}{fix}") from None
 
 
 def check_loop_sizes(cfg: DictConfig) -> None:

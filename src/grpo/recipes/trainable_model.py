@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Any
 
 import torch
 from omegaconf import DictConfig
@@ -17,6 +16,7 @@ from grpo.sync.base import SyncContext, SyncStrategy
 from grpo.trainer import fsdp
 from grpo.trainer.fsdp import DistInfo
 from grpo.trainer.layers import apply_lora, freeze_to_layers, resolve_layer_indices
+from grpo.trainer.loss_interface import PolicyLoss
 from grpo.trainer.prefix import unsupported_reason
 from grpo.trainer.reference import ReferencePolicy
 
@@ -63,14 +63,14 @@ def check_prefix_sharing_model(cfg: DictConfig, model: torch.nn.Module) -> None:
         raise ConfigError(f"train.prefix_sharing: {why}; set train.prefix_sharing=false")
 
 
-def build_reference_policy(cfg: DictConfig, loss_fn: Any, sync: SyncStrategy, sync_ctx: SyncContext,
+def build_reference_policy(cfg: DictConfig, loss_fn: PolicyLoss, sync: SyncStrategy, sync_ctx: SyncContext,
                            model: torch.nn.Module, device: torch.device,
                            dist_info: DistInfo | None) -> ReferencePolicy | None:
     """The KL penalty's frozen initial policy when the loss needs one (``loss.kl_reference=initial`` and
     ``loss.kl_coef > 0``), else None. Under LoRA the trained model with its adapter off; otherwise a copy loaded from
     the initial weights (never the checkpoint a run resumes from), with the policy's attention kernel, sharded under
     torchrun as the policy is."""
-    if not getattr(loss_fn, "needs_reference_policy", False):
+    if not loss_fn.needs.reference_policy:
         return None
     if sync.uses_lora:  # under FSDP2 through the sharded model's registered log-prob method, as the policy's
         reference = ReferencePolicy.adapter_off(model, fsdp.sharded_token_logprobs(model) if dist_info else None)

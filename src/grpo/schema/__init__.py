@@ -16,7 +16,7 @@ from typing import Any
 from omegaconf import MISSING
 
 from grpo.schema.data import AtroposDataConfig, EvalConfig, LocalDataConfig, MultiTurnDataConfig
-from grpo.schema.loss import Aggregation, KLEstimator, LossConfig, OldLogprobs
+from grpo.schema.loss import Aggregation, KLEstimator, LossConfig, Objective, OldLogprobs
 from grpo.schema.model import DType, LayersConfig, LoraConfig, ModelConfig
 from grpo.schema.optimizer import AdafactorConfig, AdamW8bitConfig, AdamWConfig
 from grpo.schema.server import ServerConfig
@@ -33,7 +33,7 @@ __all__ = [
     "AdafactorConfig", "AdamW8bitConfig", "AdamWConfig", "AdvantageNorm", "Aggregation", "AtroposDataConfig",
     "CheckpointRestartSyncConfig", "DType", "Device", "EvalConfig", "KLEstimator", "LRSchedule", "LayersConfig",
     "LocalDataConfig", "LoggingConfig", "MultiTurnDataConfig", "LoraConfig", "LoraHotSwapSyncConfig", "LoraRestartSyncConfig", "LossConfig",
-    "ModelConfig", "NCCLBroadcastSyncConfig", "OldLogprobs", "RootConfig", "ServerConfig", "SharedMemorySyncConfig",
+    "ModelConfig", "NCCLBroadcastSyncConfig", "Objective", "OldLogprobs", "RootConfig", "ServerConfig", "SharedMemorySyncConfig",
     "StalePolicy", "TrainConfig",
 ]
 

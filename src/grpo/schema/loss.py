@@ -7,22 +7,25 @@ from typing import Any, Optional
 
 from grpo.algorithms.aggregation import AGGREGATIONS
 from grpo.algorithms.kl import KL_ESTIMATORS, KLReference
-from grpo.algorithms.policy import OldLogprobs
+from grpo.algorithms.policy import POLICY_OBJECTIVES, OldLogprobs
 
 # The choice sets are the registries' names (grpo.algorithms): each written once, where the code that acts on it
 # lives.
 KLEstimator = KL_ESTIMATORS.choices(
     "KLEstimator", __name__, "Estimator of KL(pi || ref) per token (grpo.algorithms.kl).")
+Objective = POLICY_OBJECTIVES.choices(
+    "Objective", __name__, "The policy-gradient objective (grpo.algorithms.policy).")
 Aggregation = AGGREGATIONS.choices(
     "Aggregation", __name__, "How per-token losses become one number (grpo.algorithms.aggregation).")
 
 
 @dataclass
 class LossConfig:
-    """GRPO clipped policy-gradient loss; see grpo.trainer.loss.GRPOLoss. Each key is described in conf/loss/grpo.yaml,
-    the base of the other loss options."""
+    """The policy-gradient loss; see grpo.trainer.loss.GRPOLoss. Each key is described in conf/loss/grpo.yaml, the base
+    of the other loss options."""
 
     _target_: str = "grpo.trainer.loss.GRPOLoss"
+    objective: Objective = Objective.ppo_clip
     clip_eps: float = 0.2
     clip_eps_high: Optional[float] = None
     dual_clip: Optional[float] = None
@@ -49,4 +52,4 @@ class LossConfig:
     overlong_penalty_factor: float = 1.0
 
 
-__all__ = ["Aggregation", "KLEstimator", "KLReference", "LossConfig", "OldLogprobs"]
+__all__ = ["Aggregation", "KLEstimator", "KLReference", "LossConfig", "Objective", "OldLogprobs"]

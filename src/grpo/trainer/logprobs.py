@@ -222,7 +222,7 @@ class _FusedLinearLoss(torch.autograd.Function):
     cheap next to a ``[chunk, V]`` block) to get ``d loss / d logp`` for those tokens, and the same buffer then
     becomes the gradient of the logits in place, from which the hidden-state and weight gradients follow. That is
     three matmuls per chunk, as many as the naive path, instead of four for recompute-in-backward, with at most one
-    ``[chunk, V]`` block alive. It is exact because the loss is token-separable (``GRPOLoss.token_separable``):
+    ``[chunk, V]`` block alive. It is exact because the loss is token-separable (``LossNeeds.token_separable``):
     token i's gradient depends on token i's log-prob alone, so log-probs of chunks not yet computed cannot change it.
     A loss that is not (``separable=False``: GSPO's sequence ratio) gets every chunk's log-probs first and its
     gradients in a second pass over the chunks.
@@ -387,7 +387,7 @@ def fused_token_loss(
 ) -> tuple[torch.Tensor, dict, torch.Tensor]:
     """``loss_of(token_logprobs(...))`` through ``fused_hidden_loss``: the same loss, metrics and gradients, with
     three matmuls per chunk of the output projection instead of four (``separable``, the loss's
-    ``token_separable``; else four, in two passes). Needs ``can_fuse(model, loss)``."""
+    ``LossNeeds.token_separable``; else four, in two passes). Needs ``can_fuse(model)``."""
     hidden, head = _final_hidden(model, input_ids, attention_mask, packed, labels, shared)
     return fused_hidden_loss(hidden, head, labels, temperatures, loss_of, chunk_size, separable, stats, entropy_grad)
 
@@ -398,10 +398,10 @@ def _check_entropy_grad(entropy_grad: bool, stats: Optional[dict]) -> None:
         raise ValueError("entropy_grad=True needs a stats dict to receive the entropies")
 
 
-def can_fuse(model: nn.Module, loss_fn: object) -> bool:
-    """Whether ``fused_token_loss`` applies: a plain ``nn.Linear`` head and a loss that declares whether it is
-    token-separable (a ``token_separable`` attribute, True or False; an arbitrary callable makes no promise)."""
-    return isinstance(getattr(loss_fn, "token_separable", None), bool) and type(backbone_and_head(model)[1]) is nn.Linear
+def can_fuse(model: nn.Module) -> bool:
+    """Whether ``fused_token_loss`` applies: a plain ``nn.Linear`` head (any loss: a token-separable one in one pass,
+    another in two, as its ``LossNeeds.token_separable`` says)."""
+    return type(backbone_and_head(model)[1]) is nn.Linear
 
 
 def _module_chunk(

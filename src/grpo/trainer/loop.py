@@ -11,6 +11,7 @@ from typing import Any, Callable, Optional, Protocol
 import torch
 
 from grpo import faults
+from grpo.algorithms.aggregation import Totals
 from grpo.config_values import ConfigError
 from grpo.schema.train import TrainConfig
 from grpo.sync.base import SyncStrategy
@@ -19,6 +20,7 @@ from grpo.trainer.background_eval import BackgroundEvaluations, PhasedEvaluator
 from grpo.trainer.checkpoint import CheckpointManager
 from grpo.trainer.flops import ModelFlops, pad_fraction, peak_tflops, perf_metrics
 from grpo.trainer.logprobs import can_fuse, fused_token_loss, token_logprobs
+from grpo.trainer.loss_interface import LossInputs, LossNeeds, PolicyLoss
 from grpo.trainer.metrics import MetricsLogger, NullMetrics
 from grpo.trainer.minibatch import (
     capped_split,
@@ -138,14 +140,31 @@ def rollout_batches(train_cfg: TrainConfig, start_step: int, start_batch: Option
     return first, int(train_cfg.steps) // per_batch
 
 
-def check_skip_zero_advantage(skip: bool, loss_fn: Any) -> None:
+def take_loss(loss_fn: PolicyLoss, loss_state: Optional[dict[str, Any]],
+              reference: Optional[ReferencePolicy]) -> LossNeeds:
+    """What `loss_fn` asks of the trainer, read once, after a resumed run's `loss_state` (what the loss had adapted to,
+    which may turn an entropy bonus on). TypeError for anything but a `PolicyLoss`; ConfigError for a loss that needs
+    the initial policy when the trainer was given none."""
+    if not isinstance(loss_fn, PolicyLoss):
+        raise TypeError(f"loss_fn must be a grpo.trainer.loss_interface.PolicyLoss (it declares what it needs), "
+                        f"got {type(loss_fn).__name__}")
+    if loss_state:
+        loss_fn.load_state_dict(loss_state)
+    needs = loss_fn.needs
+    if needs.reference_policy and reference is None:
+        raise ConfigError(f"{loss_fn!r} measures its KL penalty against the initial policy, and the trainer was "
+                          "given none (reference=ReferencePolicy...; train.py builds it)")
+    return needs
+
+
+def check_skip_zero_advantage(skip: bool, loss_fn: PolicyLoss) -> None:
     """`train.skip_zero_advantage` needs a loss that gains nothing from rows whose advantage is 0 everywhere."""
-    if skip and not getattr(loss_fn, "zero_advantage_adds_nothing", False):
+    if skip and not loss_fn.needs.zero_advantage_adds_nothing:
         raise ConfigError(
             "train.skip_zero_advantage=true leaves rows with advantage 0 out of the forward passes, which keeps "
             f"the gradients only for a loss that gains nothing from them; {loss_fn!r} does (a KL penalty, an "
-            "entropy bonus, or a loss without a zero_advantage_adds_nothing property). Set loss.kl_coef=0 and "
-            "loss.entropy_coef=0, or train.skip_zero_advantage=false"
+            "entropy bonus, or a loss whose needs do not declare zero_advantage_adds_nothing). Set loss.kl_coef=0 "
+            "and loss.entropy_coef=0, or train.skip_zero_advantage=false"
         )
 
 
@@ -160,7 +179,7 @@ class GRPOTrainer:
         tokenizer: Any,
         optimizer: torch.optim.Optimizer,
         scheduler: torch.optim.lr_scheduler.LRScheduler,
-        loss_fn: Any,
+        loss_fn: PolicyLoss,
         pipeline: BatchSource,
         sync: SyncStrategy,
         checkpoints: CheckpointManager,
@@ -181,8 +200,11 @@ class GRPOTrainer:
         self.optimizer = optimizer
         self.scheduler = scheduler
         self.loss_fn = loss_fn
-        if loss_state and hasattr(loss_fn, "load_state_dict"):  # a resumed run: what the loss had adapted to
-            loss_fn.load_state_dict(loss_state)
+        # What the loss asks of the trainer: pi_old recomputed by one extra forward per rollout batch
+        # (loss.old_logprobs), the KL penalty's frozen initial policy (`reference`, one forward per rollout batch),
+        # the entropies with their gradient (an entropy bonus), its token-separability (the fused path's passes).
+        self.loss_needs = take_loss(loss_fn, loss_state, reference)
+        self.reference = reference
         self.pipeline = pipeline
         self.sync = sync
         self.checkpoints = checkpoints
@@ -191,24 +213,15 @@ class GRPOTrainer:
         self.step = start_step
         # Rollout batches done (the data source's index); a run resumes at a batch boundary.
         self.batch_number = rollout_batches(train_cfg, start_step, start_batch)[0]
-        # pi_old of the PPO ratio: recomputed by one extra forward per rollout batch (loss.old_logprobs).
-        self.recompute_old = getattr(loss_fn, "old_logprobs", "rollout") == "recompute"
-        # The KL penalty's frozen initial policy (loss.kl_reference=initial): one forward per rollout batch.
-        self.reference = reference
-        if getattr(loss_fn, "needs_reference_policy", False) and reference is None:
-            raise ConfigError(f"{loss_fn!r} measures its KL penalty against the initial policy, and the trainer was "
-                              "given none (reference=ReferencePolicy...; train.py builds it)")
         # Under torchrun (FSDP2) the ranks' roles; None in a single process.
         self.dist = dist if dist is not None and dist.enabled else None
         self.nonfinite_in_a_row = self.nonfinite_total = 0
         self.params = [p for p in model.parameters() if p.requires_grad]
         # The loss's gradient taken chunk by chunk in the forward (3 matmuls per chunk instead of 4); FSDP2 keeps
         # the unfused path through its registered forward method (`logprob_fn`, fsdp.sharded_token_logprobs).
-        self.fused = bool(train_cfg.fused_loss) and self.dist is None and can_fuse(model, loss_fn)
+        self.fused = bool(train_cfg.fused_loss) and self.dist is None and can_fuse(model)
         # grpo/entropy from the log-probs' own chunks of logits (train.entropy_metric).
         self.entropy_metric = bool(getattr(train_cfg, "entropy_metric", True))
-        # The loss takes the entropies with their gradient (loss.entropy_coef > 0: an entropy bonus).
-        self.entropy_in_loss = bool(getattr(loss_fn, "uses_entropy", False))
         self.token_logprobs = logprob_fn or (lambda *batch, **kw: token_logprobs(model, *batch, **kw))
         # Padding-free forwards (each micro-batch packed into one row) and the token budget of a micro-batch.
         self.packed = bool(train_cfg.padding_free)
@@ -395,8 +408,7 @@ class GRPOTrainer:
         FSDP2 every rank must call it; rank 0 writes and gets the path, the others None."""
         state = {"step": self.step, "batch": self.batch_number, "data": self.pipeline.state_dict(),
                  "weight_version": self.sync.version, "nonfinite_total": self.nonfinite_total}
-        if hasattr(self.loss_fn, "state_dict"):  # what the loss adapts as it trains (the entropy bonus's coefficient)
-            state["loss"] = self.loss_fn.state_dict()
+        state["loss"] = self.loss_fn.state_dict()  # what the loss adapts as it trains (the entropy bonus's coefficient)
         save = self.checkpoints.save_distributed if self.dist is not None else self.checkpoints.save
         return save(self.step, self.model, self.tokenizer, self.optimizer, self.scheduler, state)
 
@@ -414,7 +426,7 @@ class GRPOTrainer:
             # pi_old's and the KL reference's forwards run on the rollout batch's micro-batches: the budget holds
             # for them too (the updates' plan re-splits these rows, carrying what those forwards stored).
             batch = self.bounded(batch)
-        if self.recompute_old:
+        if self.loss_needs.recomputed_old_logprobs:
             self.recompute_old_logprobs(batch)
             head["time/old_logprobs_seconds"] = time.perf_counter() - t_data
         if self.reference is not None:
@@ -523,9 +535,9 @@ class GRPOTrainer:
     def adapt_loss(self, step_metrics: dict[str, float]) -> None:
         """A loss that steers itself by the step (the entropy bonus's coefficient, `loss.entropy_target`) gets the
         step's mean entropy, the same on every rank (the metrics are reduced); a skipped, non-finite step none."""
-        adapt, entropy = getattr(self.loss_fn, "adapt", None), step_metrics.get("grpo/entropy")
-        if adapt is not None and entropy is not None and math.isfinite(entropy):
-            adapt(entropy)
+        entropy = step_metrics.get("grpo/entropy")
+        if entropy is not None and math.isfinite(entropy):
+            self.loss_fn.adapt(entropy)
 
     def perf(self, batch: PreparedBatch, seconds: float) -> dict[str, float]:
         """`batch/pad_fraction` and `tokens/forwarded` of the update's forward passes (the shared rows' under
@@ -633,29 +645,24 @@ class GRPOTrainer:
 
     def micro_batch_loss(self, mb: TrainBatch, batch: PreparedBatch) -> tuple[torch.Tensor, dict[str, Any]]:
         """The loss of one micro-batch (normalised by the whole step's counts) and its metrics."""
-
-        # pi_old when the loss recomputes it (loss.old_logprobs=recompute); custom losses never see the keyword.
-        old = {"old_logprobs": mb.old_logprobs} if mb.old_logprobs is not None else {}
+        # pi_old when the trainer recomputed it (loss.old_logprobs=recompute), else None; the step's normalisers.
+        totals = Totals(batch.num_loss_tokens, batch.num_sequences, batch.max_completion_tokens)
 
         def loss_of(
             logprobs: torch.Tensor, with_metrics: bool = True, entropy: Optional[torch.Tensor] = None
         ) -> tuple[torch.Tensor, dict[str, Any]]:
-            # The entropies only for a loss that takes them; custom losses never see the keyword.
-            ent = {"entropy": entropy} if self.entropy_in_loss else {}
-            return self.loss_fn(
-                logprobs, mb.inference_logprobs, mb.advantages, mb.loss_mask,
-                ref_logprobs=mb.ref_logprobs, total_tokens=batch.num_loss_tokens,
-                total_sequences=batch.num_sequences, max_tokens=batch.max_completion_tokens,
-                with_metrics=with_metrics, **old, **ent,
-            )
+            inputs = LossInputs(logprobs, mb.inference_logprobs, mb.advantages, mb.loss_mask,
+                                ref_logprobs=mb.ref_logprobs, old_logprobs=mb.old_logprobs,
+                                entropy=entropy if self.loss_needs.entropy else None, totals=totals)
+            return self.loss_fn(inputs, with_metrics=with_metrics)
 
         # Receives the entropies: for grpo/entropy, and with their gradient for an entropy bonus.
-        stats: Optional[dict[str, torch.Tensor]] = {} if self.entropy_metric or self.entropy_in_loss else None
-        grad_kw = {"entropy_grad": True} if self.entropy_in_loss else {}  # a custom logprob_fn may predate it
+        stats: Optional[dict[str, torch.Tensor]] = {} if self.entropy_metric or self.loss_needs.entropy else None
+        grad_kw = {"entropy_grad": True} if self.loss_needs.entropy else {}  # a custom logprob_fn may predate it
         if self.fused:
             loss, m, _ = fused_token_loss(
                 self.model, mb.input_ids, mb.attention_mask, mb.labels, mb.temperatures, loss_of,
-                chunk_size=self.cfg.logprob_chunk, separable=self.loss_fn.token_separable, stats=stats,
+                chunk_size=self.cfg.logprob_chunk, separable=self.loss_needs.token_separable, stats=stats,
                 **grad_kw, **self.layout,
             )
         else:
