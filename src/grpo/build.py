@@ -1,9 +1,10 @@
 """A run's components built from its config, node by node, and wired to the trainer (see docs/architecture.md).
 
-`build_parts` builds what needs no server (processes, model dir, tokenizer, sync strategy, loss, data source,
-evaluator); `build_trainer` launches the server and builds the model, optimizer, metrics and the trainer, restoring a
-checkpoint; `RunParts.close` tears everything down in reverse order, also between the jobs of a sweep (whose server
-may be kept for the next job: grpo.serving.kept).
+`build_parts` builds what needs no server (processes, model dir, sync strategy, loss, data source, evaluator), then
+starts the server's processes without waiting for them (`server.launch_early`) and loads the tokenizer while vLLM
+starts; `build_trainer` waits for the server (launches it, with `server.launch_early=false`) and builds the model,
+optimizer, metrics and the trainer, restoring a checkpoint; `RunParts.close` tears everything down in reverse order,
+also between the jobs of a sweep (whose server may be kept for the next job: grpo.serving.kept).
 """
 
 from __future__ import annotations
@@ -57,6 +58,8 @@ class RunParts:
     tokenizer: Any
     resume: Path | None  # the checkpoint this run resumes from
     sync: SyncStrategy
+    # What the sync launches its server with (the server may be starting already: `server_started_early`).
+    sync_ctx: SyncContext
     loss_fn: Any
     data: DataPipeline | None
     evaluator: Evaluator | None
@@ -66,6 +69,8 @@ class RunParts:
     reuse_server: bool = False
     # Where the job's wall clock goes (the server's start and the model's load are timed here).
     clock: WallClock | None = None
+    # Whether the server's processes were started in build_parts (server.launch_early), not by build_trainer.
+    server_started_early: bool = False
 
     @property
     def rank0(self) -> bool:
@@ -108,8 +113,9 @@ class RunParts:
 def build_parts(cfg: DictConfig, run_dir: Path, reuse_server: bool = False,
                 clock: WallClock | None = None) -> RunParts:
     """Everything that needs no server, each part checked as it is built (a data source that does not answer, bad
-    held-out prompts) so that a mistake stops the run before vLLM starts. `reuse_server`: a sweep's job that takes
-    the server the job before kept and keeps its own for the next (grpo.serving.kept)."""
+    held-out prompts) so that a mistake stops the run before vLLM starts; then, with `server.launch_early`, the
+    server's processes start (build_trainer waits for them) and the tokenizer loads while vLLM starts. `reuse_server`:
+    a sweep's job that takes the server the job before kept and keeps its own for the next (grpo.serving.kept)."""
     torch.manual_seed(cfg.train.seed)
     if cfg.train.torch_threads is not None:
         torch.set_num_threads(int(cfg.train.torch_threads))
@@ -120,7 +126,6 @@ def build_parts(cfg: DictConfig, run_dir: Path, reuse_server: bool = False,
     if dist_info is not None:
         check_ranks_see_run_files(run_dir, model_dir)
     check_server_fits_model(cfg, model_dir)  # before vLLM spends its start-up finding out
-    tokenizer = load_tokenizer(model_dir)
     log.info("run %s | run dir %s | model %s | device %s", cfg.name, run_dir, model_dir, device)
     resume_ckpt = resume_checkpoint(cfg)
     sync = build_sync(cfg, rank0, resume_ckpt)
@@ -135,9 +140,31 @@ def build_parts(cfg: DictConfig, run_dir: Path, reuse_server: bool = False,
     except ValueError as e:  # each of its messages names the eval/data key to change
         raise ConfigError(str(e)) from None
     check_objective(cfg.train.objective, evaluator is not None, type(evaluator).metric_names if evaluator else ())
-    return RunParts(cfg=cfg, run_dir=run_dir, dist=dist_info, device=device, model_dir=model_dir, tokenizer=tokenizer,
-                    resume=resume_ckpt, sync=sync, loss_fn=loss_fn, data=data, evaluator=evaluator,
-                    reuse_server=reuse_server, clock=clock if clock is not None else WallClock())
+    sync_ctx = SyncContext(run_dir=run_dir, model_dir=Path(model_dir), server_cfg=cfg.server, lora_cfg=cfg.lora,
+                           resume_weights=resume_ckpt, reuse_server=reuse_server)
+    clock = clock if clock is not None else WallClock()
+    early = start_server_early(cfg, sync, sync_ctx, rank0, clock)
+    try:
+        sync_ctx.tokenizer = load_tokenizer(model_dir)  # transformers' import and the tokenizer, while vLLM starts
+    except BaseException:
+        sync.shutdown()  # the server started early stops with the run
+        raise
+    return RunParts(cfg=cfg, run_dir=run_dir, dist=dist_info, device=device, model_dir=model_dir,
+                    tokenizer=sync_ctx.tokenizer, resume=resume_ckpt, sync=sync, sync_ctx=sync_ctx, loss_fn=loss_fn,
+                    data=data, evaluator=evaluator, reuse_server=reuse_server, clock=clock,
+                    server_started_early=early)
+
+
+def start_server_early(cfg: DictConfig, sync: SyncStrategy, sync_ctx: SyncContext, rank0: bool,
+                       clock: WallClock) -> bool:
+    """With `server.launch_early` (rank 0): start the server's processes now, without waiting for them; True when
+    started (the wall clock notes when: `server_launched_at`)."""
+    if not (rank0 and cfg.server.get("launch_early", True)):
+        return False
+    started = sync.start_server_early(sync_ctx)
+    if started:
+        clock.mark("server_launched")
+    return started
 
 
 def build_data(cfg: DictConfig) -> DataPipeline:
@@ -201,13 +228,17 @@ def build_trainer(parts: RunParts) -> GRPOTrainer:
     """Launch the server, build model, optimizer and metrics, restore a checkpoint, set up the data source and the
     evaluator on the server; the trainer (also kept in `parts`, with the metrics, for `close`)."""
     cfg, sync, data, tokenizer, run_dir = parts.cfg, parts.sync, parts.data, parts.tokenizer, parts.run_dir
-    sync_ctx = SyncContext(run_dir=run_dir, model_dir=Path(parts.model_dir), server_cfg=cfg.server, lora_cfg=cfg.lora,
-                           tokenizer=tokenizer, resume_weights=parts.resume, reuse_server=parts.reuse_server)
+    sync_ctx = parts.sync_ctx
     clock = parts.clock if parts.clock is not None else WallClock()
     t0 = time.perf_counter()
-    sync.launch(sync_ctx)
+    if not parts.server_started_early:
+        clock.mark("server_launched")
+    sync.launch(sync_ctx)  # waits for a server started early
     t_launched = time.perf_counter()
-    clock.add_startup("server_start", t_launched - t0)
+    # Started early, the server started beside the tokenizer's load: what is left is the wait for it.
+    clock.add_startup("server_wait" if parts.server_started_early else "server_start", t_launched - t0)
+    if sync.server.replicas:
+        clock.mark("server_ready")
     model = build_model(cfg, sync, sync_ctx, parts.resume, parts.device, parts.dist)
     reference = build_reference_policy(cfg, parts.loss_fn, sync, sync_ctx, model, parts.device, parts.dist)
     clock.add_startup("model_load", time.perf_counter() - t_launched)
