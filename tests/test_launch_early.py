@@ -4,14 +4,13 @@ and a run that fails in between stops it."""
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
-from conftest import process_group_alive
-from test_train_e2e import QUICK
 
+from conftest import process_group_alive
 from grpo.conf import CONFIG_DIR
+from test_train_e2e import QUICK
 
 
 def _compose(*overrides: str):
