@@ -76,3 +76,23 @@ def test_a_run_failing_after_the_early_start_stops_the_server(tmp_path, monkeypa
         build.build_parts(_compose(), run_dir)
     assert started and started[0] is not None
     assert not process_group_alive(started[0]) and not (run_dir / "logs" / "vllm.pid").exists()
+
+
+def test_the_wall_clock_gives_when_vllm_was_launched_and_ready_beside_the_parts_it_overlaps():
+    """summary.json's `startup_at` holds moments (seconds from the origin), not parts: the start-up's parts still add
+    up to `startup_seconds`; the last line names both moments."""
+    import time
+
+    from grpo.trainer.wall_clock import WallClock, describe
+
+    origin = time.time() - 30.0
+    clock = WallClock(origin=origin)
+    clock.mark("server_launched", at=origin + 5.0)
+    clock.mark("server_launched", at=origin + 9.0)  # the first note counts (an early start's, then the launch's)
+    clock.mark("server_ready", at=origin + 20.0)
+    clock.add_startup("server_wait", 12.0)
+    clock.loop_started()
+    summary = clock.summary()
+    assert summary["startup_at"] == pytest.approx({"server_launched_seconds": 5.0, "server_ready_seconds": 20.0})
+    assert sum(summary["startup"].values()) == pytest.approx(summary["startup_seconds"])
+    assert "server wait 12 s" in describe(summary) and "vLLM launched at 5 s; ready at 20 s" in describe(summary)

@@ -225,19 +225,21 @@ def build_sync(cfg: DictConfig, rank0: bool, resume_ckpt: Path | None) -> SyncSt
 
 
 def build_trainer(parts: RunParts) -> GRPOTrainer:
-    """Launch the server, build model, optimizer and metrics, restore a checkpoint, set up the data source and the
-    evaluator on the server; the trainer (also kept in `parts`, with the metrics, for `close`)."""
+    """Set up the evaluator, wait for the server started early (or launch it), build model, optimizer and metrics,
+    restore a checkpoint, set up the data source on the server; the trainer (also kept in `parts`, with the metrics,
+    for `close`). The trainer's model loads once vLLM has started: on a GPU they share, vLLM sizes its KV cache from
+    the memory free while it starts."""
     cfg, sync, data, tokenizer, run_dir = parts.cfg, parts.sync, parts.data, parts.tokenizer, parts.run_dir
     sync_ctx = parts.sync_ctx
     clock = parts.clock if parts.clock is not None else WallClock()
-    t0 = time.perf_counter()
-    if not parts.server_started_early:
-        clock.mark("server_launched")
+    setup_evaluator(parts)  # while the server starts
+    t0, launch_at = time.perf_counter(), time.time()
     sync.launch(sync_ctx)  # waits for a server started early
     t_launched = time.perf_counter()
     # Started early, the server started beside the tokenizer's load: what is left is the wait for it.
     clock.add_startup("server_wait" if parts.server_started_early else "server_start", t_launched - t0)
-    if sync.server.replicas:
+    if sync.server.replicas and not (sync.server.external or sync.server.reused):  # started by this run
+        clock.mark("server_launched", at=launch_at)  # the early start's own mark stays
         clock.mark("server_ready")
     model = build_model(cfg, sync, sync_ctx, parts.resume, parts.device, parts.dist)
     reference = build_reference_policy(cfg, parts.loss_fn, sync, sync_ctx, model, parts.device, parts.dist)
@@ -259,12 +261,6 @@ def build_trainer(parts: RunParts) -> GRPOTrainer:
     first_batch, total_batches = rollout_batches(cfg.train, start_step, start_batch)
     if data is not None:
         data.setup(pipeline_context(cfg, tokenizer, sync, model, run_dir, first_batch, total_batches))
-    if parts.evaluator is not None:
-        # Same server as the rollouts (the endpoint follows restarts and syncs); its own seeds and sampling.
-        parts.evaluator.setup(EvalContext(tokenizer=tokenizer, endpoint=sync.endpoint, run_dir=run_dir,
-                                          seed=cfg.train.seed, total_steps=cfg.train.steps,
-                                          max_seq_len=cfg.model.max_seq_len,
-                                          updates_per_batch=updates_per_batch(cfg.train)))
     # A resumed run's metrics.jsonl starts with the earlier rows up to the checkpoint (from the resumed run dir when
     # this one is another), so metrics, curves.png and grpo.report show the whole run.
     parts.metrics = MetricsLogger(run_dir, cfg.logging, cfg, cfg.train.steps, start_step,
@@ -279,6 +275,17 @@ def build_trainer(parts: RunParts) -> GRPOTrainer:
         logprob_fn=fsdp.sharded_token_logprobs(model) if parts.dist is not None else None,
     )
     return parts.trainer
+
+
+def setup_evaluator(parts: RunParts) -> None:
+    """The evaluator's setup (held-out prompts tokenized, grading workers started): it samples the rollouts' server
+    (the endpoint follows restarts and syncs) with seeds and sampling of its own."""
+    if parts.evaluator is None:
+        return
+    cfg = parts.cfg
+    parts.evaluator.setup(EvalContext(tokenizer=parts.tokenizer, endpoint=parts.sync.endpoint, run_dir=parts.run_dir,
+                                      seed=cfg.train.seed, total_steps=cfg.train.steps,
+                                      max_seq_len=cfg.model.max_seq_len, updates_per_batch=updates_per_batch(cfg.train)))
 
 
 def pipeline_context(cfg: DictConfig, tokenizer: Any, sync: SyncStrategy, model: torch.nn.Module, run_dir: Path,

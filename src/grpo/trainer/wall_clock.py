@@ -55,10 +55,10 @@ class WallClock:
         """A named part of the start-up (`server_start`, `model_load`)."""
         self.startup[part] = self.startup.get(part, 0.0) + seconds
 
-    def mark(self, event: str) -> None:
-        """Note that `event` (`server_launched`, `server_ready`) happens now; the summary gives it in seconds from the
-        clock's origin. Its first note counts."""
-        self.marks.setdefault(event, time.time())
+    def mark(self, event: str, at: Optional[float] = None) -> None:
+        """Note that `event` (`server_launched`, `server_ready`) happened `at` (time.time(); default now); the summary
+        gives it in seconds from the clock's origin. Its first note counts."""
+        self.marks.setdefault(event, time.time() if at is None else at)
 
     def add(self, part: str, seconds: float) -> None:
         """Seconds of one of the loop's parts (LOOP_PARTS)."""
