@@ -158,9 +158,11 @@ class InferenceServer:
     ) -> bool:
         """Start the processes that `launch` with the same arguments starts, without waiting for them: `launch`
         then waits for these. False when `launch` would start none: servers started elsewhere
-        (`server.external_url(s)`), or a server that a sweep's job before kept (`launch` takes or stops it)."""
-        if external_urls(server_cfg) or kept.kept_pids():
+        (`server.external_url(s)`), or the server a sweep's job before kept under `reuse_key` (`launch` takes it). A
+        kept server of other settings is stopped first (it may hold the port)."""
+        if external_urls(server_cfg) or kept.holds(reuse_key):
             return False
+        kept.take(None)
         processes = self._new_processes(server_cfg, weights, model, run_dir, served_names, lora_modules, enable_lora,
                                         env, extra_args)
         self._start(processes)
