@@ -158,7 +158,7 @@ def build_parts(cfg: DictConfig, run_dir: Path, reuse_server: bool = False,
 def start_server_early(cfg: DictConfig, sync: SyncStrategy, sync_ctx: SyncContext, rank0: bool,
                        clock: WallClock) -> bool:
     """With `server.launch_early` (rank 0): start the server's processes now, without waiting for them; True when
-    started (the wall clock notes when: `server_launched_at`)."""
+    started (the wall clock notes the moment: summary.json's `startup_at.server_launched_seconds`)."""
     if not (rank0 and cfg.server.get("launch_early", True)):
         return False
     started = sync.start_server_early(sync_ctx)
@@ -285,7 +285,8 @@ def setup_evaluator(parts: RunParts) -> None:
     cfg = parts.cfg
     parts.evaluator.setup(EvalContext(tokenizer=parts.tokenizer, endpoint=parts.sync.endpoint, run_dir=parts.run_dir,
                                       seed=cfg.train.seed, total_steps=cfg.train.steps,
-                                      max_seq_len=cfg.model.max_seq_len, updates_per_batch=updates_per_batch(cfg.train)))
+                                      max_seq_len=cfg.model.max_seq_len,
+                                      updates_per_batch=updates_per_batch(cfg.train)))
 
 
 def pipeline_context(cfg: DictConfig, tokenizer: Any, sync: SyncStrategy, model: torch.nn.Module, run_dir: Path,
