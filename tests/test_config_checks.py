@@ -458,6 +458,28 @@ def test_a_port_outside_the_tcp_range_is_a_config_error(tmp_path, override, need
         _validate([override], tmp_path)
 
 
+def test_a_port_held_by_the_server_a_sweeps_job_kept_is_no_config_error(tmp_path):
+    """A sweep with a fixed server.port: the job before kept its server on that port (server.reuse_across_jobs), which
+    this job's launch takes or stops; only a port held by anything else stops the job (it skipped every job after
+    the first)."""
+    from grpo.inference.process import VLLMServer
+    from grpo.serving import kept
+
+    with socket.socket() as listener:  # what listens there: the kept server's API process
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        port = listener.getsockname()[1]
+        overrides = ["~experiment", f"server.port={port}"]
+        with pytest.raises(ConfigError, match=f"server.port={port} on 127.0.0.1 is already in use"):
+            _validate(overrides, tmp_path / "a")
+        kept.keep("the job before's", [VLLMServer(tmp_path, {"port": port}, tmp_path / "vllm.log")])
+        try:
+            _validate(overrides, tmp_path / "b")
+        finally:
+            kept.take(None)  # stops what is kept (a process never started: nothing to stop)
+
+
 def test_a_mandatory_value_left_unset_is_named(tmp_path):
     """data=prompt_file without data.task.path: before, Hydra's MissingMandatoryValue inside two instantiation
     errors."""

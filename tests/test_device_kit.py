@@ -41,3 +41,29 @@ def test_each_wheel_part_fits_a_call_beside_the_checkout_and_the_parts_join_back
     for part in sorted(p for folder in folders for p in folder.iterdir()):  # install-kit: cat vllmpart.* (glob order)
         joined.update(part.read_bytes())
     assert joined.hexdigest() == hashlib.sha256(wheel.read_bytes()).hexdigest()
+
+
+COMPILE = REPO / "scripts" / "device" / "compile-wheels"
+
+
+def test_compile_wheels_writes_the_bytecode_of_what_a_wheel_installed(tmp_path):
+    """install-kit installs with --no-compile and then compiles on every core: each package and module a wheel
+    installs gets its bytecode, so the run's first import compiles nothing."""
+    import zipfile
+
+    wheel = tmp_path / "demo_pkg-1.0-py3-none-any.whl"
+    with zipfile.ZipFile(wheel, "w") as z:
+        z.writestr("demo_pkg/__init__.py", "X = 1\n")
+        z.writestr("demo_pkg/sub/mod.py", "Y = 2\n")
+        z.writestr("demo_single.py", "Z = 3\n")
+        z.writestr("demo_pkg-1.0.dist-info/METADATA", "Name: demo-pkg\n")
+    site = tmp_path / "site"
+    with zipfile.ZipFile(wheel) as z:  # what pip install --no-compile leaves: the files, no __pycache__
+        z.extractall(site)
+    run = subprocess.run([sys.executable, str(COMPILE), str(wheel)], cwd=REPO, capture_output=True, text=True,
+                         timeout=60, env={"PYTHONPATH": str(site), "PATH": "/usr/bin:/bin"})
+    assert run.returncode == 0, run.stderr
+    tag = sys.implementation.cache_tag
+    for source in ("demo_pkg/__init__.py", "demo_pkg/sub/mod.py", "demo_single.py"):
+        path = site / source
+        assert (path.parent / "__pycache__" / f"{path.stem}.{tag}.pyc").is_file(), source

@@ -226,6 +226,33 @@ def test_evaluator_against_vllm(vllm_server, tiny_qwen2_dir, tmp_path, caplog):
     assert "none of the 9 eval completions" in caplog.text
 
 
+@pytest.mark.vllm
+def test_sampled_every_leaves_the_samples_out_between_and_the_greedy_figures_as_they_are(vllm_server, tiny_qwen2_dir,
+                                                                                        tmp_path):
+    """eval.sampled_every=2 (total 4 steps): steps 0, 2 and 4 sample, step 1 and 3 generate the greedy completions
+    alone, with the greedy figures of a whole evaluation of the same weights; `sampled=True` (grpo-eval) samples."""
+    from transformers import AutoTokenizer
+
+    from grpo.inference.client import Endpoint
+
+    ctx = EvalContext(tokenizer=AutoTokenizer.from_pretrained(tiny_qwen2_dir),
+                      endpoint=lambda: Endpoint(vllm_server.url, None, 0), run_dir=tmp_path, seed=0, total_steps=4,
+                      max_seq_len=512)
+    ev = Evaluator(task=DigitsTask(eval_size=6), rewards={"digits": DigitFractionReward()}, k=2, samples_per_prompt=3,
+                   max_new_tokens=8, correct_threshold=0.5, sampled_every=2)
+    ev.setup(ctx)
+    assert [ev.samples_due(step) for step in range(5)] == [True, False, True, False, True]
+    whole, greedy_only, asked = ev.evaluate(0), ev.evaluate(1), ev.evaluate(1, sampled=True)
+    ev.close()
+    sampled_keys = {"eval/pass@k", "eval/mean@k", "eval/k"}
+    assert sampled_keys <= set(whole) and sampled_keys <= set(asked) and not sampled_keys & set(greedy_only)
+    for key in ("eval/accuracy", "eval/reward_mean", "eval/response_tokens_mean", "eval/weight_version",
+                "eval/prompts"):
+        assert greedy_only[key] == whole[key], key
+    with pytest.raises(ValueError, match="eval.sampled_every must be >= 0"):
+        Evaluator(task=DigitsTask(eval_size=2), rewards={"d": DigitFractionReward()}, sampled_every=-1)
+
+
 def test_math_reward_reports_what_it_parses():
     r = MathAnswerReward()
     assert r.parses(Prompt("q", "4"), "so #### 4") and not r.parses(Prompt("q", "4"), "no idea")
@@ -331,6 +358,27 @@ def test_evaluation_beside_training_gives_the_blocking_figures_and_the_loop_does
     assert waited(blocking) == pytest.approx(blocking_eval_s + ev_blocking[3]["eval/seconds"], rel=0.1, abs=0.05)
     beside_eval_s = sum(ev_beside[s]["eval/seconds"] for s in (0, 2))
     assert waited(beside) < 0.5 * beside_eval_s, (waited(beside), beside_eval_s)
+
+
+@pytest.mark.slow  # a training run of its own on the shared server (~45 s on 2 cores)
+@pytest.mark.vllm
+def test_evaluations_between_sample_nothing_with_sampled_every_0_and_keep_their_greedy_accuracy(
+        tmp_path, train_server, tiny_qwen2_dir, eval_run):
+    """eval.sampled_every=0: the evaluation of step 2 generates the greedy completions alone (no pass@k, mean@k or
+    k in its row) with the same accuracy as the run that samples at every evaluation; step 0's and the last step's
+    are whole, and equal to that run's."""
+    rows = _train(train_server, tiny_qwen2_dir, tmp_path / "run", *EVAL_SETTINGS, "eval.sampled_every=0")
+    greedy_only, whole = eval_rows(rows), eval_rows(eval_run[1])
+    assert sorted(greedy_only) == [0, 2, 3]
+    sampled_keys = {"eval/pass@k", "eval/mean@k", "eval/k"}
+    assert not sampled_keys & set(greedy_only[2]) and sampled_keys <= set(whole[2])
+    for step in (0, 3):
+        assert sampled_keys <= set(greedy_only[step]), step
+    for step in (0, 2, 3):
+        keys = EVAL_METRICS if step != 2 else ("eval/accuracy", "eval/reward_mean", "eval/response_tokens_mean",
+                                                "eval/weight_version", "eval/prompts")
+        for key in keys:
+            assert greedy_only[step][key] == pytest.approx(whole[step][key], rel=1e-9), (step, key)
 
 
 @pytest.mark.vllm

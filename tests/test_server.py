@@ -471,3 +471,36 @@ def test_a_second_cpu_server_start_does_not_compile_again_for_a_cache_that_never
     assert "Warming up model for the compilation" in text  # the compile path ran
     assert "Compiling model again due to a load failure" not in text
     assert "grpo: VLLM_USE_AOT_COMPILE=0 on CPU" in text
+
+
+def test_the_engine_start_method_reaches_vllm_and_the_environment_decides_without_it(tmp_path, monkeypatch):
+    """server.engine_start_method sets VLLM_WORKER_MULTIPROC_METHOD for the server (over the caller's environment);
+    null keeps the environment's, else spawn."""
+    from grpo.inference.process import VLLMServer
+
+    def method(value, name):
+        cfg = server_cfg(engine_start_method=value)
+        return VLLMServer(tmp_path, cfg, tmp_path / f"{name}.log").environment()["VLLM_WORKER_MULTIPROC_METHOD"]
+
+    monkeypatch.delenv("VLLM_WORKER_MULTIPROC_METHOD", raising=False)
+    assert (method("fork", "a"), method("spawn", "b"), method(None, "c")) == ("fork", "spawn", "spawn")
+    monkeypatch.setenv("VLLM_WORKER_MULTIPROC_METHOD", "fork")
+    assert (method(None, "d"), method("spawn", "e")) == ("fork", "spawn")
+
+
+@pytest.mark.slow  # a server start of its own (~30-60 s on 2 cores)
+@pytest.mark.vllm
+def test_a_server_asked_to_fork_its_engine_core_starts_and_serves(tmp_path, tiny_qwen2_dir):
+    """server.engine_start_method=fork on the CPU engine: the server starts and answers /generate (vLLM's CPU platform
+    spawns its engine core whatever the variable says; on a GPU the fork saves the engine core's import of vLLM)."""
+    from grpo.inference.process import VLLMServer
+
+    server = VLLMServer(tiny_qwen2_dir, server_cfg(engine_start_method="fork", enforce_eager=True), tmp_path / "v.log")
+    server.start()
+    try:
+        client = server.client()
+        (completions,) = client.generate([[1, 2, 3]], n=2, max_tokens=4, temperature=1.0)
+        assert len(completions) == 2 and all(len(c.token_ids) >= 1 for c in completions)
+        client.close()
+    finally:
+        server.stop()

@@ -148,6 +148,10 @@ def test_multirun_of_the_cpu_experiments_with_report_and_clean_teardown(tmp_path
         assert row["sync/seconds"] > 0, name
         # The experiment picked its mode (cpu_tiny_<mode>).
         assert OmegaConf.load(job / ".hydra" / "hydra.yaml").hydra.runtime.choices["mode"] == name.removeprefix("cpu_tiny_")
+        # server.launch_early: each job's vLLM started before its tokenizer loaded; the job waited only for the rest.
+        clock = json.loads((job / "summary.json").read_text())["wall_clock"]
+        assert clock["startup_at"]["server_launched_seconds"] < clock["startup_at"]["server_ready_seconds"], name
+        assert clock["startup"]["server_wait_seconds"] > 0 and "server_start_seconds" not in clock["startup"], name
     assert "last10_reward_mean" in table and (sweep / "rewards.png").exists()
     # The port of the last job's server is free again.
     import socket

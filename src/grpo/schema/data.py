@@ -85,6 +85,10 @@ class EvalConfig:
     at_end: bool = True
     k: int = 4
     samples_per_prompt: int = 8
+    # The sampled completions (pass@k, mean@k) at the evaluations of steps that are multiples of N, and always at
+    # step 0's and the last step's; 0 = at those two only; null = at every evaluation. The greedy accuracy is
+    # evaluated at every one.
+    sampled_every: Optional[int] = None
     temperature: float = 1.0
     top_p: float = 1.0
     max_new_tokens: Optional[int] = None

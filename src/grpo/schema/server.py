@@ -3,7 +3,17 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from enum import StrEnum
 from typing import List, Optional
+
+
+class EngineStartMethod(StrEnum):
+    """``server.engine_start_method``: how vLLM's API server starts its engine-core process."""
+
+    # A fresh interpreter, which imports vLLM again.
+    spawn = "spawn"
+    # A copy of the API server process, vLLM already imported.
+    fork = "fork"
 
 
 @dataclass
@@ -72,3 +82,12 @@ class ServerConfig:
     # before kept, its weights reset to the initial model, instead of starting their own (docs/sweeps.md); false
     # stops it at each job's end. A single run always stops its server.
     reuse_across_jobs: bool = True
+    # Start vLLM's processes as soon as the config is checked and the weight sync is built, and load the tokenizer,
+    # the trainer's model, the data and the evaluator while vLLM starts; false starts it after them and waits for it
+    # there (a run's start-up then takes their time and vLLM's one after the other).
+    launch_early: bool = True
+    # How vLLM's API server starts its engine-core process: spawn (a fresh interpreter, which imports vLLM again) or
+    # fork (a copy of the API server, vLLM already imported: a shorter start-up). null = the environment's
+    # VLLM_WORKER_MULTIPROC_METHOD, else spawn. vLLM's CPU engine always spawns; on a GPU vLLM itself spawns when its
+    # API server process has initialised CUDA.
+    engine_start_method: Optional[EngineStartMethod] = None

@@ -13,6 +13,7 @@ from omegaconf import DictConfig
 
 from grpo.config_values import ConfigError
 from grpo.inference.process import parallel_sizes
+from grpo.serving import kept
 from grpo.serving.server import external_urls, replica_count
 
 
@@ -54,7 +55,8 @@ def check_server(cfg: DictConfig, choice: str | None, cuda: bool) -> None:
         raise ConfigError(f"server.port={cfg.server.port} is not a TCP port{several}: use 1-65535, or null to pick "
                           "a free one")
     for port in range(cfg.server.port, cfg.server.port + replicas) if port_fixed and not external else ():
-        if not _port_free(cfg.server.host, port):
+        # A sweep's server kept by the job before: this job's launch takes it, or stops it before starting its own.
+        if port not in kept.kept_ports() and not _port_free(cfg.server.host, port):
             where = (f"server.port={cfg.server.port}: port {port} on {cfg.server.host} is already in use (replica i "
                      "listens on server.port + i)") if replicas > 1 else \
                 f"server.port={port} on {cfg.server.host} is already in use"

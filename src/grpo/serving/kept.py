@@ -93,6 +93,16 @@ def keep(key: str, processes: list[VLLMServer]) -> None:
     log.info("vLLM server kept for the next job of the sweep (pid %s)", ", ".join(str(p.pid) for p in processes))
 
 
+def holds(key: str | None) -> bool:
+    """Whether a server is kept under `key` (`take(key)` may give it; False for None)."""
+    return key is not None and _kept is not None and _kept.key == key
+
+
+def kept_ports() -> set[int]:
+    """The ports the kept server listens on; empty when none is kept."""
+    return {p.port for p in _kept.processes if p.port is not None} if _kept is not None else set()
+
+
 def kept_pids() -> list[int]:
     """The pids (process groups) of the kept server; empty when none is kept."""
     return [p.pid for p in _kept.processes if p.pid is not None] if _kept is not None else []

@@ -147,8 +147,74 @@ class InferenceServer:
         # Each process's command line as launched or taken over: one restarted on other weights is never kept.
         self._commands: list[list[str]] = []
         self._kept = False
+        # Processes `start_early` started and `launch` has not taken yet, with the key of what they serve.
+        self._early: tuple[str, list[VLLMServer]] | None = None
 
     # ------------------------------------------------------------------ launch
+    def start_early(
+        self, server_cfg: Any, weights: ServedWeights, *, model: Path, run_dir: Path, served_names: Sequence[str],
+        lora_modules: Mapping[str, Path] | None = None, enable_lora: bool = False,
+        env: Mapping[str, str] | None = None, extra_args: Sequence[str] = (), reuse_key: str | None = None,
+    ) -> bool:
+        """Start the processes that `launch` with the same arguments starts, without waiting for them: `launch`
+        then waits for these. False when `launch` would start none: servers started elsewhere
+        (`server.external_url(s)`), or the server a sweep's job before kept under `reuse_key` (`launch` takes it). A
+        kept server of other settings is stopped first (it may hold the port)."""
+        if external_urls(server_cfg) or kept.holds(reuse_key):
+            return False
+        kept.take(None)
+        processes = self._new_processes(server_cfg, weights, model, run_dir, served_names, lora_modules, enable_lora,
+                                        env, extra_args)
+        self._start(processes)
+        self._early = (self._early_key(server_cfg, weights, model, served_names, lora_modules, enable_lora, env,
+                                       extra_args), processes)
+        return True
+
+    @staticmethod
+    def _early_key(server_cfg: Any, weights: ServedWeights, model: Path, served_names: Sequence[str],
+                   lora_modules: Mapping[str, Path] | None, enable_lora: bool, env: Mapping[str, str] | None,
+                   extra_args: Sequence[str]) -> str:
+        return kept.server_key(model=str(model), server=server_cfg, served_names=list(served_names),
+                               lora_modules={k: str(v) for k, v in (lora_modules or {}).items()},
+                               enable_lora=enable_lora, env=dict(env or {}), extra_args=list(extra_args),
+                               version=weights.version)
+
+    def _take_early(self, key: str) -> list[VLLMServer] | None:
+        """The processes `start_early` started when they serve `key`; None otherwise, after stopping any it started
+        (a caller that changed what it launches in between)."""
+        early, self._early = self._early, None
+        if early is None:
+            return None
+        if early[0] != key:
+            log.warning("the vLLM server started early was started with other settings than the launch asks for; "
+                        "stopping it and starting the one asked for")
+            for process in early[1]:
+                process.stop()
+            return None
+        return early[1]
+
+    def _new_processes(self, server_cfg: Any, weights: ServedWeights, model: Path, run_dir: Path,
+                       served_names: Sequence[str], lora_modules: Mapping[str, Path] | None, enable_lora: bool,
+                       env: Mapping[str, str] | None, extra_args: Sequence[str]) -> list[VLLMServer]:
+        return [
+            VLLMServer(model, replica_config(server_cfg, i), log_path=replica_log(run_dir, i),
+                       lora_modules=lora_modules, extra_args=extra_args, enable_lora=enable_lora,
+                       served_model_name=list(served_names), weight_version=weights.version, env=env)
+            for i in range(replica_count(server_cfg))
+        ]
+
+    @staticmethod
+    def _start(processes: list[VLLMServer]) -> None:
+        """Start `processes` side by side without waiting; when one fails to start, stop them all and raise."""
+        try:
+            # All from this thread: a server gets SIGTERM when the thread that started it ends.
+            for process in processes:
+                process.start(wait=False)
+        except BaseException:
+            for process in processes:
+                process.stop()
+            raise
+
     def launch(
         self, server_cfg: Any, weights: ServedWeights, *, model: Path, run_dir: Path, served_names: Sequence[str],
         lora_modules: Mapping[str, Path] | None = None, enable_lora: bool = False,
@@ -175,16 +241,13 @@ class InferenceServer:
                 raise
             self._adopt(taken)
             return
-        processes = [
-            VLLMServer(model, replica_config(server_cfg, i), log_path=replica_log(run_dir, i),
-                       lora_modules=lora_modules, extra_args=extra_args, enable_lora=enable_lora,
-                       served_model_name=list(served_names), weight_version=weights.version, env=env)
-            for i in range(replica_count(server_cfg))
-        ]
+        processes = self._take_early(self._early_key(server_cfg, weights, model, served_names, lora_modules,
+                                                     enable_lora, env, extra_args))
+        if processes is None:
+            processes = self._new_processes(server_cfg, weights, model, run_dir, served_names, lora_modules,
+                                            enable_lora, env, extra_args)
+            self._start(processes)
         try:
-            # Side by side, all from this thread: a server gets SIGTERM when the thread that started it ends.
-            for process in processes:
-                process.start(wait=False)
             for process in processes:
                 process.wait_started()
         except BaseException:
@@ -378,7 +441,11 @@ class InferenceServer:
     def shutdown(self, keep: bool = False) -> None:
         """Stop every process this server launched and close the clients. Safe to call twice. `keep` (a sweep's job
         that completed): keep the processes for the next job instead (grpo.serving.kept) when they may be: launched
-        with a reuse key, never restarted, on the command line they started with, healthy."""
+        with a reuse key, never restarted, on the command line they started with, healthy. Processes `start_early`
+        started that no launch took (a run that failed before it) are stopped."""
+        early, self._early = self._early, None
+        for process in early[1] if early is not None else []:
+            process.stop()
         for replica in self.replicas:
             replica.client.close()
         processes = [replica.process for replica in self.replicas]

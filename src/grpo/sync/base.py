@@ -44,6 +44,17 @@ class SyncContext:
     extra: dict = field(default_factory=dict)
 
 
+@dataclass(frozen=True)
+class ServerLaunch:
+    """What a mode starts its server with (`SyncStrategy.server_launch`): the weights it loads, adapters preloaded,
+    extra environment and flags."""
+
+    model: Path
+    lora_modules: Mapping[str, Path] | None = None
+    env: Mapping[str, str] | None = None
+    extra_args: Sequence[str] = ()
+
+
 def worst_arrival(per_replica: Sequence[Mapping[str, float]]) -> dict[str, float]:
     """One replica's arrival figures as they are; several replicas' under `sync/replica<i>/<name>` each, and the
     worst under `sync/<name>`: the lowest served version and match, the largest difference."""
@@ -135,25 +146,45 @@ class SyncStrategy(ABC):
     # ------------------------------------------------------------------ serving
     @abstractmethod
     def launch(self, ctx: SyncContext) -> None:
-        """Start (or attach to) the inference server serving the initial weights."""
+        """Start (or attach to) the inference server serving the initial weights; a server `start_server_early`
+        started is waited for here instead of started again."""
 
-    def _start_server(self, ctx: SyncContext, model: Path, *, lora_modules: Mapping[str, Path] | None = None,
-                      env: Mapping[str, str] | None = None, extra_args: Sequence[str] = ()) -> None:
-        """Launch `self.server` on `model` with what this mode needs (LoRA on, extra environment, extra flags)."""
-        self.ctx = ctx
+    def server_launch(self, ctx: SyncContext) -> ServerLaunch | None:
+        """What `launch` starts the server with, for `start_server_early`; None (the default, for a mode of one's own
+        making) when the mode starts no server or starts it its own way: its server starts in `launch` then."""
+        return None
+
+    def start_server_early(self, ctx: SyncContext) -> bool:
+        """Start the server's processes now, without waiting for them (`server.launch_early`): the trainer's own
+        start-up (the tokenizer, the model, the data's and evaluator's setup) runs while vLLM starts, and `launch`
+        then waits for the processes started here. False when nothing was started: a mode without `server_launch`,
+        servers started elsewhere, a server a sweep's job before kept (`launch` takes it)."""
+        spec = self.server_launch(ctx)
+        if spec is None:
+            return False
+        return self.server.start_early(**self._launch_arguments(ctx, spec))
+
+    def _launch_arguments(self, ctx: SyncContext, spec: ServerLaunch) -> dict[str, Any]:
+        """`InferenceServer.launch`'s (and `start_early`'s) arguments for `spec` in this run."""
         # A stable name across restarts and weight directories, so requests never need to change it; then the
         # aliases in server.served_model_aliases (e.g. model.name) that Atropos environments may ask for.
         served_names = [str(ctx.model_dir), *(option(ctx.server_cfg, "served_model_aliases", None) or [])]
         reuse_key = None
         if ctx.reuse_server and self.reuses_server and ctx.resume_weights is None:
-            reuse_key = server_key(mode=self.mode_name, model=str(model), server=ctx.server_cfg,
-                                   lora_modules={k: str(v) for k, v in (lora_modules or {}).items()},
-                                   enable_lora=self.uses_lora, env=dict(env or {}), extra_args=list(extra_args),
-                                   served_names=served_names)
-        launch = functools.partial(
-            self.server.launch, ctx.server_cfg, self, model=model, run_dir=Path(ctx.run_dir),
-            lora_modules=lora_modules, enable_lora=self.uses_lora, env=env, extra_args=extra_args,
-            served_names=served_names, reuse_key=reuse_key)
+            reuse_key = server_key(mode=self.mode_name, model=str(spec.model), server=ctx.server_cfg,
+                                   lora_modules={k: str(v) for k, v in (spec.lora_modules or {}).items()},
+                                   enable_lora=self.uses_lora, env=dict(spec.env or {}),
+                                   extra_args=list(spec.extra_args), served_names=served_names)
+        return dict(server_cfg=ctx.server_cfg, weights=self, model=spec.model, run_dir=Path(ctx.run_dir),
+                    lora_modules=spec.lora_modules, enable_lora=self.uses_lora, env=spec.env,
+                    extra_args=spec.extra_args, served_names=served_names, reuse_key=reuse_key)
+
+    def _start_server(self, ctx: SyncContext, model: Path, *, lora_modules: Mapping[str, Path] | None = None,
+                      env: Mapping[str, str] | None = None, extra_args: Sequence[str] = ()) -> None:
+        """Launch `self.server` on `model` with what this mode needs (LoRA on, extra environment, extra flags)."""
+        self.ctx = ctx
+        launch = functools.partial(self.server.launch, **self._launch_arguments(
+            ctx, ServerLaunch(model, lora_modules=lora_modules, env=env, extra_args=tuple(extra_args))))
         launch()
         if not self.server.reused:
             return

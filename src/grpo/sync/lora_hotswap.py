@@ -20,7 +20,7 @@ import torch.nn as nn
 
 from grpo.config_values import ConfigError, option
 from grpo.serving.server import Replica, external_urls
-from grpo.sync.base import SyncContext, SyncStrategy
+from grpo.sync.base import ServerLaunch, SyncContext, SyncStrategy
 from grpo.sync.lora_restart import save_adapter
 from grpo.sync.weight_dirs import prune, save_and_load
 
@@ -57,8 +57,11 @@ class LoraHotSwapSync(SyncStrategy):
             raise ConfigError("mode.shared_server=true trains an adapter on a server other jobs share: attach to it "
                               "with server.external_url=http://host:port (the parallel launcher sets both)")
 
+    def server_launch(self, ctx: SyncContext) -> ServerLaunch:
+        return ServerLaunch(Path(ctx.model_dir))  # a resumed adapter is loaded once the server answers
+
     def launch(self, ctx: SyncContext) -> None:
-        self._start_server(ctx, Path(ctx.model_dir))
+        self._start_server(ctx, self.server_launch(ctx).model)
         if ctx.resume_weights:
             self._current, self._current_dir = self._name(self.version), Path(ctx.resume_weights)
             self.server.each(lambda replica: replica.client.load_lora(self._current, str(self._current_dir)))

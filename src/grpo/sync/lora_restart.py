@@ -13,7 +13,7 @@ import torch.nn as nn
 
 from grpo.config_values import ConfigError
 from grpo.serving.server import external_setting, external_urls
-from grpo.sync.base import SyncContext, SyncStrategy
+from grpo.sync.base import ServerLaunch, SyncContext, SyncStrategy
 from grpo.sync.weight_dirs import prune, save_and_load
 from grpo.weights.hf_dir import save_model_weights
 from grpo.weights.params import full_trainable_params, is_sharded, trainable_bytes
@@ -53,10 +53,14 @@ class LoraRestartSync(SyncStrategy):
                               f"started elsewhere ({external_setting(cfg.server)}); use "
                               "mode=lora_only (adapters hot-swapped into that server), or drop server.external_url(s)")
 
+    def server_launch(self, ctx: SyncContext) -> ServerLaunch:
+        adapter = Path(ctx.resume_weights) if ctx.resume_weights else None
+        return ServerLaunch(Path(ctx.model_dir), lora_modules={self.adapter_name: adapter} if adapter else None)
+
     def launch(self, ctx: SyncContext) -> None:
         self._adapter_dir = Path(ctx.resume_weights) if ctx.resume_weights else None
-        lora = {self.adapter_name: self._adapter_dir} if self._adapter_dir else None
-        self._start_server(ctx, Path(ctx.model_dir), lora_modules=lora)
+        spec = self.server_launch(ctx)
+        self._start_server(ctx, spec.model, lora_modules=spec.lora_modules)
 
     @property
     def served_model(self) -> str | None:

@@ -34,7 +34,7 @@ from grpo.config_values import ConfigError, option
 from grpo.inference.process import gpus_per_server
 from grpo.inference.weight_transfer import UPDATE_PHASES
 from grpo.serving.server import Replica, external_urls
-from grpo.sync.base import SyncContext, SyncStrategy
+from grpo.sync.base import ServerLaunch, SyncContext, SyncStrategy
 from grpo.sync.buckets import Bucket, pack_bucket, plan_buckets
 from grpo.sync.param_mapping import FUSED_PROJECTIONS, MappingError, normalize_vllm_name, plan_mapping
 from grpo.weights.params import iter_full_params
@@ -180,15 +180,19 @@ class NCCLBroadcastSync(SyncStrategy):
         self._checked = False
 
     # ------------------------------------------------------------------ launch
-    def launch(self, ctx: SyncContext) -> None:
+    def server_launch(self, ctx: SyncContext) -> ServerLaunch:
         if not torch.cuda.is_available():
             raise RuntimeError("mode=broadcast sends weights by NCCL between GPUs and needs CUDA; use mode=none here")
-        self.device = torch.device("cuda", torch.cuda.current_device())
         # The server needs vLLM's NCCL weight-transfer engine: add the flag unless the user already set it.
         extra = [str(a) for a in (option(ctx.server_cfg, "extra_args", None) or [])]
         engine = [] if any(a.split("=", 1)[0] == WEIGHT_TRANSFER_FLAG for a in extra) else [
             WEIGHT_TRANSFER_FLAG, WEIGHT_TRANSFER_CONFIG]
-        self._start_server(ctx, Path(ctx.resume_weights or ctx.model_dir), extra_args=engine)
+        return ServerLaunch(Path(ctx.resume_weights or ctx.model_dir), extra_args=tuple(engine))
+
+    def launch(self, ctx: SyncContext) -> None:
+        spec = self.server_launch(ctx)
+        self.device = torch.device("cuda", torch.cuda.current_device())
+        self._start_server(ctx, spec.model, extra_args=spec.extra_args)
         if self.server.external and ctx.resume_weights:
             self.server.each(lambda replica: replica.client.reload_weights(str(ctx.resume_weights),
                                                                            version=self.version))

@@ -32,7 +32,7 @@ import torch.nn as nn
 from grpo.config_values import ConfigError, option
 from grpo.inference.client import Endpoint, InferenceServerError
 from grpo.serving.server import Replica, external_setting, external_urls
-from grpo.sync.base import SyncContext, SyncStrategy
+from grpo.sync.base import ServerLaunch, SyncContext, SyncStrategy
 from grpo.sync.weight_dirs import prune, save_and_load
 from grpo.weights.params import save_full_weights
 
@@ -83,8 +83,11 @@ class SaveAndReloadSync(SyncStrategy):
                               f"started elsewhere ({external_setting(cfg.server)}); use "
                               "mode.reload=inplace, or drop server.external_url(s)")
 
+    def server_launch(self, ctx: SyncContext) -> ServerLaunch:
+        return ServerLaunch(Path(ctx.resume_weights or ctx.model_dir))
+
     def launch(self, ctx: SyncContext) -> None:
-        self.served_dir = Path(ctx.resume_weights or ctx.model_dir)
+        self.served_dir = self.server_launch(ctx).model
         self._start_server(ctx, self.served_dir)
         if self.server.external and ctx.resume_weights:
             # An attached server still serves whatever it had: load the checkpoint's weights into it.

@@ -33,7 +33,7 @@ from grpo.config_values import ConfigError
 from grpo.inference import vllm_plugin
 from grpo.inference.process import parallel_sizes
 from grpo.serving.server import Replica, replica_count
-from grpo.sync.base import SyncContext, SyncStrategy
+from grpo.sync.base import ServerLaunch, SyncContext, SyncStrategy
 from grpo.sync.param_mapping import MappingError, build_views, plan_mapping
 
 log = logging.getLogger(__name__)
@@ -126,11 +126,15 @@ class SharedMemorySync(SyncStrategy):
             )
         super().check_config(cfg, cuda=cuda, world_size=world_size, local_world_size=local_world_size)
 
-    def launch(self, ctx: SyncContext) -> None:
+    def server_launch(self, ctx: SyncContext) -> ServerLaunch:
         # Resuming: vLLM loads the checkpoint, so the shared copy starts from the trained weights. vLLM's CPU backend
         # must multiply with the parameters the trainer writes, not copies packed at load time (CUDA kernels read the
         # parameters anyway: the variable changes nothing there).
-        self._start_server(ctx, Path(ctx.resume_weights or ctx.model_dir), env={vllm_plugin.PLAIN_GEMM_ENV: "1"})
+        return ServerLaunch(Path(ctx.resume_weights or ctx.model_dir), env={vllm_plugin.PLAIN_GEMM_ENV: "1"})
+
+    def launch(self, ctx: SyncContext) -> None:
+        spec = self.server_launch(ctx)
+        self._start_server(ctx, spec.model, env=spec.env)
 
     def load_model(self, ctx: SyncContext) -> nn.Module:
         """The HF model whose parameters are views into the server's tensors."""

@@ -1,6 +1,7 @@
 """Where a run's wall clock went, from the process's start to its summary: start-up (to the training loop's start:
-the server's start, the model's load, the rest), then the loop's parts (generation waited on, training, evaluation
-waited on, weight syncs, checkpoints), then the teardown. summary.json's `wall_clock` and the run's last line."""
+the server's start or the wait for it, the model's load, the rest), then the loop's parts (generation waited on,
+training, evaluation waited on, weight syncs, checkpoints), then the teardown; and when the server was launched and
+ready, which overlap the start-up's parts. summary.json's `wall_clock` and the run's last line."""
 
 from __future__ import annotations
 
@@ -44,6 +45,8 @@ class WallClock:
             _process_start_claimed = True
         self.origin = origin
         self.startup: dict[str, float] = {}
+        # When named moments of the start-up happened (time.time()): `server_launched`, `server_ready`.
+        self.marks: dict[str, float] = {}
         self.parts = dict.fromkeys(LOOP_PARTS, 0.0)
         self.loop_start: Optional[float] = None
         self.loop_end: Optional[float] = None
@@ -51,6 +54,11 @@ class WallClock:
     def add_startup(self, part: str, seconds: float) -> None:
         """A named part of the start-up (`server_start`, `model_load`)."""
         self.startup[part] = self.startup.get(part, 0.0) + seconds
+
+    def mark(self, event: str, at: Optional[float] = None) -> None:
+        """Note that `event` (`server_launched`, `server_ready`) happened `at` (time.time(); default now); the summary
+        gives it in seconds from the clock's origin. Its first note counts."""
+        self.marks.setdefault(event, time.time() if at is None else at)
 
     def add(self, part: str, seconds: float) -> None:
         """Seconds of one of the loop's parts (LOOP_PARTS)."""
@@ -79,6 +87,8 @@ class WallClock:
             "since_process_start_seconds": now - self.origin,
             "startup_seconds": startup,
             "startup": startup_parts,
+            # Moments, not parts: seconds from the origin to each (the server starts beside the start-up's parts).
+            "startup_at": {f"{k}_seconds": v - self.origin for k, v in self.marks.items()},
             **loop,
             "teardown_seconds": teardown,
             "other_seconds": (loop_end - loop_start) - sum(loop.values()),
@@ -89,6 +99,9 @@ def describe(wall_clock: dict) -> str:
     """One line of a summary's `wall_clock`: the total and each part's seconds (start-up's own parts in brackets)."""
     startup = wall_clock["startup"]
     inner = ", ".join(f"{k.removesuffix('_seconds').replace('_', ' ')} {v:.0f} s" for k, v in startup.items() if v >= 0.5)
+    at = wall_clock.get("startup_at") or {}
+    moments = {"server_launched_seconds": "vLLM launched at", "server_ready_seconds": "ready at"}
+    inner += "".join(f"; {label} {at[k]:.0f} s" for k, label in moments.items() if k in at)
     parts = [f"start-up {wall_clock['startup_seconds']:.0f} s ({inner})"]
     labels = {"generation_wait": "generation waited on", "training": "training", "eval_wait": "evaluation waited on",
               "sync": "sync", "checkpoint": "checkpoints"}

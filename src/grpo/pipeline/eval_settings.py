@@ -1,0 +1,59 @@
+"""The held-out evaluator's own settings (conf/eval/): the eval.* values it refuses, and the rewards it grades with
+(a math-verify reward always grades literally, so that an echoed question never counts as correct)."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Mapping, Optional
+
+from hydra.utils import get_class
+
+from grpo.pipeline.rewards import MathVerifyReward
+
+log = logging.getLogger("grpo.pipeline.evaluation")
+
+
+def check_eval_settings(every: int, k: int, samples_per_prompt: int, sampled_every: Optional[int],
+                        temperature: float, top_p: float, max_new_tokens: int, max_concurrency: int,
+                        samples_logged: int) -> None:
+    """The evaluator's own settings, refused with the eval.* key to change (ValueError: build_evaluator makes it a
+    ConfigError)."""
+    if k < 1 or samples_per_prompt < k:
+        raise ValueError(f"eval.k must be >= 1 and <= eval.samples_per_prompt, got k={k}, "
+                         f"samples_per_prompt={samples_per_prompt}")
+    if temperature <= 0:
+        raise ValueError(f"eval.temperature must be > 0 (it is the pass@k sampling temperature), got {temperature}")
+    if not 0 < top_p <= 1:  # vLLM refuses it on the first eval request, after the server's start-up
+        raise ValueError(f"eval.top_p must be in (0, 1] (1 = the whole distribution), got {top_p}")
+    if sampled_every is not None and sampled_every < 0:
+        raise ValueError(f"eval.sampled_every must be >= 0 (0: the sampled completions at step 0's and the last "
+                         f"step's evaluations only; null: at every one), got {sampled_every}")
+    if every < 0 or max_new_tokens < 1 or max_concurrency < 1 or samples_logged < 0:
+        raise ValueError("eval.every, eval.samples_logged must be >= 0 and eval.max_new_tokens, "
+                         f"eval.max_concurrency >= 1, got {every}, {samples_logged}, {max_new_tokens}, {max_concurrency}")
+
+
+def literal_eval_rewards(rewards: Mapping[str, Any]) -> dict[str, Any]:
+    """`rewards` as the evaluator grades with them: a math-verify reward that training runs with
+    `literal_answer: false` grades held-out answers literally wherever the reference is a value ("auto"), so that an
+    echoed question ("73 + 84 =", which math-verify evaluates to the answer) never counts as correct."""
+    out: dict[str, Any] = {}
+    for name, spec in rewards.items():
+        if isinstance(spec, tuple) or not (isinstance(spec, Mapping) or type(spec).__name__ == "DictConfig"):
+            fn = spec[0] if isinstance(spec, tuple) else spec
+            if isinstance(fn, MathVerifyReward) and fn.literal_answer is False:
+                raise ValueError(f"eval reward {name!r} is a MathVerifyReward with literal_answer=False, which counts an "
+                                 "echoed question as correct: give the evaluator one with literal_answer='auto'")
+            out[str(name)] = spec
+            continue
+        target = spec.get("_target_")
+        try:
+            is_math_verify = bool(target) and issubclass(get_class(str(target)), MathVerifyReward)
+        except Exception:  # not importable here: build_rewards names the problem
+            is_math_verify = False
+        if is_math_verify and spec.get("literal_answer") is False:
+            log.info("eval: reward %r grades answers literally (literal_answer=auto): an echoed question never counts "
+                     "as correct, whatever training's literal_answer=false pays", name)
+            spec = {**dict(spec), "literal_answer": "auto"}
+        out[str(name)] = spec
+    return out

@@ -1,0 +1,98 @@
+"""`server.launch_early`: the run starts vLLM's processes once its config is checked and its weight sync is built, and
+loads the tokenizer (transformers' import) while vLLM starts; the server waited for later is the one started early,
+and a run that fails in between stops it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from conftest import process_group_alive
+from grpo.conf import CONFIG_DIR
+from test_train_e2e import QUICK
+
+
+def _compose(*overrides: str):
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    from grpo.config import register_configs
+
+    register_configs()
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
+        return compose(config_name="train", overrides=[*QUICK, "mode=shared_vllm", *overrides])
+
+
+def _server_pid(run_dir: Path) -> int | None:
+    pid_file = run_dir / "logs" / "vllm.pid"
+    return int(pid_file.read_text()) if pid_file.exists() else None
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize("early", [True, False])
+def test_the_server_process_starts_before_the_tokenizer_loads(tmp_path, monkeypatch, early):
+    """With launch_early the server's process runs by the time the tokenizer starts loading; without it none has
+    started when build_parts returns (build_trainer starts it). Closing the run stops the server started early."""
+    import grpo.build as build
+
+    run_dir = tmp_path / "run"
+    seen: dict[str, object] = {}
+    load_tokenizer = build.load_tokenizer
+
+    def load_and_note(model_dir):
+        pid = _server_pid(run_dir)
+        seen["server_running"] = pid is not None and process_group_alive(pid)
+        return load_tokenizer(model_dir)
+
+    monkeypatch.setattr(build, "load_tokenizer", load_and_note)
+    parts = build.build_parts(_compose(f"server.launch_early={str(early).lower()}"), run_dir)
+    pid = _server_pid(run_dir)
+    try:
+        assert seen["server_running"] is early and parts.server_started_early is early
+        assert parts.tokenizer is not None and parts.sync_ctx.tokenizer is parts.tokenizer
+    finally:
+        parts.close(failed=RuntimeError("stopped by the test before build_trainer"))
+    if early:
+        assert pid is not None and not process_group_alive(pid)
+        assert not (run_dir / "logs" / "vllm.pid").exists()
+
+
+@pytest.mark.vllm
+def test_a_run_failing_after_the_early_start_stops_the_server(tmp_path, monkeypatch):
+    """An error after the server's processes started (here: the tokenizer's load) stops them before it is raised."""
+    import grpo.build as build
+
+    run_dir = tmp_path / "run"
+    started: list[int] = []
+
+    def fail(model_dir):
+        started.append(_server_pid(run_dir))
+        raise OSError(f"no tokenizer in {model_dir}")
+
+    monkeypatch.setattr(build, "load_tokenizer", fail)
+    with pytest.raises(OSError, match="no tokenizer"):
+        build.build_parts(_compose(), run_dir)
+    assert started and started[0] is not None
+    assert not process_group_alive(started[0]) and not (run_dir / "logs" / "vllm.pid").exists()
+
+
+def test_the_wall_clock_gives_when_vllm_was_launched_and_ready_beside_the_parts_it_overlaps():
+    """summary.json's `startup_at` holds moments (seconds from the origin), not parts: the start-up's parts still add
+    up to `startup_seconds`; the last line names both moments."""
+    import time
+
+    from grpo.trainer.wall_clock import WallClock, describe
+
+    origin = time.time() - 30.0
+    clock = WallClock(origin=origin)
+    clock.mark("server_launched", at=origin + 5.0)
+    clock.mark("server_launched", at=origin + 9.0)  # the first note counts (an early start's, then the launch's)
+    clock.mark("server_ready", at=origin + 20.0)
+    clock.add_startup("server_wait", 12.0)
+    clock.loop_started()
+    summary = clock.summary()
+    assert summary["startup_at"] == pytest.approx({"server_launched_seconds": 5.0, "server_ready_seconds": 20.0})
+    assert sum(summary["startup"].values()) == pytest.approx(summary["startup_seconds"])
+    assert "server wait 12 s" in describe(summary) and "vLLM launched at 5 s; ready at 20 s" in describe(summary)
