@@ -15,7 +15,7 @@ from typing import Any
 
 from omegaconf import MISSING
 
-from grpo.schema.data import AtroposDataConfig, EvalConfig, LocalDataConfig, MultiTurnDataConfig
+from grpo.schema.data import AgentDataConfig, AtroposDataConfig, EvalConfig, LocalDataConfig, MultiTurnDataConfig
 from grpo.schema.loss import Aggregation, KLEstimator, LossConfig, OldLogprobs
 from grpo.schema.model import DType, LayersConfig, LoraConfig, ModelConfig
 from grpo.schema.optimizer import AdafactorConfig, AdamW8bitConfig, AdamWConfig
@@ -32,7 +32,7 @@ from grpo.schema.train import AdvantageNorm, Device, LoggingConfig, LRSchedule, 
 __all__ = [
     "AdafactorConfig", "AdamW8bitConfig", "AdamWConfig", "AdvantageNorm", "Aggregation", "AtroposDataConfig",
     "CheckpointRestartSyncConfig", "DType", "Device", "EvalConfig", "KLEstimator", "LRSchedule", "LayersConfig",
-    "LocalDataConfig", "LoggingConfig", "MultiTurnDataConfig", "LoraConfig", "LoraHotSwapSyncConfig", "LoraRestartSyncConfig", "LossConfig",
+    "LocalDataConfig", "AgentDataConfig", "LoggingConfig", "MultiTurnDataConfig", "LoraConfig", "LoraHotSwapSyncConfig", "LoraRestartSyncConfig", "LossConfig",
     "ModelConfig", "NCCLBroadcastSyncConfig", "OldLogprobs", "RootConfig", "ServerConfig", "SharedMemorySyncConfig",
     "StalePolicy", "TrainConfig",
 ]
