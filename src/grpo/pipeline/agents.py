@@ -44,14 +44,18 @@ Rollout = Callable[[Any, Prompt], Any]
 NO_REWARDS = "rollout_score"
 
 
-def load_rollout(path: str) -> Rollout:
-    """The coroutine function at `path` (``package.module:function`` or ``package.module.function``)."""
-    module, _, name = path.rpartition(":") if ":" in path else path.rpartition(".")
-    try:
-        fn = getattr(importlib.import_module(module), name)
-    except (ImportError, AttributeError, ValueError) as e:
-        raise ValueError(f"data.rollout={path!r}: no function there ({e}); name an async def rollout(client, item) "
-                         "as package.module:function") from e
+def load_rollout(path: Any) -> Rollout:
+    """The coroutine function at `path` (``package.module:function`` or ``package.module.function``; a function
+    itself is taken as it is)."""
+    if callable(path):
+        fn = path
+    else:
+        module, _, name = path.rpartition(":") if ":" in path else path.rpartition(".")
+        try:
+            fn = getattr(importlib.import_module(module), name)
+        except (ImportError, AttributeError, ValueError) as e:
+            raise ValueError(f"data.rollout={path!r}: no function there ({e}); name an async def rollout(client, "
+                             "item) as package.module:function") from e
     if not asyncio.iscoroutinefunction(fn):
         raise ValueError(f"data.rollout={path!r} is not an async function: write `async def rollout(client, item)`")
     return fn
@@ -81,7 +85,7 @@ class AgentPipeline(LocalRolloutPipeline):
 
     reports_completion_limit = False
 
-    def __init__(self, task: Any, rollout: str, rewards: Optional[Mapping[str, Any]] = None,
+    def __init__(self, task: Any, rollout: Any, rewards: Optional[Mapping[str, Any]] = None,
                  chat_template: Optional[str] = None, tool_parser: str = JSON_TAGS, max_requests: int = 8,
                  max_episode_tokens: Optional[int] = None, episode_timeout_s: float = 300.0, **local: Any) -> None:
         if local.get("dynamic_sampling"):
