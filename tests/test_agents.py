@@ -255,6 +255,7 @@ def test_the_endpoint_refuses_what_it_cannot_serve_exactly(vllm_server, tokenize
         pipeline.close()
 
 
+@pytest.mark.slow
 @pytest.mark.vllm
 def test_agent_calculator_tiny_trains(train_server, tiny_qwen2_dir, tmp_path):
     """experiment=agent_calculator_tiny: the openai-SDK calculator agent trains 3 steps on the CPU engine (smaller
