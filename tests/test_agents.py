@@ -271,3 +271,21 @@ def test_agent_calculator_tiny_trains(train_server, tiny_qwen2_dir, tmp_path):
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in rows if "agent/requests_mean" in r]
     assert len(steps) == 3 and all(r["agent/requests_mean"] >= 1 and r["tokens/trained"] > 0 for r in steps)
+
+
+@pytest.mark.vllm
+def test_a_vllm_tool_parser_reads_the_calls_of_its_format(tokenizer):
+    """tool_parser=hermes is vLLM's own Hermes parser, returning the calls in the OpenAI format; a name that is no
+    parser is refused with the list of vLLM's."""
+    from grpo.pipeline.tool_calls import ToolParser
+
+    with pytest.raises(ValueError, match="neither 'json_tags' nor a vLLM tool parser; vLLM has: .*hermes"):
+        ToolParser("no_such_parser", tokenizer)
+    request = {"model": "policy", "messages": [{"role": "user", "content": "2*3"}],
+               "tools": [{"type": "function", "function": {"name": "calculator", "parameters": {}}}]}
+    turn = ToolParser("hermes", tokenizer).parse(
+        'let me\n<tool_call>\n{"name": "calculator", "arguments": {"expression": "2*3"}}\n</tool_call>', request, "c")
+    assert [c["function"]["name"] for c in turn.tool_calls] == ["calculator"]
+    assert json.loads(turn.tool_calls[0]["function"]["arguments"]) == {"expression": "2*3"}
+    assert turn.content.strip() == "let me"
+    assert not ToolParser("hermes", tokenizer).parse("no call", request, "c").tool_calls
