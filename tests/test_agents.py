@@ -80,13 +80,14 @@ def test_a_prompt_that_extends_an_earlier_call_keeps_its_tokens(tokenizer):
     first = prompts.render([{"role": "user", "content": "hi"}])
     from grpo.pipeline.chat_prompts import RenderedCall
 
-    completion = tokenizer.encode("yo", add_special_tokens=False) + [tokenizer.convert_tokens_to_ids("<|im_end|>")]
+    # The model wrote "<|im_end|>" character by character: the same text as the end-of-turn token, other ids.
+    completion = [i for ch in "yo<|im_end|>" for i in tokenizer.encode(ch, add_special_tokens=False)]
     earlier = RenderedCall(first, prompts.completion_text(completion), tuple(tokenizer.encode(first)), tuple(completion))
     text = prompts.render([{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"},
                            {"role": "user", "content": "and?"}])
     ids = prompts.prompt_ids(text, [earlier])
     assert ids[:len(earlier.prompt_ids) + len(completion)] == [*earlier.prompt_ids, *completion]
-    assert tokenizer.decode(ids) == text
+    assert tokenizer.decode(ids) == text and ids != tokenizer.encode(text, add_special_tokens=False)
     edited = text.replace("yo", "YO")
     assert prompts.prompt_ids(edited, [earlier]) == tokenizer.encode(edited, add_special_tokens=False)
 
