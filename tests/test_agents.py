@@ -123,6 +123,12 @@ async def refused_agent(client, item):
     await client.chat.completions.create(model="policy", messages=[{"role": "user", "content": "x"}], temperature=0.3)
 
 
+async def completion_agent(client, item):
+    """One /v1/completions request on the bare question."""
+    response = await client.completions.create(model="policy", prompt=item.text, max_tokens=8)
+    return float(len(response.choices[0].text) % 2)
+
+
 def _pipeline(server, tokenizer, model_dir, rollout, answers=None, **kw):
     pipeline = AgentPipeline(CalculatorQuestions(min_digits=2, max_digits=2), rollout, prompts_per_step=2,
                              group_size=2, max_new_tokens=100, **kw)
@@ -237,6 +243,24 @@ def test_a_template_that_strips_think_makes_one_sample_per_break(vllm_server, to
             assert "<think>" not in tokenizer.decode(list(call.prompt_ids))
         assert "<think>" in tokenizer.decode(list(episode.log.calls[0].completion_ids))
     assert metrics["agent/prefix_breaks"] == 2 * len(played) and metrics["agent/samples_per_episode"] == 3.0
+
+
+@pytest.mark.vllm
+def test_a_completions_request_is_recorded_on_its_text_prompt(vllm_server, tokenizer, tiny_qwen2_dir):
+    """/v1/completions: the prompt is the text tokenized whole, `max_tokens` is held to, the sample is the prompt
+    (masked) and the sampled tokens."""
+    pipeline = _pipeline(vllm_server, tokenizer, tiny_qwen2_dir, completion_agent)
+    try:
+        played = [p for per_item in pipeline.play(pipeline.prompts_for_step(0), 0) for p in per_item]
+    finally:
+        pipeline.close()
+    for episode in played:
+        (call,) = episode.log.calls
+        assert episode.error is None and call.kind == "completion" and 1 <= len(call.completion_ids) <= 8
+        assert list(call.prompt_ids) == tokenizer.encode(episode.item.text, add_special_tokens=False)
+        (sample,) = episode.samples.samples
+        assert sample.tokens == [*call.prompt_ids, *call.completion_ids]
+        assert sample.masks == [IGNORE_INDEX] * len(call.prompt_ids) + list(call.completion_ids)
 
 
 @pytest.mark.vllm
