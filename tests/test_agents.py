@@ -92,6 +92,27 @@ def test_a_prompt_that_extends_an_earlier_call_keeps_its_tokens(tokenizer):
     assert prompts.prompt_ids(edited, [earlier]) == tokenizer.encode(edited, add_special_tokens=False)
 
 
+def test_closing_the_endpoint_cancels_the_episodes_still_running(tokenizer):
+    """A rollout batch waiting on its episodes (a producer thread of asynchronous rollouts) ends when the pipeline
+    closes, instead of waiting on a loop that stopped."""
+    import asyncio
+    import concurrent.futures
+    import time
+
+    from grpo.pipeline.agent_endpoint import AgentEndpoint, SamplingRules
+    from grpo.pipeline.tool_calls import ToolParser
+
+    endpoint = AgentEndpoint(ChatPrompts(tokenizer), ToolParser("json_tags", tokenizer), lambda *a: None,
+                             SamplingRules(1.0, 1.0, 8, 512), "policy")
+    endpoint.start()
+    episodes = endpoint.run(asyncio.sleep(600))
+    t0 = time.monotonic()
+    endpoint.close()
+    with pytest.raises(concurrent.futures.CancelledError):
+        episodes.result(timeout=10)
+    assert time.monotonic() - t0 < 10
+
+
 # ---------------------------------------------------------------- against the real server
 async def forced_tool_agent(client, item):
     """The calculator agent with its first turn held to a tool call: ask, run the call, ask again."""

@@ -161,8 +161,15 @@ class AgentEndpoint:
         await web.SockSite(self._runner, sock).start()
 
     def close(self) -> None:
+        """Cancel the episodes still running (a caller waiting on `run`'s future gets CancelledError), stop serving."""
         if self._loop is None:
             return
+
+        def cancel_all() -> None:
+            for task in asyncio.all_tasks(self._loop):
+                task.cancel()
+
+        self._loop.call_soon_threadsafe(cancel_all)
         if self._runner is not None:
             asyncio.run_coroutine_threadsafe(self._runner.cleanup(), self._loop).result(timeout=30)
         self._loop.call_soon_threadsafe(self._loop.stop)
