@@ -19,6 +19,7 @@ from grpo.schema import (
     AdamW8bitConfig,
     AdamWConfig,
     AdvantageNorm,
+    AgentDataConfig,
     Aggregation,
     AtroposDataConfig,
     CheckpointRestartSyncConfig,
@@ -60,6 +61,7 @@ __all__ = [
     "LRSchedule",
     "LayersConfig",
     "LocalDataConfig",
+    "AgentDataConfig",
     "MultiTurnDataConfig",
     "LoggingConfig",
     "LoraConfig",
@@ -157,4 +159,5 @@ def register_configs() -> None:
     cs.store(group="data", name="atropos_schema", node=AtroposDataConfig)
     cs.store(group="data", name="local_schema", node=LocalDataConfig)
     cs.store(group="data", name="multi_turn_schema", node=MultiTurnDataConfig)
+    cs.store(group="data", name="agent_schema", node=AgentDataConfig)
     cs.store(group="eval", name="eval_schema", node=EvalConfig)

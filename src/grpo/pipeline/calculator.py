@@ -17,7 +17,7 @@ import random
 import re
 from typing import Any, Optional, Union
 
-from grpo.pipeline.environment import EnvironmentTask, Episode, Finish, Reply
+from grpo.pipeline.environment import EnvironmentTask, Episode, Finish, Reply, TurnRenderer
 from grpo.pipeline.tasks import Prompt, render_chat
 
 MAX_EXPRESSION_CHARS = 200
@@ -208,12 +208,17 @@ class LongArithmeticTask(EnvironmentTask):
     def eval_prompts(self) -> list[Prompt]:
         return [Prompt(self.render(e), a) for e, a in self._heldout.items()]
 
-    def can_sample(self, prompt: Prompt) -> bool:
+    def expression_of(self, prompt: Prompt) -> Optional[str]:
+        """The expression `prompt` asks for (a prompt this task renders), or None."""
         digits = rf"\d{{{self.min_digits},{self.max_digits}}}"
         for expression in re.findall(rf"{digits}[{re.escape(self.operators)}]{digits}", prompt.text):
-            if prompt.text == self.render(expression) and expression not in self._heldout:
-                return True
-        return False
+            if prompt.text == self.render(expression):
+                return expression
+        return None
+
+    def can_sample(self, prompt: Prompt) -> bool:
+        expression = self.expression_of(prompt)
+        return expression is not None and expression not in self._heldout
 
     def start(self, prompt: Prompt) -> CalculatorEpisode:
         return CalculatorEpisode(self.tool, self.tool_role)
@@ -229,3 +234,44 @@ class LongAnswerReward:
     def parses(self, prompt: Prompt, completion: str) -> bool:
         """Whether the answer states an integer at all (eval/unparsed_fraction)."""
         return parse_integer(completion) is not None
+
+
+class CalculatorTeacher:
+    """Whole teacher episodes for the calculator's warm start (grpo.recipes.warmstart, preset warm-calc).
+
+    A `plain_share` of the episodes ask without the tool (the task's question alone) and answer the product at once;
+    the others offer the tool and, in `call_share` of them, call it (``calc: <expression>``), get the value as the
+    tool's message and copy it as the answer, else answer the product at once. Every answer is right, so the model
+    learns to try the product itself (all it has without the tool) and to copy a call and the tool's value exactly;
+    a low `call_share` last makes calling rare, which GRPO then has to find worth it.
+    """
+
+    def __init__(self, call_share: float, plain_share: float) -> None:
+        if not (0.0 <= call_share <= 1.0 and 0.0 <= plain_share <= 1.0):
+            raise ValueError(f"CalculatorTeacher shares must be in [0, 1], got {call_share}, {plain_share}")
+        self.call_share, self.plain_share = call_share, plain_share
+
+    def episode(self, task: LongArithmeticTask, prompt: Prompt, rng: random.Random, tokenizer: Any
+                ) -> tuple[list[int], list[int]]:
+        """(token ids, labels) of one episode of `prompt`, the labels -100 outside the model's turns."""
+        expression = task.expression_of(prompt)
+        if expression is None:
+            raise ValueError(f"CalculatorTeacher: {prompt.text!r} is not a prompt of the task")
+        eos = tokenizer.eos_token_id
+        plain = rng.random() < self.plain_share
+        text = render_chat(tokenizer, task.question.format(expression=expression)) if plain else prompt.text
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        labels = [-100] * len(ids)
+
+        def model_turn(turn: str) -> None:
+            tokens = tokenizer.encode(turn, add_special_tokens=False) + [eos]
+            ids.extend(tokens)
+            labels.extend(tokens)
+
+        if not plain and rng.random() < self.call_share:
+            model_turn(f"{CALL_PREFIX} {expression}")
+            tool = TurnRenderer(tokenizer).tokens(task.tool_role, str(evaluate(expression)))
+            ids.extend(tool)
+            labels.extend([-100] * len(tool))
+        model_turn(str(prompt.answer))
+        return ids, labels

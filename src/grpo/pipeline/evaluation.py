@@ -413,10 +413,17 @@ def eval_task(eval_cfg: Any, data_cfg: Any) -> Any:
     return eval_cfg.get("task") or train_task
 
 
+def _plays_agents(data_cfg: Any) -> bool:
+    """Whether the training data is an agent's episodes (grpo.pipeline.agents.AgentPipeline)."""
+    return hasattr(data_cfg, "get") and data_cfg.get("_target_") == "grpo.pipeline.agents.AgentPipeline"
+
+
 def eval_enabled(eval_cfg: Any, data_cfg: Any) -> bool:
     """Whether the run evaluates: `eval.enabled`, or when null, whether there is a task to evaluate."""
     enabled = eval_cfg.get("enabled")
-    return bool(eval_task(eval_cfg, data_cfg) is not None if enabled is None else enabled)
+    if enabled is None:  # an agent's items are no prompts to answer as they are (build_evaluator)
+        return eval_task(eval_cfg, data_cfg) is not None and not (_plays_agents(data_cfg) and not eval_cfg.get("task"))
+    return bool(enabled)
 
 
 def build_evaluator(eval_cfg: Any, data_cfg: Any) -> Optional[Evaluator]:
@@ -431,6 +438,13 @@ def build_evaluator(eval_cfg: Any, data_cfg: Any) -> Optional[Evaluator]:
 
     train_task = data_cfg.get("task") if hasattr(data_cfg, "get") else None
     task = eval_task(eval_cfg, data_cfg)
+    if _plays_agents(data_cfg) and eval_cfg.get("task") is None:
+        # The evaluator plays single completions or environment episodes, not an agent's: its prompts are the
+        # agent's items, which the model was never asked as they are.
+        if eval_cfg.get("enabled"):
+            raise ValueError("the held-out evaluation does not play agent episodes (data.rollout) yet: set "
+                             "eval.enabled=false, or name an eval.task of prompts to answer (docs/agents.md)")
+        return None
     if not eval_enabled(eval_cfg, data_cfg):
         return None
     if task is None:

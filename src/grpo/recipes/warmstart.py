@@ -51,6 +51,36 @@ WARMSTART_PRESETS: dict[str, dict[str, Any]] = {
     # warm-up (no decay to 0): an annealed model sits in a sharp minimum that the first RL updates knock it out of,
     # which hid every gain in our trials (bench/README.md, "Skill task"). lr 5e-4, not 1e-3: at 1e-3 only 6 of 17
     # builds (other seeds / data streams) left the plateau of loss ~0.9 within 2500 steps; at 5e-4, 11 of 11 did.
+    # The calculator (grpo.pipeline.calculator, the defaults of conf/data/calculator.yaml: 3-digit x 3-digit
+    # products, the tool offered) on tiny-qwen2: whole teacher episodes (CalculatorTeacher), the loss on the model's
+    # turns only. Phase 1 (call share 0.8) teaches the model to copy a call and the tool's value exactly; phase 2
+    # (call share 0.25, a fresh optimizer) makes calling rare, so the warm start mostly guesses the product and GRPO
+    # has a right habit (calling) and a wrong one (guessing) to tell apart (bench/README.md, "Multi-turn: the
+    # calculator tool"). The settings of bench/calculator_tool.py's warm start.
+    "warm-calc": {
+        "base": "tiny-qwen2",
+        "task": {
+            "_target_": "grpo.pipeline.calculator.LongArithmeticTask",
+            "min_digits": 3,
+            "max_digits": 3,
+            "operators": "*",
+            "heldout_size": 64,
+            "heldout_seed": 20261126,
+        },
+        "reward": {"_target_": "grpo.pipeline.calculator.LongAnswerReward"},
+        "phases": [
+            {"teacher": {"_target_": "grpo.pipeline.calculator.CalculatorTeacher", "call_share": 0.8,
+                         "plain_share": 0.2},
+             "sft": {"steps": 1500, "batch_size": 32, "lr": 5e-4, "warmup_steps": 100, "schedule": "constant",
+                     "betas": [0.9, 0.98], "max_grad_norm": 1.0}},
+            {"teacher": {"_target_": "grpo.pipeline.calculator.CalculatorTeacher", "call_share": 0.25,
+                         "plain_share": 0.2},
+             "sft": {"steps": 300, "batch_size": 32, "lr": 5e-4, "warmup_steps": 100, "schedule": "constant",
+                     "betas": [0.9, 0.98], "max_grad_norm": 1.0}},
+        ],
+        # The first turn's answer (the product guessed without the tool) on the held-out prompts.
+        "measure": {"max_new_tokens": 16, "temperature": 1.0, "sample_n": 8, "sample_prompts": 64},
+    },
     "warm-arith": {
         "base": "tiny-qwen2",
         "task": {
@@ -92,6 +122,11 @@ def _fingerprint(name: str, seed: int, spec: dict[str, Any], task: Any) -> str:
     return h.hexdigest()[:12]
 
 
+def _phases(spec: dict[str, Any]) -> list[dict[str, Any]]:
+    """The supervised phases of a preset: its `phases`, or its one `teacher` and `sft`."""
+    return spec.get("phases") or [{"teacher": spec.get("teacher"), "sft": spec["sft"]}]
+
+
 def warmstart_path(name: str, seed: int = 0) -> Path:
     """The cache directory of preset `name` (built or not)."""
     spec = _preset(name)
@@ -113,9 +148,12 @@ def _encode_example(tokenizer: Any, prompt_text: str, answer: str, eos_id: int) 
 
 
 def _sft_batch(tokenizer: Any, examples: Sequence[tuple[str, str]], eos_id: int, pad_id: int):
+    return _padded([_encode_example(tokenizer, text, answer, eos_id) for text, answer in examples], pad_id)
+
+
+def _padded(pairs: Sequence[tuple[list[int], list[int]]], pad_id: int):
     import torch
 
-    pairs = [_encode_example(tokenizer, text, answer, eos_id) for text, answer in examples]
     width = max(len(ids) for ids, _ in pairs)
     ids = torch.tensor([i + [pad_id] * (width - len(i)) for i, _ in pairs])
     labels = torch.tensor([lab + [-100] * (width - len(lab)) for _, lab in pairs])
@@ -123,12 +161,13 @@ def _sft_batch(tokenizer: Any, examples: Sequence[tuple[str, str]], eos_id: int,
 
 
 def supervised_warmup(model: Any, tokenizer: Any, task: Any, sft: dict[str, Any], seed: int, progress: bool = True,
-                      teacher: Callable[[Any, random.Random], str] | None = None) -> float:
+                      teacher: Any = None, stream: str = "") -> float:
     """Train `model` in place on `sft["steps"]` batches of `task.sample` items (answer tokens only); returns seconds.
 
     AdamW with linear warm-up, then `sft["schedule"]`: constant, or cosine decay to 0. The answers are
-    `teacher(prompt, rng)` (the task's own answers when None); prompts and teacher draw from one stream,
-    `random.Random(f"warmstart-sft:{seed}")`.
+    `teacher(prompt, rng)` (the task's own answers when None), or a teacher with an `episode(task, prompt, rng,
+    tokenizer) -> (ids, labels)` method writes whole examples (multi-turn episodes); prompts and teacher draw from
+    one stream, `random.Random(f"warmstart-sft:{seed}{stream}")`.
     """
     import torch
     from tqdm.auto import tqdm
@@ -137,7 +176,7 @@ def supervised_warmup(model: Any, tokenizer: Any, task: Any, sft: dict[str, Any]
     pad_id = tokenizer.convert_tokens_to_ids(tokenizer.pad_token)
     steps, warmup = int(sft["steps"]), int(sft["warmup_steps"])
     torch.manual_seed(seed)
-    rng = random.Random(f"warmstart-sft:{seed}")
+    rng = random.Random(f"warmstart-sft:{seed}{stream}")
     opt = torch.optim.AdamW(model.parameters(), lr=float(sft["lr"]), betas=tuple(sft["betas"]), weight_decay=0.0)
 
     def lr_factor(step: int) -> float:
@@ -153,8 +192,11 @@ def supervised_warmup(model: Any, tokenizer: Any, task: Any, sft: dict[str, Any]
     bar = tqdm(range(steps), desc="warm-start SFT", disable=not progress, mininterval=1.0)
     for _ in bar:
         prompts = task.sample(rng, int(sft["batch_size"]))
-        examples = [(p.text, teacher(p, rng) if teacher is not None else str(p.answer)) for p in prompts]
-        ids, labels = _sft_batch(tokenizer, examples, eos_id, pad_id)
+        if hasattr(teacher, "episode"):
+            ids, labels = _padded([teacher.episode(task, p, rng, tokenizer) for p in prompts], pad_id)
+        else:
+            examples = [(p.text, teacher(p, rng) if teacher is not None else str(p.answer)) for p in prompts]
+            ids, labels = _sft_batch(tokenizer, examples, eos_id, pad_id)
         loss = model(input_ids=ids, labels=labels).loss
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), float(sft["max_grad_norm"]))
@@ -250,20 +292,27 @@ def build_warmstart_dir(name: str = "warm-arith", seed: int = 0, out_dir: str | 
         return final
     t0 = time.monotonic()
     load_before = _load_average()
-    log.info("building warm-start model %s (seed %d) into %s: once, then cached; %d supervised steps, about 2-4 min "
-             "on 2 CPU cores", name, seed, final, int(spec["sft"]["steps"]))
+    log.info("building warm-start model %s (seed %d) into %s: once, then cached; %d supervised steps (warm-arith: "
+             "about 2-4 min on 2 CPU cores, warm-calc about 15)", name, seed, final,
+             sum(int(p["sft"]["steps"]) for p in _phases(spec)))
     base = build_model_dir(spec["base"], seed=seed)
     task = _instantiate(dict(spec["task"]))
     reward = _instantiate(dict(spec["reward"]))
-    teacher = _instantiate(dict(spec["teacher"])) if spec.get("teacher") else None
     tokenizer = AutoTokenizer.from_pretrained(base)
+    task.bind_tokenizer(tokenizer)
     model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
     # One thread: the model is so small that a second one only adds synchronisation, and on a loaded 2-core machine
     # two threads ran 4x slower (2.7 vs 11 steps/s). The weights do not depend on it (same sha256 either way).
     threads, sft_threads = torch.get_num_threads(), 1
     torch.set_num_threads(sft_threads)
+    sft_s = 0.0
     try:
-        sft_s = supervised_warmup(model, tokenizer, task, spec["sft"], seed, progress, teacher)
+        # Phases run in order, each with a fresh optimizer and its own data stream (the first one's is the stream a
+        # preset of one phase always had).
+        for i, phase in enumerate(_phases(spec)):
+            teacher = _instantiate(dict(phase["teacher"])) if phase.get("teacher") else None
+            sft_s += supervised_warmup(model, tokenizer, task, phase["sft"], seed, progress, teacher,
+                                       f":phase{i}" if i else "")
     finally:
         torch.set_num_threads(threads)
     metrics = measure(model, tokenizer, task, reward, spec["measure"], seed)

@@ -15,7 +15,7 @@ from typing import Any
 
 from omegaconf import MISSING
 
-from grpo.schema.data import AtroposDataConfig, EvalConfig, LocalDataConfig, MultiTurnDataConfig
+from grpo.schema.data import AgentDataConfig, AtroposDataConfig, EvalConfig, LocalDataConfig, MultiTurnDataConfig
 from grpo.schema.loss import Aggregation, KLEstimator, LossConfig, Objective, OldLogprobs
 from grpo.schema.model import DType, LayersConfig, LoraConfig, ModelConfig
 from grpo.schema.optimizer import AdafactorConfig, AdamW8bitConfig, AdamWConfig
@@ -32,8 +32,9 @@ from grpo.schema.train import AdvantageNorm, Device, LoggingConfig, LRSchedule, 
 __all__ = [
     "AdafactorConfig", "AdamW8bitConfig", "AdamWConfig", "AdvantageNorm", "Aggregation", "AtroposDataConfig",
     "CheckpointRestartSyncConfig", "DType", "Device", "EvalConfig", "KLEstimator", "LRSchedule", "LayersConfig",
-    "LocalDataConfig", "LoggingConfig", "MultiTurnDataConfig", "LoraConfig", "LoraHotSwapSyncConfig", "LoraRestartSyncConfig", "LossConfig",
-    "ModelConfig", "NCCLBroadcastSyncConfig", "Objective", "OldLogprobs", "RootConfig", "ServerConfig", "SharedMemorySyncConfig",
+    "LocalDataConfig", "AgentDataConfig", "LoggingConfig", "MultiTurnDataConfig", "LoraConfig", "LoraHotSwapSyncConfig",
+    "LoraRestartSyncConfig", "LossConfig", "ModelConfig", "NCCLBroadcastSyncConfig", "Objective", "OldLogprobs",
+    "RootConfig", "ServerConfig", "SharedMemorySyncConfig",
     "StalePolicy", "TrainConfig",
 ]
 

@@ -67,6 +67,27 @@ class MultiTurnDataConfig(LocalDataConfig):
     turn_reward_discount: float = 1.0
 
 
+@dataclass
+class AgentDataConfig(LocalDataConfig):
+    """data=agent_calculator: an agent written against the OpenAI API, trained through the recording endpoint
+    (grpo.pipeline.agents); `max_new_tokens` caps each request's completion."""
+
+    _target_: str = "grpo.pipeline.agents.AgentPipeline"
+    # The agent: an `async def rollout(client, item)` as package.module:function.
+    rollout: str = MISSING
+    # Chat template the endpoint renders requests with: null = the tokenizer's own, a built-in name (chatml_tools) or
+    # a Jinja file.
+    chat_template: Optional[str] = None
+    # Parser of tool calls in the model's text: json_tags (<tool_call>{...}</tool_call>) or a vLLM tool parser's name.
+    tool_parser: str = "json_tags"
+    # Requests one episode may send; a later one is refused (HTTP 400).
+    max_requests: int = 8
+    # Tokens of one sample (prompt, sampled and tool tokens); null = model.max_seq_len.
+    max_episode_tokens: Optional[int] = None
+    # Seconds an episode's rollout may run; then it is cancelled and scores 0.
+    episode_timeout_s: float = 300.0
+
+
 # ---------------------------------------------------------------- evaluation (conf/eval/)
 @dataclass
 class EvalConfig:

@@ -1,0 +1,56 @@
+"""The calculator task as an OpenAI-API agent (data=agent_calculator; docs/agents.md).
+
+`calculator_agent` is an ordinary `openai` SDK agent: it offers the model a ``calculator`` tool, runs each call the
+model makes (grpo.pipeline.calculator.evaluate: integers, ``+ - *``, parentheses; no eval) and sends the result back
+as a ``tool`` message, until the model answers without a call; the episode scores 1.0 when the answer is exactly the
+integer. `CalculatorQuestions` is the calculator task's items as bare questions (``482*771=``) with their answers.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from grpo.pipeline.calculator import CalculatorError, LongArithmeticTask, evaluate, parse_integer
+from grpo.pipeline.tasks import Prompt
+
+SYSTEM = "Use the calculator tool for arithmetic. Answer with the integer alone."
+CALCULATOR_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "calculator",
+        "description": "The value of an integer expression of + - * and parentheses.",
+        "parameters": {"type": "object", "properties": {"expression": {"type": "string"}}, "required": ["expression"]},
+    },
+}
+MAX_TURNS = 3
+
+
+class CalculatorQuestions(LongArithmeticTask):
+    """The items of `LongArithmeticTask` (same draws, same held-out split) as bare questions: `Prompt.text` is the
+    question (``482*771=``), not a rendered chat prompt; the agent writes its own messages."""
+
+    def render(self, expression: str) -> str:
+        return self.question.format(expression=expression)
+
+
+def calculator(arguments: str) -> str:
+    """The calculator tool: the value of ``{"expression": ...}``, or ``error: ...``."""
+    try:
+        return str(evaluate(json.loads(arguments)["expression"]))
+    except (CalculatorError, ValueError, KeyError, TypeError) as e:
+        return f"error: {e}"
+
+
+async def calculator_agent(client: Any, item: Prompt) -> float:
+    """One episode: ask, run the model's calculator calls, score the final answer."""
+    messages: list[dict[str, Any]] = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": item.text}]
+    for _ in range(MAX_TURNS):
+        response = await client.chat.completions.create(model="policy", messages=messages, tools=[CALCULATOR_TOOL])
+        message = response.choices[0].message
+        messages.append(message.model_dump(exclude_none=True))
+        if not message.tool_calls:
+            return float(parse_integer(message.content or "") == int(item.answer))
+        for call in message.tool_calls:
+            messages.append({"role": "tool", "tool_call_id": call.id, "content": calculator(call.function.arguments)})
+    return 0.0
