@@ -220,6 +220,7 @@ def test_tool_tokens_get_no_gradient(tool_episodes, tiny_qwen2_dir):
 
     from grpo.pipeline.batching import prepare_batch
     from grpo.trainer.loss import GRPOLoss
+    from grpo.trainer.loss_interface import LossInputs
 
     _, _, _, groups, _ = tool_episodes
     batch = prepare_batch(groups, max_seq_len=512, micro_batch_size=64, pad_token_id=0).micro_batches[0]
@@ -228,7 +229,7 @@ def test_tool_tokens_get_no_gradient(tool_episodes, tiny_qwen2_dir):
     logits.retain_grad()
     labels = batch.labels.clamp(min=0)
     logprobs = torch.log_softmax(logits / batch.temperatures[:, None, None], -1).gather(-1, labels[..., None])[..., 0]
-    loss, _ = GRPOLoss()(logprobs, batch.inference_logprobs, batch.advantages, batch.loss_mask)
+    loss, _ = GRPOLoss()(LossInputs(logprobs, batch.inference_logprobs, batch.advantages, batch.loss_mask))
     loss.backward()
     between = torch.zeros_like(batch.loss_mask, dtype=torch.bool)
     for b in range(batch.input_ids.shape[0]):
