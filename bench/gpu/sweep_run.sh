@@ -3,7 +3,8 @@
 # setup`), timed from its process start; each job's summary.json and the sweep's wall clock into $OUT:
 #   bash bench/gpu/sweep_run.sh TAG optimizer.lr=2e-5,3e-5,4e-5 loss.clip_eps=0.2,0.28 train.steps=100
 #   bash bench/gpu/sweep_run.sh TAG_parallel hydra/launcher=grpo_parallel hydra.launcher.jobs_at_once=4 ...
-# Writes $OUT/sweep_TAG.json (sweep wall clock, each job's wall_clock / summary) and $OUT/sweep_TAG.log.gz.
+# Prints the sweep's output (bench/gpu/run_plan.py's stall guard watches it); writes $OUT/sweep_TAG.json (the sweep's
+# wall clock, each job's summary) and $OUT/sweep_TAG.log.gz.
 export VLLM_USE_FLASHINFER_SAMPLER=0 HF_HUB_OFFLINE=1 VLLM_NO_USAGE_STATS=1
 export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1 GRPO_CACHE=/tmp/grpo-cache WANDB_MODE=disabled
 tag=$1; shift
@@ -11,8 +12,8 @@ out=${OUT:-bench/results/gpu}
 dir=/tmp/runs/sweep_$tag
 t0=$(date +%s.%N)
 python3 train.py -m experiment=smollm2_chat_arith_shared logging.progress_bar=false logging.plot=false \
-  "hydra.sweep.dir=$dir" "$@" > "/tmp/sweep_$tag.log" 2>&1
-rc=$?
+  "hydra.sweep.dir=$dir" "$@" 2>&1 | tee "/tmp/sweep_$tag.log" | grep --line-buffered -v "^\s*$"
+rc=${PIPESTATUS[0]}
 t1=$(date +%s.%N)
 gzip -c "/tmp/sweep_$tag.log" > "$out/sweep_$tag.log.gz"
 python3 - "$dir" "$t0" "$t1" "$rc" "$tag" "$out" "$*" <<'PY'
@@ -27,4 +28,3 @@ row = {"tag": tag, "overrides": args, "rc": int(rc), "sweep_wall_s": round(float
 Path(out, f"sweep_{tag}.json").write_text(json.dumps(row, indent=1))
 print(json.dumps({k: v for k, v in row.items() if k != "jobs"}), len(jobs), "jobs")
 PY
-tail -5 "/tmp/sweep_$tag.log"
