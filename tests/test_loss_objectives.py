@@ -101,6 +101,7 @@ def test_an_objective_nobody_registered_is_refused_when_composed():
         _composed_loss(["loss.objective=ppo_clipp"])
 
 
+@pytest.mark.slow
 def test_a_new_objective_is_a_registered_function_and_a_yaml(tmp_path, tiny_qwen2_dir):
     """A user's objective: a function registered with @policy_objective before the schema is imported, and
     conf/loss/<name>.yaml in a config dir of one's own setting `objective`. Nothing else changes: the run's builder

@@ -279,24 +279,30 @@ def prepare_batch(
         for i in range(0, len(kept), micro_batch_size)
     ]
     completion = [_loss_tokens(s) for s in kept]
-    metrics = {
-        **_reward_metrics(all_scores),
-        "data/sequences": float(len(kept)),
-        "data/groups": float(len(screened)),
-        "data/dropped_groups": float(empty + degenerate["data/no_loss_token_groups"] + emptied),
-        **{k: float(v) for k, v in {**degenerate, **dropped}.items()},
-        "data/missing_logprobs": float(sum(1 for s in kept if s.inference_logprobs is None)),
-        "tokens/trained": float(sum(completion)),
-        "tokens/total": float(sum(len(s.tokens) for s in kept)),
-        **truncation_metrics,
-    }
+    dropped_groups = empty + degenerate["data/no_loss_token_groups"] + emptied
     return PreparedBatch(
         micro_batches=micro,
-        metrics=metrics,
+        metrics={**_batch_metrics(all_scores, kept, completion, len(screened), dropped_groups,
+                                  {**degenerate, **dropped}), **truncation_metrics},
         num_loss_tokens=int(sum(completion)),
         num_sequences=len(kept),
         max_completion_tokens=max(completion, default=0),
     )
+
+
+def _batch_metrics(all_scores: list[float], kept: list, completion: list[int], groups: int, dropped_groups: int,
+                   counts: dict[str, int]) -> dict[str, float]:
+    """The step's data metrics: its rewards, what it kept and dropped (each degenerate kind counted), its tokens."""
+    return {
+        **_reward_metrics(all_scores),
+        "data/sequences": float(len(kept)),
+        "data/groups": float(groups),
+        "data/dropped_groups": float(dropped_groups),
+        **{k: float(v) for k, v in counts.items()},
+        "data/missing_logprobs": float(sum(1 for s in kept if s.inference_logprobs is None)),
+        "tokens/trained": float(sum(completion)),
+        "tokens/total": float(sum(len(s.tokens) for s in kept)),
+    }
 
 
 def _kept_sequences(

@@ -217,6 +217,23 @@ class GRPOTrainer:
         self.dist = dist if dist is not None and dist.enabled else None
         self.nonfinite_in_a_row = self.nonfinite_total = 0
         self.params = [p for p in model.parameters() if p.requires_grad]
+        self.set_forward_path(train_cfg, model, device, logprob_fn)
+        self.flops, self.peak = model_flops(model), device_peak(model, device)
+        self.rewards: list[float] = []
+        # Held-out eval (rank 0 only; None when off). It starts after a rollout batch's sync, so it samples the
+        # weights of the step it is labelled with; with eval.background it runs beside training (`evals`).
+        self.evaluator = evaluator
+        self.evals = (BackgroundEvaluations(evaluator, self.sync.recover)
+                      if evaluator is not None and getattr(evaluator, "background", False) else None)
+        # Seconds the loop waited on evaluations not yet reported in a row (time/eval_wait_seconds).
+        self.eval_wait_unreported = 0.0
+        # Where this session's wall clock goes (summary.json's wall_clock); a private one when none is given.
+        self.clock = clock if clock is not None else WallClock()
+
+    def set_forward_path(self, train_cfg: TrainConfig, model: torch.nn.Module, device: torch.device,
+                         logprob_fn: Optional[Callable[..., torch.Tensor]]) -> None:
+        """How the update's forwards run: fused or not, packed, prompts shared, rows left out, the token budget; the
+        device's memory peaks from here on."""
         # The loss's gradient taken chunk by chunk in the forward (3 matmuls per chunk instead of 4); FSDP2 keeps
         # the unfused path through its registered forward method (`logprob_fn`, fsdp.sharded_token_logprobs).
         self.fused = bool(train_cfg.fused_loss) and self.dist is None and can_fuse(model)
@@ -229,22 +246,11 @@ class GRPOTrainer:
         self.shared = bool(getattr(train_cfg, "prefix_sharing", False))
         # Rows whose advantage is 0 everywhere left out of the forward passes (the loss must gain nothing from them).
         self.skip_zero_advantage = bool(getattr(train_cfg, "skip_zero_advantage", False))
-        check_skip_zero_advantage(self.skip_zero_advantage, loss_fn)
+        check_skip_zero_advantage(self.skip_zero_advantage, self.loss_fn)
         self.max_tokens = train_cfg.max_tokens_per_micro_batch
         # Without an explicit budget, micro_batch_size rows each split further where their forward would exceed a
         # cap derived from the device (train.auto_token_budget; grpo.trainer.token_cap).
-        self.token_cap = self.micro_batch_bound(train_cfg, model, device, dist)
-        self.flops, self.peak = model_flops(model), device_peak(model, device)
-        self.rewards: list[float] = []
-        # Held-out eval (rank 0 only; None when off). It starts after a rollout batch's sync, so it samples the
-        # weights of the step it is labelled with; with eval.background it runs beside training (`evals`).
-        self.evaluator = evaluator
-        self.evals = (BackgroundEvaluations(evaluator, self.sync.recover)
-                      if evaluator is not None and getattr(evaluator, "background", False) else None)
-        # Seconds the loop waited on evaluations not yet reported in a row (time/eval_wait_seconds).
-        self.eval_wait_unreported = 0.0
-        # Where this session's wall clock goes (summary.json's wall_clock); a private one when none is given.
-        self.clock = clock if clock is not None else WallClock()
+        self.token_cap = self.micro_batch_bound(train_cfg, model, device, self.dist)
         if device.type == "cuda":
             # Peaks are per run: a multirun's earlier jobs must not leak into this one's figures.
             torch.cuda.reset_peak_memory_stats(device)
