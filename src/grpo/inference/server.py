@@ -38,6 +38,7 @@ distribution actually sampled from, i.e. after temperature, which is what the tr
 from __future__ import annotations
 
 import asyncio
+import gc
 import ipaddress
 import json
 import logging
@@ -513,6 +514,7 @@ class GRPOMiddleware:
     def __init__(self, app) -> None:
         self.app = app
         self.token = identity.server_token()
+        freeze_startup_heap()
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
@@ -588,6 +590,15 @@ class GRPOMiddleware:
             await send(message)
 
         await self.app(scope, receive, send_verified)
+
+
+def freeze_startup_heap() -> None:
+    """Move every object alive now (vLLM's modules, the engine client) out of the garbage collector's reach: a full
+    collection walks the whole heap holding the GIL, and one started by a large answer's allocations stalled
+    /health for seconds on a 2-core host. vLLM freezes its engine core's heap for the same reason, not its API
+    server's, where this middleware is built (on the first request, after start-up)."""
+    gc.collect()
+    gc.freeze()
 
 
 def error_answer(e: Exception) -> tuple[dict, int]:
