@@ -3,6 +3,7 @@
 # setup`), timed from its process start; each job's summary.json and the sweep's wall clock into $OUT:
 #   bash bench/gpu/sweep_run.sh TAG optimizer.lr=2e-5,3e-5,4e-5 loss.clip_eps=0.2,0.28 train.steps=100
 #   bash bench/gpu/sweep_run.sh TAG_parallel hydra/launcher=grpo_parallel hydra.launcher.jobs_at_once=4 ...
+#   bash bench/gpu/sweep_run.sh TAG_lora experiment=smollm2_chat_arith_lora lora.r=8,16 ...   (another experiment)
 # Prints the sweep's output (bench/gpu/run_plan.py's stall guard watches it); writes $OUT/sweep_TAG.json (the sweep's
 # wall clock, each job's summary) and $OUT/sweep_TAG.log.gz.
 export VLLM_USE_FLASHINFER_SAMPLER=0 HF_HUB_OFFLINE=1 VLLM_NO_USAGE_STATS=1
@@ -10,9 +11,14 @@ export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1 GRPO_CACHE=/tmp/grpo-cache WANDB_M
 tag=$1; shift
 out=${OUT:-bench/results/gpu}
 dir=/tmp/runs/sweep_$tag
+# The real-model experiment unless the overrides name another (e.g. experiment=smollm2_chat_arith_lora).
+experiment=experiment=smollm2_chat_arith_shared
+for a in "$@"; do [[ $a == experiment=* ]] && experiment=$a; done
+args=()
+for a in "$@"; do [[ $a == experiment=* ]] || args+=("$a"); done
 t0=$(date +%s.%N)
-python3 train.py -m experiment=smollm2_chat_arith_shared logging.progress_bar=false logging.plot=false \
-  "hydra.sweep.dir=$dir" "$@" 2>&1 | tee "/tmp/sweep_$tag.log" | grep --line-buffered -v "^\s*$"
+python3 train.py -m "$experiment" logging.progress_bar=false logging.plot=false \
+  "hydra.sweep.dir=$dir" "${args[@]}" 2>&1 | tee "/tmp/sweep_$tag.log" | grep --line-buffered -v "^\s*$"
 rc=${PIPESTATUS[0]}
 t1=$(date +%s.%N)
 gzip -c "/tmp/sweep_$tag.log" > "$out/sweep_$tag.log.gz"
