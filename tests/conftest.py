@@ -32,6 +32,52 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def one_process_then_two_gloo_ranks(step, model_dir: Path, out: Path, *extra) -> None:
+    """Run `step(rank, world, port, model_dir, out, *extra)` once in this process (world 1), then on two gloo ranks:
+    the shape of every "FSDP2 equals one process" test."""
+    from unittest import mock
+
+    import torch.multiprocessing as mp
+
+    with mock.patch.dict(os.environ):  # the step sets torchrun's variables; the session's environment keeps none
+        step(0, 1, free_port(), str(model_dir), str(out), *extra)
+    mp.spawn(step, args=(2, free_port(), str(model_dir), str(out), *extra), nprocs=2, join=True)
+
+
+def loss_gradient_through_batch(groups, model_dir: Path):
+    """Groups through the batcher, the tiny model's forward and GRPOLoss's backward: (the micro-batch, its logits
+    with their gradient, the trainer's log-probs), for tests of which positions carry gradient."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from grpo.pipeline.batching import prepare_batch
+    from grpo.trainer.loss import GRPOLoss
+    from grpo.trainer.loss_interface import LossInputs
+
+    batch = prepare_batch(groups, max_seq_len=512, micro_batch_size=64, pad_token_id=0).micro_batches[0]
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
+    logits.retain_grad()
+    labels = batch.labels.clamp(min=0)
+    logprobs = torch.log_softmax(logits / batch.temperatures[:, None, None], -1).gather(-1, labels[..., None])[..., 0]
+    loss, _ = GRPOLoss()(LossInputs(logprobs, batch.inference_logprobs, batch.advantages, batch.loss_mask))
+    loss.backward()
+    return batch, logits, logprobs
+
+
+def untrained_between_trained(loss_mask):
+    """Per row, the positions between its first and last trained token that are not trained (tool results,
+    environment turns, template markers)."""
+    import torch
+
+    between = torch.zeros_like(loss_mask, dtype=torch.bool)
+    for b in range(loss_mask.shape[0]):
+        trained = loss_mask[b].nonzero()
+        first, last = int(trained[0]), int(trained[-1])
+        between[b, first:last] = loss_mask[b, first:last] == 0
+    return between
+
+
 @pytest.fixture(scope="session")
 def tiny_qwen2_dir() -> Path:
     """Directory of the offline tiny Qwen2 model (built once, cached)."""

@@ -10,7 +10,6 @@ import subprocess
 import sys
 
 import pytest
-import torch
 
 from conftest import REPO, attach
 from grpo.inference.client import Endpoint
@@ -216,25 +215,11 @@ def test_each_sample_replays_the_recorded_requests_token_for_token(tool_episodes
 def test_tool_tokens_get_no_gradient(tool_episodes, tiny_qwen2_dir):
     """Through the batcher and GRPOLoss: the positions between an episode's sampled turns (the tool's result, the
     template's markers) are out of the loss and the loss's gradient wrt the logits there is zero."""
-    from transformers import AutoModelForCausalLM
-
-    from grpo.pipeline.batching import prepare_batch
-    from grpo.trainer.loss import GRPOLoss
-    from grpo.trainer.loss_interface import LossInputs
+    from conftest import loss_gradient_through_batch, untrained_between_trained
 
     _, _, _, groups, _ = tool_episodes
-    batch = prepare_batch(groups, max_seq_len=512, micro_batch_size=64, pad_token_id=0).micro_batches[0]
-    model = AutoModelForCausalLM.from_pretrained(tiny_qwen2_dir, dtype=torch.float32)
-    logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
-    logits.retain_grad()
-    labels = batch.labels.clamp(min=0)
-    logprobs = torch.log_softmax(logits / batch.temperatures[:, None, None], -1).gather(-1, labels[..., None])[..., 0]
-    loss, _ = GRPOLoss()(LossInputs(logprobs, batch.inference_logprobs, batch.advantages, batch.loss_mask))
-    loss.backward()
-    between = torch.zeros_like(batch.loss_mask, dtype=torch.bool)
-    for b in range(batch.input_ids.shape[0]):
-        trained = batch.loss_mask[b].nonzero()
-        between[b, int(trained[0]):int(trained[-1])] = batch.loss_mask[b, int(trained[0]):int(trained[-1])] == 0
+    batch, logits, _ = loss_gradient_through_batch(groups, tiny_qwen2_dir)
+    between = untrained_between_trained(batch.loss_mask)
     assert between.any(), "no tool tokens between sampled turns"
     assert (batch.labels[between] == IGNORE_INDEX).all()
     assert logits.grad[between].abs().max() == 0

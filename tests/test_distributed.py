@@ -9,7 +9,6 @@ import json
 import os
 from pathlib import Path
 from types import SimpleNamespace
-from unittest import mock
 
 import pytest
 import torch
@@ -489,14 +488,10 @@ def _train_one_step(rank: int, world: int, port: int, model_dir: str, out_root: 
 @pytest.fixture(scope="module")
 def one_step_runs(tmp_path_factory, tiny_qwen2_dir) -> Path:
     """One optimizer step (checkpoint_every=1) in 1 process, then on 2 gloo ranks with FSDP2; their outputs."""
-    import torch.multiprocessing as mp
-
-    from conftest import free_port
+    from conftest import one_process_then_two_gloo_ranks
 
     out = tmp_path_factory.mktemp("fsdp_one_step")
-    with mock.patch.dict(os.environ):  # the step sets torchrun's variables; the session's environment keeps none
-        _train_one_step(0, 1, free_port(), str(tiny_qwen2_dir), str(out))
-    mp.spawn(_train_one_step, args=(2, free_port(), str(tiny_qwen2_dir), str(out)), nprocs=2, join=True)
+    one_process_then_two_gloo_ranks(_train_one_step, tiny_qwen2_dir, out)
     return out
 
 
@@ -504,14 +499,9 @@ def test_fsdp2_gspo_with_off_policy_masks_matches_one_process(tmp_path, tiny_qwe
     """Issue 40: GSPO's sequence ratio and both masks under FSDP2 (its log-probs through the sharded forward, the
     loss unfused) give the one-process loss and update, an entropy bonus's gradient and a KL penalty against a
     sharded reference policy included."""
-    import torch.multiprocessing as mp
+    from conftest import one_process_then_two_gloo_ranks
 
-    from conftest import free_port
-
-    with mock.patch.dict(os.environ):  # as above: no torchrun variable outlives the in-process step
-        _train_one_step(0, 1, free_port(), str(tiny_qwen2_dir), str(tmp_path), "gspo_masks")
-    mp.spawn(_train_one_step, args=(2, free_port(), str(tiny_qwen2_dir), str(tmp_path), "gspo_masks"), nprocs=2,
-             join=True)
+    one_process_then_two_gloo_ranks(_train_one_step, tiny_qwen2_dir, tmp_path, "gspo_masks")
     one = json.loads((tmp_path / "result_world1.json").read_text())
     two = json.loads((tmp_path / "result_world2.json").read_text())
     assert 0 < one["masked"] < 1 and one["loss"] != 0 and one["kl"] > 1e-3
@@ -526,14 +516,9 @@ def test_fsdp2_step_of_one_micro_batch_matches_one_process(tmp_path, tiny_qwen2_
     """A rollout batch that fits one micro-batch (train.skip_zero_advantage leaves few rows): rank 1 runs only the
     zero-weighted repeat and must still reduce the same metrics as rank 0. On the GPU its missing metric keys made the
     ranks' all-reduces differ in size and the run hung until NCCL's watchdog aborted it (lease 6)."""
-    import torch.multiprocessing as mp
+    from conftest import one_process_then_two_gloo_ranks
 
-    from conftest import free_port
-
-    with mock.patch.dict(os.environ):
-        _train_one_step(0, 1, free_port(), str(tiny_qwen2_dir), str(tmp_path), "grpo", 6)
-    mp.spawn(_train_one_step, args=(2, free_port(), str(tiny_qwen2_dir), str(tmp_path), "grpo", 6), nprocs=2,
-             join=True)
+    one_process_then_two_gloo_ranks(_train_one_step, tiny_qwen2_dir, tmp_path, "grpo", 6)
     one = json.loads((tmp_path / "result_world1.json").read_text())
     two = json.loads((tmp_path / "result_world2.json").read_text())
     assert one["loss"] != 0 and abs(two["loss"] - one["loss"]) < 1e-5

@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from unittest import mock
 
 import pytest
 import torch
@@ -132,14 +131,10 @@ def _lora_step(rank: int, world: int, port: int, model_dir: str, out_root: str) 
 
 @pytest.fixture(scope="module")
 def lora_runs(tmp_path_factory, tiny_qwen2_dir) -> Path:
-    import torch.multiprocessing as mp
-
-    from conftest import free_port
+    from conftest import one_process_then_two_gloo_ranks
 
     out = tmp_path_factory.mktemp("lora_fsdp2")
-    with mock.patch.dict(os.environ):  # the step sets torchrun's variables; the session's environment keeps none
-        _lora_step(0, 1, free_port(), str(tiny_qwen2_dir), str(out))
-    mp.spawn(_lora_step, args=(2, free_port(), str(tiny_qwen2_dir), str(out)), nprocs=2, join=True)
+    one_process_then_two_gloo_ranks(_lora_step, tiny_qwen2_dir, out)
     return out
 
 

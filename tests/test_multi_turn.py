@@ -327,28 +327,13 @@ def test_trajectory_is_the_servers_tokens_and_the_environments_token_for_token(p
 def test_environment_tokens_get_no_gradient_and_sampler_logprobs_match_the_trainers(played, tiny_qwen2_dir):
     """Through the batcher and GRPOLoss: the loss mask is 0 at environment positions and the loss's gradient wrt the
     logits there is zero; at model tokens the trainer's fp32 log-probs equal vLLM's."""
-    from transformers import AutoModelForCausalLM
-
-    from grpo.pipeline.batching import prepare_batch
-    from grpo.trainer.loss import GRPOLoss
-    from grpo.trainer.loss_interface import LossInputs
+    from conftest import loss_gradient_through_batch, untrained_between_trained
 
     _, episodes, _, groups = played
     multi = [g for g, per in zip(groups, episodes) if any(len(t.turns) > 1 for t in per)]
-    batch = prepare_batch(multi, max_seq_len=512, micro_batch_size=64, pad_token_id=0).micro_batches[0]
-    model = AutoModelForCausalLM.from_pretrained(tiny_qwen2_dir, dtype=torch.float32)
-    logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
-    logits.retain_grad()
-    labels = batch.labels.clamp(min=0)
-    logprobs = torch.log_softmax(logits / batch.temperatures[:, None, None], -1).gather(-1, labels[..., None])[..., 0]
-    loss, _ = GRPOLoss()(LossInputs(logprobs, batch.inference_logprobs, batch.advantages, batch.loss_mask))
-    loss.backward()
+    batch, logits, logprobs = loss_gradient_through_batch(multi, tiny_qwen2_dir)
     # Environment positions: inside the sequence (attention 1), after the first model token, not trained.
-    env = torch.zeros_like(batch.loss_mask, dtype=torch.bool)
-    for b in range(batch.input_ids.shape[0]):
-        trained = batch.loss_mask[b].nonzero()
-        first, last = int(trained[0]), int(trained[-1])
-        env[b, first:last] = batch.loss_mask[b, first:last] == 0
+    env = untrained_between_trained(batch.loss_mask)
     assert env.any(), "no environment token between model turns"
     assert (batch.labels[env] == IGNORE_INDEX).all()
     assert logits.grad[env].abs().max() == 0
