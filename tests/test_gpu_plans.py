@@ -47,8 +47,10 @@ def test_plan_job_composes_and_validates(plan, job, tmp_path, monkeypatch):
     if kind == "sh":  # a script of bench/gpu/; sweep_run.sh's overrides compose (each swept key at its first value)
         assert (REPO / args[0]).is_file() and command[:2] == ["bash", args[0]]
         if args[0].endswith("sweep_run.sh"):
-            overrides = ["experiment=smollm2_chat_arith_shared",
-                         *(a.split(",")[0] for a in args[2:] if not a.startswith("hydra/launcher"))]
+            # As the script: the real-model experiment unless the overrides name another.
+            given = [a.split(",")[0] for a in args[2:]]
+            experiment = next((a for a in given if a.startswith("experiment=")), "experiment=smollm2_chat_arith_shared")
+            overrides = [experiment, *(a for a in given if not a.startswith("experiment="))]
             monkeypatch.setattr(sys.modules["grpo.config.validate"], "_cuda_available", lambda: True)
             GlobalHydra.instance().clear()
             with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
