@@ -3,7 +3,7 @@ pool of worker processes (`data.reward_workers`).
 
 Why processes: math-verify (sympy) is pure Python. Graded on the thread that produced the batch, it held the GIL
 against the trainer's thread under asynchronous rollouts, and it was a quarter of a step of the real model on one
-H100 (bench/gpu/README.md, "The real model, correctness reward only"). Workers are spawned, not forked (the parent
+H100 (bench/gpu/README.md, "Grading in worker processes on the GPU"). Workers are spawned, not forked (the parent
 holds CUDA and torch state), once per pipeline or evaluator; each builds the same rewards from their config and grades
 on its main thread, where math-verify's SIGALRM timeouts hold. A reward that raises, or a worker that dies, fails
 the batch with a RewardError naming the reward: a completion never silently scores 0.
