@@ -325,7 +325,7 @@ def test_flex_attention_is_refused_for_a_cpu_trainer(tiny_qwen2_dir):
 def test_out_of_memory_in_an_update_says_which_micro_batch_and_what_to_lower(tiny_qwen2_dir):
     """A device OOM inside the forward/backward (raised here by the loss, as CUDA would raise it mid-backward)
     becomes an error naming the update's largest micro-batch and the knobs that lower the peak."""
-    from grpo.trainer.loop import TrainerOutOfMemoryError
+    from grpo.trainer.out_of_memory import TrainerOutOfMemoryError
 
     class OutOfMemoryLoss(GRPOLoss):
         def __call__(self, *args, **kwargs):

@@ -38,9 +38,10 @@ from grpo.sync.follower import FollowerSync
 from grpo.trainer import fsdp
 from grpo.trainer.checkpoint import CheckpointManager, read_trainer_state
 from grpo.trainer.fsdp import DistInfo
-from grpo.trainer.loop import GRPOTrainer, rollout_batches, updates_per_batch
+from grpo.trainer.loop import GRPOTrainer
 from grpo.trainer.loss_interface import PolicyLoss
 from grpo.trainer.metrics import MetricsLogger, NullMetrics
+from grpo.trainer.minibatch import rollout_batches, updates_per_batch
 from grpo.trainer.optim import build_optimizer, build_scheduler
 from grpo.trainer.wall_clock import WallClock
 
