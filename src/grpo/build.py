@@ -31,7 +31,8 @@ from grpo.pipeline.rank_broadcast import FollowerPipeline, LeaderPipeline
 from grpo.pipeline.rollout_queue import AsyncRollouts
 from grpo.recipes.initial_weights import resolve_model_dir
 from grpo.recipes.trainable_model import build_model, build_reference_policy
-from grpo.run_records import check_objective, release_device_memory
+from grpo.run_records import release_device_memory
+from grpo.run_summary import check_objective
 from grpo.serving.checks import check_server_fits_model
 from grpo.sync.base import SyncContext, SyncStrategy
 from grpo.sync.follower import FollowerSync
