@@ -28,7 +28,7 @@ CHECK_FILE_LINES = 500
 FUNCTION_LINES = 60
 # The counts `--check` allows in src/grpo: each may only go down (lower it when a change brings its count down).
 CEILINGS = {
-    "files_over_500_lines": 5,
+    "files_over_500_lines": 0,
     "functions_over_60_lines": 0,
     "function_local_imports": 0,
     "import_cycles": 0,

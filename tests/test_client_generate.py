@@ -106,6 +106,7 @@ def test_other_errors_of_a_batched_request_are_raised(server):
     (RuntimeError("engine died"), 500, "prompts[2]: RuntimeError: engine died"),
 ])
 def test_a_failed_prompt_of_a_batch_is_answered_with_its_causes_status_and_index(error, status, message):
-    from grpo.inference.server import PromptFailed, error_answer
+    from grpo.inference.generate import PromptFailed
+    from grpo.inference.server import error_answer
 
     assert error_answer(PromptFailed(2, error)) == ({"error": message}, status)

@@ -451,7 +451,7 @@ def test_the_data_source_counts_rollout_batches_not_optimizer_steps():
     """run-api was registered with the optimizer step as its starting step and the optimizer steps as num_steps,
     while it counts rollout batches (the trainer's `step` when it fetches): they differ when a batch trains
     ppo_epochs x mini_batches > 1 optimizer steps (a resume at step 8 of sweep=clip_eps started run-api at 8, not 2)."""
-    from grpo.trainer.loop import rollout_batches
+    from grpo.trainer.minibatch import rollout_batches
 
     cfg = _compose(["train.steps=16", "train.ppo_epochs=2", "train.mini_batches=2"]).train
     assert rollout_batches(cfg, 0, None) == (0, 4)

@@ -18,7 +18,7 @@ from hydra.utils import get_class
 
 from grpo.conf import CONFIG_DIR
 from grpo.config import ConfigError, register_configs
-from grpo.inference.process import parallel_sizes
+from grpo.inference.launch_args import parallel_sizes
 from grpo.pipeline.base import BatchShape, DataPipeline
 from grpo.pipeline.rank_broadcast import FollowerPipeline, LeaderPipeline
 from grpo.sync.base import SyncStrategy

@@ -60,7 +60,7 @@ def test_an_eval_that_fails_after_training_steps_leaves_their_rows(tiny_qwen2_di
 
     run = tmp_path / "run"
     trainer = build_trainer(tiny_qwen2_dir, run, steps=4)
-    trainer.evaluator = FailingEval()
+    trainer.evaluations.evaluator = FailingEval()
     with pytest.raises(type(error)):
         fit(trainer)
     assert last_step(run) == 2

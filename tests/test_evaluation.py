@@ -385,7 +385,7 @@ def test_evaluations_between_sample_nothing_with_sampled_every_0_and_keep_their_
 def test_summary_says_where_the_wall_clock_went(eval_run):
     """summary.json's wall_clock: from the process's start, start-up then the loop's parts then the teardown; the
     named parts account for the whole (the loop's unnamed rest, writing rows, is small)."""
-    from grpo.run_records import done_message
+    from grpo.run_summary import done_message
 
     run_dir, _ = eval_run
     summary = json.loads((run_dir / "summary.json").read_text())
@@ -421,7 +421,7 @@ def test_training_metrics_identical_with_eval_on_and_off(eval_run, tmp_path, tra
 
 
 def test_objective_selects_last_eval_value(tmp_path):
-    from grpo.run_records import check_objective, objective_value
+    from grpo.run_summary import check_objective, objective_value
 
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in [
         {"step": 0, "eval/accuracy": 0.1}, {"step": 1, "reward/mean": 0.5},
@@ -439,7 +439,7 @@ def test_an_objective_that_names_no_metric_is_a_config_error_at_start_up_not_aft
     """Before, `train.objective=eval/acuracy` trained the whole run, then ended in a ValueError traceback that also
     turned the completed run's summary.json into 'failed'; `eval=off train.objective=eval/accuracy` was a traceback."""
     from grpo.config_values import ConfigError
-    from grpo.run_records import check_objective, objective_value
+    from grpo.run_summary import check_objective, objective_value
 
     with pytest.raises(ConfigError, match="train.objective=eval/acuracy is not a metric the evaluator logs; did you "
                                           "mean eval/accuracy"):

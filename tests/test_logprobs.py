@@ -125,7 +125,7 @@ def test_no_grad_mode(model):
 
 
 def test_right_padding_drops_the_mask_left_padding_keeps_it(model):
-    from grpo.trainer.logprobs import causal_attention_mask
+    from grpo.trainer.hidden_states import causal_attention_mask
 
     right = torch.tensor([[1, 1, 1, 0], [1, 1, 1, 1]])
     left = torch.tensor([[0, 1, 1, 1], [1, 1, 1, 1]])

@@ -13,7 +13,8 @@ from omegaconf import OmegaConf
 from grpo.config.schema import TrainConfig
 from grpo.pipeline.batching import prepare_batch
 from grpo.pipeline.group import Group
-from grpo.trainer.logprobs import fused_token_loss, naive_token_entropy, packed_inputs, token_logprobs
+from grpo.trainer.hidden_states import packed_inputs
+from grpo.trainer.logprobs import fused_token_loss, naive_token_entropy, token_logprobs
 from grpo.trainer.loop import GRPOTrainer
 from grpo.trainer.loss import GRPOLoss
 from grpo.trainer.loss_interface import LossInputs
@@ -258,7 +259,7 @@ def test_packed_rows_keep_attention_per_sequence_under_other_kernels(tiny_qwen2_
 
 
 def test_packed_boundaries_are_the_cumulative_lengths_of_the_non_empty_rows():
-    from grpo.trainer.logprobs import packed_boundaries
+    from grpo.trainer.hidden_states import packed_boundaries
 
     attn = torch.tensor([[1, 1, 1, 0], [0, 0, 0, 0], [1, 1, 0, 0], [1, 1, 1, 1]])
     b = packed_boundaries(attn)
@@ -270,7 +271,7 @@ def test_varlen_attention_without_boundaries_reads_them_from_positions_and_keeps
     """A packed row passed with position ids only, and an unpacked left-padded batch with its 2D mask, give SDPA's
     log-probs: the kernel never lets a token see another sequence or a pad."""
     from grpo.models.loading import set_attention
-    from grpo.trainer.logprobs import backbone_and_head
+    from grpo.trainer.hidden_states import backbone_and_head
 
     model = _model(tiny_qwen2_dir)
     ids, attn_mask, labels, temps = _ragged(model.config.vocab_size)
@@ -325,7 +326,7 @@ def test_flex_attention_is_refused_for_a_cpu_trainer(tiny_qwen2_dir):
 def test_out_of_memory_in_an_update_says_which_micro_batch_and_what_to_lower(tiny_qwen2_dir):
     """A device OOM inside the forward/backward (raised here by the loss, as CUDA would raise it mid-backward)
     becomes an error naming the update's largest micro-batch and the knobs that lower the peak."""
-    from grpo.trainer.loop import TrainerOutOfMemoryError
+    from grpo.trainer.out_of_memory import TrainerOutOfMemoryError
 
     class OutOfMemoryLoss(GRPOLoss):
         def __call__(self, *args, **kwargs):

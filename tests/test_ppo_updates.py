@@ -279,7 +279,7 @@ def test_evaluations_fall_on_a_regular_grid_of_rollout_batches(tiny_qwen2_dir, t
                                     run_dir=tmp_path, seed=0, total_steps=8, max_seq_len=64, updates_per_batch=2))
     assert "eval: every 4 steps (eval.every=3 rounded up to a multiple of the 2 updates per rollout batch" in caplog.text
     assert Evaluator.batch_grid(10, 4) == 12 and Evaluator.batch_grid(10, 1) == 10 and Evaluator.batch_grid(0, 4) == 0
-    trainer.evaluator = evaluator
+    trainer.evaluations.evaluator = evaluator
     trainer.fit()
     trainer.metrics.close()
     assert evaluator.steps == [0, 4, 8]

@@ -120,7 +120,8 @@ def test_replicas_on_gpus_need_a_device_each_and_broadcast_gpus_apart_from_the_t
 
 def test_a_tensor_parallel_server_takes_its_device_and_the_gpus_after_it_as_the_trainer_numbers_them(monkeypatch,
                                                                                                     tmp_path):
-    from grpo.inference.process import VLLMServer, server_visible_devices
+    from grpo.inference.launch_args import server_visible_devices
+    from grpo.inference.process import VLLMServer
 
     assert server_visible_devices(1, 3, None) == "1,2,3"
     assert server_visible_devices(1, 1, "4,5") == "5"  # index 1 within the trainer's CUDA_VISIBLE_DEVICES

@@ -9,7 +9,7 @@ import re
 import pytest
 
 from grpo.conf import CONFIG_DIR
-from grpo.run_records import RunSummary
+from grpo.run_summary import RunSummary
 
 
 def test_first10_and_last10_reward_means_cover_every_step_of_a_resumed_run(tmp_path):
@@ -27,7 +27,7 @@ def test_first10_and_last10_reward_means_cover_every_step_of_a_resumed_run(tmp_p
 
 def test_a_run_with_only_its_first_evaluation_does_not_read_as_no_change(tmp_path):
     """eval.at_end=false and no eval inside the run: the line said "held-out accuracy 0.382 -> 0.382"."""
-    from grpo.run_records import done_message
+    from grpo.run_summary import done_message
 
     rows = [{"step": 0, "eval/accuracy": 0.382}, {"step": 1, "reward/mean": 0.5}]
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
@@ -38,7 +38,7 @@ def test_a_run_with_only_its_first_evaluation_does_not_read_as_no_change(tmp_pat
 def test_steps_run_counts_optimizer_steps_when_a_rollout_batch_has_several(tmp_path):
     """train.ppo_epochs x train.mini_batches = 4: a 4-step run has one rollout batch (its reward on the batch's first
     row). summary.json and the done line said "1 steps" while grpo.report said 4."""
-    from grpo.run_records import done_message
+    from grpo.run_summary import done_message
 
     rows = [{"step": 1, "reward/mean": 0.5, "loss": 0.1}, {"step": 2, "loss": 0.2}, {"step": 3, "loss": 0.1},
             {"step": 4, "loss": 0.0}]
@@ -82,7 +82,7 @@ def test_report_of_a_dir_without_runs_is_a_one_line_error(tmp_path, capsys, make
 
 def test_a_completed_run_ends_with_a_line_saying_how_it_went_and_where_its_outputs_are(tmp_path):
     """Before, a run ended with its progress bar: the run dir was named only among the start-up lines."""
-    from grpo.run_records import done_message
+    from grpo.run_summary import done_message
 
     rows = [{"step": 0, "eval/accuracy": 0.25}, {"step": 1, "reward/mean": 0.5},
             {"step": 2, "reward/mean": 0.7, "eval/accuracy": 0.5}]
@@ -99,7 +99,7 @@ def test_a_completed_run_ends_with_a_line_saying_how_it_went_and_where_its_outpu
 
 def test_the_first_and_last_reward_windows_never_overlap(tmp_path):
     """sweep=clip_eps: 60 steps of 4 updates are 15 rollout batches, whose 'first and last 10' shared 5 batches."""
-    from grpo.run_records import done_message, reward_window
+    from grpo.run_summary import done_message, reward_window
 
     assert [reward_window(n) for n in (1, 2, 3, 15, 19, 20, 60)] == [1, 1, 1, 7, 9, 10, 10]
     rewards = [0.0] * 8 + [1.0] * 7  # 15 batches: learning at batch 9
@@ -200,7 +200,7 @@ def test_a_summary_that_cannot_be_written_is_logged_and_never_left_half_written(
     summary.finish([0.5])
     first = (tmp_path / "summary.json").read_text()
     (tmp_path / ".summary.json.tmp").mkdir()  # the temporary file cannot be written
-    with caplog.at_level(logging.ERROR, logger="grpo.run_records"):
+    with caplog.at_level(logging.ERROR, logger="grpo.run_summary"):
         summary.fail(RuntimeError("the run's own error"))
     assert "could not write" in caplog.text and "failed" in caplog.text
     assert (tmp_path / "summary.json").read_text() == first  # the earlier record, whole

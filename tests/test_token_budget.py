@@ -57,7 +57,7 @@ def test_the_out_of_memory_message_names_the_largest_forward_not_two_maxima(tiny
     """The message said 'up to R sequences x L tokens' with R the most rows of any micro-batch and L the longest row
     of any: under a budget those come from different micro-batches (many short rows, few long ones), so it reported
     60 x 591 = 35k tokens for micro-batches of at most 16384."""
-    from grpo.trainer.loop import TrainerOutOfMemoryError
+    from grpo.trainer.out_of_memory import TrainerOutOfMemoryError
 
     class OutOfMemoryLoss(GRPOLoss):
         def __call__(self, *args, **kwargs):
@@ -125,7 +125,7 @@ def test_micro_batches_over_the_cap_are_split_and_the_others_kept(tiny_qwen2_dir
 
     from grpo.trainer.token_cap import CPU_TOKEN_CAP
 
-    with caplog.at_level(logging.INFO, logger="grpo.trainer.loop"):
+    with caplog.at_level(logging.INFO, logger="grpo.trainer.token_cap"):
         trainer = update_trainer(_model(tiny_qwen2_dir), GRPOLoss(), micro_batch_size=128)
     assert trainer.token_cap == CPU_TOKEN_CAP
     assert (f"micro-batches: 128 rows (train.micro_batch_size), split further where a forward would run more than "

@@ -31,16 +31,18 @@ from grpo.pipeline.rank_broadcast import FollowerPipeline, LeaderPipeline
 from grpo.pipeline.rollout_queue import AsyncRollouts
 from grpo.recipes.initial_weights import resolve_model_dir
 from grpo.recipes.trainable_model import build_model, build_reference_policy
-from grpo.run_records import check_objective, release_device_memory
+from grpo.run_records import release_device_memory
+from grpo.run_summary import check_objective
 from grpo.serving.checks import check_server_fits_model
 from grpo.sync.base import SyncContext, SyncStrategy
 from grpo.sync.follower import FollowerSync
 from grpo.trainer import fsdp
 from grpo.trainer.checkpoint import CheckpointManager, read_trainer_state
 from grpo.trainer.fsdp import DistInfo
-from grpo.trainer.loop import GRPOTrainer, rollout_batches, updates_per_batch
+from grpo.trainer.loop import GRPOTrainer
 from grpo.trainer.loss_interface import PolicyLoss
 from grpo.trainer.metrics import MetricsLogger, NullMetrics
+from grpo.trainer.minibatch import rollout_batches, updates_per_batch
 from grpo.trainer.optim import build_optimizer, build_scheduler
 from grpo.trainer.wall_clock import WallClock
 

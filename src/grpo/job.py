@@ -19,15 +19,13 @@ from grpo.config_values import ConfigError, option
 from grpo.inference.process import ServerStartError
 from grpo.pipeline.base import DataSourceError
 from grpo.run_records import (
-    RunSummary,
     device_memory,
     discard_unstarted_run_dir,
-    done_message,
-    objective_value,
     record_device_memory,
     record_provenance,
     release_device_memory,
 )
+from grpo.run_summary import RunSummary, done_message, objective_value
 from grpo.serving import kept
 from grpo.stop import exit_code, last_step, report_stop
 from grpo.trainer.metrics import MetricsFileError

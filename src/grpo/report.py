@@ -16,7 +16,7 @@ from typing import Any
 
 from hydra.experimental.callback import Callback
 
-from grpo.run_records import reward_window
+from grpo.run_summary import reward_window
 from grpo.trainer.metrics import MetricsFileError, read_metrics
 
 COLUMNS = ("job", "overrides", "status", "steps", "last10_reward_mean", "best_reward", "final_loss", "steps_per_s",

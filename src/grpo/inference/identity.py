@@ -25,7 +25,7 @@ import hmac
 import os
 import secrets
 import socket
-from typing import Iterable
+from typing import Iterable, Mapping
 
 # Environment variable the launcher sets in the server's environment.
 TOKEN_ENV = "GRPO_SERVER_TOKEN"
@@ -114,3 +114,17 @@ def exclusive_listen(port: int) -> None:
 
     socket.socket.setsockopt = setsockopt
     socket.socket.bind = bind
+
+
+def health_answer_owner(status: int, headers: Mapping[str, str], text: str) -> tuple[str, str]:
+    """Who gave a GET /health answer sent with this run's token: ("ours", "") when it proves the token, ("down", why)
+    for our server whose engine is not ready yet, ("foreign", what answered) otherwise."""
+    if status == 200 and headers.get(VERIFIED_HEADER) == "true":
+        return "ours", ""
+    if status == 403:
+        return "foreign", f"a grpo server of another run: {text[:200]}"
+    if status == 200:
+        return "foreign", f"/health answered 200 without proving this run's token (server: {headers.get('server')})"
+    if status in (500, 502, 503) and headers.get(VERIFIED_HEADER) == "true":
+        return "down", f"HTTP {status}"  # ours, engine not ready
+    return "foreign", f"/health answered HTTP {status}"

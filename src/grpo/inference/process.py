@@ -6,11 +6,9 @@ worker processes together, and nothing else: no process is ever looked up by nam
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -19,9 +17,19 @@ from typing import Any, Mapping, Sequence
 
 import requests
 
-from grpo.config_values import ConfigError, option
+from grpo.config_values import option
 from grpo.inference import identity, vllm_plugin
 from grpo.inference.client import InferenceClient
+from grpo.inference.launch_args import (
+    TORCHRUN_VARS,
+    compilation_args,
+    die_with_parent,
+    gpus_per_server,
+    pick_free_port,
+    port_in_use,
+    server_visible_devices,
+)
+from grpo.inference.server_log import log_tail, start_up_phase
 
 log = logging.getLogger(__name__)
 # Seconds before the first "starting vLLM ..." progress line, and the most between two: the gap doubles from the
@@ -41,105 +49,8 @@ class ServerCrashedError(RuntimeError):
     """The server process exited while it was expected to serve."""
 
 
-def parallel_sizes(extra_args) -> dict[str, int]:
-    """Tensor / pipeline / data parallel sizes given in server.extra_args (1 when absent)."""
-    flags = {
-        "--tensor-parallel-size": "tensor", "-tp": "tensor",
-        "--pipeline-parallel-size": "pipeline", "-pp": "pipeline",
-        "--data-parallel-size": "data", "-dp": "data",
-    }
-    sizes = {"tensor": 1, "pipeline": 1, "data": 1}
-    args = [str(a) for a in (extra_args or [])]
-    for i, a in enumerate(args):
-        flag, eq, val = a.partition("=")
-        if flag in flags:
-            val = val if eq else (args[i + 1] if i + 1 < len(args) else "")
-            try:
-                sizes[flags[flag]] = int(val)
-            except ValueError:
-                raise ConfigError(f"server.extra_args: {flag} needs an integer, got {val!r}") from None
-    return sizes
-
-
-def gpus_per_server(extra_args) -> int:
-    """GPUs one vLLM server spans: tensor x pipeline x data parallel sizes of server.extra_args."""
-    sizes = parallel_sizes(extra_args)
-    return sizes["tensor"] * sizes["pipeline"] * sizes["data"]
-
-
-def server_visible_devices(first: int, count: int, visible: str | None) -> str:
-    """CUDA_VISIBLE_DEVICES of a server whose GPUs are `count` in a row from index `first`, numbered as the trainer
-    numbers them: within the trainer's own CUDA_VISIBLE_DEVICES (`visible`) when it has one, as torch does."""
-    indices = list(range(first, first + count))
-    if not visible:
-        return ",".join(map(str, indices))
-    ids = [v.strip() for v in visible.split(",") if v.strip()]
-    if indices[-1] >= len(ids):
-        raise ConfigError(f"the server's GPUs {indices} (server.device / server.devices, and its parallel sizes) "
-                          f"lie beyond the {len(ids)} GPU(s) of CUDA_VISIBLE_DEVICES={visible}")
-    return ",".join(ids[i] for i in indices)
-
-
 class NotOurServerError(ServerStartError):
     """Something other than the server this launcher started answers on its host:port."""
-
-
-def pick_free_port(host: str) -> int:
-    """A TCP port free on `host` a moment ago (the server's own exclusive bind closes the remaining race)."""
-    with socket.socket() as s:
-        s.bind((host if host not in ("0.0.0.0", "") else "127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def port_in_use(host: str, port: int) -> bool:
-    """True when something already listens on host:port."""
-    with socket.socket() as s:
-        s.settimeout(0.5)
-        return s.connect_ex((host if host not in ("0.0.0.0", "") else "127.0.0.1", port)) == 0
-
-
-def _die_with_parent() -> None:
-    # Linux: SIGTERM the server if the trainer dies without stop() (SIGKILL, OOM), so no orphan keeps the port and
-    # the memory; vLLM's own children follow their API server. Bound to the thread that started the server.
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
-
-
-# What torchrun sets for each trainer rank (plus TORCHELASTIC_*).
-_TORCHRUN_VARS = frozenset({
-    "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE", "ROLE_RANK",
-    "ROLE_WORLD_SIZE", "ROLE_NAME", "MASTER_ADDR", "MASTER_PORT",
-})
-
-
-def compilation_args(server_cfg: Any, extra_args: Sequence[str]) -> list[str]:
-    """`--compilation-config` for server.compile=false and server.cuda_graph_sizes, or nothing when both are null."""
-    compile_model, sizes = option(server_cfg, "compile"), option(server_cfg, "cuda_graph_sizes")
-    if compile_model is None and sizes is None:
-        return []
-    if any(a == "-O" or a.startswith(("--compilation-config", "-cc", "-O")) for a in extra_args):
-        raise ConfigError("server.compile / server.cuda_graph_sizes and a compilation flag in server.extra_args both set "
-                         "vLLM's compilation config: keep one")
-    config: dict[str, Any] = {}
-    if compile_model is False:
-        # No torch.compile: whole decode steps run as CUDA graphs (the piecewise graphs need the compiled model).
-        config.update(mode=0, cudagraph_mode="FULL_DECODE_ONLY")
-    if sizes is not None:
-        config["cudagraph_capture_sizes"] = sorted({int(n) for n in sizes})
-    return ["--compilation-config", json.dumps(config)]
-
-
-def shorten_balanced(text: str, limit: int) -> str:
-    """`text`, cut to about `limit` characters with "..." where cut, and its brackets closed: quoted in a progress
-    line's own brackets, a cut message read as "(grpo: ... (vLLM's AOT cache ... does)" with one left open."""
-    if len(text) <= limit:
-        return text
-    cut = text[: limit - 3] + "..."
-    return cut + ")" * max(0, cut.count("(") - cut.count(")"))
 
 
 class VLLMServer:
@@ -269,7 +180,7 @@ class VLLMServer:
     def environment(self) -> dict[str, str]:
         # Under torchrun the trainer's rank variables would otherwise leak into vLLM, which is not a member of the
         # trainer's process group and runs its own torch.distributed setup.
-        env = {k: v for k, v in os.environ.items() if k not in _TORCHRUN_VARS and not k.startswith("TORCHELASTIC_")}
+        env = {k: v for k, v in os.environ.items() if k not in TORCHRUN_VARS and not k.startswith("TORCHELASTIC_")}
         device = option(self.cfg, "device")
         if device is not None:
             # A tensor-parallel server takes server.device and the GPUs after it.
@@ -340,7 +251,7 @@ class VLLMServer:
             env=self.environment(),
             # Own session = own process group: stop() signals exactly the server and its children.
             start_new_session=True,
-            preexec_fn=_die_with_parent,
+            preexec_fn=die_with_parent,
         )
         # Replicas start side by side and are waited for one after another: each one's clock and line start here,
         # with its process, so "ready after N s" is true of each (it read 0 s for a second replica).
@@ -412,15 +323,7 @@ class VLLMServer:
             r = requests.get(self.url + "/health", headers={identity.TOKEN_HEADER: self.token}, timeout=timeout)
         except requests.RequestException as e:
             return "down", type(e).__name__
-        if r.status_code == 200 and r.headers.get(identity.VERIFIED_HEADER) == "true":
-            return "ours", ""
-        if r.status_code == 403:
-            return "foreign", f"a grpo server of another run: {r.text[:200]}"
-        if r.status_code == 200:
-            return "foreign", f"/health answered 200 without proving this run's token (server: {r.headers.get('server')})"
-        if r.status_code in (500, 502, 503) and r.headers.get(identity.VERIFIED_HEADER) == "true":
-            return "down", f"HTTP {r.status_code}"  # ours, engine not ready
-        return "foreign", f"/health answered HTTP {r.status_code}"
+        return identity.health_answer_owner(r.status_code, r.headers, r.text)
 
     def healthy(self, timeout: float = 5.0) -> bool:
         """True when the process is alive and GET /health answers 200 with the run token's proof."""
@@ -545,25 +448,11 @@ class VLLMServer:
 
     def start_up_phase(self) -> str:
         """` (<vLLM's last log message>)`, shortened, or "" when the log has none yet: what a start-up is busy with."""
-        if not self.log_path.exists():
-            return ""
-        for line in reversed(self.log_tail(5).splitlines()):
-            # vLLM's lines read "(EngineCore pid=1) INFO 11-25 07:34:25 [file.py:12] message": keep the message.
-            message = line.split("] ", 1)[-1].strip()
-            if message and not message.startswith("====="):
-                return f" ({shorten_balanced(message, 100)})"
-        return ""
+        return start_up_phase(self.log_path)
 
     def log_tail(self, n: int = 40) -> str:
         """Last `n` lines of the server log."""
-        try:
-            with open(self.log_path, "rb") as f:
-                f.seek(0, os.SEEK_END)
-                f.seek(max(0, f.tell() - 64 * 1024))
-                lines = f.read().decode(errors="replace").splitlines()
-        except FileNotFoundError:
-            return "(no log)"
-        return "\n".join(lines[-n:])
+        return log_tail(self.log_path, n)
 
     # ------------------------------------------------------------------ internals
     def _signal_group(self, sig: int) -> bool:

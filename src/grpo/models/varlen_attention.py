@@ -1,6 +1,6 @@
 """``model.attn_implementation=varlen``: packed rows' attention through FlashAttention's variable-length kernel.
 
-A padding-free micro-batch is one row of several sequences (``grpo.trainer.logprobs.packed_inputs``). Under SDPA
+A padding-free micro-batch is one row of several sequences (``grpo.trainer.hidden_states.packed_inputs``). Under SDPA
 that row needs an N x N block-diagonal mask (no fused kernel, N^2 memory); FlexAttention keeps it block-sparse but
 compiles a block mask per new length. The varlen kernel takes the sequence boundaries (``cu_seq_lens``, cumulative
 lengths) and attends within each sequence at flash speed, with no mask and no compile. PyTorch ships that kernel

@@ -12,7 +12,7 @@ from pathlib import Path
 from omegaconf import DictConfig
 
 from grpo.config_values import ConfigError
-from grpo.inference.process import parallel_sizes
+from grpo.inference.launch_args import parallel_sizes
 from grpo.serving import kept
 from grpo.serving.server import external_urls, replica_count
 

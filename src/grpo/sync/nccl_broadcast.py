@@ -31,7 +31,7 @@ import torch
 import torch.nn as nn
 
 from grpo.config_values import ConfigError, option
-from grpo.inference.process import gpus_per_server
+from grpo.inference.launch_args import gpus_per_server
 from grpo.inference.weight_transfer import UPDATE_PHASES
 from grpo.serving.server import Replica, external_urls
 from grpo.sync.base import ServerLaunch, SyncContext, SyncStrategy

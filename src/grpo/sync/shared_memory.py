@@ -31,7 +31,7 @@ import torch.nn as nn
 
 from grpo.config_values import ConfigError
 from grpo.inference import vllm_plugin
-from grpo.inference.process import parallel_sizes
+from grpo.inference.launch_args import parallel_sizes
 from grpo.serving.server import Replica, replica_count
 from grpo.sync.base import ServerLaunch, SyncContext, SyncStrategy
 from grpo.sync.param_mapping import MappingError, build_views, plan_mapping

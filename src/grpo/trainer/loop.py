@@ -6,166 +6,41 @@ import logging
 import math
 import time
 from pathlib import Path
-from typing import Any, Callable, Optional, Protocol
+from typing import Any, Callable, Optional
 
 import torch
 
 from grpo import faults
 from grpo.algorithms.aggregation import Totals
-from grpo.config_values import ConfigError
 from grpo.schema.train import TrainConfig
 from grpo.sync.base import SyncStrategy
 from grpo.trainer import fsdp
-from grpo.trainer.background_eval import BackgroundEvaluations, PhasedEvaluator
 from grpo.trainer.checkpoint import CheckpointManager
-from grpo.trainer.flops import ModelFlops, pad_fraction, peak_tflops, perf_metrics
+from grpo.trainer.evaluations import LoopEvaluations, StepEvaluator
 from grpo.trainer.logprobs import can_fuse, fused_token_loss, token_logprobs
-from grpo.trainer.loss_interface import LossInputs, LossNeeds, PolicyLoss
+from grpo.trainer.loss_interface import LossInputs, PolicyLoss, check_skip_zero_advantage, take_loss
 from grpo.trainer.metrics import MetricsLogger, NullMetrics
+from grpo.trainer.metrics_rows import BatchTimes, device_peak, fill_batch_rows, forward_perf, model_flops
 from grpo.trainer.minibatch import (
     capped_split,
-    forward_tokens,
+    rollout_batches,
     token_budget_split,
     update_plan,
+    updates_per_batch,
     without_zero_advantage_rows,
 )
-from grpo.trainer.prefix import shared_row_lengths
+from grpo.trainer.out_of_memory import TrainerOutOfMemoryError, out_of_memory_advice
+from grpo.trainer.recovery import retried_after_recovery
 from grpo.trainer.reference import ReferencePolicy
-from grpo.trainer.token_cap import derived_token_cap
+from grpo.trainer.token_cap import micro_batch_token_cap
 from grpo.trainer.train_batch import BatchSource, PreparedBatch, TrainBatch
 from grpo.trainer.wall_clock import WallClock
 
 log = logging.getLogger(__name__)
 
 
-def peak_memory_gb(device: torch.device) -> float:
-    """Peak memory of this process so far: CUDA allocator peak on GPU, max RSS on CPU."""
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 1024**3
-    import resource
-
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024**2  # ru_maxrss is in KiB on Linux
-
-
-def process_stats() -> dict[str, float]:
-    """Current RSS and open file descriptors of this process (Linux /proc; empty elsewhere), for leak watching."""
-    import os
-
-    try:
-        rss_pages = int(Path("/proc/self/statm").read_text().split()[1])
-        fds = len(os.listdir("/proc/self/fd"))
-    except OSError:
-        return {}
-    return {"memory/rss_gb": rss_pages * os.sysconf("SC_PAGE_SIZE") / 1024**3, "proc/open_fds": float(fds)}
-
-
-def model_flops(model: torch.nn.Module) -> Optional[ModelFlops]:
-    """The FLOP counter of `model`'s config; None for a model whose config lacks the shapes (no perf/ metrics)."""
-    try:
-        return ModelFlops.from_config(model.config)
-    except (AttributeError, TypeError, ValueError):
-        return None
-
-
-def device_peak(model: torch.nn.Module, device: torch.device) -> Optional[float]:
-    """Dense peak TFLOPS of `device` for the dtype `model` trains in; None on CPU or an unlisted GPU."""
-    if device.type != "cuda":
-        return None
-    dtype = next(model.parameters()).dtype
-    return peak_tflops(torch.cuda.get_device_name(device), dtype in (torch.bfloat16, torch.float16))
-
-
-def batch_summary(rows: list[dict[str, Any]]) -> dict[str, float]:
-    """Per rollout batch, over its updates: how much the clip acted and how far the policy moved from pi_old."""
-    def values(key: str) -> list[float]:
-        return [float(r[key]) for r in rows if r.get(key) is not None]
-
-    out = {"batch/updates": float(len(rows))}
-    for key, agg in (("grpo/clipped_fraction", "mean"), ("grpo/approx_kl_old", "max"), ("grpo/ratio_old_max", "max")):
-        v = values(key)
-        if v:
-            out[f"batch/{key.split('/')[1]}_{agg}"] = sum(v) / len(v) if agg == "mean" else max(v)
-    return out
-
-
-class StepEvaluator(PhasedEvaluator, Protocol):
-    """What the loop needs of an evaluator (grpo.pipeline.evaluation.Evaluator; typed here so the trainer does not
-    import the pipeline). `background`: its evaluations run beside training (grpo.trainer.background_eval)."""
-
-    background: bool
-
-    def due(self, step: int, total_steps: int) -> bool: ...
-
-    def evaluate(self, step: int) -> dict[str, float]: ...
-
-
 class NonFiniteError(RuntimeError):
     """Too many consecutive steps with a NaN/Inf loss or gradient."""
-
-
-class TrainerOutOfMemoryError(RuntimeError):
-    """A micro-batch's forward/backward ran out of device memory; the message names the knobs that lower the peak."""
-
-
-def out_of_memory_advice(batch: PreparedBatch, step: int, device: torch.device, padding_free: bool = False,
-                         shared: bool = False) -> str:
-    """What ran out of memory (the update's largest micro-batch as its forward runs it, the device's free memory)
-    and what to change."""
-    shapes = [(mb.num_sequences, *forward_tokens(mb, padding_free, shared)) for mb in batch.micro_batches]
-    sequences, rows, width = max(shapes, key=lambda s: s[1] * s[2])
-    layout = ("packed into one row" if padding_free and not shared else
-              f"as {rows} shared-prompt rows x {width} tokens" if shared else f"x {width} tokens, padded")
-    free = ""
-    if device.type == "cuda":
-        free_b, total_b = torch.cuda.mem_get_info(device)
-        free = f"; {free_b / 2**30:.1f} of the GPU's {total_b / 2**30:.1f} GiB are free now"
-    return (
-        f"step {step}: out of device memory in the forward/backward of a micro-batch of {rows * width} tokens "
-        f"({sequences} sequences {layout}){free}. Lower the peak with a smaller train.micro_batch_size (a larger "
-        "train.grad_accum keeps the batch) or train.max_tokens_per_micro_batch budget, "
-        "model.gradient_checkpointing=true, or, when vLLM shares this GPU, a smaller server.gpu_memory_utilization"
-    )
-
-
-def updates_per_batch(train_cfg: TrainConfig) -> int:
-    """Optimizer steps per rollout batch: `train.ppo_epochs` passes x `train.mini_batches` mini-batches."""
-    return int(train_cfg.ppo_epochs) * int(train_cfg.mini_batches)
-
-
-def rollout_batches(train_cfg: TrainConfig, start_step: int, start_batch: Optional[int]) -> tuple[int, int]:
-    """(the first rollout batch of this session, the rollout batches of the run): what a data source counts (its
-    `step`, run-api's step). `start_batch` is the checkpoint's own count; older checkpoints have only the step."""
-    per_batch = updates_per_batch(train_cfg)
-    first = start_step // per_batch if start_batch is None else start_batch
-    return first, int(train_cfg.steps) // per_batch
-
-
-def take_loss(loss_fn: PolicyLoss, loss_state: Optional[dict[str, Any]],
-              reference: Optional[ReferencePolicy]) -> LossNeeds:
-    """What `loss_fn` asks of the trainer, read once, after a resumed run's `loss_state` (what the loss had adapted to,
-    which may turn an entropy bonus on). TypeError for anything but a `PolicyLoss`; ConfigError for a loss that needs
-    the initial policy when the trainer was given none."""
-    if not isinstance(loss_fn, PolicyLoss):
-        raise TypeError(f"loss_fn must be a grpo.trainer.loss_interface.PolicyLoss (it declares what it needs), "
-                        f"got {type(loss_fn).__name__}")
-    if loss_state:
-        loss_fn.load_state_dict(loss_state)
-    needs = loss_fn.needs
-    if needs.reference_policy and reference is None:
-        raise ConfigError(f"{loss_fn!r} measures its KL penalty against the initial policy, and the trainer was "
-                          "given none (reference=ReferencePolicy...; train.py builds it)")
-    return needs
-
-
-def check_skip_zero_advantage(skip: bool, loss_fn: PolicyLoss) -> None:
-    """`train.skip_zero_advantage` needs a loss that gains nothing from rows whose advantage is 0 everywhere."""
-    if skip and not loss_fn.needs.zero_advantage_adds_nothing:
-        raise ConfigError(
-            "train.skip_zero_advantage=true leaves rows with advantage 0 out of the forward passes, which keeps "
-            f"the gradients only for a loss that gains nothing from them; {loss_fn!r} does (a KL penalty, an "
-            "entropy bonus, or a loss whose needs do not declare zero_advantage_adds_nothing). Set loss.kl_coef=0 "
-            "and loss.entropy_coef=0, or train.skip_zero_advantage=false"
-        )
 
 
 class GRPOTrainer:
@@ -220,15 +95,11 @@ class GRPOTrainer:
         self.set_forward_path(train_cfg, model, device, logprob_fn)
         self.flops, self.peak = model_flops(model), device_peak(model, device)
         self.rewards: list[float] = []
-        # Held-out eval (rank 0 only; None when off). It starts after a rollout batch's sync, so it samples the
-        # weights of the step it is labelled with; with eval.background it runs beside training (`evals`).
-        self.evaluator = evaluator
-        self.evals = (BackgroundEvaluations(evaluator, self.sync.recover)
-                      if evaluator is not None and getattr(evaluator, "background", False) else None)
-        # Seconds the loop waited on evaluations not yet reported in a row (time/eval_wait_seconds).
-        self.eval_wait_unreported = 0.0
         # Where this session's wall clock goes (summary.json's wall_clock); a private one when none is given.
         self.clock = clock if clock is not None else WallClock()
+        # Held-out eval (rank 0 only; none when off), blocking or beside training (grpo.trainer.evaluations); a
+        # server that died under one is restarted by the sync strategy's recover.
+        self.evaluations = LoopEvaluations(evaluator, lambda error: self.sync.recover(error), self.clock)
 
     def set_forward_path(self, train_cfg: TrainConfig, model: torch.nn.Module, device: torch.device,
                          logprob_fn: Optional[Callable[..., torch.Tensor]]) -> None:
@@ -250,31 +121,10 @@ class GRPOTrainer:
         self.max_tokens = train_cfg.max_tokens_per_micro_batch
         # Without an explicit budget, micro_batch_size rows each split further where their forward would exceed a
         # cap derived from the device (train.auto_token_budget; grpo.trainer.token_cap).
-        self.token_cap = self.micro_batch_bound(train_cfg, model, device, self.dist)
+        self.token_cap = micro_batch_token_cap(train_cfg, model, device, self.dist)
         if device.type == "cuda":
             # Peaks are per run: a multirun's earlier jobs must not leak into this one's figures.
             torch.cuda.reset_peak_memory_stats(device)
-
-    @staticmethod
-    def micro_batch_bound(train_cfg: TrainConfig, model: torch.nn.Module, device: torch.device,
-                          dist: Optional[fsdp.DistInfo]) -> Optional[int]:
-        """The token cap on top of micro_batch_size rows (None: an explicit budget or none), said in the log."""
-        if train_cfg.max_tokens_per_micro_batch is not None:
-            log.info("micro-batches: by a budget of %d forwarded tokens (train.max_tokens_per_micro_batch)",
-                     train_cfg.max_tokens_per_micro_batch)
-            return None
-        if not getattr(train_cfg, "auto_token_budget", True):
-            log.info("micro-batches: %d rows, no token bound (train.auto_token_budget=false)", train_cfg.micro_batch_size)
-            return None
-        cap, how = derived_token_cap(model, device)
-        if dist is not None and dist.enabled:  # every rank must split alike (the forwards are collectives): the smallest cap
-            bound = torch.tensor([cap], device=device)
-            torch.distributed.all_reduce(bound, op=torch.distributed.ReduceOp.MIN)
-            cap = int(bound.item())
-        log.info("micro-batches: %d rows (train.micro_batch_size), split further where a forward would run more than "
-                 "%d tokens (train.auto_token_budget: %s; set train.max_tokens_per_micro_batch to choose a budget)",
-                 train_cfg.micro_batch_size, cap, how)
-        return cap
 
     @property
     def layout(self) -> dict[str, bool]:
@@ -294,34 +144,34 @@ class GRPOTrainer:
         t_fit = time.perf_counter()
         self.clock.loop_started()
         try:
-            self.evaluate_at_start(t_fit)
+            start_row = self.evaluations.at_start(self.step, self.cfg.steps, self.metrics.logged)
+            if start_row is not None:
+                self.log_row(start_row, t_fit)
             while self.step < self.cfg.steps:
                 self.sync.server.prepare_step(self.step + 1)
                 first = self.step
                 rows, failed = self.train_batch()
-                if failed is None and self.evaluator is not None and any(self.evaluator.due(s, self.cfg.steps)
-                                                                         for s in range(first + 1, self.step + 1)):
+                if failed is None and self.evaluations.due_after(first, self.step, self.cfg.steps):
                     try:
-                        self.start_evaluation(self.step, rows[-1])
+                        self.evaluations.start(self.step, rows[-1])
                     except BaseException as error:  # the steps were trained (a SIGTERM too): their rows first, then raise
                         failed = error
-                rows[-1]["time/eval_wait_seconds"] = self.take_eval_wait()
+                rows[-1]["time/eval_wait_seconds"] = self.evaluations.take_wait()
                 # The rows go to disk before the checkpoint that holds these steps' weights: a run stopped or failing
                 # inside the checkpoint write has them, and a resume from an older checkpoint trims them
                 # (MetricsLogger), so every step is in metrics.jsonl exactly once.
-                for row in rows:
-                    self.log_row(row, t_fit)
-                if self.evals is not None:
-                    self.log_evaluations(self.evals.finished(), t_fit)
+                self.log_rows(rows, t_fit)
+                if self.evaluations.background is not None:
+                    self.log_rows(self.evaluations.rows(self.evaluations.background.finished()), t_fit)
                 if failed is not None:
                     raise failed
                 every = self.cfg.checkpoint_every
                 final = self.step == self.cfg.steps and getattr(self.cfg, "save_final_checkpoint", True)
                 if self.step // every > first // every or final:
                     self.checkpoint(t_fit)
-            if self.evals is not None:  # the last evaluations complete before the run does
-                self.log_evaluations(self.evals.wait(), t_fit, last=True)
-                self.take_eval_wait()  # into the wall clock when no row was left to carry it
+            if self.evaluations.background is not None:  # the last evaluations complete before the run does
+                self.log_rows(self.evaluations.rows(self.evaluations.background.wait(), last=True), t_fit)
+                self.evaluations.take_wait()  # into the wall clock when no row was left to carry it
         finally:
             self.clock.loop_ended()
         return self.rewards
@@ -330,70 +180,12 @@ class GRPOTrainer:
         """Write a checkpoint at a rollout-batch boundary (FSDP2: every rank joins, rank 0 writes), after the rows
         of the evaluations of earlier steps (beside training): a resume from it cannot evaluate their weights
         again. The evaluation of this step may still run: a resume evaluates it when its row is missing."""
-        if self.evals is not None:
-            self.log_evaluations(self.evals.wait(before=self.step), t_fit)
+        if self.evaluations.background is not None:
+            self.log_rows(self.evaluations.rows(self.evaluations.background.wait(before=self.step)), t_fit)
         t0 = time.perf_counter()
         self.metrics.flush()
         self.save_checkpoint()
         self.clock.add("checkpoint", time.perf_counter() - t0)
-
-    def evaluate_at_start(self, t_fit: float) -> None:
-        """The evaluation of the weights the session starts from: step 0's before training (eval.before_train), or
-        a resumed run's checkpoint step when it is due and its row is missing (an evaluation beside training still
-        running when the run stopped)."""
-        if self.evaluator is None or not self.evaluator.due(self.step, self.cfg.steps) or self.step >= self.cfg.steps:
-            return
-        if self.step > 0 and self.metrics.logged(self.step, "eval/"):
-            return
-        if self.evals is not None:
-            self.evals.submit(self.step)
-            return
-        row: dict[str, Any] = {"step": self.step}
-        self.start_evaluation(self.step, row)
-        self.log_row({**row, "time/eval_wait_seconds": self.take_eval_wait()}, t_fit)
-
-    def start_evaluation(self, step: int, row: dict[str, Any]) -> None:
-        """The evaluation of `step`, whose weights the server serves now: beside training (its row comes when it
-        completes), or blocking, its metrics added to `row`."""
-        if self.evals is not None:
-            self.evals.submit(step)
-            return
-        t0 = time.perf_counter()
-        try:
-            row.update(self.evaluate(step))
-        finally:
-            self.note_eval_wait(time.perf_counter() - t0)
-
-    def log_evaluations(self, results: list[tuple[int, dict[str, float]]], t_fit: float, last: bool = False) -> None:
-        """The rows of evaluations run beside training, each with its own step (after that step's training row,
-        possibly after later steps' rows); the last one of the run carries the final wait."""
-        for i, (step, metrics) in enumerate(results):
-            row: dict[str, Any] = {"step": step, **metrics}
-            if last and i == len(results) - 1:
-                row["time/eval_wait_seconds"] = self.take_eval_wait()
-            self.log_row(row, t_fit)
-
-    def settle_evaluation(self) -> None:
-        """Before the served weights change: wait until an evaluation beside training has generated."""
-        if self.evals is not None:
-            self.evals.settle()
-
-    def note_eval_wait(self, seconds: float) -> None:
-        """A blocking evaluation's seconds (those beside training are counted by `BackgroundEvaluations`)."""
-        self.eval_wait_unreported += seconds
-
-    def eval_waited_total(self) -> float:
-        """Seconds this session's loop waited on evaluations beside training so far."""
-        return self.evals.waited_total if self.evals is not None else 0.0
-
-    def take_eval_wait(self) -> float:
-        """Seconds the loop waited on evaluations since the last call (time/eval_wait_seconds), also added to the
-        wall clock's eval_wait."""
-        if self.evals is not None:
-            self.eval_wait_unreported += self.evals.take_waited()
-        waited, self.eval_wait_unreported = self.eval_wait_unreported, 0.0
-        self.clock.add("eval_wait", waited)
-        return waited
 
     def close(self) -> None:
         """Drop the model, its gradients and the optimizer state (the job's device memory), so nothing that still
@@ -408,6 +200,11 @@ class GRPOTrainer:
     def log_row(self, row: dict[str, Any], t_fit: float) -> None:
         """Log one metrics row with `time/run_seconds`, the wall-clock since the loop began at `t_fit`."""
         self.metrics.log({**row, "time/run_seconds": time.perf_counter() - t_fit})
+
+    def log_rows(self, rows: list[dict[str, Any]], t_fit: float) -> None:
+        """Log metrics rows in order (`log_row`)."""
+        for row in rows:
+            self.log_row(row, t_fit)
 
     def save_checkpoint(self) -> Path | None:
         """Atomic checkpoint of model (or adapter), optimizer, scheduler, RNG, data position and counters. Under
@@ -426,7 +223,7 @@ class GRPOTrainer:
         the steps were trained."""
         t_start = time.perf_counter()
         batch = self.fetch_batch()
-        t_data, waited_data = time.perf_counter(), self.eval_waited_total()
+        t_data, waited_data = time.perf_counter(), self.evaluations.waited_total()
         head: dict[str, Any] = {**self.pipeline.metrics(), **batch.metrics}
         if batch.num_loss_tokens > 0:
             # pi_old's and the KL reference's forwards run on the rollout batch's micro-batches: the budget holds
@@ -447,7 +244,7 @@ class GRPOTrainer:
             rows.append({"step": self.step + 1, **update, "batch": float(self.batch_number + 1), "epoch": float(epoch)})
             self.step += 1
         self.batch_number += 1
-        t_sync, waited_sync = time.perf_counter(), self.eval_waited_total()
+        t_sync, waited_sync = time.perf_counter(), self.evaluations.waited_total()
         failed: Optional[BaseException] = None
         try:
             sync_metrics = self.maybe_sync()
@@ -458,21 +255,9 @@ class GRPOTrainer:
         # The wall clock's parts; an evaluation's generation waited on before the weights changed is eval_wait's.
         self.clock.add("generation_wait", t_data - t_start)
         self.clock.add("training", t_sync - t_data - (waited_sync - waited_data))
-        self.clock.add("sync", t_end - t_sync - (self.eval_waited_total() - waited_sync))
-        rows[0] = {"step": rows[0]["step"], **head, **rows[0]}
-        rows[0]["time/data_seconds"] = t_data - t_start
-        # Step times add up to the batch's wall time: fetch (and pi_old) count on the first update, sync on the last.
-        rows[0]["time/step_seconds"] += t_sync - t_start - sum(r["time/step_seconds"] for r in rows)
-        rows[-1]["time/step_seconds"] += t_end - t_sync
-        rows[-1].update(batch_summary(rows))
-        for row in rows:
-            row.update(sync_metrics if row is rows[-1] else
-                       {"sync/seconds": 0.0, "sync/version": float(self.sync.version),
-                        "sync/gen_stall_seconds": 0.0, "sync/drain_seconds": 0.0})
-            row["memory/peak_gb"] = peak_memory_gb(self.device)
-            # Restarts so far in this session (a restart in an eval: next row); with replicas, each one's requests.
-            row.update(self.sync.server.metrics())
-            row.update(process_stats())
+        self.clock.add("sync", t_end - t_sync - (self.evaluations.waited_total() - waited_sync))
+        fill_batch_rows(rows, head, BatchTimes(t_start, t_data, t_sync, t_end), sync_metrics, self.sync.version,
+                        self.sync.server.metrics, self.device)
         if math.isfinite(rows[0].get("reward/mean", math.nan)):  # a batch with no group has no reward
             self.rewards.append(float(rows[0]["reward/mean"]))
         return rows, failed
@@ -549,19 +334,9 @@ class GRPOTrainer:
         """`batch/pad_fraction` and `tokens/forwarded` of the update's forward passes (the shared rows' under
         prefix sharing), and `perf/tflops` / `perf/mfu` of its model FLOPs
         (`grpo.trainer.flops`) over `seconds`, per device (the ranks share the FLOPs)."""
-        if self.shared:  # the rows actually forwarded: each prompt once (padded to the micro-batch's longest row)
-            lengths = [shared_row_lengths(mb.attention_mask, mb.labels, mb.input_ids) for mb in batch.micro_batches]
-        else:
-            lengths = [mb.attention_mask.sum(dim=1).tolist() for mb in batch.micro_batches]
-        out = {"batch/pad_fraction": pad_fraction(lengths, self.packed and not self.shared),
-               "batch/micro_batches": float(len(lengths)),
-               # Real tokens the decoder ran, padding excluded (each sequence's last token is never an input).
-               "tokens/forwarded": float(sum(sum(lens) for lens in lengths))}
-        if self.flops is None:
-            return out
         recompute = bool(getattr(self.model, "is_gradient_checkpointing", False))
-        flops = self.flops.train_flops([n for lens in lengths for n in lens], batch.num_loss_tokens, recompute)
-        return {**out, **perf_metrics(flops / (self.dist.world_size if self.dist else 1), seconds, self.peak)}
+        return forward_perf(batch, seconds, packed=self.packed, shared=self.shared, flops=self.flops, peak=self.peak,
+                            recompute=recompute, world_size=self.dist.world_size if self.dist else 1)
 
     @torch.no_grad()
     def batch_logprobs(self, batch: PreparedBatch, logprob_fn: Callable[..., torch.Tensor]) -> list[torch.Tensor]:
@@ -589,28 +364,11 @@ class GRPOTrainer:
         for mb, lp in zip(batch.micro_batches, self.batch_logprobs(batch, self.reference.logprobs)):
             mb.ref_logprobs = lp
 
-    def evaluate(self, step: int) -> dict[str, Any]:
-        """The evaluator's metrics after `step`. A server that died during the evaluation is restarted by the sync
-        strategy, as in `fetch_batch` (bounded by server.max_restarts), and the evaluation runs again once; its
-        samples are written only by the run that completes."""
-        assert self.evaluator is not None
-        try:
-            return self.evaluator.evaluate(step)
-        except Exception as error:
-            if not self.sync.recover(error):
-                raise
-        return self.evaluator.evaluate(step)
-
     def fetch_batch(self) -> PreparedBatch:
         """The next rollout batch (the data source is indexed by rollout batch, 0-based). A server that died while generating is restarted by the sync strategy (bounded by
         server.max_restarts; it raises when they are used up) and the step's generation runs again once."""
         faults.point("generate", self.step + 1)
-        try:
-            return self.pipeline.next_batch(self.batch_number)
-        except Exception as error:
-            if not self.sync.recover(error):
-                raise
-        return self.pipeline.next_batch(self.batch_number)
+        return retried_after_recovery(lambda: self.pipeline.next_batch(self.batch_number), self.sync.recover)
 
     def forward_backward(self, batch: PreparedBatch) -> tuple[float, dict[str, float]]:
         """Gradients of the step's loss, accumulated over its micro-batches; (summed loss, token-weighted
@@ -692,7 +450,7 @@ class GRPOTrainer:
         if math.isfinite(loss_total) and math.isfinite(grad_norm):
             self.nonfinite_in_a_row = 0
             if self.sync.serves_weights_in_place:  # the step changes what the server samples: an eval must be done
-                self.settle_evaluation()
+                self.evaluations.settle()
             self.sync.before_optimizer_step()
             try:
                 faults.point("optimizer_step", self.step + 1)
@@ -718,17 +476,15 @@ class GRPOTrainer:
         and after the last step. With the batch's generation stall (`sync/gen_stall_seconds`: the server could not
         generate because of weight updates, shared_vllm's optimizer-step pauses included; `sync/drain_seconds`)."""
         if self.batch_number % self.sync.sync_every == 0 or self.step == self.cfg.steps:
-            self.settle_evaluation()  # an evaluation beside training generates on the weights this sync replaces
-            try:
-                out = self.sync.sync(self.model, self.step)
-            except Exception as error:
-                # A server that died during the sync is restarted on the weights it served (bounded by
-                # server.max_restarts) and the sync runs again once, as for generation. Not under torchrun: the
-                # sync's gather is a collective the other ranks joined once.
-                if self.dist is not None or not self.sync.recover(error):
-                    raise
-                log.warning("step %d: the weight sync failed (%s); the server was restarted, syncing again", self.step, error)
-                out = self.sync.sync(self.model, self.step)
+            self.evaluations.settle()  # an evaluation beside training generates on the weights this sync replaces
+            # A server that died during the sync is restarted on the weights it served (bounded by
+            # server.max_restarts) and the sync runs again once, as for generation. Not under torchrun: the
+            # sync's gather is a collective the other ranks joined once.
+            out = retried_after_recovery(
+                lambda: self.sync.sync(self.model, self.step),
+                lambda error: self.dist is None and self.sync.recover(error),
+                lambda error: log.warning("step %d: the weight sync failed (%s); the server was restarted, syncing "
+                                          "again", self.step, error))
             out |= self.sync.check_arrival(self.model)
         else:
             out = {"sync/seconds": 0.0, "sync/version": float(self.sync.version)}

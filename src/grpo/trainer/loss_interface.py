@@ -11,6 +11,8 @@ from typing import Any, Optional
 import torch
 
 from grpo.algorithms.aggregation import Totals
+from grpo.config_values import ConfigError
+from grpo.trainer.reference import ReferencePolicy
 
 
 @dataclass(frozen=True)
@@ -91,3 +93,31 @@ class PolicyLoss(ABC):
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restores ``state_dict``'s values."""
+
+
+def take_loss(loss_fn: PolicyLoss, loss_state: Optional[dict[str, Any]],
+              reference: Optional[ReferencePolicy]) -> LossNeeds:
+    """What `loss_fn` asks of the trainer, read once, after a resumed run's `loss_state` (what the loss had adapted to,
+    which may turn an entropy bonus on). TypeError for anything but a `PolicyLoss`; ConfigError for a loss that needs
+    the initial policy when the trainer was given none."""
+    if not isinstance(loss_fn, PolicyLoss):
+        raise TypeError(f"loss_fn must be a grpo.trainer.loss_interface.PolicyLoss (it declares what it needs), "
+                        f"got {type(loss_fn).__name__}")
+    if loss_state:
+        loss_fn.load_state_dict(loss_state)
+    needs = loss_fn.needs
+    if needs.reference_policy and reference is None:
+        raise ConfigError(f"{loss_fn!r} measures its KL penalty against the initial policy, and the trainer was "
+                          "given none (reference=ReferencePolicy...; train.py builds it)")
+    return needs
+
+
+def check_skip_zero_advantage(skip: bool, loss_fn: PolicyLoss) -> None:
+    """`train.skip_zero_advantage` needs a loss that gains nothing from rows whose advantage is 0 everywhere."""
+    if skip and not loss_fn.needs.zero_advantage_adds_nothing:
+        raise ConfigError(
+            "train.skip_zero_advantage=true leaves rows with advantage 0 out of the forward passes, which keeps "
+            f"the gradients only for a loss that gains nothing from them; {loss_fn!r} does (a KL penalty, an "
+            "entropy bonus, or a loss whose needs do not declare zero_advantage_adds_nothing). Set loss.kl_coef=0 "
+            "and loss.entropy_coef=0, or train.skip_zero_advantage=false"
+        )

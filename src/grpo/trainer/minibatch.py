@@ -19,6 +19,7 @@ from typing import Optional
 
 import torch
 
+from grpo.schema.train import TrainConfig
 from grpo.trainer.prefix import prompt_lengths, shared_row_lengths
 from grpo.trainer.train_batch import IGNORE_INDEX, PreparedBatch, TrainBatch
 
@@ -255,3 +256,16 @@ def update_plan(
         minis = split_mini_batches(batch, mini_batches, batch.micro_batch_size, rng, max_tokens, padding_free, shared)
         plan += [(epoch, mb) for mb in minis]
     return plan
+
+
+def updates_per_batch(train_cfg: TrainConfig) -> int:
+    """Optimizer steps per rollout batch: `train.ppo_epochs` passes x `train.mini_batches` mini-batches."""
+    return int(train_cfg.ppo_epochs) * int(train_cfg.mini_batches)
+
+
+def rollout_batches(train_cfg: TrainConfig, start_step: int, start_batch: Optional[int]) -> tuple[int, int]:
+    """(the first rollout batch of this session, the rollout batches of the run): what a data source counts (its
+    `step`, run-api's step). `start_batch` is the checkpoint's own count; older checkpoints have only the step."""
+    per_batch = updates_per_batch(train_cfg)
+    first = start_step // per_batch if start_batch is None else start_batch
+    return first, int(train_cfg.steps) // per_batch

@@ -10,9 +10,15 @@ transient buffers of the backward) over the activations one forward saves per to
 
 from __future__ import annotations
 
+import logging
 from typing import Any, Optional
 
 import torch
+
+from grpo.schema.train import TrainConfig
+from grpo.trainer import fsdp
+
+log = logging.getLogger(__name__)
 
 # On CPU: a micro-batch forwards at most this many tokens (the default job's largest micro-batch is 64 x 64 = 4096,
 # so it never binds there).
@@ -57,3 +63,24 @@ def derived_token_cap(model: torch.nn.Module, device: torch.device, free_bytes: 
     tokens = min(max(tokens, MIN_TOKEN_CAP), MAX_TOKEN_CAP)
     return tokens, (f"{ACTIVATION_SHARE:.0%} of the {free_bytes / 2**30:.1f} GiB free after the optimizer's "
                     f"{3 * trainable / 2**30:.1f} GiB, at {per_token / 2**20:.2f} MiB of activations per token")
+
+
+def micro_batch_token_cap(train_cfg: TrainConfig, model: torch.nn.Module, device: torch.device,
+                          dist: Optional[fsdp.DistInfo]) -> Optional[int]:
+    """The token cap on top of micro_batch_size rows (None: an explicit budget or none), said in the log."""
+    if train_cfg.max_tokens_per_micro_batch is not None:
+        log.info("micro-batches: by a budget of %d forwarded tokens (train.max_tokens_per_micro_batch)",
+                 train_cfg.max_tokens_per_micro_batch)
+        return None
+    if not getattr(train_cfg, "auto_token_budget", True):
+        log.info("micro-batches: %d rows, no token bound (train.auto_token_budget=false)", train_cfg.micro_batch_size)
+        return None
+    cap, how = derived_token_cap(model, device)
+    if dist is not None and dist.enabled:  # every rank must split alike (the forwards are collectives): the smallest cap
+        bound = torch.tensor([cap], device=device)
+        torch.distributed.all_reduce(bound, op=torch.distributed.ReduceOp.MIN)
+        cap = int(bound.item())
+    log.info("micro-batches: %d rows (train.micro_batch_size), split further where a forward would run more than "
+             "%d tokens (train.auto_token_budget: %s; set train.max_tokens_per_micro_batch to choose a budget)",
+             train_cfg.micro_batch_size, cap, how)
+    return cap

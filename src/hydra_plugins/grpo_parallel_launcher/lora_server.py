@@ -73,7 +73,8 @@ class SharedLoraServer:
 
     def start(self, gpus: Optional[str]) -> None:
         """Start the server (on `gpus`, the sharing jobs' GPU group, numbered as their configs number theirs)."""
-        from grpo.inference.process import VLLMServer, gpus_per_server, server_visible_devices
+        from grpo.inference.launch_args import gpus_per_server, server_visible_devices
+        from grpo.inference.process import VLLMServer
         from grpo.serving import kept
 
         # A sweeper's next batch of jobs (Optuna's n_jobs trials at a time) takes the server the batch before kept.

@@ -14,7 +14,7 @@ def job_gpus(cfg: DictConfig, ranks: int = 1) -> int:
     of tensor x pipeline x data parallel GPUs; none given: beside the trainer from GPU 0). shared_vllm, or a server
     beside the trainer: 1; broadcast (or none / lora_only / lora_restart) with `server.device=1`: 2; a server
     started elsewhere (`server.external_url(s)`): the trainer's alone."""
-    from grpo.inference.process import gpus_per_server
+    from grpo.inference.launch_args import gpus_per_server
 
     server = cfg.server
     if server.get("external_url") or server.get("external_urls"):

@@ -280,7 +280,7 @@ class Sweep:
 
     def record_failed(self, idx: int, error: BaseException) -> None:
         """summary.json of a job whose worker died in it (it could not write its own): `failed`, for grpo.report."""
-        from grpo.run_records import RunSummary
+        from grpo.run_summary import RunSummary
 
         run_dir = Path(str(self.configs[idx].hydra.sweep.dir)) / str(self.configs[idx].hydra.sweep.subdir)
         if run_dir.is_dir():
