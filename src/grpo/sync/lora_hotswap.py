@@ -19,6 +19,7 @@ from typing import Any
 import torch.nn as nn
 
 from grpo.config_values import ConfigError, option
+from grpo.schema import LoraHotSwapSyncConfig
 from grpo.serving.server import Replica, external_urls
 from grpo.sync.base import ServerLaunch, SyncContext, SyncStrategy
 from grpo.sync.lora_restart import save_adapter
@@ -53,7 +54,7 @@ class LoraHotSwapSync(SyncStrategy):
     def check_config(cls, cfg: Any, *, cuda: bool, world_size: int = 1,
                      local_world_size: int | None = None) -> None:
         super().check_config(cfg, cuda=cuda, world_size=world_size, local_world_size=local_world_size)
-        if option(cfg.mode, "shared_server", False) and len(external_urls(cfg.server)) != 1:
+        if option(cfg.mode, "shared_server", LoraHotSwapSyncConfig.shared_server) and len(external_urls(cfg.server)) != 1:
             raise ConfigError("mode.shared_server=true trains an adapter on a server other jobs share: attach to it "
                               "with server.external_url=http://host:port (the parallel launcher sets both)")
 

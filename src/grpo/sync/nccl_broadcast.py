@@ -33,6 +33,7 @@ import torch.nn as nn
 from grpo.config_values import ConfigError, option
 from grpo.inference.process import gpus_per_server
 from grpo.inference.weight_transfer import UPDATE_PHASES
+from grpo.schema import NCCLBroadcastSyncConfig
 from grpo.serving.server import Replica, external_urls
 from grpo.sync.base import ServerLaunch, SyncContext, SyncStrategy
 from grpo.sync.buckets import Bucket, pack_bucket, plan_buckets
@@ -128,7 +129,7 @@ class NCCLBroadcastSync(SyncStrategy):
             )
         extra = [str(a).split("=", 1)[0] for a in (option(cfg.server, "extra_args", None) or [])]
         quantized = option(cfg.server, "quantization", None) is not None or "--quantization" in extra or "-q" in extra
-        if str(option(cfg.mode, "receive", "engine")) == "direct" and quantized:
+        if str(option(cfg.mode, "receive", NCCLBroadcastSyncConfig.receive)) == "direct" and quantized:
             raise ConfigError(
                 "mode.receive=direct loads the trainer's tensors with the model's load_weights, without the "
                 "post-load processing a quantized server needs; use mode.receive=engine with server.quantization "

@@ -31,6 +31,7 @@ import torch.nn as nn
 
 from grpo.config_values import ConfigError, option
 from grpo.inference.client import Endpoint, InferenceServerError
+from grpo.schema import CheckpointRestartSyncConfig
 from grpo.serving.server import Replica, external_setting, external_urls
 from grpo.sync.base import ServerLaunch, SyncContext, SyncStrategy
 from grpo.sync.weight_dirs import prune, save_and_load
@@ -73,7 +74,7 @@ class SaveAndReloadSync(SyncStrategy):
     def check_config(cls, cfg: Any, *, cuda: bool, world_size: int = 1,
                      local_world_size: int | None = None) -> None:
         super().check_config(cfg, cuda=cuda, world_size=world_size, local_world_size=local_world_size)
-        reload = option(cfg.mode, "reload", "inplace")
+        reload = option(cfg.mode, "reload", CheckpointRestartSyncConfig.reload)
         if reload not in RELOADS:
             raise ConfigError(f"mode.reload={reload} is not one of {', '.join(RELOADS)} (inplace: vLLM reloads the "
                               "saved weights in place; restart: it restarts on them every sync; background: inplace on "
