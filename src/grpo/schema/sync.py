@@ -83,7 +83,7 @@ class NCCLBroadcastSyncConfig:
     bucket_mb: float = 512.0
     # Buckets in flight on the trainer at once (extra trainer memory: num_buffers x bucket_mb).
     num_buffers: int = 2
-    # Cast weights to this dtype before sending (e.g. bfloat16 for a float32 trainer); null = as trained.
+    # Cast weights to this dtype before sending (e.g. bfloat16); null = the trainer's dtype.
     transfer_dtype: Optional[str] = None
     # Rendezvous of the trainer-vLLM NCCL group (the trainer hosts it); null port = a free one.
     master_address: str = "127.0.0.1"
