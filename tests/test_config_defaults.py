@@ -99,7 +99,7 @@ def option_base(config_dir: Path, group: str, option: str) -> DictConfig:
         if entry.endswith("_schema"):
             part = OmegaConf.structured(ConfigStore.instance().load(f"{group}/{entry}.yaml").node)
         else:
-            part = OmegaConf.merge(option_base(config_dir, group, entry), _body(config_dir / group / f"{entry}.yaml")[1])
+            part = _option(config_dir, group, entry)
         base = OmegaConf.merge(base, part)
     return base
 
@@ -148,7 +148,8 @@ def experiment_restatements(config_dir: Path, experiments_dir: Path, names: list
     """Each experiment's group keys whose value the config already has without the experiment's own body: the group
     options it selects (conf/train.yaml's, then its `override`s and its parent experiments'), with its parents'
     bodies merged on top."""
-    primary = {k: v for entry in _body(config_dir / "train.yaml")[0] if isinstance(entry, dict) for k, v in entry.items()}
+    defaults = _body(config_dir / "train.yaml")[0]
+    primary = {k: v for entry in defaults if isinstance(entry, dict) for k, v in entry.items()}
     out = []
     for name in names or sorted(p.stem for p in experiments_dir.glob("*.yaml")):
         choices = dict(primary)

@@ -270,7 +270,8 @@ def check_clip_can_act(cfg: DictConfig, info: HydraInfo) -> None:
            "not move before its update (docs/algorithms.md, 'Several updates per rollout batch')")
     act = ("for the clip to act add e.g. train.ppo_epochs=2 train.mini_batches=2 (or train.max_staleness=1), else "
            "drop it")
-    exact = (cfg.data.get("rollout_logprobs", LocalDataConfig.rollout_logprobs) is False or loss.old_logprobs == "recompute"
+    rollout_logprobs = cfg.data.get("rollout_logprobs", LocalDataConfig.rollout_logprobs)
+    exact = (rollout_logprobs is False or loss.old_logprobs == "recompute"
              or loss.tis_cap is not None)
     if exact:
         raise ConfigError(f"{why}; the ratio the clip sees is exactly 1 here, so it never binds; {act}")

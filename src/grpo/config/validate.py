@@ -306,7 +306,8 @@ def check_rollout_logprobs(cfg: DictConfig) -> None:
          "(train.ppo_epochs x train.mini_batches) take pi_old from the rollout", "set loss.old_logprobs=recompute"),
         (float(loss.kl_coef) > 0, f"loss.kl_coef={loss.kl_coef} penalises the distance to the "
          "rollout policy", "set loss.kl_coef=0"),
-        (bool(option(cfg.mode, "in_flight_updates", SharedMemorySyncConfig.in_flight_updates)), "mode.in_flight_updates=true samples rollouts from a "
+        (bool(option(cfg.mode, "in_flight_updates", SharedMemorySyncConfig.in_flight_updates)),
+         "mode.in_flight_updates=true samples rollouts from a "
          "mix of weights", "set mode.in_flight_updates=false"),
         (_masks(loss) != [], f"{' and '.join(_masks(loss))} mask tokens by pi_old / vLLM's sampling probability",
          "leave them null"),

@@ -354,7 +354,9 @@ class VLLMServer:
 
     def wait_started(self, timeout: float | None = None) -> None:
         """`wait_healthy` for `timeout` seconds, by default server.startup_timeout_s."""
-        self.wait_healthy(timeout if timeout is not None else float(option(self.cfg, "startup_timeout_s", ServerConfig.startup_timeout_s)))
+        if timeout is None:
+            timeout = float(option(self.cfg, "startup_timeout_s", ServerConfig.startup_timeout_s))
+        self.wait_healthy(timeout)
 
     def wait_healthy(self, timeout: float) -> None:
         """Poll /health until this server answers it with the run token's proof, at most `timeout` s from its

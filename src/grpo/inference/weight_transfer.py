@@ -110,7 +110,8 @@ async def handle_update(request) -> dict:
         done("receive")
     else:  # vLLM's weight-transfer engine: one session, one update_weights call per bucket
         _, update_fields = _nccl_fields()
-        bucket_bytes, num_buffers = int(body["bucket_bytes"]), int(body.get("num_buffers", NCCLBroadcastSyncConfig.num_buffers))
+        bucket_bytes = int(body["bucket_bytes"])
+        num_buffers = int(body.get("num_buffers", NCCLBroadcastSyncConfig.num_buffers))
         await engine.start_weight_update()
         done("start")
         for bucket in body["buckets"]:

@@ -161,9 +161,11 @@ class NCCLBroadcastSync(SyncStrategy):
                 )
         super().check_config(cfg, cuda=cuda, world_size=world_size, local_world_size=local_world_size)  # FSDP2: every rank iterates the parameters, rank 0 sends each as it is gathered
 
-    def __init__(self, sync_every: int = 1, bucket_mb: float = 512, num_buffers: int = 2,
-                 transfer_dtype: str | None = None, master_address: str = "127.0.0.1",
-                 master_port: int | None = None, timeout_s: float = 600.0, receive: str = "engine") -> None:
+    def __init__(self, sync_every: int = NCCLBroadcastSyncConfig.sync_every,
+                 bucket_mb: float = NCCLBroadcastSyncConfig.bucket_mb,
+                 num_buffers: int = NCCLBroadcastSyncConfig.num_buffers, transfer_dtype: str | None = None,
+                 master_address: str = NCCLBroadcastSyncConfig.master_address, master_port: int | None = None,
+                 timeout_s: float = NCCLBroadcastSyncConfig.timeout_s, receive: str = "engine") -> None:
         super().__init__(sync_every)
         if bucket_mb <= 0 or num_buffers < 1:
             raise ValueError("mode.bucket_mb must be > 0 and mode.num_buffers >= 1")

@@ -55,7 +55,8 @@ class SaveAndReloadSync(SyncStrategy):
     fsdp_gather = "state_dict"  # FSDP2: every rank joins one full state dict gather, rank 0 saves it
     quantization_refusal = None  # vLLM reloads (or restarts on) the saved weights with its loader: quantized anew
 
-    def __init__(self, sync_every: int = 1, reload: str = "inplace") -> None:
+    def __init__(self, sync_every: int = CheckpointRestartSyncConfig.sync_every,
+                 reload: str = CheckpointRestartSyncConfig.reload) -> None:
         super().__init__(sync_every)
         if reload not in RELOADS:
             raise ValueError(f"reload must be one of {RELOADS}, got {reload!r}")
