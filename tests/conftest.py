@@ -94,6 +94,21 @@ def tiny_llama_dir() -> Path:
     return build_model_dir("tiny-llama", seed=0)
 
 
+def group_option(group: str, option: str):
+    """conf/<group>/<option>.yaml as a run composes it: its schema's defaults (and the options it builds on) with the
+    option's own keys on top (the file itself holds only what differs from them). Interpolations stay unresolved."""
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    from grpo.conf import CONFIG_DIR
+    from grpo.config import register_configs
+
+    register_configs()
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
+        return compose(config_name=f"{group}/{option}")[group]
+
+
 def server_cfg(port: int | None = None, **overrides):
     """A ServerConfig for the vLLM CPU engine and a tiny model (conf/server/cpu.yaml values)."""
     from grpo.config.schema import ServerConfig

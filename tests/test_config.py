@@ -229,49 +229,6 @@ def test_cli_unknown_key_fails_before_loading(tmp_path):
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
 
 
-# Options with a schema of their own (one dataclass per option) must restate its defaults exactly; for groups whose
-# options are presets of one shared schema (model, server, loss variants, local data), the option train.yaml picks
-# by default is the one that must agree with the schema, so the schema documents what `python train.py` runs.
-_OWN_SCHEMA = {
-    "optimizer/adamw": "AdamWConfig", "optimizer/adamw_8bit": "AdamW8bitConfig",
-    "optimizer/adafactor": "AdafactorConfig", "mode/none": "CheckpointRestartSyncConfig",
-    "mode/lora_restart": "LoraRestartSyncConfig", "mode/lora_only": "LoraHotSwapSyncConfig",
-    "mode/shared_vllm": "SharedMemorySyncConfig", "mode/broadcast": "NCCLBroadcastSyncConfig",
-    "data/atropos": "AtroposDataConfig", "loss/grpo": "LossConfig", "layers/all": "LayersConfig",
-    "lora/attention": "LoraConfig", "eval/default": "EvalConfig",
-}
-
-
-def _differences(yaml_node, schema_node, where: str) -> list[str]:
-    out = []
-    for key, value in yaml_node.items_ex(resolve=False):
-        if key == "defaults" or OmegaConf.is_interpolation(yaml_node, key):
-            continue  # an interpolation (optimizer.lr: ${model.lr}) takes another node's value, checked there
-        default = OmegaConf.select(schema_node, key, throw_on_missing=False)
-        if OmegaConf.is_missing(schema_node, key):
-            continue  # no schema default to disagree with (e.g. model.name)
-        a = OmegaConf.to_container(value) if OmegaConf.is_config(value) else value
-        b = OmegaConf.to_container(default) if OmegaConf.is_config(default) else default
-        if isinstance(b, float) and isinstance(a, (int, float, str)):
-            a = float(a)
-        if a != b:
-            out.append(f"{where}.{key}: YAML {a!r} vs schema {b!r}")
-    return out
-
-
-def test_every_yaml_default_equals_its_schema_default():
-    from grpo.config import schema
-
-    problems = []
-    for option, cls_name in _OWN_SCHEMA.items():
-        node = OmegaConf.load(CONF / f"{option}.yaml")
-        problems += _differences(node, OmegaConf.structured(getattr(schema, cls_name)), option)
-    root = OmegaConf.load(CONF / "train.yaml")
-    problems += _differences(root.train, OmegaConf.structured(schema.TrainConfig), "train")
-    problems += _differences(root.logging, OmegaConf.structured(schema.LoggingConfig), "logging")
-    assert not problems, "\n".join(problems)
-
-
 def test_a_loss_option_is_grpo_with_what_differs():
     """conf/loss/dapo.yaml, dr_grpo.yaml, gspo.yaml and cispo.yaml build on grpo.yaml (`defaults: [grpo]`) and list only what differs: the
     composed loss is grpo's with those keys changed, and the files hold nothing else."""

@@ -5,9 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from omegaconf import OmegaConf
 
-from grpo.conf import CONFIG_DIR
+from conftest import group_option
 from grpo.inference.client import Endpoint, InferenceClient
 from grpo.pipeline.base import PipelineContext
 from grpo.pipeline.local import LocalRolloutPipeline
@@ -18,9 +17,7 @@ from grpo.trainer.train_batch import IGNORE_INDEX
 
 def _data_cfg(name: str):
     """conf/data/<name>.yaml as the trainer hands it over (hydra.utils.instantiate(..., _recursive_=False))."""
-    cfg = OmegaConf.load(CONFIG_DIR / "data" / f"{name}.yaml")
-    del cfg["defaults"]
-    return cfg
+    return group_option("data", name)
 
 
 def _pipeline(name: str, **overrides) -> LocalRolloutPipeline:

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from conftest import group_option
 from grpo.algorithms.aggregation import Totals
-from grpo.conf import CONFIG_DIR
 from grpo.trainer.loss import GRPOLoss
 from grpo.trainer.loss_interface import LossInputs
 
@@ -306,9 +306,8 @@ def test_constructor_matches_config_keys():
     from grpo.config.schema import LossConfig
 
     for name in ("grpo", "dapo", "dr_grpo", "gspo", "cispo"):
-        cfg = OmegaConf.to_container(OmegaConf.load(CONFIG_DIR / "loss" / f"{name}.yaml"))
-        cfg.pop("defaults")
-        cfg.pop("_target_", None)  # the options inherit it from grpo
+        cfg = OmegaConf.to_container(group_option("loss", name))
+        cfg.pop("_target_")
         GRPOLoss(**cfg)
     fields = set(LossConfig.__dataclass_fields__) - {"_target_"}
     GRPOLoss(**{k: getattr(LossConfig(), k) for k in fields})

@@ -11,7 +11,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from conftest import REPO
+from conftest import REPO, group_option
 from grpo.conf import CONFIG_DIR
 from grpo.inference.client import Completion, Endpoint
 from grpo.pipeline.base import BatchShape, PipelineContext
@@ -365,8 +365,7 @@ def test_groups_record_per_turn_versions_and_steps_replay_exactly(vllm_server, t
 def test_the_calculator_data_option_builds_and_refuses_a_task_that_is_no_environment():
     from hydra.utils import instantiate
 
-    cfg = OmegaConf.load(CONFIG_DIR / "data" / "calculator.yaml")
-    del cfg["defaults"]
+    cfg = group_option("data", "calculator")
     pipeline = instantiate(cfg, _recursive_=False)
     assert isinstance(pipeline, MultiTurnPipeline) and pipeline.max_turns == 3
     cfg.task = {"_target_": "grpo.pipeline.tasks.DigitsTask"}

@@ -9,6 +9,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
+from conftest import group_option
 from grpo.conf import CONFIG_DIR
 from grpo.trainer.layers import apply_lora, freeze_to_layers, resolve_layer_indices
 from grpo.trainer.optim import (
@@ -24,8 +25,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 def optimizer_cfg(name: str, model_lr: float = 1e-3):
     """The optimizer option as a run composes it: its `lr: ${model.lr}` resolved against a model preset's lr."""
-    cfg = OmegaConf.load(CONFIG_DIR / "optimizer" / f"{name}.yaml")
-    del cfg["defaults"]
+    cfg = group_option("optimizer", name)
     resolved = OmegaConf.merge({"model": {"lr": model_lr}, "optimizer": cfg})
     OmegaConf.resolve(resolved)
     return resolved.optimizer
@@ -167,7 +167,7 @@ def test_resolve_layer_indices_errors_name_layer_count(spec):
 
 def test_every_layers_preset_resolves_for_its_models():
     for path in (CONFIG_DIR / "layers").glob("*.yaml"):
-        spec = OmegaConf.load(path).indices
+        spec = group_option("layers", path.stem).indices
         assert resolve_layer_indices(spec, 36)
 
 
@@ -195,7 +195,7 @@ def test_frozen_layers_do_not_move(model):
 
 
 def test_apply_lora_layers_to_transform(model):
-    lora_cfg = OmegaConf.load(CONFIG_DIR / "lora" / "attention.yaml")
+    lora_cfg = group_option("lora", "attention")
     peft_model = apply_lora(model, lora_cfg, [1, 3], 4)
     assert peft_model.peft_config["default"].layers_to_transform == [1, 3]
     assert peft_model.peft_config["default"].r == lora_cfg.r

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
+from conftest import group_option
 from grpo.conf import CONFIG_DIR
 from grpo.pipeline.grading import Grader, RewardError, picklable_specs
 from grpo.pipeline.local import build_rewards
@@ -163,8 +164,7 @@ def test_rollouts_graded_in_workers_equal_those_graded_in_process(vllm_server, t
     tokenizer = AutoTokenizer.from_pretrained(tiny_qwen2_dir)
 
     def batch(workers: int):
-        cfg = OmegaConf.load(CONFIG_DIR / "data" / "arithmetic.yaml")
-        del cfg["defaults"]
+        cfg = group_option("data", "arithmetic")
         cfg.prompts_per_step, cfg.group_size, cfg.reward_workers = 4, 4, workers
         pipe = instantiate(cfg, _recursive_=False)
         pipe.setup(PipelineContext(tokenizer=tokenizer, endpoint=lambda: Endpoint(vllm_server.url, None, 0),

@@ -14,7 +14,7 @@ import uuid
 import pytest
 from omegaconf import OmegaConf
 
-from conftest import REPO
+from conftest import REPO, group_option
 from hydra_plugins.grpo_parallel_launcher.lora_server import SharedLoraServer, shares_server
 from hydra_plugins.grpo_parallel_launcher.placement import check_fits, job_gpus, place
 from test_sweep_server import REUSED, SERVER_STARTED, rows, sweep
@@ -55,9 +55,9 @@ def test_a_job_takes_free_gpus_or_an_idle_worker_of_its_size_and_waits_when_none
 
 
 def lora_job(**values):
-    cfg = OmegaConf.load(REPO / "conf/server/cpu.yaml")
+    cfg = group_option("server", "cpu")
     job = {"mode": {"_target_": "grpo.sync.lora_hotswap.LoraHotSwapSync"}, "server": cfg, "train": {"resume": None},
-           "lora": {"r": 8}, "model": OmegaConf.load(REPO / "conf/model/tiny_qwen2.yaml")}
+           "lora": {"r": 8}, "model": group_option("model", "tiny_qwen2")}
     return OmegaConf.merge(job, values)
 
 

@@ -33,6 +33,7 @@ from grpo.recipes.initial_weights import resolve_model_dir
 from grpo.recipes.trainable_model import build_model, build_reference_policy
 from grpo.run_records import release_device_memory
 from grpo.run_summary import check_objective
+from grpo.schema import ServerConfig
 from grpo.serving.checks import check_server_fits_model
 from grpo.sync.base import SyncContext, SyncStrategy
 from grpo.sync.follower import FollowerSync
@@ -163,7 +164,7 @@ def start_server_early(cfg: DictConfig, sync: SyncStrategy, sync_ctx: SyncContex
                        clock: WallClock) -> bool:
     """With `server.launch_early` (rank 0): start the server's processes now, without waiting for them; True when
     started (the wall clock notes the moment: summary.json's `startup_at.server_launched_seconds`)."""
-    if not (rank0 and cfg.server.get("launch_early", True)):
+    if not (rank0 and cfg.server.get("launch_early", ServerConfig.launch_early)):
         return False
     started = sync.start_server_early(sync_ctx)
     if started:

@@ -26,6 +26,7 @@ from grpo.run_records import (
     release_device_memory,
 )
 from grpo.run_summary import RunSummary, done_message, objective_value
+from grpo.schema import ServerConfig
 from grpo.serving import kept
 from grpo.stop import exit_code, last_step, report_stop
 from grpo.trainer.metrics import MetricsFileError
@@ -99,7 +100,7 @@ class Job:
     def reuses_server(self, cfg: Any) -> bool:
         """Whether this job takes the vLLM server the sweep's job before kept, and keeps its own for the next
         (server.reuse_across_jobs): only the jobs of a multirun run by one process (not torchrun's ranks)."""
-        return (self.multirun and bool(option(cfg.server, "reuse_across_jobs", True))
+        return (self.multirun and bool(option(cfg.server, "reuse_across_jobs", ServerConfig.reuse_across_jobs))
                 and int(os.environ.get("WORLD_SIZE", "1")) == 1)
 
     def start(self, cfg: Any) -> None:

@@ -20,6 +20,7 @@ from grpo.config.command_line import command_name
 from grpo.config_values import ConfigError
 from grpo.pipeline.evaluation import ATROPOS_EVAL_EXAMPLE, eval_enabled
 from grpo.pipeline.local import LocalRolloutPipeline
+from grpo.schema import LocalDataConfig
 
 log = logging.getLogger(__name__)
 
@@ -222,10 +223,10 @@ def check_truncation_options_have_what_they_read(cfg: DictConfig) -> None:
     if data_class is None:
         return
     name = cfg.data._target_.rsplit(".", 1)[-1]
-    if cfg.loss.get("mask_truncated") and not data_class.reports_truncation:
+    if cfg.loss.mask_truncated and not data_class.reports_truncation:
         raise ConfigError(f"loss.mask_truncated=true: the data source {name} does not report which completions hit "
                           "the token limit (only the built-in rollouts do); set loss.mask_truncated=false")
-    if cfg.loss.get("overlong_buffer") is not None and not data_class.reports_completion_limit:
+    if cfg.loss.overlong_buffer is not None and not data_class.reports_completion_limit:
         raise ConfigError(f"loss.overlong_buffer={cfg.loss.overlong_buffer}: the data source {name} reports no "
                           "single completion-token limit (single-turn built-in rollouts do); set "
                           "loss.overlong_buffer=null")
@@ -261,7 +262,7 @@ def check_clip_can_act(cfg: DictConfig, info: HydraInfo) -> None:
         return
     train, loss = cfg.train, cfg.loss
     moves = (train.ppo_epochs * train.mini_batches > 1 or train.max_staleness > 0
-             or int(cfg.mode.get("sync_every", 1)) > 1 or data_class.asynchronous_source)
+             or int(cfg.mode.sync_every) > 1 or data_class.asynchronous_source)
     if moves:
         return
     why = (f"{' '.join(given)}: each rollout batch gets one optimizer step, at the weights that sampled it "
@@ -269,8 +270,9 @@ def check_clip_can_act(cfg: DictConfig, info: HydraInfo) -> None:
            "not move before its update (docs/algorithms.md, 'Several updates per rollout batch')")
     act = ("for the clip to act add e.g. train.ppo_epochs=2 train.mini_batches=2 (or train.max_staleness=1), else "
            "drop it")
-    exact = (cfg.data.get("rollout_logprobs", True) is False or loss.get("old_logprobs", "rollout") == "recompute"
-             or loss.get("tis_cap") is not None)
+    rollout_logprobs = cfg.data.get("rollout_logprobs", LocalDataConfig.rollout_logprobs)
+    exact = (rollout_logprobs is False or loss.old_logprobs == "recompute"
+             or loss.tis_cap is not None)
     if exact:
         raise ConfigError(f"{why}; the ratio the clip sees is exactly 1 here, so it never binds; {act}")
     log.warning("%s; the clip sees only the trainer/vLLM numerical mismatch (grpo/logprob_diff) and rarely binds; %s",

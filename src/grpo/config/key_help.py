@@ -1,7 +1,7 @@
 """`--help`'s list of keys: every key of the composed config with its value and one line of description, the first
 sentence of the comment written above its field in the typed schema (`grpo.schema`), or else above the key in the
-group's shipped YAML (conf/loss/grpo.yaml describes the loss keys, conf/train.yaml the logging keys);
-docs/configuring.md describes each group in full."""
+group's shipped YAML (a key with no schema field of its own: a task's or a reward's); docs/configuring.md describes
+each group in full."""
 
 from __future__ import annotations
 

@@ -16,6 +16,7 @@ from grpo.pipeline.local import LocalRolloutPipeline
 from grpo.pipeline.prompt_file import PromptFileTask
 from grpo.pipeline.rollout_queue import check_batches_in_flight, queue_capacity
 from grpo.recipes.model_checks import check_model, check_model_files
+from grpo.schema import LocalDataConfig, SharedMemorySyncConfig
 from grpo.serving.checks import check_server
 from grpo.serving.server import external_urls, replica_count
 from grpo.trainer.layers import resolve_layer_indices
@@ -143,7 +144,7 @@ PREFIX_SHARING_ATTENTION = (None, "sdpa", "eager", "varlen")
 def check_prefix_sharing(cfg: DictConfig) -> None:
     """`train.prefix_sharing` needs an attention kernel that takes a 4D mask, one process (the FSDP2 log-prob path
     forwards its own layout) and no `train.padding_free` (both lay out the rows)."""
-    if not cfg.train.get("prefix_sharing", False):
+    if not cfg.train.prefix_sharing:
         return
     attn = cfg.model.attn_implementation
     if attn not in PREFIX_SHARING_ATTENTION:
@@ -199,7 +200,7 @@ def check_async(cfg: DictConfig) -> None:
             "batch generated up to k syncs earlier may still be using; use train.max_staleness=1 with lora_only"
         )
     loss = cfg.loss
-    if loss.get("old_logprobs", "rollout") == "recompute" and loss.get("tis_cap") is None:
+    if loss.old_logprobs == "recompute" and loss.tis_cap is None:
         raise ConfigError(
             f"train.max_staleness={k} trains on groups sampled up to {k} syncs ago; loss.old_logprobs=recompute "
             "without loss.tis_cap would take pi_old from the current weights and ignore that gap. Use "
@@ -251,7 +252,7 @@ def check_data(cfg: DictConfig, experiment: str | None = None) -> None:
         if max_episode is not None and max_len is not None and max_episode > max_len:
             raise ConfigError(f"data.max_episode_tokens={max_episode} is more than {bound}={max_len}, which bounds "
                               f"a whole episode; lower data.max_episode_tokens (null = model.max_seq_len) or raise {bound}")
-    if "max_turns" in cfg.data and cfg.data.get("dynamic_sampling", False):
+    if "max_turns" in cfg.data and cfg.data.get("dynamic_sampling", LocalDataConfig.dynamic_sampling):
         raise ConfigError("data.dynamic_sampling=true is not built for multi-turn episodes yet (the episode runner "
                           "plays one round per step); set data.dynamic_sampling=false")
     per_step = int(cfg.data.get("prompts_per_step", 0)) * int(cfg.data.get("group_size", 0))
@@ -290,22 +291,23 @@ def check_rollout_logprobs(cfg: DictConfig) -> None:
     """`data.rollout_logprobs=false` trains every rollout as on-policy (pi_old = the trainer's own log-probs): exact
     only when a batch gets one update from the weights that sampled it. Each setting that trains off that policy, or
     reads the sampler's log-probs, would otherwise be silently wrong: the ratio is 1 and the clip never acts."""
-    if cfg.data.get("rollout_logprobs", True) is not False:
+    if cfg.data.get("rollout_logprobs", LocalDataConfig.rollout_logprobs) is not False:
         return
     loss, train = cfg.loss, cfg.train
     updates = train.ppo_epochs * train.mini_batches
     needs = [
-        (loss.get("tis_cap") is not None, f"loss.tis_cap={loss.get('tis_cap')} weights tokens by pi_old / vLLM's "
+        (loss.tis_cap is not None, f"loss.tis_cap={loss.tis_cap} weights tokens by pi_old / vLLM's "
          "sampling probability", "leave loss.tis_cap null"),
         (train.max_staleness > 0, f"train.max_staleness={train.max_staleness} trains on batches sampled by older "
          "weights", "use train.max_staleness=0"),
-        (option(cfg.mode, "sync_every", 1) > 1, f"mode.sync_every={option(cfg.mode, 'sync_every', 1)} samples "
+        (cfg.mode.sync_every > 1, f"mode.sync_every={cfg.mode.sync_every} samples "
          "batches with weights up to that many updates old", "use mode.sync_every=1"),
-        (updates > 1 and loss.get("old_logprobs", "rollout") == "rollout", f"{updates} updates per batch "
+        (updates > 1 and loss.old_logprobs == "rollout", f"{updates} updates per batch "
          "(train.ppo_epochs x train.mini_batches) take pi_old from the rollout", "set loss.old_logprobs=recompute"),
-        (float(loss.get("kl_coef", 0.0)) > 0, f"loss.kl_coef={loss.get('kl_coef')} penalises the distance to the "
+        (float(loss.kl_coef) > 0, f"loss.kl_coef={loss.kl_coef} penalises the distance to the "
          "rollout policy", "set loss.kl_coef=0"),
-        (bool(option(cfg.mode, "in_flight_updates", False)), "mode.in_flight_updates=true samples rollouts from a "
+        (bool(option(cfg.mode, "in_flight_updates", SharedMemorySyncConfig.in_flight_updates)),
+         "mode.in_flight_updates=true samples rollouts from a "
          "mix of weights", "set mode.in_flight_updates=false"),
         (_masks(loss) != [], f"{' and '.join(_masks(loss))} mask tokens by pi_old / vLLM's sampling probability",
          "leave them null"),
@@ -343,7 +345,7 @@ def check_quantized_rollouts(cfg: DictConfig, cuda: bool) -> None:
         raise ConfigError(f"server.quantization={quantization} needs vLLM on a CUDA GPU (its CPU engine has no FP8 "
                           "kernels); set server.quantization=null on this machine")
     loss = cfg.loss
-    if loss.get("tis_cap") is None and not _masks(loss):
+    if loss.tis_cap is None and not _masks(loss):
         raise ConfigError(
             f"server.quantization={quantization} samples rollouts from FP8 weights while the trainer computes with its "
             "own, an off-policy gap no setting of this run corrects: set loss.old_logprobs=recompute with "
@@ -361,7 +363,7 @@ def check_off_policy_masks(cfg: DictConfig) -> None:
     current weights (`loss.old_logprobs=rollout`) they would also mask the batch's own updates' movement."""
     train, masks = cfg.train, _masks(cfg.loss)
     updates = train.ppo_epochs * train.mini_batches
-    if masks and updates > 1 and cfg.loss.get("old_logprobs", "rollout") == "rollout":
+    if masks and updates > 1 and cfg.loss.old_logprobs == "rollout":
         raise ConfigError(
             f"{' and '.join(masks)} with {updates} updates per batch (train.ppo_epochs x train.mini_batches) and "
             "loss.old_logprobs=rollout would compare vLLM's log-probs with weights the batch's updates already moved, "
@@ -403,7 +405,7 @@ def check_async_source(cfg: DictConfig) -> None:
 
 def check_logging(cfg: DictConfig) -> None:
     """An optional logging sink's package is installed (say so before any model loads)."""
-    if cfg.logging.get("tensorboard", False):
+    if cfg.logging.tensorboard:
         try:
             tensorboard_writer_class()
         except ImportError as e:

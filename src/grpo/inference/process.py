@@ -30,6 +30,7 @@ from grpo.inference.launch_args import (
     server_visible_devices,
 )
 from grpo.inference.server_log import log_tail, start_up_phase
+from grpo.schema import ServerConfig
 
 log = logging.getLogger(__name__)
 # Seconds before the first "starting vLLM ..." progress line, and the most between two: the gap doubles from the
@@ -93,7 +94,7 @@ class VLLMServer:
         self.env = dict(env or {})
         # Passed to the server at start so /generate reports it (versions survive restarts).
         self.weight_version = weight_version
-        self.host: str = option(server_cfg, "host", "127.0.0.1")
+        self.host: str = option(server_cfg, "host", ServerConfig.host)
         port = option(server_cfg, "port", None)
         # None until the first start picks a free one (server.port: null).
         self.port: int | None = int(port) if port is not None else None
@@ -136,9 +137,9 @@ class VLLMServer:
             "--model", self.model,
             "--host", self.host,
             "--port", str(self.port),
-            "--gpu-memory-utilization", str(option(c, "gpu_memory_utilization", 0.9)),
-            "--max-model-len", str(option(c, "max_model_len", 2048)),
-            "--dtype", str(option(c, "dtype", "auto")),
+            "--gpu-memory-utilization", str(option(c, "gpu_memory_utilization", ServerConfig.gpu_memory_utilization)),
+            "--max-model-len", str(option(c, "max_model_len", ServerConfig.max_model_len)),
+            "--dtype", str(option(c, "dtype", ServerConfig.dtype)),
             # Atropos clients post many requests at once; uvicorn's access log costs time and log space.
             "--disable-uvicorn-access-log",
         ]  # fmt: skip
@@ -160,7 +161,7 @@ class VLLMServer:
         if chunked_prefill is not None:
             args.append("--enable-chunked-prefill" if chunked_prefill else "--no-enable-chunked-prefill")
         if self.enable_lora:
-            args += ["--enable-lora", "--max-lora-rank", str(option(c, "max_lora_rank", 64))]
+            args += ["--enable-lora", "--max-lora-rank", str(option(c, "max_lora_rank", ServerConfig.max_lora_rank))]
             if self.lora_modules:
                 args += ["--lora-modules", *[f"{k}={v}" for k, v in self.lora_modules.items()]]
         if self.worker_in_engine_process:
@@ -175,7 +176,7 @@ class VLLMServer:
     @property
     def worker_in_engine_process(self) -> bool:
         """server.worker_in_engine_process: vLLM's one model worker runs inside its engine-core process."""
-        return bool(option(self.cfg, "worker_in_engine_process", False))
+        return bool(option(self.cfg, "worker_in_engine_process", ServerConfig.worker_in_engine_process))
 
     def environment(self) -> dict[str, str]:
         # Under torchrun the trainer's rank variables would otherwise leak into vLLM, which is not a member of the
@@ -264,7 +265,9 @@ class VLLMServer:
 
     def wait_started(self, timeout: float | None = None) -> None:
         """`wait_healthy` for `timeout` seconds, by default server.startup_timeout_s."""
-        self.wait_healthy(timeout if timeout is not None else float(option(self.cfg, "startup_timeout_s", 300)))
+        if timeout is None:
+            timeout = float(option(self.cfg, "startup_timeout_s", ServerConfig.startup_timeout_s))
+        self.wait_healthy(timeout)
 
     def wait_healthy(self, timeout: float) -> None:
         """Poll /health until this server answers it with the run token's proof, at most `timeout` s from its

@@ -25,6 +25,8 @@ import dataclasses
 import time
 from typing import Any, Collection
 
+from grpo.schema import NCCLBroadcastSyncConfig
+
 WIRE_KEYS = ("packed", "packed_buffer_size_bytes", "packed_num_buffers")
 # The phases of an update whose seconds the server reports (the trainer logs each as sync/server_<phase>_seconds).
 UPDATE_PHASES = ("start", "receive", "finish", "empty_cache", "reset_prefix_cache")
@@ -44,7 +46,7 @@ def build_init_info(body: dict, init_fields: Collection[str], update_fields: Col
         "rank_offset": int(body.get("rank_offset", 1)),
         "world_size": int(body["world_size"]),
     }
-    wire = wire_params(body["bucket_bytes"], body.get("num_buffers", 2))
+    wire = wire_params(body["bucket_bytes"], body.get("num_buffers", NCCLBroadcastSyncConfig.num_buffers))
     info.update({k: v for k, v in wire.items() if k in init_fields})
     unknown = set(info) - set(init_fields)
     if unknown:
@@ -108,7 +110,8 @@ async def handle_update(request) -> dict:
         done("receive")
     else:  # vLLM's weight-transfer engine: one session, one update_weights call per bucket
         _, update_fields = _nccl_fields()
-        bucket_bytes, num_buffers = int(body["bucket_bytes"]), int(body.get("num_buffers", 2))
+        bucket_bytes = int(body["bucket_bytes"])
+        num_buffers = int(body.get("num_buffers", NCCLBroadcastSyncConfig.num_buffers))
         await engine.start_weight_update()
         done("start")
         for bucket in body["buckets"]:

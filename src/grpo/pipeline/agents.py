@@ -37,6 +37,7 @@ from grpo.pipeline.group import Group
 from grpo.pipeline.local import LocalRolloutPipeline
 from grpo.pipeline.tasks import Prompt
 from grpo.pipeline.tool_calls import JSON_TAGS, ToolParser
+from grpo.schema.data import AgentDataConfig
 
 log = logging.getLogger(__name__)
 
@@ -86,8 +87,9 @@ class AgentPipeline(LocalRolloutPipeline):
     reports_completion_limit = False
 
     def __init__(self, task: Any, rollout: Any, rewards: Optional[Mapping[str, Any]] = None,
-                 chat_template: Optional[str] = None, tool_parser: str = JSON_TAGS, max_requests: int = 8,
-                 max_episode_tokens: Optional[int] = None, episode_timeout_s: float = 300.0, **local: Any) -> None:
+                 chat_template: Optional[str] = None, tool_parser: str = JSON_TAGS,
+                 max_requests: int = AgentDataConfig.max_requests, max_episode_tokens: Optional[int] = None,
+                 episode_timeout_s: float = AgentDataConfig.episode_timeout_s, **local: Any) -> None:
         if local.get("dynamic_sampling"):
             raise ValueError("data.dynamic_sampling is not built for agent episodes yet; set it to false")
         self.has_rewards = bool(rewards)

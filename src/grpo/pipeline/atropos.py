@@ -26,6 +26,7 @@ import requests
 
 from grpo.pipeline.base import DataPipeline, DataSourceError, PipelineContext
 from grpo.pipeline.group import Group, MalformedGroup, parse_group
+from grpo.schema.data import AtroposDataConfig
 
 __all__ = ["AtroposError", "AtroposPipeline", "AtroposTimeoutError", "MalformedGroup", "validate_group"]
 
@@ -69,13 +70,13 @@ class AtroposPipeline(DataPipeline):
 
     def __init__(
         self,
-        url: str = "http://127.0.0.1:8000",
-        wandb_group: str = "grpo",
-        wandb_project: str = "grpo",
-        poll_interval_s: float = 0.5,
-        max_wait_s: float = 600.0,
-        max_retries: int = 5,
-        request_timeout_s: float = 60.0,
+        url: str = AtroposDataConfig.url,
+        wandb_group: str = AtroposDataConfig.wandb_group,
+        wandb_project: str = AtroposDataConfig.wandb_project,
+        poll_interval_s: float = AtroposDataConfig.poll_interval_s,
+        max_wait_s: float = AtroposDataConfig.max_wait_s,
+        max_retries: int = AtroposDataConfig.max_retries,
+        request_timeout_s: float = AtroposDataConfig.request_timeout_s,
     ) -> None:
         self.url = url.rstrip("/")
         self.wandb_group = wandb_group

@@ -32,6 +32,7 @@ from grpo.pipeline.eval_settings import check_eval_settings, literal_eval_reward
 from grpo.pipeline.grading import Grader, PendingGrades, picklable_specs
 from grpo.pipeline.local import build_rewards
 from grpo.pipeline.tasks import Prompt, Task
+from grpo.schema.data import EvalConfig, LocalDataConfig, MultiTurnDataConfig
 from grpo.trainer.metrics import EVAL_SAMPLES
 
 log = logging.getLogger(__name__)
@@ -129,25 +130,25 @@ class Evaluator:
         self,
         task: Any,
         rewards: Mapping[str, Any],
-        every: int = 10,
-        before_train: bool = True,
-        at_end: bool = True,
-        k: int = 4,
-        samples_per_prompt: int = 8,
+        every: int = EvalConfig.every,
+        before_train: bool = EvalConfig.before_train,
+        at_end: bool = EvalConfig.at_end,
+        k: int = EvalConfig.k,
+        samples_per_prompt: int = EvalConfig.samples_per_prompt,
         sampled_every: Optional[int] = None,
-        temperature: float = 1.0,
-        top_p: float = 1.0,
-        max_new_tokens: int = 16,
+        temperature: float = EvalConfig.temperature,
+        top_p: float = EvalConfig.top_p,
+        max_new_tokens: int = LocalDataConfig.max_new_tokens,  # eval.max_new_tokens null: the data's cap
         correct_reward: Optional[str] = None,
-        correct_threshold: float = 1.0,
-        seed: int = 1234,
-        max_concurrency: int = 16,
-        samples_logged: int = 4,
-        enabled: Optional[bool] = True,  # noqa: ARG002 (read by build_evaluator; accepted so the node instantiates)
-        max_turns: int = 4,
+        correct_threshold: float = EvalConfig.correct_threshold,
+        seed: int = EvalConfig.seed,
+        max_concurrency: int = EvalConfig.max_concurrency,
+        samples_logged: int = EvalConfig.samples_logged,
+        enabled: Optional[bool] = None,  # noqa: ARG002 (read by build_evaluator; accepted so the node instantiates)
+        max_turns: int = MultiTurnDataConfig.max_turns,
         max_episode_tokens: Optional[int] = None,
-        reward_workers: int = 0,
-        background: bool = True,
+        reward_workers: int = LocalDataConfig.reward_workers,
+        background: bool = EvalConfig.background,
     ) -> None:
         check_eval_settings(every, k, samples_per_prompt, sampled_every, temperature, top_p, max_new_tokens,
                             max_concurrency, samples_logged)
@@ -455,7 +456,8 @@ def build_evaluator(eval_cfg: Any, data_cfg: Any) -> Optional[Evaluator]:
         raise ValueError("eval needs rewards: set eval.rewards (the training data has none), e.g. "
                          "+eval.rewards.correct._target_=grpo.pipeline.rewards.MathAnswerReward")
     # Only null falls back: eval.max_new_tokens=0 must reach the evaluator's own check, not become data's cap.
-    max_new = next((v for v in (eval_cfg.get("max_new_tokens"), data_cfg.get("max_new_tokens")) if v is not None), 16)
+    max_new = next((v for v in (eval_cfg.get("max_new_tokens"), data_cfg.get("max_new_tokens")) if v is not None),
+                   LocalDataConfig.max_new_tokens)
     try:
         # A multi-turn data source's episode limits hold for its evaluation too.
         limits = {k: data_cfg.get(k) for k in ("max_turns", "max_episode_tokens") if data_cfg.get(k) is not None}

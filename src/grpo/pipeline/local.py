@@ -24,6 +24,7 @@ from grpo.pipeline.dynamic_sampling import refill
 from grpo.pipeline.grading import Grade, Grader, picklable_specs
 from grpo.pipeline.group import Group
 from grpo.pipeline.tasks import Prompt, Task
+from grpo.schema.data import LocalDataConfig
 
 log = logging.getLogger(__name__)
 
@@ -128,17 +129,17 @@ class LocalRolloutPipeline(DataPipeline):
         self,
         task: Any,
         rewards: Mapping[str, Any],
-        prompts_per_step: int = 8,
-        group_size: int = 8,
-        max_new_tokens: int = 16,
-        temperature: float = 1.0,
-        top_p: float = 1.0,
-        seeded_sampling: bool = True,
-        rollout_logprobs: bool = True,
-        dynamic_sampling: bool = False,
-        max_refill_rounds: int = 3,
-        reward_workers: int = 0,
-        min_new_tokens: int = 0,
+        prompts_per_step: int = LocalDataConfig.prompts_per_step,
+        group_size: int = LocalDataConfig.group_size,
+        max_new_tokens: int = LocalDataConfig.max_new_tokens,
+        temperature: float = LocalDataConfig.temperature,
+        top_p: float = LocalDataConfig.top_p,
+        seeded_sampling: bool = LocalDataConfig.seeded_sampling,
+        rollout_logprobs: bool = LocalDataConfig.rollout_logprobs,
+        dynamic_sampling: bool = LocalDataConfig.dynamic_sampling,
+        max_refill_rounds: int = LocalDataConfig.max_refill_rounds,
+        reward_workers: int = LocalDataConfig.reward_workers,
+        min_new_tokens: int = LocalDataConfig.min_new_tokens,
     ) -> None:
         if prompts_per_step < 1 or group_size < 1 or max_new_tokens < 1:
             raise ValueError(

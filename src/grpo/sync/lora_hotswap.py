@@ -19,6 +19,7 @@ from typing import Any
 import torch.nn as nn
 
 from grpo.config_values import ConfigError, option
+from grpo.schema import LoraHotSwapSyncConfig
 from grpo.serving.server import Replica, external_urls
 from grpo.sync.base import ServerLaunch, SyncContext, SyncStrategy
 from grpo.sync.lora_restart import save_adapter
@@ -37,7 +38,9 @@ class LoraHotSwapSync(SyncStrategy):
                             "quantized itself are not supported here")
     reuses_server = True  # a sweep's next job unloads the adapters: the base weights never change
 
-    def __init__(self, sync_every: int = 1, adapter_prefix: str = "policy", shared_server: bool = False) -> None:
+    def __init__(self, sync_every: int = LoraHotSwapSyncConfig.sync_every,
+                 adapter_prefix: str = LoraHotSwapSyncConfig.adapter_prefix,
+                 shared_server: bool = LoraHotSwapSyncConfig.shared_server) -> None:
         super().__init__(sync_every)
         self.adapter_prefix = adapter_prefix
         self.shared_server = shared_server
@@ -53,7 +56,8 @@ class LoraHotSwapSync(SyncStrategy):
     def check_config(cls, cfg: Any, *, cuda: bool, world_size: int = 1,
                      local_world_size: int | None = None) -> None:
         super().check_config(cfg, cuda=cuda, world_size=world_size, local_world_size=local_world_size)
-        if option(cfg.mode, "shared_server", False) and len(external_urls(cfg.server)) != 1:
+        shared = option(cfg.mode, "shared_server", LoraHotSwapSyncConfig.shared_server)
+        if shared and len(external_urls(cfg.server)) != 1:
             raise ConfigError("mode.shared_server=true trains an adapter on a server other jobs share: attach to it "
                               "with server.external_url=http://host:port (the parallel launcher sets both)")
 

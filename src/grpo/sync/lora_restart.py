@@ -12,6 +12,7 @@ from typing import Any
 import torch.nn as nn
 
 from grpo.config_values import ConfigError
+from grpo.schema.sync import LoraRestartSyncConfig
 from grpo.serving.server import external_setting, external_urls
 from grpo.sync.base import ServerLaunch, SyncContext, SyncStrategy
 from grpo.sync.weight_dirs import prune, save_and_load
@@ -39,7 +40,7 @@ class LoraRestartSync(SyncStrategy):
     quantization_refusal = ("its base weights are loaded once, never reloaded, and LoRA adapters over a base vLLM "
                             "quantized itself are not supported here")
 
-    def __init__(self, sync_every: int = 1, adapter_name: str = "policy") -> None:
+    def __init__(self, sync_every: int = LoraRestartSyncConfig.sync_every, adapter_name: str = "policy") -> None:
         super().__init__(sync_every)
         self.adapter_name = adapter_name
         self._adapter_dir: Path | None = None

@@ -33,6 +33,7 @@ import torch.nn as nn
 from grpo.config_values import ConfigError, option
 from grpo.inference.launch_args import gpus_per_server
 from grpo.inference.weight_transfer import UPDATE_PHASES
+from grpo.schema import NCCLBroadcastSyncConfig
 from grpo.serving.server import Replica, external_urls
 from grpo.sync.base import ServerLaunch, SyncContext, SyncStrategy
 from grpo.sync.buckets import Bucket, pack_bucket, plan_buckets
@@ -128,7 +129,7 @@ class NCCLBroadcastSync(SyncStrategy):
             )
         extra = [str(a).split("=", 1)[0] for a in (option(cfg.server, "extra_args", None) or [])]
         quantized = option(cfg.server, "quantization", None) is not None or "--quantization" in extra or "-q" in extra
-        if str(option(cfg.mode, "receive", "engine")) == "direct" and quantized:
+        if str(option(cfg.mode, "receive", NCCLBroadcastSyncConfig.receive)) == "direct" and quantized:
             raise ConfigError(
                 "mode.receive=direct loads the trainer's tensors with the model's load_weights, without the "
                 "post-load processing a quantized server needs; use mode.receive=engine with server.quantization "
@@ -160,9 +161,11 @@ class NCCLBroadcastSync(SyncStrategy):
                 )
         super().check_config(cfg, cuda=cuda, world_size=world_size, local_world_size=local_world_size)  # FSDP2: every rank iterates the parameters, rank 0 sends each as it is gathered
 
-    def __init__(self, sync_every: int = 1, bucket_mb: float = 512, num_buffers: int = 2,
-                 transfer_dtype: str | None = None, master_address: str = "127.0.0.1",
-                 master_port: int | None = None, timeout_s: float = 600.0, receive: str = "engine") -> None:
+    def __init__(self, sync_every: int = NCCLBroadcastSyncConfig.sync_every,
+                 bucket_mb: float = NCCLBroadcastSyncConfig.bucket_mb,
+                 num_buffers: int = NCCLBroadcastSyncConfig.num_buffers, transfer_dtype: str | None = None,
+                 master_address: str = NCCLBroadcastSyncConfig.master_address, master_port: int | None = None,
+                 timeout_s: float = NCCLBroadcastSyncConfig.timeout_s, receive: str = "engine") -> None:
         super().__init__(sync_every)
         if bucket_mb <= 0 or num_buffers < 1:
             raise ValueError("mode.bucket_mb must be > 0 and mode.num_buffers >= 1")

@@ -31,6 +31,7 @@ import torch.nn as nn
 
 from grpo.config_values import ConfigError, option
 from grpo.inference.client import Endpoint, InferenceServerError
+from grpo.schema import CheckpointRestartSyncConfig
 from grpo.serving.server import Replica, external_setting, external_urls
 from grpo.sync.base import ServerLaunch, SyncContext, SyncStrategy
 from grpo.sync.weight_dirs import prune, save_and_load
@@ -54,7 +55,8 @@ class SaveAndReloadSync(SyncStrategy):
     fsdp_gather = "state_dict"  # FSDP2: every rank joins one full state dict gather, rank 0 saves it
     quantization_refusal = None  # vLLM reloads (or restarts on) the saved weights with its loader: quantized anew
 
-    def __init__(self, sync_every: int = 1, reload: str = "inplace") -> None:
+    def __init__(self, sync_every: int = CheckpointRestartSyncConfig.sync_every,
+                 reload: str = CheckpointRestartSyncConfig.reload) -> None:
         super().__init__(sync_every)
         if reload not in RELOADS:
             raise ValueError(f"reload must be one of {RELOADS}, got {reload!r}")
@@ -73,7 +75,7 @@ class SaveAndReloadSync(SyncStrategy):
     def check_config(cls, cfg: Any, *, cuda: bool, world_size: int = 1,
                      local_world_size: int | None = None) -> None:
         super().check_config(cfg, cuda=cuda, world_size=world_size, local_world_size=local_world_size)
-        reload = option(cfg.mode, "reload", "inplace")
+        reload = option(cfg.mode, "reload", CheckpointRestartSyncConfig.reload)
         if reload not in RELOADS:
             raise ConfigError(f"mode.reload={reload} is not one of {', '.join(RELOADS)} (inplace: vLLM reloads the "
                               "saved weights in place; restart: it restarts on them every sync; background: inplace on "

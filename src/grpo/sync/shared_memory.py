@@ -32,6 +32,7 @@ import torch.nn as nn
 from grpo.config_values import ConfigError
 from grpo.inference import vllm_plugin
 from grpo.inference.launch_args import parallel_sizes
+from grpo.schema.sync import SharedMemorySyncConfig
 from grpo.serving.server import Replica, replica_count
 from grpo.sync.base import ServerLaunch, SyncContext, SyncStrategy
 from grpo.sync.param_mapping import MappingError, build_views, plan_mapping
@@ -96,7 +97,8 @@ class SharedMemorySync(SyncStrategy):
                             "holds in FP8")
     serves_weights_in_place = True  # each optimizer step changes what the server samples
 
-    def __init__(self, sync_every: int = 1, in_flight_updates: bool = False) -> None:
+    def __init__(self, sync_every: int = SharedMemorySyncConfig.sync_every,
+                 in_flight_updates: bool = SharedMemorySyncConfig.in_flight_updates) -> None:
         super().__init__(sync_every)
         # mode.in_flight_updates: weights change under running generation (no pause, no prefix-cache reset).
         self.in_flight_updates = in_flight_updates

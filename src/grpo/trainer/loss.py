@@ -25,6 +25,7 @@ import torch
 from grpo.algorithms.aggregation import AGGREGATIONS, Totals
 from grpo.algorithms.overlong import TruncationRule
 from grpo.algorithms.policy import POLICY_OBJECTIVES, ClipRange, Surrogate
+from grpo.schema.loss import LossConfig
 from grpo.trainer.loss_interface import LossInputs, LossNeeds, PolicyLoss
 from grpo.trainer.loss_terms import EntropyBonus, KLPenalty, OffPolicyCorrection, Ratios
 
@@ -95,25 +96,25 @@ class GRPOLoss(PolicyLoss):
     def __init__(
         self,
         objective: str = "ppo_clip",
-        clip_eps: float = 0.2,
+        clip_eps: float = LossConfig.clip_eps,
         clip_eps_high: Optional[float] = None,
         dual_clip: Optional[float] = None,
         tis_cap: Optional[float] = None,
-        kl_coef: float = 0.0,
+        kl_coef: float = LossConfig.kl_coef,
         kl_estimator: str = "k3",
         kl_reference: str = "initial",
-        entropy_coef: float = 0.0,
+        entropy_coef: float = LossConfig.entropy_coef,
         entropy_target: Optional[float] = None,
-        entropy_coef_delta: float = 0.005,
-        entropy_coef_max: float = 0.5,
+        entropy_coef_delta: float = LossConfig.entropy_coef_delta,
+        entropy_coef_max: float = LossConfig.entropy_coef_max,
         aggregation: str = "token_mean",
         max_tokens_norm: Optional[int] = None,
         old_logprobs: str = "rollout",
         token_mask: Optional[Sequence[float]] = None,
         sequence_mask: Optional[Sequence[float]] = None,
-        mask_truncated: bool = False,
+        mask_truncated: bool = LossConfig.mask_truncated,
         overlong_buffer: Optional[int] = None,
-        overlong_penalty_factor: float = 1.0,
+        overlong_penalty_factor: float = LossConfig.overlong_penalty_factor,
     ):
         self.objective = objective
         self._objective = POLICY_OBJECTIVES.get(objective, "objective")

@@ -12,6 +12,8 @@ from typing import Any, Optional
 
 from omegaconf import DictConfig, OmegaConf
 
+from grpo.schema import LoggingConfig
+
 log = logging.getLogger(__name__)
 
 # Shown on the progress bar, in this order, when present.
@@ -134,7 +136,7 @@ class MetricsLogger:
             self._wandb.define_metric("step")
             self._wandb.define_metric("*", step_metric="step")
         self._tensorboard = None
-        if logging_cfg.get("tensorboard", False):
+        if logging_cfg.get("tensorboard", LoggingConfig.tensorboard):
             self._tensorboard = tensorboard_writer_class()(log_dir=str(run_dir / TENSORBOARD_DIR), purge_step=start_step + 1)
         self._bar = None
         self._console = contextlib.ExitStack()

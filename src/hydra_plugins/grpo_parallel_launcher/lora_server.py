@@ -18,6 +18,8 @@ from typing import Any, Dict, List, Optional
 
 from omegaconf import DictConfig, OmegaConf, open_dict
 
+from grpo.schema import ServerConfig
+
 log = logging.getLogger(__name__)
 
 # Server settings that may differ between the jobs sharing the server: the launcher sets them for the server itself.
@@ -123,7 +125,7 @@ class SharedLoraServer:
         # a minute is restarted.
         if self.process.running() and self.process.healthy(timeout=60.0):
             return
-        limit = int(self.server_cfg.get("max_restarts", 3))
+        limit = int(self.server_cfg.get("max_restarts", ServerConfig.max_restarts))
         if self.restarts >= limit:
             raise RuntimeError(f"the shared LoRA server died again after {limit} restarts (server.max_restarts); "
                                f"log {self.log_path}:\n{self.process.log_tail(20)}")
