@@ -248,6 +248,9 @@ class VLLMServer:
         chunked_prefill = option(c, "chunked_prefill")
         if chunked_prefill is not None:
             args.append("--enable-chunked-prefill" if chunked_prefill else "--no-enable-chunked-prefill")
+        policy = option(c, "scheduling_policy")
+        if policy is not None:  # priority: the evaluation's requests (eval.priority) yield to the rollouts'
+            args += ["--scheduling-policy", str(policy)]
         if self.enable_lora:
             args += ["--enable-lora", "--max-lora-rank", str(option(c, "max_lora_rank", 64))]
             if self.lora_modules:

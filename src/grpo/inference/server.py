@@ -12,7 +12,9 @@ every other request to vLLM untouched:
   at least that of any token; an in-place reload counts from the moment it starts). They differ when a sync landed
   while the request ran. Several prompts in one request, ``{"prompts": [...], ...}`` (`handle_generate_batch`, what
   `InferenceClient.generate` sends), are handed to the engine at once and answered ``{"results": [...]}``, one
-  single-prompt answer per prompt.
+  single-prompt answer per prompt. ``priority`` (an integer, default 0) is vLLM's per-request scheduling priority
+  (lower first; a server started with ``--scheduling-policy priority``, which the trainer's launcher passes by
+  default): the held-out evaluation sends a larger one than the rollouts, so its requests yield to training's.
 - ``GET|POST /grpo/weight_version``: the weight version served (rollouts carry it).
 - ``POST /grpo/reload_weights``: reload full HF weights from a directory in place (vLLM's worker
   `reload_weights`, wrapped by our worker extension, through `collective_rpc`), reset the prefix cache, bump the version.
@@ -58,6 +60,7 @@ from grpo.inference.request_checks import (
     check_samples,
     check_sequences,
     model_limits,
+    request_priority,
     token_ids,
 )
 from grpo.inference.weights_check import check_weights_dir
@@ -227,12 +230,14 @@ def _engine_input(prompt_ids: list[int]) -> dict[str, Any]:
     return dict(tokens_input(prompt_ids))
 
 
-async def _final_output(engine: Any, prompt_ids: list[int], params: Any, lora: Any, ids: list[str]) -> Any:
+async def _final_output(engine: Any, prompt_ids: list[int], params: Any, lora: Any, ids: list[str],
+                        priority: int = 0) -> Any:
     """The finished RequestOutput of one prompt (all its `n` samples); its engine request id is added to `ids`."""
     final = None
     request_id = f"grpo-gen-{uuid.uuid4().hex}"
     ids.append(request_id)
-    async for out in engine.generate(_engine_input(prompt_ids), params, request_id, lora_request=lora):
+    async for out in engine.generate(_engine_input(prompt_ids), params, request_id, lora_request=lora,
+                                     priority=priority):
         final = out
     assert final is not None
     return final
@@ -280,13 +285,14 @@ async def handle_generate(request) -> dict:
     limits = await model_limits(engine)
     check_samples(body.get("n", 1), limits)
     check_sequences(1, body.get("n", 1), limits)
+    priority = request_priority(body, limits)
     prompt_ids = await _prompt_ids(prompt, engine, limits)
     check_generate_request(prompt_ids, body.get("max_tokens"), limits, body.get("n", 1))
     tokenizer = engine.get_tokenizer() if decodes_here(body) else None
     params = _sampling_params(body)
     # Read before the request starts: the version the weights had when this batch was scheduled.
     version = _request_versions(state, lora)[0]
-    final = await _final_output(engine, prompt_ids, params, lora, ids)
+    final = await _final_output(engine, prompt_ids, params, lora, ids, priority)
     # Built on a thread: n=128 long samples with 20 log-probs each took seconds of the event loop (/health waited).
     return await asyncio.to_thread(_prompt_response, prompt_ids, final, params, version,
                                    _request_versions(state, lora)[1], tokenizer)
@@ -331,6 +337,7 @@ async def handle_generate_batch(state: Any, body: dict[str, Any], ids: list[str]
     limits = await model_limits(engine)
     check_samples(body.get("n", 1), limits)  # once, not as prompts[0]'s fault
     check_sequences(len(prompts), body.get("n", 1), limits)
+    priority = request_priority(body, limits)
     prompt_ids = []
     for i, prompt in enumerate(prompts):
         try:
@@ -349,7 +356,8 @@ async def handle_generate_batch(state: Any, body: dict[str, Any], ids: list[str]
     version = _request_versions(state, lora)[0]
     # Tasks, not awaited one by one: each adds its request to the engine at its first step, all before the engine
     # has answered any.
-    tasks = [asyncio.ensure_future(_final_output(engine, one, p, lora, ids)) for one, p in zip(prompt_ids, per_prompt)]
+    tasks = [asyncio.ensure_future(_final_output(engine, one, p, lora, ids, priority))
+             for one, p in zip(prompt_ids, per_prompt)]
     # Cancelled when the client goes away (GRPOMiddleware): gather cancels each task, and vLLM aborts its request.
     finals = await asyncio.gather(*tasks, return_exceptions=True)
     failed = next(((i, f) for i, f in enumerate(finals) if isinstance(f, BaseException)), None)
@@ -482,7 +490,8 @@ async def handle_version(request) -> dict:
         package = None
     limits = await model_limits(_state(request).engine_client)
     return {"server": identity.SERVER_NAME, "protocol": identity.PROTOCOL, "package_version": package,
-            "max_sequences_per_request": limits.max_sequences_per_request, "max_model_len": limits.max_model_len}
+            "max_sequences_per_request": limits.max_sequences_per_request, "max_model_len": limits.max_model_len,
+            "scheduling_policy": limits.scheduling_policy}
 
 
 Handler = Callable[[Any], Awaitable[dict]]

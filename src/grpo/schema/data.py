@@ -118,3 +118,8 @@ class EvalConfig:
     samples_logged: int = 4
     # Run beside training: the run waits only for the eval's generation, before the weights next change.
     background: bool = True
+    # vLLM scheduling priority of the eval's requests (the rollouts' is 0; larger = admitted later): with
+    # server.scheduling_policy=priority an evaluation beside training yields the engine to the rollouts. 0 = none sent.
+    priority: int = 1
+    # The most eval sequences (prompts x n) in flight at once per server; null = no bound but eval.max_concurrency.
+    max_in_flight: Optional[int] = None
