@@ -60,50 +60,54 @@ def test_the_launched_server_schedules_by_priority_unless_told_otherwise(tmp_pat
     check(server__scheduling_policy="fcfs", server__external_url="http://127.0.0.1:1")
 
 
-def _waiting(url: str) -> float:
-    """vLLM's gauge of requests waiting for a slot in the engine (its Prometheus /metrics)."""
+def _in_engine(url: str) -> float:
+    """vLLM's gauges of the requests running and waiting for a slot in the engine (its Prometheus /metrics)."""
     text = requests.get(url + "/metrics", timeout=10).text
-    return sum(float(m) for m in re.findall(r"^vllm:num_requests_waiting\{[^}]*\} (\S+)$", text, re.M))
+    return sum(float(m) for m in re.findall(r"^vllm:num_requests_(?:running|waiting)\{[^}]*\} (\S+)$", text, re.M))
 
 
-def _finish_order(url: str, eval_priority: int) -> tuple[float, float]:
-    """Seconds from the rollouts' submission until (the rollouts, the eval batch) finished: an eval batch of 640
-    sequences of 24 tokens each (five times the CPU engine's 128 slots) first, priority `eval_priority`; once part of
-    it waits in the engine, 32 rollout sequences at priority 0."""
-    same_length = {"max_tokens": 24, "ignore_eos": True, "temperature": 1.0, "logprobs": None, "n": 8}
-    evals = {"prompts": [[11 + i, 12, 13] for i in range(80)], **same_length, "priority": eval_priority}
-    rollouts = {"prompts": [[50 + i, 51, 52] for i in range(4)], **same_length}
-    done: dict[str, float] = {}
+def _evals_after_the_rollouts(url: str, slots: int, eval_priority: int) -> int:
+    """How many eval requests finished after the rollouts: eval requests of 8 sequences of 32 tokens each, three times
+    the engine's `slots` sequences in all, at priority `eval_priority`, then, once every one of them is in the engine
+    (running or waiting for a slot), one rollout request of 32 such sequences at priority 0."""
+    same_length = {"max_tokens": 32, "ignore_eos": True, "temperature": 1.0, "logprobs": None, "n": 8}
+    evals = [{"prompt": [11 + i % 50, 12, 13], **same_length, "priority": eval_priority} for i in range(3 * slots // 8)]
+    rollouts = {"prompts": [[70 + i, 71, 72] for i in range(4)], **same_length}
+    done: list[tuple[float, str]] = []
 
     def post(name: str, body: dict) -> None:
         r = requests.post(url + "/generate", json=body, timeout=300)
         assert r.status_code == 200, r.text
-        done[name] = time.monotonic()
+        done.append((time.monotonic(), name))
 
-    with ThreadPoolExecutor(2) as pool:
-        eval_batch = pool.submit(post, "eval", evals)
+    with ThreadPoolExecutor(len(evals) + 1) as pool:
+        futures = [pool.submit(post, "eval", body) for body in evals]
         deadline = time.monotonic() + 60
-        while _waiting(url) == 0 and not eval_batch.done():
-            assert time.monotonic() < deadline, "the eval batch never waited for a slot"
+        while _in_engine(url) < 3 * slots:
+            assert time.monotonic() < deadline and not any(f.done() for f in futures), "the evals never filled it"
             time.sleep(0.02)
-        sent = time.monotonic()
-        rollout = pool.submit(post, "rollouts", rollouts)
-        eval_batch.result(), rollout.result()
-    return done["rollouts"] - sent, done["eval"] - sent
+        futures.append(pool.submit(post, "rollouts", rollouts))
+        for future in futures:
+            future.result()
+    order = [name for _, name in sorted(done)]
+    return len(order) - 1 - order.index("rollouts")
 
 
 @pytest.mark.vllm
 def test_rollouts_sent_after_a_batch_of_eval_requests_finish_first(vllm_server):
-    """On the real server (the session's, started with the default server.scheduling_policy=priority): rollout
-    requests sent while a batch of eval requests at priority 1 fills the engine and waits for it are admitted ahead
-    of the waiting eval sequences and finish long before the batch; at the eval's priority 0 (what every request had
-    before) they wait behind all of it and finish after it."""
-    rollouts, evals = _finish_order(vllm_server.url, eval_priority=1)
-    print(f"\neval priority 1: rollouts done after {rollouts:.2f} s, the eval batch after {evals:.2f} s")
-    assert rollouts < 0.6 * evals  # in the second of the engine's six rounds of 128 sequences
-    rollouts, evals = _finish_order(vllm_server.url, eval_priority=0)
-    print(f"eval priority 0: rollouts done after {rollouts:.2f} s, the eval batch after {evals:.2f} s")
-    assert rollouts > evals  # in a sixth round of their own
+    """On the real server (the session's, started with the default server.scheduling_policy=priority): a rollout
+    request sent while eval requests at priority 1 fill the engine's slots three times over is admitted ahead of the
+    waiting eval sequences and finishes while a whole round of them is still to run; at the eval's priority 0 (what
+    every request had before) it waits behind all of them and finishes last."""
+    version = requests.get(vllm_server.url + "/grpo/version", timeout=30).json()
+    assert version["scheduling_policy"] == "priority"
+    slots = version["max_num_seqs"]
+    behind = _evals_after_the_rollouts(vllm_server.url, slots, eval_priority=1)
+    ahead = _evals_after_the_rollouts(vllm_server.url, slots, eval_priority=0)
+    print(f"\n{slots} slots: eval requests finished after the rollouts: {behind} of {3 * slots // 8} at priority 1, "
+          f"{ahead} at priority 0")
+    assert behind >= slots // 8  # the eval's third round (the rollouts ran in its second)
+    assert ahead <= 1  # the rollouts ran in a fourth round of their own
 
 
 class _CountingClient:

@@ -491,7 +491,7 @@ async def handle_version(request) -> dict:
     limits = await model_limits(_state(request).engine_client)
     return {"server": identity.SERVER_NAME, "protocol": identity.PROTOCOL, "package_version": package,
             "max_sequences_per_request": limits.max_sequences_per_request, "max_model_len": limits.max_model_len,
-            "scheduling_policy": limits.scheduling_policy}
+            "scheduling_policy": limits.scheduling_policy, "max_num_seqs": limits.max_num_seqs}
 
 
 Handler = Callable[[Any], Awaitable[dict]]
