@@ -320,6 +320,27 @@ def check_eval_settings_used(cfg: DictConfig, info: HydraInfo) -> None:
                       "else drop the eval settings")
 
 
+def check_eval_priority(cfg: DictConfig) -> None:
+    """`eval.priority` (a request's vLLM scheduling priority) with a server the run launches that schedules first come,
+    first served (`server.scheduling_policy`, or --scheduling-policy in server.extra_args): vLLM would ignore the
+    priority, so the server refuses it, and the run would stop at its first evaluation. A server started elsewhere
+    answers for itself."""
+    if not cfg.eval.get("priority") or not eval_enabled(cfg.eval, cfg.data):
+        return
+    if cfg.server.get("external_url") or cfg.server.get("external_urls"):
+        return
+    policy, extra = cfg.server.get("scheduling_policy"), [str(a) for a in cfg.server.get("extra_args") or []]
+    for i, arg in enumerate(extra):  # vLLM takes the last one given
+        if arg == "--scheduling-policy" and i + 1 < len(extra):
+            policy = extra[i + 1]
+        elif arg.startswith("--scheduling-policy="):
+            policy = arg.split("=", 1)[1]
+    if str(policy) != "priority":
+        raise ConfigError(f"eval.priority={cfg.eval.priority} needs a server that schedules by priority, and this "
+                          f"run's schedules {policy or 'fcfs'!r}: set server.scheduling_policy=priority, or "
+                          "eval.priority=0 (the evaluation's requests then compete with the rollouts')")
+
+
 def check_wandb_settings_used(cfg: DictConfig, info: HydraInfo) -> None:
     """`logging.wandb_project` / `wandb_entity` on the command line without `logging.wandb=true`: nothing is sent to
     W&B and the settings would be silently ignored (the Atropos trainer's --wandb-project implied its logging)."""

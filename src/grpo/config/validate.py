@@ -53,6 +53,7 @@ def validate(cfg: DictConfig, run_dir: Path | None = None) -> None:
     checks.check_memory_share_used(cfg, info)
     checks.check_grad_accum_used(cfg, info)
     checks.check_eval_settings_used(cfg, info)
+    checks.check_eval_priority(cfg)
     checks.check_wandb_settings_used(cfg, info)
     check_model_files(cfg.model)
     check_layers(cfg)

@@ -219,6 +219,7 @@ class InferenceClient:
         temperature: float = 1.0,
         top_p: float = 1.0,
         model: str | None = None,
+        max_in_flight: int | None = None,
         **sampling: Any,
     ) -> list[list[Completion]]:
         """`n` completions for each prompt; result[i] belongs to prompts[i].
@@ -231,14 +232,16 @@ class InferenceClient:
         prompt i is sampled with `seed + i * n` (vLLM gives sample k of a request `seed + k`), so every sample of
         the call draws from its own random stream, the same in either form. One seed for every prompt would give
         sample k of each prompt the same draws: on a model whose next-token distribution barely depends on the
-        prompt (early in training), the batch's prompts then get near-identical completions.
+        prompt (early in training), the batch's prompts then get near-identical completions. `max_in_flight`: the most
+        sequences (prompts x n) of this call out at once (at least one prompt's n); None: `max_concurrency` requests.
         """
         if not prompts:
             return []
         base_seed = sampling.pop("seed", None)
         if self.prompts_per_request > 0:
             try:
-                return self._generate_batched(prompts, n, max_tokens, temperature, top_p, model, base_seed, sampling)
+                return self._generate_batched(prompts, n, max_tokens, temperature, top_p, model, base_seed, sampling,
+                                              max_in_flight)
             except InferenceServerError as e:
                 if OLD_SERVER_ANSWER not in str(e):
                     raise
@@ -251,15 +254,20 @@ class InferenceClient:
             seed = {} if base_seed is None else {"seed": (int(base_seed) + i * n) % (2**63)}
             return self.generate_one(prompts[i], n, max_tokens, temperature, top_p, model, **seed, **sampling)
 
-        return self._while_healthy(one, len(prompts), "generation requests")
+        workers = None if max_in_flight is None else max(1, max_in_flight // max(int(n), 1))
+        return self._while_healthy(one, len(prompts), "generation requests", workers)
 
     def _generate_batched(self, prompts: list[list[int]], n: int, max_tokens: int, temperature: float, top_p: float,
-                          model: str | None, base_seed: int | None, sampling: dict[str, Any]) -> list[list[Completion]]:
-        """`generate` through batched /generate requests of up to `prompts_per_request` prompts each."""
+                          model: str | None, base_seed: int | None, sampling: dict[str, Any],
+                          max_in_flight: int | None = None) -> list[list[Completion]]:
+        """`generate` through batched /generate requests of up to `prompts_per_request` prompts each (fewer, and
+        fewer at once, within `max_in_flight` sequences)."""
         rest = {k: v for k, v in sampling.items() if k != "logprobs"}
         common = sampling_payload(n, max_tokens, temperature, top_p, model, sampling.get("logprobs", True), rest)
         # Within the server's bound on sequences per request (its default; a lower one is the server's to say).
-        size = max(1, min(self.prompts_per_request, self.max_sequences_per_request // max(int(n), 1)))
+        per_request = min(self.max_sequences_per_request, max_in_flight or self.max_sequences_per_request)
+        size = max(1, min(self.prompts_per_request, per_request // max(int(n), 1)))
+        workers = None if max_in_flight is None else max(1, max_in_flight // (size * max(int(n), 1)))
         starts = list(range(0, len(prompts), size))
 
         def batch(b: int) -> list[list[Completion]]:
@@ -270,7 +278,7 @@ class InferenceClient:
             return [parse_generate_response(r) for r in self._post("/generate", payload)["results"]]
 
         what = f"generation requests ({len(prompts)} prompts, up to {size} per request)"
-        return [group for chunk in self._while_healthy(batch, len(starts), what) for group in chunk]
+        return [group for chunk in self._while_healthy(batch, len(starts), what, workers) for group in chunk]
 
     # Sequences (prompts x n) `generate` puts in one batched request at most: the server's default bound.
     max_sequences_per_request: int = DEFAULT_MAX_SEQUENCES_PER_REQUEST
@@ -281,11 +289,11 @@ class InferenceClient:
     health_every_s: float = 10.0
     health_timeout_s: float = 10.0
 
-    def _while_healthy(self, one: Any, n: int, what: str) -> list[Any]:
-        """`[one(i) for i in range(n)]`, run concurrently; raises ServerUnreachable when the server stops answering
-        /health meanwhile. The requests left behind end when the server is restarted or stopped (their connection
-        closes) or at their timeout; nothing waits for them."""
-        pool = ThreadPoolExecutor(max_workers=min(self.max_concurrency, n))
+    def _while_healthy(self, one: Any, n: int, what: str, workers: int | None = None) -> list[Any]:
+        """`[one(i) for i in range(n)]`, run concurrently (at most `workers` at once, within `max_concurrency`);
+        raises ServerUnreachable when the server stops answering /health meanwhile. The requests left behind end when
+        the server is restarted or stopped (their connection closes) or at their timeout; nothing waits for them."""
+        pool = ThreadPoolExecutor(max_workers=min(self.max_concurrency, n, workers or n))
         try:
             futures = [pool.submit(one, i) for i in range(n)]
             while True:

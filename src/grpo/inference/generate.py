@@ -15,6 +15,7 @@ from grpo.inference.request_checks import (
     check_samples,
     check_sequences,
     model_limits,
+    request_priority,
     token_ids,
 )
 from grpo.inference.served_version import app_state, request_versions
@@ -141,12 +142,14 @@ def _engine_input(prompt_ids: list[int]) -> dict[str, Any]:
     return dict(tokens_input(prompt_ids))
 
 
-async def _final_output(engine: Any, prompt_ids: list[int], params: Any, lora: Any, ids: list[str]) -> Any:
+async def _final_output(engine: Any, prompt_ids: list[int], params: Any, lora: Any, ids: list[str],
+                        priority: int = 0) -> Any:
     """The finished RequestOutput of one prompt (all its `n` samples); its engine request id is added to `ids`."""
     final = None
     request_id = f"grpo-gen-{uuid.uuid4().hex}"
     ids.append(request_id)
-    async for out in engine.generate(_engine_input(prompt_ids), params, request_id, lora_request=lora):
+    async for out in engine.generate(_engine_input(prompt_ids), params, request_id, lora_request=lora,
+                                     priority=priority):
         final = out
     assert final is not None
     return final
@@ -194,13 +197,14 @@ async def handle_generate(request) -> dict:
     limits = await model_limits(engine)
     check_samples(body.get("n", 1), limits)
     check_sequences(1, body.get("n", 1), limits)
+    priority = request_priority(body, limits)
     prompt_ids = await _prompt_ids(prompt, engine, limits)
     check_generate_request(prompt_ids, body.get("max_tokens"), limits, body.get("n", 1))
     tokenizer = engine.get_tokenizer() if decodes_here(body) else None
     params = _sampling_params(body)
     # Read before the request starts: the version the weights had when this batch was scheduled.
     version = request_versions(state, lora)[0]
-    final = await _final_output(engine, prompt_ids, params, lora, ids)
+    final = await _final_output(engine, prompt_ids, params, lora, ids, priority)
     # Built on a thread: n=128 long samples with 20 log-probs each took seconds of the event loop (/health waited).
     return await asyncio.to_thread(_prompt_response, prompt_ids, final, params, version,
                                    request_versions(state, lora)[1], tokenizer)
@@ -245,6 +249,7 @@ async def handle_generate_batch(state: Any, body: dict[str, Any], ids: list[str]
     limits = await model_limits(engine)
     check_samples(body.get("n", 1), limits)  # once, not as prompts[0]'s fault
     check_sequences(len(prompts), body.get("n", 1), limits)
+    priority = request_priority(body, limits)
     prompt_ids = []
     for i, prompt in enumerate(prompts):
         try:
@@ -263,7 +268,8 @@ async def handle_generate_batch(state: Any, body: dict[str, Any], ids: list[str]
     version = request_versions(state, lora)[0]
     # Tasks, not awaited one by one: each adds its request to the engine at its first step, all before the engine
     # has answered any.
-    tasks = [asyncio.ensure_future(_final_output(engine, one, p, lora, ids)) for one, p in zip(prompt_ids, per_prompt)]
+    tasks = [asyncio.ensure_future(_final_output(engine, one, p, lora, ids, priority))
+             for one, p in zip(prompt_ids, per_prompt)]
     # Cancelled when the client goes away (GRPOMiddleware): gather cancels each task, and vLLM aborts its request.
     finals = await asyncio.gather(*tasks, return_exceptions=True)
     failed = next(((i, f) for i, f in enumerate(finals) if isinstance(f, BaseException)), None)

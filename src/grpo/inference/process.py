@@ -160,6 +160,8 @@ class VLLMServer:
         chunked_prefill = option(c, "chunked_prefill")
         if chunked_prefill is not None:
             args.append("--enable-chunked-prefill" if chunked_prefill else "--no-enable-chunked-prefill")
+        if option(c, "scheduling_policy") is not None:  # priority: eval requests (eval.priority) yield to rollouts'
+            args += ["--scheduling-policy", str(option(c, "scheduling_policy"))]
         if self.enable_lora:
             args += ["--enable-lora", "--max-lora-rank", str(option(c, "max_lora_rank", ServerConfig.max_lora_rank))]
             if self.lora_modules:

@@ -40,6 +40,8 @@ class ModelLimits:
     max_model_len: int
     max_num_seqs: int | None = None
     max_sequences_per_request: int | None = None
+    # vLLM's scheduling policy (--scheduling-policy): "priority" orders waiting requests by their `priority`.
+    scheduling_policy: str = "fcfs"
 
     @property
     def max_prompt_chars(self) -> int:
@@ -62,7 +64,22 @@ async def model_limits(engine: Any) -> ModelLimits:
     scheduler = getattr(engine, "scheduler_config", None)
     seqs = getattr(scheduler, "max_num_seqs", None)
     return ModelLimits(vocab_size=int(config.get_vocab_size()), max_model_len=int(config.max_model_len),
-                       max_num_seqs=int(seqs) if seqs else None, max_sequences_per_request=max_sequences_per_request())
+                       max_num_seqs=int(seqs) if seqs else None, max_sequences_per_request=max_sequences_per_request(),
+                       scheduling_policy=str(getattr(scheduler, "policy", "fcfs")))
+
+
+def request_priority(body: dict[str, Any], limits: ModelLimits) -> int:
+    """The `priority` of a /generate body, taken out of it (vLLM's rule: the engine schedules waiting requests with a
+    lower value first; 0 when absent). A non-zero one needs a server that schedules by priority: vLLM's default
+    first-come-first-served policy would ignore it without a word."""
+    priority = body.pop("priority", 0)
+    if not _is_int(priority):
+        raise BadRequest(f"priority must be an integer (lower is scheduled sooner), got {priority!r:.80}")
+    if priority != 0 and limits.scheduling_policy != "priority":
+        raise BadRequest(f"priority={priority} needs a server started with --scheduling-policy priority "
+                         f"(server.scheduling_policy=priority); this one schedules {limits.scheduling_policy!r}. "
+                         "Or send no priority (eval.priority=0).")
+    return priority
 
 
 def _is_int(value: Any) -> bool:

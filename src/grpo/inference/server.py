@@ -13,6 +13,9 @@ every other request to vLLM untouched:
   while the request ran. Several prompts in one request, ``{"prompts": [...], ...}`` (`handle_generate_batch`, what
   `InferenceClient.generate` sends), are handed to the engine at once and answered ``{"results": [...]}``, one
   single-prompt answer per prompt (grpo.inference.generate; the versions: grpo.inference.served_version).
+  ``priority`` (an integer, default 0) is vLLM's per-request scheduling priority (lower first; a server started with
+  ``--scheduling-policy priority``, which the trainer's launcher passes by default): the held-out evaluation sends a
+  larger one than the rollouts, so its requests yield to training's.
 - ``GET|POST /grpo/weight_version``: the weight version served (rollouts carry it).
 - ``POST /grpo/reload_weights``: reload full HF weights from a directory in place (vLLM's worker
   `reload_weights`, wrapped by our worker extension, through `collective_rpc`), reset the prefix cache, bump the version.
@@ -84,7 +87,8 @@ async def handle_version(request) -> dict:
         package = None
     limits = await model_limits(app_state(request).engine_client)
     return {"server": identity.SERVER_NAME, "protocol": identity.PROTOCOL, "package_version": package,
-            "max_sequences_per_request": limits.max_sequences_per_request, "max_model_len": limits.max_model_len}
+            "max_sequences_per_request": limits.max_sequences_per_request, "max_model_len": limits.max_model_len,
+            "scheduling_policy": limits.scheduling_policy, "max_num_seqs": limits.max_num_seqs}
 
 
 Handler = Callable[[Any], Awaitable[dict]]

@@ -15,7 +15,7 @@ log = logging.getLogger("grpo.pipeline.evaluation")
 
 def check_eval_settings(every: int, k: int, samples_per_prompt: int, sampled_every: Optional[int],
                         temperature: float, top_p: float, max_new_tokens: int, max_concurrency: int,
-                        samples_logged: int) -> None:
+                        samples_logged: int, max_in_flight: Optional[int] = None) -> None:
     """The evaluator's own settings, refused with the eval.* key to change (ValueError: build_evaluator makes it a
     ConfigError)."""
     if k < 1 or samples_per_prompt < k:
@@ -28,6 +28,8 @@ def check_eval_settings(every: int, k: int, samples_per_prompt: int, sampled_eve
     if sampled_every is not None and sampled_every < 0:
         raise ValueError(f"eval.sampled_every must be >= 0 (0: the sampled completions at step 0's and the last "
                          f"step's evaluations only; null: at every one), got {sampled_every}")
+    if max_in_flight is not None and max_in_flight < 1:
+        raise ValueError(f"eval.max_in_flight must be >= 1 (sequences in flight) or null (no bound), got {max_in_flight}")
     if every < 0 or max_new_tokens < 1 or max_concurrency < 1 or samples_logged < 0:
         raise ValueError("eval.every, eval.samples_logged must be >= 0 and eval.max_new_tokens, "
                          f"eval.max_concurrency >= 1, got {every}, {samples_logged}, {max_new_tokens}, {max_concurrency}")

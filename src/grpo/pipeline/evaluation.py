@@ -149,9 +149,11 @@ class Evaluator:
         max_episode_tokens: Optional[int] = None,
         reward_workers: int = LocalDataConfig.reward_workers,
         background: bool = EvalConfig.background,
+        priority: int = EvalConfig.priority,
+        max_in_flight: Optional[int] = EvalConfig.max_in_flight,
     ) -> None:
         check_eval_settings(every, k, samples_per_prompt, sampled_every, temperature, top_p, max_new_tokens,
-                            max_concurrency, samples_logged)
+                            max_concurrency, samples_logged, max_in_flight)
         self.task: Task = _build(task)
         rewards = literal_eval_rewards(rewards)
         self.rewards = build_rewards(rewards)
@@ -173,6 +175,10 @@ class Evaluator:
         self.max_turns, self.max_episode_tokens = int(max_turns), max_episode_tokens
         # Run beside training (the trainer waits only for the generation, before the weights next change).
         self.background = bool(background)
+        # vLLM's scheduling priority of every eval request (rollouts: 0; larger waits behind them) and the bound on
+        # the eval's sequences in flight: both only decide when the engine runs them, never what it samples.
+        self.priority = int(priority)
+        self.max_in_flight = None if max_in_flight is None else int(max_in_flight)
         self.ctx: Optional[EvalContext] = None
         self.prompts: list[Prompt] = []
         self.prompt_ids: list[list[int]] = []
@@ -274,7 +280,8 @@ class Evaluator:
         longest = max(len(x) for x in self.prompt_ids)
         max_tokens = max(1, min(self.max_new_tokens, self.ctx.max_seq_len - longest))
         # score() decodes the token ids itself: the server need not detokenize, nor compute log-probs.
-        common = dict(max_tokens=max_tokens, top_p=self.top_p, model=endpoint.model, detokenize=False, logprobs=False)
+        common = dict(max_tokens=max_tokens, top_p=self.top_p, model=endpoint.model, detokenize=False, logprobs=False,
+                      **self._scheduling())
         samples = None
         if isinstance(self.task, EnvironmentTask):  # whole episodes, scored on their answers
             greedy = self._episodes(client, endpoint.model, 1, 0.0, None)
@@ -305,6 +312,11 @@ class Evaluator:
         metrics["eval/generation_seconds"] = generated.generation_seconds
         return metrics
 
+    def _scheduling(self) -> dict[str, Any]:
+        """The keys of every eval request that decide when the engine runs it: its priority (none sent at 0) and the
+        client's bound on sequences in flight."""
+        return ({"priority": self.priority} if self.priority else {}) | {"max_in_flight": self.max_in_flight}
+
     def _client_for(self, endpoint: Endpoint) -> RoutedClient:
         # Follow the server's replicas (a restart may take one out for a while, or move them); requests spread over
         # them by load like the rollouts'.
@@ -323,7 +335,7 @@ class Evaluator:
 
         def generate(ids: list[list[int]], n: int, max_tokens: int, seed: Optional[int]) -> list[list[Completion]]:
             return client.generate(ids, n=n, max_tokens=max_tokens, temperature=temperature, top_p=self.top_p,
-                                   model=model, detokenize=False, logprobs=False,
+                                   model=model, detokenize=False, logprobs=False, **self._scheduling(),
                                    **({} if seed is None else {"seed": seed}))
 
         episodes = EpisodeRunner(self.task, self.ctx.tokenizer, limits).run(

@@ -161,3 +161,8 @@ class EvalConfig:
     # and the run waits for them only before the served weights next change (grading, pass@k and the row go on in the
     # background; the final eval completes before the run ends). false: the run waits for each whole evaluation.
     background: bool = True
+    # vLLM scheduling priority of the eval's requests (the rollouts' is 0; larger = admitted later): with
+    # server.scheduling_policy=priority an evaluation beside training yields the engine to the rollouts. 0 = none sent.
+    priority: int = 1
+    # The most eval sequences (prompts x n) in flight at once per server; null = no bound but eval.max_concurrency.
+    max_in_flight: Optional[int] = None

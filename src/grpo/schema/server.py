@@ -16,6 +16,16 @@ class EngineStartMethod(StrEnum):
     fork = "fork"
 
 
+class SchedulingPolicy(StrEnum):
+    """``server.scheduling_policy``: the order in which vLLM admits waiting requests (its --scheduling-policy)."""
+
+    # First come, first served (vLLM's default).
+    fcfs = "fcfs"
+    # By each request's priority (lower first), then arrival: the held-out evaluation's requests (eval.priority) wait
+    # behind the rollouts'.
+    priority = "priority"
+
+
 @dataclass
 class ServerConfig:
     """The vLLM inference server the trainer launches (or attaches to)."""
@@ -101,3 +111,7 @@ class ServerConfig:
     # spawns instead when that process has initialised CUDA). null = the environment's VLLM_WORKER_MULTIPROC_METHOD,
     # else spawn, what vLLM's own `vllm serve` does.
     engine_start_method: Optional[EngineStartMethod] = None
+    # vLLM's --scheduling-policy. priority: waiting requests are admitted by their priority, so an evaluation beside
+    # training (eval.priority > 0) yields the engine to the rollouts; with equal priorities it is first come, first
+    # served. null = vLLM's default (fcfs), where a request's priority is refused (HTTP 400).
+    scheduling_policy: Optional[SchedulingPolicy] = SchedulingPolicy.priority
