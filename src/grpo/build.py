@@ -23,6 +23,7 @@ from omegaconf import DictConfig
 
 from grpo.algorithms.overlong import TruncationRule
 from grpo.config.run_dir import check_ranks_see_run_files
+from grpo.config.validate import check_optimizer_settings
 from grpo.config_values import ConfigError, instantiation_cause
 from grpo.models.loading import load_tokenizer, pick_device
 from grpo.pipeline.base import BatchShape, DataPipeline, PipelineContext
@@ -116,7 +117,8 @@ def build_parts(cfg: DictConfig, run_dir: Path, reuse_server: bool = False,
                 clock: WallClock | None = None) -> RunParts:
     """Everything that needs no server, each part checked as it is built (a data source that does not answer, bad
     held-out prompts) so that a mistake stops the run before vLLM starts; then, with `server.launch_early`, the
-    server's processes start (build_trainer waits for them) and the tokenizer loads while vLLM starts. `reuse_server`:
+    server's processes start (build_trainer waits for them), and the optimizer's settings are checked and the
+    tokenizer loads while vLLM starts. `reuse_server`:
     a sweep's job that takes the server the job before kept and keeps its own for the next (grpo.serving.kept)."""
     torch.manual_seed(cfg.train.seed)
     loss_fn = build_loss(cfg)  # first: a bad loss setting stops the run before processes, warm start or server
@@ -147,6 +149,7 @@ def build_parts(cfg: DictConfig, run_dir: Path, reuse_server: bool = False,
     clock = clock if clock is not None else WallClock()
     early = start_server_early(cfg, sync, sync_ctx, rank0, clock)
     try:
+        check_optimizer_settings(cfg)  # torch._dynamo's import, while vLLM starts
         sync_ctx.tokenizer = load_tokenizer(model_dir)  # transformers' import and the tokenizer, while vLLM starts
     except BaseException:
         sync.shutdown()  # the server started early stops with the run
