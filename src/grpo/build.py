@@ -249,14 +249,16 @@ def build_sync(cfg: DictConfig, rank0: bool, resume_ckpt: Path | None) -> SyncSt
 
 
 def build_trainer(parts: RunParts) -> GRPOTrainer:
-    """Set up the evaluator, wait for the server started early (or launch it), build model, optimizer and metrics,
-    restore a checkpoint, set up the data source on the server; the trainer (also kept in `parts`, with the metrics,
-    for `close`). The trainer's model loads once vLLM has started: on a GPU they share, vLLM sizes its KV cache from
+    """Set up the evaluator and start the data's reward workers, wait for the server started early (or launch it),
+    build model, optimizer and metrics, restore a checkpoint, set up the data source on the server; the trainer (also
+    kept in `parts`, with the metrics, for `close`). The trainer's model loads once vLLM has started: on a GPU they share, vLLM sizes its KV cache from
     the memory free while it starts."""
     cfg, sync, data, tokenizer, run_dir = parts.cfg, parts.sync, parts.data, parts.tokenizer, parts.run_dir
     sync_ctx = parts.sync_ctx
     clock = parts.clock if parts.clock is not None else WallClock()
     setup_evaluator(parts)  # while the server starts
+    if data is not None:
+        data.start_workers()  # reward workers spawn while the server starts, not after the model's load
     t0, launch_at = time.perf_counter(), time.time()
     sync.launch(sync_ctx)  # waits for a server started early
     t_launched = time.perf_counter()
