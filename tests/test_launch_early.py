@@ -110,6 +110,23 @@ def test_the_wall_clock_gives_when_vllm_was_launched_and_ready_beside_the_parts_
     assert "server wait 12 s" in describe(summary) and "vLLM launched at 5 s; ready at 20 s" in describe(summary)
 
 
+def test_the_imports_moment_is_the_first_jobs_alone():
+    """`startup_at.imported_seconds`: when the trainer's imports were done (grpo.train notes it), for the job whose
+    clock starts at the process's start; a sweep's later job, whose clock starts at its own start, has none."""
+    import time
+
+    from grpo.trainer.wall_clock import WallClock, describe
+
+    origin = time.time() - 30.0
+    first, later = WallClock(origin=origin), WallClock(origin=origin + 20.0)
+    for clock in (first, later):
+        clock.mark("imported", at=origin + 4.0)
+        clock.loop_started()
+    assert first.summary()["startup_at"] == pytest.approx({"imported_seconds": 4.0})
+    assert "imports done at 4 s" in describe(first.summary())
+    assert later.summary()["startup_at"] == {}
+
+
 # Composes and checks the bare config and finds its (cached) model directory, as a run does before vLLM's launch,
 # then asks for a model's decoder and head, as the trainer does once vLLM is ready (a plain module has none: the
 # error is expected); prints which heavy modules the first part imported, and whether the second imported peft.
