@@ -16,6 +16,7 @@ from hydra.utils import instantiate
 
 from grpo.conf import CONFIG_DIR
 from grpo.config import ConfigError, register_configs, validate
+from grpo.config.validate import check_optimizer_settings
 
 REPO = Path(__file__).resolve().parents[1]
 register_configs()
@@ -426,11 +427,16 @@ def test_dynamic_sampling_is_a_local_pipeline_setting_refused_for_atropos(tmp_pa
     (["optimizer.lr=-1"], "optimizer (torch.optim.AdamW): Invalid learning rate: -1.0"),
     (["optimizer.betas=[0.9,1.5]"], "optimizer (torch.optim.AdamW): Invalid beta parameter at index 1: 1.5"),
 ])
-def test_a_setting_the_optimizer_refuses_is_a_config_error_before_the_server_starts(tmp_path, overrides, needle):
-    """torch checks lr, betas, eps and weight decay only when the optimizer is built, after the model (and, in
-    train.py, the server): validate builds it on one parameter first."""
+def test_a_setting_the_optimizer_refuses_is_a_config_error_before_the_model_loads(tmp_path, overrides, needle):
+    """torch checks lr, betas, eps and weight decay only when the optimizer is built, after the model:
+    check_optimizer_settings builds it on one parameter first (grpo.build.build_parts, while vLLM starts; validate
+    leaves it out: the first optimizer built imports torch._dynamo, seconds before vLLM's launch)."""
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
+        cfg = compose(config_name="train", overrides=overrides, return_hydra_config=True)
+        validate(cfg, tmp_path)
     with pytest.raises(ConfigError, match=re.escape(needle)):
-        _validate(overrides, tmp_path)
+        check_optimizer_settings(cfg)
 
 
 @pytest.mark.parametrize("override, needle", [

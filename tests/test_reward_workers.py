@@ -200,3 +200,30 @@ def test_a_run_grading_in_workers_trains_evaluates_and_leaves_no_process(tmp_pat
     evaluated = [r for r in rows if "eval/accuracy" in r]  # rows of their own (evaluation beside training)
     assert [r["step"] for r in evaluated] == [0, 2]
     assert all({"eval/accuracy", "eval/pass@k", "eval/unparsed_fraction"} <= set(r) for r in evaluated)
+
+
+def test_the_workers_start_before_setup_also_under_the_asynchronous_wrapper():
+    """The run starts the data's reward workers before it waits for vLLM (`DataPipeline.start_workers`, called by
+    grpo.build.build_trainer), not in `setup` after the model's load: a local pipeline's grader spawns them then,
+    through AsyncRollouts too, and close() ends them."""
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.utils import instantiate
+
+    from grpo.config import register_configs
+    from grpo.pipeline.rollout_queue import AsyncRollouts
+
+    register_configs()
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
+        cfg = compose(config_name="train", overrides=["data=arithmetic", "data.reward_workers=1"])
+    inner = instantiate(cfg.data, _recursive_=False)
+    data = AsyncRollouts(inner, 1)
+    before = set(active_children())
+    assert inner.grader.pool is None
+    try:
+        data.start_workers()
+        assert inner.grader.pool is not None and set(active_children()) - before
+    finally:
+        data.close()
+    assert inner.grader.pool is None and not set(active_children()) - before

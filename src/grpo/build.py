@@ -23,6 +23,7 @@ from omegaconf import DictConfig
 
 from grpo.algorithms.overlong import TruncationRule
 from grpo.config.run_dir import check_ranks_see_run_files
+from grpo.config.validate import check_optimizer_settings
 from grpo.config_values import ConfigError, instantiation_cause
 from grpo.models.loading import load_tokenizer, pick_device
 from grpo.pipeline.base import BatchShape, DataPipeline, PipelineContext
@@ -119,7 +120,8 @@ def build_parts(cfg: DictConfig, run_dir: Path, reuse_server: bool = False,
                 clock: WallClock | None = None) -> RunParts:
     """Everything that needs no server, each part checked as it is built (a data source that does not answer, bad
     held-out prompts) so that a mistake stops the run before vLLM starts; then, with `server.launch_early`, the
-    server's processes start (build_trainer waits for them) and the tokenizer loads while vLLM starts. `reuse_server`:
+    server's processes start (build_trainer waits for them), and the optimizer's settings are checked and the
+    tokenizer loads while vLLM starts. `reuse_server`:
     a sweep's job that takes the server the job before kept and keeps its own for the next (grpo.serving.kept)."""
     torch.manual_seed(cfg.train.seed)
     loss_fn = build_loss(cfg)  # first: a bad loss setting stops the run before processes, warm start or server
@@ -150,6 +152,7 @@ def build_parts(cfg: DictConfig, run_dir: Path, reuse_server: bool = False,
     clock = clock if clock is not None else WallClock()
     early = start_server_early(cfg, sync, sync_ctx, rank0, clock)
     try:
+        check_optimizer_settings(cfg)  # torch._dynamo's import, while vLLM starts
         sync_ctx.tokenizer = load_tokenizer(model_dir)  # transformers' import and the tokenizer, while vLLM starts
     except BaseException:
         sync.shutdown()  # the server started early stops with the run
@@ -249,14 +252,16 @@ def build_sync(cfg: DictConfig, rank0: bool, resume_ckpt: Path | None) -> SyncSt
 
 
 def build_trainer(parts: RunParts) -> GRPOTrainer:
-    """Set up the evaluator, wait for the server started early (or launch it), build model, optimizer and metrics,
-    restore a checkpoint, set up the data source on the server; the trainer (also kept in `parts`, with the metrics,
-    for `close`). The trainer's model loads once vLLM has started: on a GPU they share, vLLM sizes its KV cache from
+    """Set up the evaluator and start the data's reward workers, wait for the server started early (or launch it),
+    build model, optimizer and metrics, restore a checkpoint, set up the data source on the server; the trainer (also
+    kept in `parts`, with the metrics, for `close`). The trainer's model loads once vLLM has started: on a GPU they share, vLLM sizes its KV cache from
     the memory free while it starts."""
     cfg, sync, data, tokenizer, run_dir = parts.cfg, parts.sync, parts.data, parts.tokenizer, parts.run_dir
     sync_ctx = parts.sync_ctx
     clock = parts.clock if parts.clock is not None else WallClock()
     setup_evaluator(parts)  # while the server starts
+    if data is not None:
+        data.start_workers()  # reward workers spawn while the server starts, not after the model's load
     t0, launch_at = time.perf_counter(), time.time()
     sync.launch(sync_ctx)  # waits for a server started early
     t_launched = time.perf_counter()

@@ -16,6 +16,7 @@ from __future__ import annotations
 import os
 import signal
 import sys
+import time
 from pathlib import Path
 
 import hydra
@@ -30,6 +31,8 @@ from grpo.run_records import check_resume_identity
 from grpo.trainer.metrics import plot_curves
 from grpo.trainer.wall_clock import WallClock
 
+# When the trainer's imports (torch among them) were done: summary.json's `startup_at.imported_seconds`.
+IMPORTED_AT = time.time()
 register_configs()
 
 
@@ -45,6 +48,7 @@ def main(cfg: DictConfig) -> float | None:
         return job.config_error(e)
     signal.signal(signal.SIGTERM, interrupt_on_sigterm)
     job.start(cfg)
+    job.clock.mark("imported", at=IMPORTED_AT)
     try:
         final = job.completed(fit(cfg, job.run_dir, job.reuses_server(cfg), job.clock))
     except BaseException as e:

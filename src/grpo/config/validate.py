@@ -93,14 +93,20 @@ def check_layers(cfg: DictConfig) -> None:
 
 
 def check_optimizer(cfg: DictConfig) -> None:
-    """The optimizer's package is importable, and it accepts its settings (torch checks lr, betas, eps and weight
-    decay when built: built here on one parameter, so `optimizer.lr=-1` stops the run before the server starts)."""
-    import torch
-
+    """The optimizer's package is importable (whether it accepts its settings: `check_optimizer_settings`)."""
     if cfg.optimizer._target_.startswith("bitsandbytes."):
         _check_importable(cfg.optimizer._target_, "optimizer", "Install it with `pip install bitsandbytes`, or choose optimizer=adamw.")
     else:
         _check_importable(cfg.optimizer._target_, "optimizer", "Install the package or choose another optimizer.")
+
+
+def check_optimizer_settings(cfg: DictConfig) -> None:
+    """The optimizer accepts its settings: torch checks lr, betas, eps and weight decay only when one is built, so it
+    is built here on one parameter and `optimizer.lr=-1` stops the run before a model loads. Not part of `validate`:
+    the first optimizer built imports torch._dynamo (seconds), which a run pays once vLLM is launched, while it
+    starts (grpo.build.build_parts); the server started early stops with the error."""
+    import torch
+
     try:
         build_optimizer(torch.nn.Linear(1, 1), cfg.optimizer)
     except (ValueError, TypeError) as e:

@@ -145,14 +145,14 @@ def build_model_dir(
     ``preset``, ``seed``, ``dtype`` and ``overrides`` always give the same weights. Writes are atomic: a
     half-built directory is never visible under the final name.
     """
-    import torch
-    from transformers import AutoModelForCausalLM, GenerationConfig
-
     key = json.dumps({"preset": preset, "seed": seed, "dtype": dtype, "overrides": overrides or {}}, sort_keys=True)
     digest = hashlib.sha256(key.encode()).hexdigest()[:10]
     final = Path(out_dir) if out_dir else cache_root() / f"{preset}-s{seed}-{digest}"
     if model_dir_complete(final):
-        return final
+        return final  # before torch's and transformers' imports: a cached model costs a run's start-up nothing
+    import torch
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
     config, tok = _model_config(preset, overrides)
     torch_dtype = getattr(torch, dtype)
     torch.manual_seed(seed)

@@ -82,6 +82,10 @@ class DataPipeline(BatchSource):
         """Checks that need neither the model nor the inference server, run before either starts: a remote source
         that does not answer fails in seconds, not after the server's start-up (DataSourceError)."""
 
+    def start_workers(self) -> None:
+        """Start what needs neither the model nor the server (reward-grading worker processes), while the server
+        starts: the run calls it before it waits for vLLM; `setup` starts what this did not."""
+
     @abstractmethod
     def setup(self, ctx: PipelineContext) -> None:
         """Connect to the data source; called once before the first step."""

@@ -184,6 +184,9 @@ class LocalRolloutPipeline(DataPipeline):
         self.step: Optional[int] = None
         self.last_metrics: dict[str, float] = {}
 
+    def start_workers(self) -> None:
+        self.grader.start()  # data.reward_workers spawned processes: their imports take seconds
+
     def setup(self, ctx: PipelineContext) -> None:
         per_step = self.prompts_per_step * self.group_size
         if per_step < ctx.batch_size:

@@ -136,6 +136,9 @@ class AsyncRollouts(DataPipeline):
                 f"stale_policy={self.stale_policy}, capacity={self.capacity}, batches_in_flight={self.batches_in_flight})")
 
     # ------------------------------------------------------------------ DataPipeline
+    def start_workers(self) -> None:
+        self.inner.start_workers()
+
     def setup(self, ctx: PipelineContext) -> None:
         self.inner.setup(ctx)
         self.ctx = ctx

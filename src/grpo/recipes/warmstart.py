@@ -283,13 +283,13 @@ def build_warmstart_dir(name: str = "warm-arith", seed: int = 0, out_dir: str | 
 
     Atomic like `grpo.models.tiny.build_model_dir`: a half-built directory never appears under the final name.
     """
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
-
     spec = _preset(name)
     final = Path(out_dir) if out_dir else warmstart_path(name, seed)
     if warmstart_dir_complete(final):
-        return final
+        return final  # before torch's and transformers' imports: a cached model costs a run's start-up nothing
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+
     t0 = time.monotonic()
     load_before = _load_average()
     log.info("building warm-start model %s (seed %d) into %s: once, then cached; %d supervised steps (warm-arith: "

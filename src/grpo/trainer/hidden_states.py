@@ -12,18 +12,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from grpo.trainer.prefix import shared_layout
+from grpo.weights.hf_dir import is_peft
 
 
 def _causal_lm(model: nn.Module) -> nn.Module:
     """The transformers CausalLM under a PEFT wrapper (LoRA layers are injected in place, so it includes them)."""
-    try:
-        from peft import PeftModel
-
-        if isinstance(model, PeftModel):
-            return model.get_base_model()
-    except ImportError:  # peft is optional for plain models
-        pass
-    return model
+    return model.get_base_model() if is_peft(model) else model
 
 
 def causal_attention_mask(attention_mask: Optional[torch.Tensor]) -> Optional[torch.Tensor]:

@@ -45,7 +45,7 @@ class WallClock:
             _process_start_claimed = True
         self.origin = origin
         self.startup: dict[str, float] = {}
-        # When named moments of the start-up happened (time.time()): `server_launched`, `server_ready`.
+        # When named moments of the start-up happened (time.time()): `imported`, `server_launched`, `server_ready`.
         self.marks: dict[str, float] = {}
         self.parts = dict.fromkeys(LOOP_PARTS, 0.0)
         self.loop_start: Optional[float] = None
@@ -56,9 +56,12 @@ class WallClock:
         self.startup[part] = self.startup.get(part, 0.0) + seconds
 
     def mark(self, event: str, at: Optional[float] = None) -> None:
-        """Note that `event` (`server_launched`, `server_ready`) happened `at` (time.time(); default now); the summary
-        gives it in seconds from the clock's origin. Its first note counts."""
-        self.marks.setdefault(event, time.time() if at is None else at)
+        """Note that `event` (`imported`, `server_launched`, `server_ready`) happened `at` (time.time(); default now);
+        the summary gives it in seconds from the clock's origin. Its first note counts; one before the origin (the
+        process's imports, for a sweep's later job) is none of this job's."""
+        at = time.time() if at is None else at
+        if at >= self.origin:
+            self.marks.setdefault(event, at)
 
     def add(self, part: str, seconds: float) -> None:
         """Seconds of one of the loop's parts (LOOP_PARTS)."""
@@ -100,7 +103,8 @@ def describe(wall_clock: dict) -> str:
     startup = wall_clock["startup"]
     inner = ", ".join(f"{k.removesuffix('_seconds').replace('_', ' ')} {v:.0f} s" for k, v in startup.items() if v >= 0.5)
     at = wall_clock.get("startup_at") or {}
-    moments = {"server_launched_seconds": "vLLM launched at", "server_ready_seconds": "ready at"}
+    moments = {"imported_seconds": "imports done at", "server_launched_seconds": "vLLM launched at",
+               "server_ready_seconds": "ready at"}
     inner += "".join(f"; {label} {at[k]:.0f} s" for k, label in moments.items() if k in at)
     parts = [f"start-up {wall_clock['startup_seconds']:.0f} s ({inner})"]
     labels = {"generation_wait": "generation waited on", "training": "training", "eval_wait": "evaluation waited on",

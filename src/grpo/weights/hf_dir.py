@@ -11,6 +11,7 @@ import json
 import os
 import re
 import shutil
+import sys
 import tempfile
 from contextlib import contextmanager
 from pathlib import Path
@@ -55,12 +56,11 @@ def save_torch(obj: Any, path: Path) -> None:
 
 
 def is_peft(model: nn.Module) -> bool:
-    """True for a PEFT-wrapped model (its weights are saved and loaded as an adapter)."""
-    try:
-        from peft import PeftModel
-    except ImportError:
-        return False
-    return isinstance(model, PeftModel)
+    """True for a PEFT-wrapped model (its weights are saved and loaded as an adapter). Only peft builds one, so
+    without peft imported there is none: a plain model's run never imports peft (seconds: peft imports
+    bitsandbytes, whose CPU ops call torch.compile at import)."""
+    peft = sys.modules.get("peft")
+    return peft is not None and isinstance(model, peft.PeftModel)
 
 
 def fsync_dir(path: Path) -> None:
