@@ -31,6 +31,24 @@ def test_request_priority_is_taken_out_of_the_body_and_refused_where_vllm_would_
             request_priority({"priority": bad}, by_priority)
 
 
+def test_the_policy_is_read_where_each_vllm_keeps_it():
+    """vLLM 0.32's engine client has `scheduler_config`; 0.26's keeps it only in `vllm_config` (on the GPU a priority
+    server was read as fcfs and refused every evaluation request). The engine clients' shapes, as the two releases
+    build them."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from grpo.inference.request_checks import model_limits
+
+    model = SimpleNamespace(get_vocab_size=lambda: 100, max_model_len=64)
+    scheduler = SimpleNamespace(policy="priority", max_num_seqs=8)
+    v032 = SimpleNamespace(model_config=model, scheduler_config=scheduler)
+    v026 = SimpleNamespace(model_config=model, vllm_config=SimpleNamespace(scheduler_config=scheduler))
+    for engine in (v032, v026):
+        limits = asyncio.run(model_limits(engine))
+        assert limits.scheduling_policy == "priority" and limits.max_num_seqs == 8
+
+
 def test_the_launched_server_schedules_by_priority_unless_told_otherwise(tmp_path):
     """server.scheduling_policy reaches vLLM as --scheduling-policy (priority by default); a run whose eval sends a
     priority to a launched server that schedules first come, first served is refused at start-up, naming both keys."""

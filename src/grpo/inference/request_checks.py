@@ -61,7 +61,10 @@ async def model_limits(engine: Any) -> ModelLimits:
     config = getattr(engine, "model_config", None)
     if config is None:
         config = await engine.get_model_config()
-    scheduler = getattr(engine, "scheduler_config", None)
+    # vLLM 0.26's AsyncLLM keeps it only inside its vllm_config (0.32 has both): without it a priority server was
+    # taken for fcfs and refused the evaluation's requests on the GPU.
+    scheduler = getattr(engine, "scheduler_config", None) or getattr(getattr(engine, "vllm_config", None),
+                                                                     "scheduler_config", None)
     seqs = getattr(scheduler, "max_num_seqs", None)
     return ModelLimits(vocab_size=int(config.get_vocab_size()), max_model_len=int(config.max_model_len),
                        max_num_seqs=int(seqs) if seqs else None, max_sequences_per_request=max_sequences_per_request(),
