@@ -9,7 +9,7 @@ lands between 5 % and 40 %.
 
 The task and its correctness reward are named by `_target_` in the preset: any task with `sample(rng, n)` and
 `eval_prompts()`, any reward `reward(prompt, completion) -> float`. The preset is data (its JSON is part of the
-cache key, so the names stay strings); this module lives in `grpo.recipes`, a layer above the pipeline whose
+cache key, so the names stay strings); this module lives in `grpo.recipes`, a layer above the tasks whose
 classes it instantiates, so no layer below reaches up for it.
 
 The directory is Hugging Face format (safetensors, config, tokenizer, generation config), so vLLM, transformers and
