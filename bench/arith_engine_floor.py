@@ -36,8 +36,8 @@ def main() -> None:
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     from vllm import LLM, SamplingParams
 
-    from grpo.pipeline.arithmetic import ArithmeticTask
     from grpo.recipes.warmstart import warmstart_path
+    from grpo.tasks.arithmetic import ArithmeticTask
 
     llm = LLM(model=str(warmstart_path("warm-arith", 0)), dtype="float32", kv_cache_memory_bytes=2**30,
               max_model_len=1024, enable_chunked_prefill=False, distributed_executor_backend="uni", seed=0)

@@ -41,7 +41,7 @@ def evaluate(model_dir: Path, samples: int, temperature: float, max_new_tokens: 
     from grpo.config.schema import ServerConfig
     from grpo.inference.client import InferenceClient
     from grpo.inference.process import VLLMServer
-    from grpo.pipeline.arithmetic import ArithmeticCorrectReward, ArithmeticTask
+    from grpo.tasks.arithmetic import ArithmeticCorrectReward, ArithmeticTask
 
     task, reward = ArithmeticTask(), ArithmeticCorrectReward()
     heldout = task.eval_prompts()

@@ -48,8 +48,8 @@ def teacher_episode(task, plain_task, renderer, tokenizer, prompt, rng: random.R
     The direct answers are right, so the model learns to try the product itself: without the tool that is all it has,
     and with it GRPO weighs calling against guessing.
     """
-    from grpo.pipeline.calculator import evaluate
-    from grpo.pipeline.tasks import Prompt
+    from grpo.tasks.calculator import evaluate
+    from grpo.tasks.prompts import Prompt
 
     eos = tokenizer.eos_token_id
     expression = prompt.text.split("user\n", 1)[1].split("=", 1)[0]
@@ -82,8 +82,8 @@ def warm_start(seed: int, steps: int, call_share: float, plain_share: float, lr:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from grpo.models.tiny import build_model_dir, cache_root
-    from grpo.pipeline.calculator import LongArithmeticTask
-    from grpo.pipeline.environment import TurnRenderer
+    from grpo.tasks.calculator import LongArithmeticTask
+    from grpo.tasks.environment import TurnRenderer
 
     digits = f"{task_args['min_digits']}-{task_args['max_digits']}"
     name = f"s{seed}-{steps}-{call_share}-{plain_share}-{lr}-d{digits}"
@@ -139,8 +139,8 @@ def first_turns(model, tokenizer, task, samples: int = 4) -> dict:
     calculator and the share that copy the item exactly (`calc: <expression>`), greedy and at temperature 1."""
     import torch
 
-    from grpo.pipeline.environment import TurnRenderer
     from grpo.recipes.warmstart import generate_answers
+    from grpo.tasks.environment import TurnRenderer
 
     heldout = task.eval_prompts()
     out = {}
@@ -231,7 +231,7 @@ def warm_start_quality(model_dir: Path, task_args: dict) -> dict:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from grpo.pipeline.calculator import LongArithmeticTask
+    from grpo.tasks.calculator import LongArithmeticTask
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()

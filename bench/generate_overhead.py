@@ -48,8 +48,8 @@ def main() -> None:
 
     from grpo.inference.client import InferenceClient
     from grpo.inference.process import VLLMServer
-    from grpo.pipeline.arithmetic import ArithmeticTask
     from grpo.recipes.warmstart import warmstart_path
+    from grpo.tasks.arithmetic import ArithmeticTask
 
     model = str(warmstart_path("warm-arith", 0))
     cfg = OmegaConf.load(ROOT / "conf" / "server" / "cpu.yaml")

@@ -48,8 +48,8 @@ def pass_at_k(n: int, c: int, k: int) -> float:
 def evaluate(llm, tokenizer, name: str, spec: dict, items: int, k: int, seed: int) -> dict:
     from vllm import SamplingParams
 
-    from grpo.pipeline.chat_arithmetic import ChatArithmeticTask
-    from grpo.pipeline.rewards import BareNumberReward, MathVerifyReward
+    from grpo.tasks.chat_arithmetic import ChatArithmeticTask
+    from grpo.tasks.rewards import BareNumberReward, MathVerifyReward
 
     task = ChatArithmeticTask(question=spec["question"], system_prompt=spec["system_prompt"], heldout_size=items,
                               **spec["task"])

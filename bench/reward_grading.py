@@ -40,7 +40,7 @@ def group_texts(a: int, b: int, rng: random.Random) -> list[str]:
 
 
 def batch(kind: str, prompts: int, seed: int) -> list:
-    from grpo.pipeline.tasks import Prompt
+    from grpo.tasks.prompts import Prompt
 
     rng = random.Random(seed)
     pairs = []

@@ -249,8 +249,8 @@ def main(argv=None) -> dict:
 
     from grpo.models.loading import load_tokenizer
     from grpo.pipeline.local import build_rewards
-    from grpo.pipeline.tasks import Prompt
     from grpo.recipes.warmstart import generate_answers, score
+    from grpo.tasks.prompts import Prompt
     from grpo.trainer.optim import build_scheduler
 
     cfg = compose_ours([f"train.seed={args.seed}", *args.override], args.experiment)

@@ -3,8 +3,8 @@
     python bench/trl_e2e.py [--steps 10]            # TRL side; ours is train.py (see bench/run_all.py)
 
 TRL generates with transformers on this CPU (no vLLM: ``use_vllm=False``), ours with the vLLM CPU engine. Same tiny
-model (tiny-qwen2, seed 0), same prompts source (``grpo.pipeline.tasks.DigitsTask``: 8 random lowercase letters,
-no chat template), same reward (``grpo.pipeline.rewards.DigitFractionReward``: share of digit characters of the
+model (tiny-qwen2, seed 0), same prompts source (``grpo.tasks.prompts.DigitsTask``: 8 random lowercase letters,
+no chat template), same reward (``grpo.tasks.rewards.DigitFractionReward``: share of digit characters of the
 decoded completion), 8 prompts x 8 completions per optimizer step (``per_device_train_batch_size=32``,
 ``gradient_accumulation_steps=2`` = our micro-batch 32 x 2), <= 16 new tokens, temperature 1, AdamW lr 1e-3
 constant, grad clip 1.0, clip eps 0.2, no KL, token-mean loss (TRL ``loss_type="dapo"`` = our ``token_mean``),
@@ -38,8 +38,8 @@ def main(argv=None) -> dict:
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from grpo.pipeline.rewards import DigitFractionReward
-    from grpo.pipeline.tasks import DigitsTask
+    from grpo.tasks.prompts import DigitsTask
+    from grpo.tasks.rewards import DigitFractionReward
 
     mdir = model_dir("tiny")
     tok = AutoTokenizer.from_pretrained(mdir)

@@ -10,9 +10,9 @@ from __future__ import annotations
 import logging
 from typing import Any, Optional
 
-from grpo.pipeline.atropos_env import GRPOTaskEnv
-from grpo.pipeline.environment import TurnRenderer
-from grpo.pipeline.tasks import Prompt
+from grpo.tasks.atropos_env import GRPOTaskEnv
+from grpo.tasks.environment import TurnRenderer
+from grpo.tasks.prompts import Prompt
 from grpo.trainer.train_batch import IGNORE_INDEX
 
 TURNS = 3

@@ -13,13 +13,13 @@ import pytest
 
 from conftest import REPO, attach
 from grpo.inference.client import Endpoint
-from grpo.pipeline.agent_calculator import CalculatorQuestions, calculator
 from grpo.pipeline.agent_endpoint import call_seed
 from grpo.pipeline.agent_samples import ModelCall, episode_samples
 from grpo.pipeline.agents import AgentPipeline
 from grpo.pipeline.base import BatchShape, PipelineContext
 from grpo.pipeline.chat_prompts import ChatPrompts
 from grpo.pipeline.tool_calls import parse_json_tags
+from grpo.tasks.agent_calculator import CalculatorQuestions, calculator
 from grpo.trainer.train_batch import IGNORE_INDEX
 
 # A call in the json_tags format, as chatml_tools renders it back: the model is held to it by vLLM's structured

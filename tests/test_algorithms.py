@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from grpo.algorithms.advantages import ADVANTAGE_ESTIMATORS
+from grpo.algorithms.advantages import ADVANTAGE_ESTIMATORS, GroupRewards, step_advantages
 from grpo.algorithms.aggregation import AGGREGATIONS, Totals
 from grpo.algorithms.kl import KL_ESTIMATORS
 from grpo.algorithms.policy import POLICY_OBJECTIVES, ClipRange
@@ -60,6 +60,22 @@ def test_advantage_estimators_on_one_group():
     # A group whose rewards all agree carries no signal: advantage 0, not 0/0.
     same = torch.full((4,), 0.7, dtype=F64)
     assert ADVANTAGE_ESTIMATORS.get("group", "k")(same, batch).tolist() == [0.0] * 4
+
+
+def test_the_advantage_stage_keeps_sent_advantages_estimates_the_rest_and_zeroes_overrides():
+    calls = []
+
+    def centered(scores: torch.Tensor, batch_scores: torch.Tensor) -> torch.Tensor:
+        calls.append((scores.tolist(), batch_scores.tolist()))
+        return scores - scores.mean()
+
+    groups = [GroupRewards([1.0, 3.0], [None, None], [False, True]),  # estimated; the second zeroed
+              GroupRewards([0.0, 2.0], [0.5, None], [False, False]),  # the sent one kept, the other estimated
+              GroupRewards([5.0, 5.0], [[0.1, 0.2], 0.3], [True, False])]  # all sent: no estimate; per token zeroed
+    assert step_advantages(groups, centered) == [[-1.0, 0.0], [0.5, 1.0], [[0.0, 0.0], 0.3]]
+    # Only the groups that miss an advantage are estimated, each with every score of the step as its batch.
+    step = [1.0, 3.0, 0.0, 2.0, 5.0, 5.0]
+    assert calls == [([1.0, 3.0], step), ([0.0, 2.0], step)]
 
 
 def _groups():
@@ -134,7 +150,7 @@ def test_an_estimator_registered_before_the_schema_is_a_config_choice(tmp_path):
     conf = CONFIG_DIR
     script = f"""
 import torch
-from grpo.algorithms.advantages import ADVANTAGE_ESTIMATORS
+from grpo.algorithms.advantages import ADVANTAGE_ESTIMATORS, GroupRewards, step_advantages
 
 @ADVANTAGE_ESTIMATORS.register("best_gets_one")
 def best_gets_one(scores, batch_scores):

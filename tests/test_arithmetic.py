@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from grpo.conf import CONFIG_DIR
-from grpo.pipeline.arithmetic import (
+from grpo.tasks.arithmetic import (
     ArithmeticCorrectReward,
     ArithmeticFormatReward,
     ArithmeticTask,
@@ -18,7 +18,7 @@ from grpo.pipeline.arithmetic import (
     careless_answer,
     parse_answer,
 )
-from grpo.pipeline.tasks import Prompt
+from grpo.tasks.prompts import Prompt
 
 REPO = Path(__file__).resolve().parents[1]
 

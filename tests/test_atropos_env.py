@@ -34,7 +34,7 @@ def test_gsm8k_environment_pushes_scored_groups(vllm_server, tiny_qwen2_dir, tmp
             total_steps=2, start_step=0, checkpoint_every=5, seed=0,
         ))
         cmd = [
-            sys.executable, "-m", "grpo.pipeline.atropos_env", "serve", "--env.task=gsm8k",
+            sys.executable, "-m", "grpo.tasks.atropos_env", "serve", "--env.task=gsm8k",
             f"--env.rollout_server_url={url}", "--env.tokenizer_name=tiny-qwen2", "--env.group_size=4",
             "--env.max_new_tokens=24", "--env.temperature=0.7",
             # A random model scores 0 on every math problem; atroposlib would skip such groups by default.

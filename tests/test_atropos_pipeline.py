@@ -254,7 +254,7 @@ def test_a_batch_run_api_cannot_send_is_counted_and_said(run_api, tmp_path, capl
 
 def _versioned(seed: int, version: int | None, last: int | None = None) -> dict:
     """A group whose environment reported the weight version it sampled under (in generation_params, the one place
-    run-api keeps it), as grpo.pipeline.atropos_env sends it."""
+    run-api keeps it), as grpo.tasks.atropos_env sends it."""
     group = _group(seed)
     if version is not None:
         group["generation_params"] = {"temperature": 0.9, "weight_version": version,

@@ -1,4 +1,4 @@
-"""The sandboxed code reward (grpo.pipeline.sandbox, grpo.pipeline.code_reward): right programs score 1, wrong ones
+"""The sandboxed code reward (grpo.tasks.sandbox, grpo.tasks.code_reward): right programs score 1, wrong ones
 0, and programs that loop, fork, allocate 10 GB, open a socket, read /etc, write outside their folder or flood their
 output are stopped or refused, score 0, change nothing on the host and leave no process; results are cached; the
 reward works in reward worker processes; experiment=code_tiny trains."""
@@ -15,12 +15,12 @@ import pytest
 from omegaconf import OmegaConf
 
 from grpo.conf import CONFIG_DIR
-from grpo.pipeline import sandbox
-from grpo.pipeline.code_reward import SandboxedTestsReward, extract_program
-from grpo.pipeline.coding_task import CODE_TINY, CodingTask
 from grpo.pipeline.grading import Grader, picklable_specs
 from grpo.pipeline.local import build_rewards
-from grpo.pipeline.tasks import Prompt
+from grpo.tasks import sandbox
+from grpo.tasks.code_reward import SandboxedTestsReward, extract_program
+from grpo.tasks.coding_task import CODE_TINY, CodingTask
+from grpo.tasks.prompts import Prompt
 
 ADD_TESTS = "assert add(2, 3) == 5\nassert add(-1, 1) == 0\n"
 ADD = Prompt("Write a Python function `add(a, b)` that returns the sum of a and b.", ADD_TESTS)

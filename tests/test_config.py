@@ -84,11 +84,11 @@ def test_the_default_job_is_the_arithmetic_experiment(tmp_path):
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
         cfg = compose(config_name="train")
     assert (cfg.name, cfg.model.offline, cfg.data.task._target_) == (
-        "arith_quick", "warm-arith", "grpo.pipeline.arithmetic.ArithmeticTask")
+        "arith_quick", "warm-arith", "grpo.tasks.arithmetic.ArithmeticTask")
     assert (cfg.train.steps, cfg.eval.every, cfg.optimizer.lr) == (60, 10, 1e-4)
     validate(cfg, tmp_path / "run")
     bare = _compose([])
-    assert (bare.model.name, bare.data.task._target_) == ("tiny-qwen2", "grpo.pipeline.tasks.DigitsTask")
+    assert (bare.model.name, bare.data.task._target_) == ("tiny-qwen2", "grpo.tasks.prompts.DigitsTask")
 
 
 GROUP_OPTIONS = [(group, p.stem) for group in ("mode", "model", "optimizer", "loss", "data", "eval", "layers", "lora",

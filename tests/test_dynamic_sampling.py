@@ -17,7 +17,7 @@ from grpo.pipeline.dynamic_sampling import informative, refill
 from grpo.pipeline.group import Group
 from grpo.pipeline.local import LocalRolloutPipeline
 from grpo.pipeline.rollout_queue import AsyncRollouts
-from grpo.pipeline.tasks import DigitsTask
+from grpo.tasks.prompts import DigitsTask
 
 
 def _group(scores: list[float]) -> Group:

@@ -16,11 +16,11 @@ from omegaconf import OmegaConf
 from conftest import attach
 from grpo.conf import CONFIG_DIR
 from grpo.pipeline.evaluation import EvalContext, Evaluator, build_evaluator, pass_at_k
-from grpo.pipeline.rewards import DigitFractionReward, MathAnswerReward
-from grpo.pipeline.tasks import MINI_GSM8K, DigitsTask, GSM8KTask, Prompt
+from grpo.tasks.prompts import MINI_GSM8K, DigitsTask, GSM8KTask, Prompt
+from grpo.tasks.rewards import DigitFractionReward, MathAnswerReward
 
-DIGITS = {"_target_": "grpo.pipeline.tasks.DigitsTask", "prompt_chars": 8, "eval_size": 6}
-DIGIT_REWARDS = {"digits": {"_target_": "grpo.pipeline.rewards.DigitFractionReward", "weight": 1.0}}
+DIGITS = {"_target_": "grpo.tasks.prompts.DigitsTask", "prompt_chars": 8, "eval_size": 6}
+DIGIT_REWARDS = {"digits": {"_target_": "grpo.tasks.rewards.DigitFractionReward", "weight": 1.0}}
 
 
 # ---------------------------------------------------------------- pass@k
@@ -130,10 +130,10 @@ def test_build_evaluator_defaults_and_bad_input():
     with pytest.raises(ValueError, match="correct_reward"):
         build_evaluator(OmegaConf.create({**node, "correct_reward": "nope"}), local)
     # An eval task whose prompts the training task can draw: GSM8K rows held out from an eval copy only.
-    gsm_train = OmegaConf.create({"task": {"_target_": "grpo.pipeline.tasks.GSM8KTask", "eval_size": 0},
-                                  "rewards": {"correct": {"_target_": "grpo.pipeline.rewards.MathAnswerReward"}}})
+    gsm_train = OmegaConf.create({"task": {"_target_": "grpo.tasks.prompts.GSM8KTask", "eval_size": 0},
+                                  "rewards": {"correct": {"_target_": "grpo.tasks.rewards.MathAnswerReward"}}})
     with pytest.raises(ValueError, match="12 of the 12 eval prompts"):
-        build_evaluator(OmegaConf.create({**node, "task": {"_target_": "grpo.pipeline.tasks.GSM8KTask",
+        build_evaluator(OmegaConf.create({**node, "task": {"_target_": "grpo.tasks.prompts.GSM8KTask",
                                                             "eval_size": 12}}), gsm_train)
 
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from grpo.conf import CONFIG_DIR
-from grpo.pipeline.tasks import Prompt
+from grpo.tasks.prompts import Prompt
 
 pytest.importorskip("math_verify")
 
@@ -71,7 +71,7 @@ def test_the_evaluator_never_counts_an_echo_even_when_training_pays_for_it(tmp_p
 
 
 def test_literal_answer_auto_follows_the_reference():
-    from grpo.pipeline.rewards import MathVerifyReward
+    from grpo.tasks.rewards import MathVerifyReward
 
     auto = MathVerifyReward()
     assert auto(Prompt("q", "157"), "73 + 84") == 0.0 and auto(Prompt("q", "157"), "157") == 1.0

@@ -10,8 +10,8 @@ from conftest import group_option
 from grpo.inference.client import Endpoint, InferenceClient
 from grpo.pipeline.base import PipelineContext
 from grpo.pipeline.local import LocalRolloutPipeline
-from grpo.pipeline.rewards import DigitFractionReward
-from grpo.pipeline.tasks import DigitsTask
+from grpo.tasks.prompts import DigitsTask
+from grpo.tasks.rewards import DigitFractionReward
 from grpo.trainer.train_batch import IGNORE_INDEX
 
 

@@ -1,4 +1,4 @@
-"""Multi-turn rollouts (grpo.pipeline.environment, episodes, multi_turn, calculator): the calculator is safe, episode
+"""Multi-turn rollouts (grpo.tasks.environment, episodes, multi_turn, calculator): the calculator is safe, episode
 limits end episodes as defined, and against the real vLLM CPU server the trajectory is exactly the server's tokens
 and the environment's, environment tokens get no gradient, and trainer and sampler log-probs agree on model tokens."""
 
@@ -15,8 +15,10 @@ from conftest import REPO, group_option
 from grpo.conf import CONFIG_DIR
 from grpo.inference.client import Completion, Endpoint
 from grpo.pipeline.base import BatchShape, PipelineContext
-from grpo.pipeline.calculator import CalculatorError, LongAnswerReward, LongArithmeticTask, evaluate
-from grpo.pipeline.environment import (
+from grpo.pipeline.episodes import EpisodeRunner
+from grpo.pipeline.multi_turn import MultiTurnPipeline
+from grpo.tasks.calculator import CalculatorError, LongAnswerReward, LongArithmeticTask, evaluate
+from grpo.tasks.environment import (
     FINISHED,
     MAX_TOKENS,
     MAX_TURNS,
@@ -28,9 +30,7 @@ from grpo.pipeline.environment import (
     Reply,
     TurnRenderer,
 )
-from grpo.pipeline.episodes import EpisodeRunner
-from grpo.pipeline.multi_turn import MultiTurnPipeline
-from grpo.pipeline.tasks import Prompt
+from grpo.tasks.prompts import Prompt
 from grpo.trainer.train_batch import IGNORE_INDEX
 
 
@@ -368,7 +368,7 @@ def test_the_calculator_data_option_builds_and_refuses_a_task_that_is_no_environ
     cfg = group_option("data", "calculator")
     pipeline = instantiate(cfg, _recursive_=False)
     assert isinstance(pipeline, MultiTurnPipeline) and pipeline.max_turns == 3
-    cfg.task = {"_target_": "grpo.pipeline.tasks.DigitsTask"}
+    cfg.task = {"_target_": "grpo.tasks.prompts.DigitsTask"}
     with pytest.raises(Exception, match="not an environment"):  # Hydra wraps the ValueError
         instantiate(cfg, _recursive_=False)
 
@@ -469,7 +469,7 @@ def test_the_calculator_teacher_trains_the_model_turns_only_and_copies_the_tools
     answer is the tool's value."""
     import random as _random
 
-    from grpo.pipeline.calculator import CalculatorTeacher
+    from grpo.tasks.calculator import CalculatorTeacher
 
     task = LongArithmeticTask()
     task.bind_tokenizer(tokenizer)

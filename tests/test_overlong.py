@@ -154,8 +154,8 @@ def test_sources_without_truncation_or_a_limit_are_refused_by_name():
         _prepare([wire], TruncationRule(mask_truncated=True))
     assert not math.isnan(_prepare([wire], TruncationRule()).metrics["reward/mean"])
 
-    from grpo.pipeline.environment import MAX_TOKENS, Trajectory
-    from grpo.pipeline.tasks import Prompt
+    from grpo.tasks.environment import MAX_TOKENS, Trajectory
+    from grpo.tasks.prompts import Prompt
 
     t = Trajectory.start(Prompt("p"), None, [5, 6], logprobs=True)
     t.add_model_turn([7, 8], [-1.0, -1.0], "length", (0, 0))

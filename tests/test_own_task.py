@@ -29,9 +29,9 @@ from hydra.utils import instantiate
 from conftest import attach
 from grpo.conf import CONFIG_DIR
 from grpo.config import register_configs, validate
-from grpo.pipeline.arithmetic import ArithmeticTask
 from grpo.pipeline.evaluation import build_evaluator
-from grpo.pipeline.tasks import Prompt, Task
+from grpo.tasks.arithmetic import ArithmeticTask
+from grpo.tasks.prompts import Prompt, Task
 from test_readme import bash_blocks, commands
 from test_train_e2e import QUICK_SETTINGS, assert_clean, metrics
 

@@ -260,8 +260,8 @@ def test_evaluations_fall_on_a_regular_grid_of_rollout_batches(tiny_qwen2_dir, t
     from transformers import AutoTokenizer
 
     from grpo.pipeline.evaluation import EvalContext, Evaluator
-    from grpo.pipeline.rewards import DigitFractionReward
-    from grpo.pipeline.tasks import DigitsTask
+    from grpo.tasks.prompts import DigitsTask
+    from grpo.tasks.rewards import DigitFractionReward
 
     class Recorded(Evaluator):
         """The real evaluator's schedule; its sampling left out (no server here)."""

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from grpo.conf import CONFIG_DIR
-from grpo.pipeline.prompt_file import PromptFileTask
-from grpo.pipeline.tasks import Prompt
+from grpo.tasks.prompt_file import PromptFileTask
+from grpo.tasks.prompts import Prompt
 
 ROWS = [{"q": f"question {i}", "a": str(i), "extra": i} for i in range(5)]
 
@@ -69,17 +69,17 @@ def test_a_task_or_reward_that_fails_to_build_names_its_data_key_and_the_cause(t
     from grpo.pipeline.local import LocalRolloutPipeline
 
     path = str(write_jsonl(tmp_path / "p.jsonl", ROWS))
-    task = {"_target_": "grpo.pipeline.prompt_file.PromptFileTask", "path": path, "prompt_column": "q"}
-    reward = {"_target_": "grpo.pipeline.rewards.DigitFractionReward"}
-    with pytest.raises(ValueError, match=r"^data.task \(grpo.pipeline.prompt_file.PromptFileTask\): PromptFileTask: no file"):
+    task = {"_target_": "grpo.tasks.prompt_file.PromptFileTask", "path": path, "prompt_column": "q"}
+    reward = {"_target_": "grpo.tasks.rewards.DigitFractionReward"}
+    with pytest.raises(ValueError, match=r"^data.task \(grpo.tasks.prompt_file.PromptFileTask\): PromptFileTask: no file"):
         LocalRolloutPipeline({**task, "path": str(tmp_path / "missing.jsonl")}, {"r": reward})
     with pytest.raises(ValueError, match=r"^data.task .*: PromptFileTask: row 0 of .* has no column 'question'"):
         LocalRolloutPipeline({**task, "prompt_column": "question"}, {"r": reward})
-    with pytest.raises(ValueError, match=r"^data.rewards.r \(grpo.pipeline.rewards.NoSuchReward\): Error loading"):
-        LocalRolloutPipeline(task, {"r": {"_target_": "grpo.pipeline.rewards.NoSuchReward"}})
+    with pytest.raises(ValueError, match=r"^data.rewards.r \(grpo.tasks.rewards.NoSuchReward\): Error loading"):
+        LocalRolloutPipeline(task, {"r": {"_target_": "grpo.tasks.rewards.NoSuchReward"}})
     with pytest.raises(ValueError, match=r"missing 1 required positional argument.* is a function: .* set "
                                          r"data.rewards.r._partial_=true"):
-        LocalRolloutPipeline(task, {"r": {"_target_": "grpo.pipeline.rewards.parse_number"}})
+        LocalRolloutPipeline(task, {"r": {"_target_": "grpo.tasks.rewards.parse_number"}})
     assert len(LocalRolloutPipeline(task, {"r": reward}).rewards) == 1  # a good config still builds
 
 

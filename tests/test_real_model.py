@@ -20,10 +20,10 @@ from conftest import REPO, attach, server_cfg, session_server
 from grpo.config import ConfigError
 from grpo.models import packaged
 from grpo.models.packaged import PACKAGED_MODELS, PackagedModel, PackagedModelMissing, build_packaged_model_dir
-from grpo.pipeline.chat_arithmetic import ChatArithmeticTask
-from grpo.pipeline.hf_datasets import DatasetUnavailable
-from grpo.pipeline.rewards import BareNumberReward, MathVerifyReward
-from grpo.pipeline.tasks import GSM8KTask, Prompt, render_chat
+from grpo.tasks.chat_arithmetic import ChatArithmeticTask
+from grpo.tasks.hf_datasets import DatasetUnavailable
+from grpo.tasks.prompts import GSM8KTask, Prompt, render_chat
+from grpo.tasks.rewards import BareNumberReward, MathVerifyReward
 
 SYSTEM = "You are a careful calculator."
 QUESTION = "What is {expression}? Reply with the final number only."

@@ -15,7 +15,7 @@ from conftest import group_option
 from grpo.conf import CONFIG_DIR
 from grpo.pipeline.grading import Grader, RewardError, picklable_specs
 from grpo.pipeline.local import build_rewards
-from grpo.pipeline.tasks import Prompt
+from grpo.tasks.prompts import Prompt
 
 pytest.importorskip("math_verify")
 
@@ -28,7 +28,7 @@ TEXTS = ["34 + 25 = 59.", "59", "60", "The answer is fifty-nine, I think.", "34 
 def _specs() -> dict:
     """chat_arith's rewards (math-verify and the bare number) as the trainer hands them over, and a digit share."""
     rewards = OmegaConf.load(CONFIG_DIR / "data" / "chat_arith.yaml").rewards
-    rewards["digits"] = {"_target_": "grpo.pipeline.rewards.DigitFractionReward", "weight": 0.5}
+    rewards["digits"] = {"_target_": "grpo.tasks.rewards.DigitFractionReward", "weight": 0.5}
     return rewards
 
 
@@ -53,7 +53,7 @@ class TimeoutBound:
     """A reward whose value is the timeout math-verify would run under where it is called (0: none)."""
 
     def __call__(self, prompt: Prompt, completion: str) -> float:  # noqa: ARG002
-        from grpo.pipeline.rewards import _math_verify_timeouts
+        from grpo.tasks.rewards import _math_verify_timeouts
 
         return float(_math_verify_timeouts() or 0)
 
@@ -97,7 +97,7 @@ def test_workers_grade_as_the_trainer_process_does():
 
 
 def test_workers_grade_under_math_verify_timeouts_name_a_reward_that_raises_and_end_at_close():
-    specs = {"ok": {"_target_": "grpo.pipeline.rewards.BareNumberReward"},
+    specs = {"ok": {"_target_": "grpo.tasks.rewards.BareNumberReward"},
              "fragile": {"_target_": "test_reward_workers.Explodes", "weight": 0.5},
              "bound": {"_target_": "test_reward_workers.TimeoutBound", "weight": 0.0}}
     before = {p.pid for p in active_children()}

@@ -46,7 +46,7 @@ def test_grpo_train_composes_the_shipped_configs_from_a_directory_outside_the_ch
     assert out.returncode == 0, out.stderr[-2000:]
     cfg = OmegaConf.create(out.stdout)
     assert cfg.name == "cpu_tiny_none"  # experiments/cpu_tiny_none.yaml, as the wheel ships it
-    assert cfg.data.task._target_ == "grpo.pipeline.tasks.DigitsTask" and cfg.train.steps == 20
+    assert cfg.data.task._target_ == "grpo.tasks.prompts.DigitsTask" and cfg.train.steps == 20
     assert cfg.mode._target_ == "grpo.sync.lora_hotswap.LoraHotSwapSync"  # the command line wins over the experiment
     assert cfg.logging.tensorboard is False
 
@@ -66,7 +66,7 @@ def test_grpo_train_config_dir_adds_the_users_own_experiment(installed, tmp_path
     out = grpo_train(installed, tmp_path, "--config-dir", "my_conf", "experiment=mine", "--cfg", "job")
     assert out.returncode == 0, out.stderr[-2000:]
     cfg = OmegaConf.create(out.stdout)
-    assert cfg.train.steps == 7 and cfg.data.task._target_ == "grpo.pipeline.prompt_file.PromptFileTask"
+    assert cfg.train.steps == 7 and cfg.data.task._target_ == "grpo.tasks.prompt_file.PromptFileTask"
     assert cfg.data.task.path == "prompts.jsonl"
     help_out = grpo_train(installed, tmp_path, "--config-dir", "my_conf", "--help")
     assert help_out.returncode == 0, help_out.stderr[-2000:]

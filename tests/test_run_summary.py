@@ -122,15 +122,15 @@ def test_resuming_a_run_with_another_model_or_data_is_refused_naming_the_runs_co
             "name": offline, "offline": offline, "num_layers": 4}, "mode": {"_target_": "grpo.sync.M"},
             "data": {"_target_": "grpo.pipeline.local.LocalRolloutPipeline", "task": {"_target_": data}}})
 
-    tiny = cfg("tiny-qwen2", "grpo.pipeline.tasks.DigitsTask")
+    tiny = cfg("tiny-qwen2", "grpo.tasks.prompts.DigitsTask")
     record_provenance(tmp_path, tiny)
     check_resume_identity(tiny)  # the same run's settings: fine
     with pytest.raises(ConfigError) as e:
-        check_resume_identity(cfg("warm-arith", "grpo.pipeline.arithmetic.ArithmeticTask"))
+        check_resume_identity(cfg("warm-arith", "grpo.tasks.arithmetic.ArithmeticTask"))
     assert str(e.value).startswith(
         f"train.resume={tmp_path} was trained with model.name=tiny-qwen2, model.offline=tiny-qwen2, "
-        "data.task._target_=grpo.pipeline.tasks.DigitsTask, but this command composes model.name=warm-arith, "
-        "model.offline=warm-arith, data.task._target_=grpo.pipeline.arithmetic.ArithmeticTask; resume with the run's "
+        "data.task._target_=grpo.tasks.prompts.DigitsTask, but this command composes model.name=warm-arith, "
+        "model.offline=warm-arith, data.task._target_=grpo.tasks.arithmetic.ArithmeticTask; resume with the run's "
         "own settings: ")
     assert str(e.value).endswith(f" train.resume={tmp_path}")
     # A run that was itself resumed: its command's own train.resume gives way to this one, not beside it.
@@ -138,7 +138,7 @@ def test_resuming_a_run_with_another_model_or_data_is_refused_naming_the_runs_co
     provenance["argv"] = ["train.py", "~experiment", "train.resume=outputs/older"]
     (tmp_path / "provenance.json").write_text(json.dumps(provenance))
     with pytest.raises(ConfigError) as e:
-        check_resume_identity(cfg("warm-arith", "grpo.pipeline.arithmetic.ArithmeticTask"))
+        check_resume_identity(cfg("warm-arith", "grpo.tasks.arithmetic.ArithmeticTask"))
     assert str(e.value).endswith(f"own settings: python train.py '~experiment' train.resume={tmp_path}")
 
 

@@ -7,14 +7,14 @@ import random
 
 import pytest
 
-from grpo.pipeline.rewards import (
+from grpo.tasks.prompts import MINI_GSM8K, DigitsTask, GSM8KTask, Prompt, gsm8k_final_answer
+from grpo.tasks.rewards import (
     AnswerFormatReward,
     DigitFractionReward,
     MathAnswerReward,
     last_number,
     parse_number,
 )
-from grpo.pipeline.tasks import MINI_GSM8K, DigitsTask, GSM8KTask, Prompt, gsm8k_final_answer
 
 
 def test_digit_fraction():

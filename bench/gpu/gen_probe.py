@@ -176,8 +176,8 @@ def main() -> None:
 def workload_prompts(workload: str, tokenizer, prompts: int | None = None) -> list:
     """One step's prompts: the whole-step digits task (8 prompts) or the real-model chat arithmetic task (32), or
     `prompts` of either."""
-    from grpo.pipeline.chat_arithmetic import ChatArithmeticTask
-    from grpo.pipeline.tasks import DigitsTask
+    from grpo.tasks.chat_arithmetic import ChatArithmeticTask
+    from grpo.tasks.prompts import DigitsTask
 
     if workload == "digits":
         return DigitsTask(8).sample(random.Random(0), prompts or 8)

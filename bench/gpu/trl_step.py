@@ -63,8 +63,8 @@ def main() -> None:
     from trl import GRPOConfig, GRPOTrainer
 
     from grpo.models.tiny import build_model_dir
-    from grpo.pipeline.rewards import DigitFractionReward
-    from grpo.pipeline.tasks import DigitsTask
+    from grpo.tasks.prompts import DigitsTask
+    from grpo.tasks.rewards import DigitFractionReward
 
     gpu = not args.cpu_smoke
     dtype = torch.bfloat16 if gpu else torch.float32

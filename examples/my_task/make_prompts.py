@@ -14,7 +14,7 @@ import json
 import random
 from pathlib import Path
 
-from grpo.pipeline.arithmetic import ArithmeticTask
+from grpo.tasks.arithmetic import ArithmeticTask
 
 HERE = Path(__file__).resolve().parent
 TRAIN_ITEMS = 2000

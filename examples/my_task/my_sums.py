@@ -1,4 +1,4 @@
-"""A task of your own making (docs/own_task.md): a `grpo.pipeline.tasks.Task` subclass that draws its training prompts
+"""A task of your own making (docs/own_task.md): a `grpo.tasks.prompts.Task` subclass that draws its training prompts
 in code instead of reading a file. `conf/data/sums.yaml` plugs it in:
 
     python train.py --config-dir examples/my_task/conf '~experiment' model=warm_arith data=sums \
@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import random
 
-from grpo.pipeline.tasks import Prompt, Task
+from grpo.tasks.prompts import Prompt, Task
 
 
 class SumsAndDifferences(Task):

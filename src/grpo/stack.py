@@ -221,7 +221,7 @@ def _plan(args: argparse.Namespace, overrides: list[str]) -> dict[str, Any]:
 def _env_command(args: argparse.Namespace, plan: dict[str, Any]) -> list[str]:
     cfg, model_dir = plan["cfg"], plan["model_dir"]
     return [
-        sys.executable, "-m", "grpo.pipeline.atropos_env", "serve",
+        sys.executable, "-m", "grpo.tasks.atropos_env", "serve",
         f"--env.task={args.task}",
         f"--env.rollout_server_url={plan['api_url']}",
         f"--env.tokenizer_name={model_dir}",

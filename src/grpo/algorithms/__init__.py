@@ -1,6 +1,6 @@
 """Training algorithms as small functions on tensors, each kind behind a registry of names.
 
-- `advantages`: group scores → advantages (`train.advantage_norm`).
+- `advantages`: group scores → advantages (`train.advantage_norm`), and the advantage stage the batcher calls.
 - `policy`: the policy-gradient objectives per token (`loss.objective`: PPO's clip, GSPO, CISPO), and the choice of
   pi_old.
 - `kl`: per-token KL estimators (`loss.kl_estimator`).

@@ -2,14 +2,20 @@
 
 Each is ``fn(scores, batch_scores) -> advantages``: ``scores`` is the group's ``[G]`` float64 rewards,
 ``batch_scores`` every reward of the optimizer step's batch ``[N]`` (for estimators that normalise across groups);
-the result is ``[G]``. The batcher (`grpo.pipeline.batching`) calls the estimator for each group whose data source sent
-no advantages. Register your own with ``@ADVANTAGE_ESTIMATORS.register("name")`` before the config schema is imported
-(docs/algorithms.md, "An estimator of your own"), or pass the function itself to ``prepare_batch(advantage_norm=...)``.
+the result is ``[G]``. Register your own with ``@ADVANTAGE_ESTIMATORS.register("name")`` before the config schema is
+imported (docs/algorithms.md, "An estimator of your own"), or pass the function itself to
+``prepare_batch(advantage_norm=...)``.
+
+The advantage stage (`step_advantages`): one optimizer step's groups (`GroupRewards`: scores, the advantages their
+data source sent, its zero overrides) → one advantage per sequence. The batcher (`grpo.pipeline.batching`) calls it
+once per step, after the scores are final (reward shaping) and before any sequence is dropped, so every baseline sees
+every sample.
 """
 
 from __future__ import annotations
 
-from typing import Callable
+from dataclasses import dataclass
+from typing import Callable, Optional, Sequence, Union
 
 import torch
 
@@ -17,6 +23,40 @@ from grpo.algorithms.registry import Registry
 
 AdvantageEstimator = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 ADVANTAGE_ESTIMATORS: Registry[AdvantageEstimator] = Registry("advantage estimator")
+
+# One sequence's advantage: one number, or one per token (unshifted) when its data source sent them so.
+Advantage = Union[float, list[float]]
+
+
+@dataclass(frozen=True)
+class GroupRewards:
+    """One group as the advantage stage reads it, one entry per sequence: its score (shaped, final), the advantage
+    its data source sent (None: estimate it from the scores) and whether the source asked for 0 (Atropos'
+    ``set_advantage_to_zero``)."""
+
+    scores: Sequence[float]
+    sent: Sequence[Optional[Advantage]]
+    zeroed: Sequence[bool]
+
+
+def group_advantages(group: GroupRewards, estimator: AdvantageEstimator, batch_scores: torch.Tensor
+                     ) -> list[Advantage]:
+    """One group's advantages: those its source sent kept, the rest from the group's scores by `estimator` (called
+    only when one is missing); a zeroed sequence gets 0, per token if its advantage was per token."""
+    advantages: list[Optional[Advantage]] = list(group.sent)
+    if any(a is None for a in advantages):
+        scores = torch.tensor(list(group.scores), dtype=torch.float64)
+        estimated = estimator(scores, batch_scores).tolist()
+        advantages = [e if a is None else a for a, e in zip(advantages, estimated)]
+    return [([0.0] * len(a) if isinstance(a, list) else 0.0) if zero else a
+            for a, zero in zip(advantages, group.zeroed)]
+
+
+def step_advantages(groups: Sequence[GroupRewards], estimator: AdvantageEstimator) -> list[list[Advantage]]:
+    """The advantage stage of one optimizer step: each group's advantages (`group_advantages`), with every score of
+    the step as the estimator's ``batch_scores``."""
+    batch_scores = torch.tensor([s for g in groups for s in g.scores], dtype=torch.float64)
+    return [group_advantages(g, estimator, batch_scores) for g in groups]
 
 # Added to a standard deviation before dividing by it: a group whose rewards all agree gets advantage 0, not 0/0.
 STD_EPS = 1e-6

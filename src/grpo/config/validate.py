@@ -13,12 +13,12 @@ from grpo.config import checks
 from grpo.config.run_dir import check_resume_exists, check_resume_has_steps_left, check_run_dir, check_run_dir_unused
 from grpo.config_values import ConfigError, option
 from grpo.pipeline.local import LocalRolloutPipeline
-from grpo.pipeline.prompt_file import PromptFileTask
 from grpo.pipeline.rollout_queue import check_batches_in_flight, queue_capacity
 from grpo.recipes.model_checks import check_model, check_model_files
 from grpo.schema import LocalDataConfig, SharedMemorySyncConfig
 from grpo.serving.checks import check_server
 from grpo.serving.server import external_urls, replica_count
+from grpo.tasks.prompt_file import PromptFileTask
 from grpo.trainer.layers import resolve_layer_indices
 from grpo.trainer.metrics import tensorboard_writer_class
 from grpo.trainer.optim import build_optimizer

@@ -35,9 +35,9 @@ from grpo.pipeline.base import PipelineContext
 from grpo.pipeline.chat_prompts import ChatPrompts
 from grpo.pipeline.group import Group
 from grpo.pipeline.local import LocalRolloutPipeline
-from grpo.pipeline.tasks import Prompt
 from grpo.pipeline.tool_calls import JSON_TAGS, ToolParser
 from grpo.schema.data import AgentDataConfig
+from grpo.tasks.prompts import Prompt
 
 log = logging.getLogger(__name__)
 

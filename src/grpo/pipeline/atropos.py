@@ -7,7 +7,7 @@ hands out a batch advances the server's step (`GET /status` → `current_step`).
 
 Staleness. Atropos is asynchronous by nature: environments generate while the trainer trains, so a group may come
 from weights several syncs old. A group that carries its weight version (`weight_version`, in `generation_params`
-where it survives run-api; grpo.pipeline.atropos_env sends it, read from the inference server) has a lag: the
+where it survives run-api; grpo.tasks.atropos_env sends it, read from the inference server) has a lag: the
 trainer's version when the batch arrives minus that version. Each batch reports `async/staleness_mean` /
 `async/staleness_max` over its versioned groups and counts the unversioned ones (`async/unversioned_groups`: their
 lag is unknown, so they are kept). With `train.max_staleness = k >= 1` a group with lag > k is dropped and counted

@@ -1,7 +1,8 @@
 """Groups → padded, causally shifted training micro-batches (the batcher).
 
-One optimizer step's groups (`grpo.pipeline.group.Group`, the wire format) are turned into
-advantages, shifted for a causal LM, padded and split into micro-batches. Every decision about the data (what is
+One optimizer step's groups (`grpo.pipeline.group.Group`, the wire format) are screened, their rewards shaped, given
+advantages (the advantage stage, `grpo.algorithms.advantages.step_advantages`), shifted for a causal LM, padded and
+split into micro-batches. Every decision about the data (what is
 dropped, what is missing) is counted in ``PreparedBatch.metrics`` so nothing is silently discarded.
 """
 
@@ -14,7 +15,7 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
-from grpo.algorithms.advantages import ADVANTAGE_ESTIMATORS, AdvantageEstimator
+from grpo.algorithms.advantages import ADVANTAGE_ESTIMATORS, AdvantageEstimator, GroupRewards, step_advantages
 from grpo.algorithms.overlong import TruncationRule, masked_out
 from grpo.pipeline.group import Group, MalformedGroup, parse_group
 from grpo.trainer.train_batch import IGNORE_INDEX, PreparedBatch, TrainBatch
@@ -161,13 +162,12 @@ def _parsed(gi: int, group: Group | dict, vocab_size: Optional[int]) -> Group:
         raise BatchError(gi, e.field, str(e).split(": ", 1)[-1]) from None
 
 
-def _group_advantages(seqs: list[_Seq], estimator: AdvantageEstimator, batch_scores: torch.Tensor) -> None:
-    """Fill ``advantage`` of the sequences that the server sent none for, from the group's scores."""
-    if all(s.advantage is not None for s in seqs):
-        return
-    scores = torch.tensor([s.score for s in seqs], dtype=torch.float64)
-    for s, a in zip(seqs, estimator(scores, batch_scores).tolist()):
-        if s.advantage is None:
+def _assign_advantages(screened: list[list[_Seq]], estimator: AdvantageEstimator) -> None:
+    """The advantage stage on the step's screened groups (scores final): each sequence's ``advantage`` set."""
+    rewards = [GroupRewards([s.score for s in seqs], [s.advantage for s in seqs], [s.zero_adv for s in seqs])
+               for seqs in screened]
+    for seqs, advantages in zip(screened, step_advantages(rewards, estimator)):
+        for s, a in zip(seqs, advantages):
             s.advantage = a
 
 
@@ -245,10 +245,10 @@ def prepare_batch(
     - Groups arrive as `Group`s (validated by their pipeline) or as wire dicts, which `parse_group` validates here:
       a bad field raises ``BatchError`` naming the group and the field. An empty group is dropped
       (``data/dropped_groups``).
-    - Advantages: the server's ``advantages`` (per sequence or per token) when sent; else from ``scores`` by the
-      estimator ``advantage_norm`` names in `grpo.algorithms.advantages` (or ``advantage_norm`` itself, a function),
-      on the whole group before too-long sequences are dropped, so the baseline sees every sample. A sequence's
-      ``set_advantage_to_zero`` override zeroes its advantage.
+    - Advantages (the advantage stage, `grpo.algorithms.advantages.step_advantages`): the server's ``advantages``
+      (per sequence or per token) when sent; else from ``scores`` by the estimator ``advantage_norm`` names (or
+      ``advantage_norm`` itself, a function), on the whole group before too-long sequences are dropped, so the
+      baseline sees every sample. A sequence's ``set_advantage_to_zero`` override zeroes its advantage.
     - Sequences longer than ``max_seq_len`` are dropped (``data/dropped_too_long``).
     - Null ``inference_logprobs`` (group or sequence) become NaN rows (``data/missing_logprobs`` counts them).
     - Degenerate data (``_screen``; each kind counted, and warned once through ``warn``, default once per process):
@@ -271,7 +271,8 @@ def prepare_batch(
     rule = truncation or TruncationRule()
     truncation_metrics = _shape_for_truncation(screened, rule)
     all_scores = [s.score for seqs in screened for s in seqs]
-    kept, dropped = _kept_sequences(screened, estimator, all_scores, max_seq_len, rule.mask_truncated)
+    _assign_advantages(screened, estimator)
+    kept, dropped = _kept_sequences(screened, max_seq_len, rule.mask_truncated)
     emptied = dropped.pop("emptied")
     per_token_adv = any(isinstance(s.advantage, list) for s in kept)
     micro = [
@@ -305,25 +306,19 @@ def _batch_metrics(all_scores: list[float], kept: list, completion: list[int], g
     }
 
 
-def _kept_sequences(
-    parsed: list[list[_Seq]], estimator: AdvantageEstimator, all_scores: list[float], max_seq_len: int,
-    mask_truncated: bool = False,
-) -> tuple[list[_Seq], dict[str, int]]:
-    """Advantages per group, then the sequences that fit ``max_seq_len``, have a loss token and are not masked as
+def _kept_sequences(parsed: list[list[_Seq]], max_seq_len: int, mask_truncated: bool = False
+                    ) -> tuple[list[_Seq], dict[str, int]]:
+    """The sequences (advantages assigned) that fit ``max_seq_len``, have a loss token and are not masked as
     truncated: (kept, counts of too long sequences, sequences without a loss token, masked truncated sequences,
     zero-advantage groups, and groups emptied)."""
-    batch_scores = torch.tensor(all_scores, dtype=torch.float64)
     kept: list[_Seq] = []
     counts = {"data/dropped_too_long": 0, "data/no_loss_token_sequences": 0, "data/zero_advantage_groups": 0,
               "emptied": 0}
     if mask_truncated:
         counts["data/masked_truncated"] = 0
     for seqs in parsed:
-        _group_advantages(seqs, estimator, batch_scores)
         group_kept = 0
         for s in seqs:
-            if s.zero_adv:
-                s.advantage = [0.0] * len(s.tokens) if isinstance(s.advantage, list) else 0.0
             if len(s.tokens) > max_seq_len:
                 counts["data/dropped_too_long"] += 1
                 continue

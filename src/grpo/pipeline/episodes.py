@@ -1,4 +1,4 @@
-"""Runs multi-turn episodes (grpo.pipeline.environment) against the run's inference server, turn by turn.
+"""Runs multi-turn episodes (grpo.tasks.environment) against the run's inference server, turn by turn.
 
 All episodes of a call advance together: each round sends every unfinished episode's token ids to /generate in
 batched requests (the first round one request per prompt with `n` samples, so a group shares its prompt's prefix
@@ -16,7 +16,7 @@ from contextlib import AbstractContextManager
 from typing import Any, Callable, Optional, Sequence
 
 from grpo.inference.client import Completion
-from grpo.pipeline.environment import (
+from grpo.tasks.environment import (
     END_REASONS,
     FINISHED,
     MAX_TOKENS,
@@ -28,7 +28,7 @@ from grpo.pipeline.environment import (
     Trajectory,
     TurnRenderer,
 )
-from grpo.pipeline.tasks import Prompt
+from grpo.tasks.prompts import Prompt
 
 # generate(prompt token ids, n, max_tokens, seed or None) -> n completions per prompt, in order.
 GenerateFn = Callable[[list[list[int]], int, int, Optional[int]], list[list[Completion]]]

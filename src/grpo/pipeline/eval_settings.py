@@ -8,7 +8,7 @@ from typing import Any, Mapping, Optional
 
 from hydra.utils import get_class
 
-from grpo.pipeline.rewards import MathVerifyReward
+from grpo.tasks.rewards import MathVerifyReward
 
 log = logging.getLogger("grpo.pipeline.evaluation")
 

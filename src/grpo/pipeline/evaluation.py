@@ -26,13 +26,13 @@ from typing import Any, Callable, Mapping, Optional
 from grpo import faults
 from grpo.inference.client import Completion, Endpoint
 from grpo.inference.routing import RoutedClient, routed_client
-from grpo.pipeline.environment import EnvironmentTask, EpisodeLimits
 from grpo.pipeline.episodes import EpisodeRunner
 from grpo.pipeline.eval_settings import check_eval_settings, literal_eval_rewards
 from grpo.pipeline.grading import Grader, PendingGrades, picklable_specs
 from grpo.pipeline.local import build_rewards
-from grpo.pipeline.tasks import Prompt, Task
 from grpo.schema.data import EvalConfig, LocalDataConfig, MultiTurnDataConfig
+from grpo.tasks.environment import EnvironmentTask, EpisodeLimits
+from grpo.tasks.prompts import Prompt, Task
 from grpo.trainer.metrics import EVAL_SAMPLES
 
 log = logging.getLogger(__name__)
@@ -116,7 +116,7 @@ class Evaluator:
     With `sampled_every` set, the evaluations it does not name generate the greedy completions alone: their metrics
     lack `eval/pass@k`, `eval/mean@k` and `eval/k` (`samples_due`).
 
-    An environment task (grpo.pipeline.environment.EnvironmentTask, data=calculator) is evaluated on whole episodes
+    An environment task (grpo.tasks.environment.EnvironmentTask, data=calculator) is evaluated on whole episodes
     under the training data's limits (`max_turns`, `max_new_tokens` per turn, `max_episode_tokens`): the episode's
     answer is scored, and its model tokens are the response tokens.
     """
@@ -416,8 +416,8 @@ def _build(node: Any) -> Any:
 
 # An eval of its own for data=atropos, as typed on the command line: eval.task and eval.rewards are null in the
 # config, so their keys need the + of a key Hydra adds (without it: "Could not override 'eval.task._target_'").
-ATROPOS_EVAL_EXAMPLE = ("+eval.task._target_=grpo.pipeline.tasks.GSM8KTask +eval.task.eval_size=12 "
-                        "+eval.rewards.correct._target_=grpo.pipeline.rewards.MathAnswerReward")
+ATROPOS_EVAL_EXAMPLE = ("+eval.task._target_=grpo.tasks.prompts.GSM8KTask +eval.task.eval_size=12 "
+                        "+eval.rewards.correct._target_=grpo.tasks.rewards.MathAnswerReward")
 
 
 def eval_task(eval_cfg: Any, data_cfg: Any) -> Any:
@@ -466,7 +466,7 @@ def build_evaluator(eval_cfg: Any, data_cfg: Any) -> Optional[Evaluator]:
     rewards = eval_cfg.get("rewards") or data_cfg.get("rewards")
     if not rewards:
         raise ValueError("eval needs rewards: set eval.rewards (the training data has none), e.g. "
-                         "+eval.rewards.correct._target_=grpo.pipeline.rewards.MathAnswerReward")
+                         "+eval.rewards.correct._target_=grpo.tasks.rewards.MathAnswerReward")
     # Only null falls back: eval.max_new_tokens=0 must reach the evaluator's own check, not become data's cap.
     max_new = next((v for v in (eval_cfg.get("max_new_tokens"), data_cfg.get("max_new_tokens")) if v is not None),
                    LocalDataConfig.max_new_tokens)

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from multiprocessing import get_context
 from typing import Any, Callable, Mapping, Optional, Sequence
 
-from grpo.pipeline.tasks import Prompt
+from grpo.tasks.prompts import Prompt
 
 Pair = tuple[Prompt, str]
 # A graded pair as it comes back from grade_pair: each reward's value, and whether the rewards parse the text (None

@@ -15,7 +15,7 @@ Wire shape (atroposlib 0.4.0; docs/architecture.md):
 Weight versions: `weight_version` (the version served when the group's requests were sent) and
 `last_weight_version` (when its last completion came back), at the top level or inside `generation_params`. run-api
 (atroposlib 0.4.0) keeps only the fields of its `ScoredData` model, so an Atropos environment sends them in
-`generation_params` (grpo.pipeline.atropos_env does); `to_wire` puts them at the top level.
+`generation_params` (grpo.tasks.atropos_env does); `to_wire` puts them at the top level.
 """
 
 from __future__ import annotations

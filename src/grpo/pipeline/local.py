@@ -23,8 +23,8 @@ from grpo.pipeline.base import DataPipeline, PipelineContext
 from grpo.pipeline.dynamic_sampling import refill
 from grpo.pipeline.grading import Grade, Grader, picklable_specs
 from grpo.pipeline.group import Group
-from grpo.pipeline.tasks import Prompt, Task
 from grpo.schema.data import LocalDataConfig
+from grpo.tasks.prompts import Prompt, Task
 
 log = logging.getLogger(__name__)
 
@@ -156,7 +156,7 @@ class LocalRolloutPipeline(DataPipeline):
         self.task: Task = _build(task, "data.task")
         if not callable(getattr(self.task, "sample", None)):
             raise ValueError(f"data.task ({type(self.task).__name__}) has no sample(rng, n) method; a task subclasses "
-                             "grpo.pipeline.tasks.Task (docs/own_task.md, 'A task of your own making')")
+                             "grpo.tasks.prompts.Task (docs/own_task.md, 'A task of your own making')")
         self.rewards = build_rewards(rewards)
         # Grades the completions (grpo.pipeline.grading), in `reward_workers` processes started by setup() (0: in
         # this process). The workers build the rewards from plain specs, checked here: a reward that cannot reach

@@ -1,4 +1,4 @@
-"""Multi-turn rollouts: the built-in pipeline with an environment (data=calculator; grpo.pipeline.environment).
+"""Multi-turn rollouts: the built-in pipeline with an environment (data=calculator; grpo.tasks.environment).
 
 Each step samples prompts from an `EnvironmentTask` as `LocalRolloutPipeline` does (a pure function of seed and step),
 plays `group_size` episodes per prompt through the run's server (grpo.pipeline.episodes) and scores each episode's
@@ -21,17 +21,17 @@ from typing import Any, Mapping, Optional
 from grpo import faults
 from grpo.inference.client import Completion
 from grpo.pipeline.base import PipelineContext
-from grpo.pipeline.environment import MAX_TOKENS, TURN_CUT, EnvironmentTask, EpisodeLimits, Trajectory, episode_return
 from grpo.pipeline.episodes import EpisodeRunner, episode_metrics
 from grpo.pipeline.group import Group
 from grpo.pipeline.local import LocalRolloutPipeline
 from grpo.schema.data import MultiTurnDataConfig
+from grpo.tasks.environment import MAX_TOKENS, TURN_CUT, EnvironmentTask, EpisodeLimits, Trajectory, episode_return
 
 
 class MultiTurnPipeline(LocalRolloutPipeline):
     """`prompts_per_step` prompts x `group_size` episodes per step; `max_new_tokens` caps each model turn,
     `max_turns` the model turns of an episode and `max_episode_tokens` its whole sequence (null: model.max_seq_len).
-    What happens at each limit: grpo.pipeline.environment. An episode's score is `episode_return` of its answer's
+    What happens at each limit: grpo.tasks.environment. An episode's score is `episode_return` of its answer's
     weighted reward and the environment's per-turn rewards, discounted by `turn_reward_discount` per turn."""
 
     # An episode says whether it was cut at a limit, but has no single completion limit (loss.overlong_buffer).
@@ -46,7 +46,7 @@ class MultiTurnPipeline(LocalRolloutPipeline):
         super().__init__(task, rewards, **local)
         if not isinstance(self.task, EnvironmentTask):
             raise ValueError(f"data.task ({type(self.task).__name__}) is not an environment: a multi-turn task "
-                             "subclasses grpo.pipeline.environment.EnvironmentTask (docs/multi_turn.md)")
+                             "subclasses grpo.tasks.environment.EnvironmentTask (docs/multi_turn.md)")
         if max_turns < 1:
             raise ValueError(f"data.max_turns must be >= 1, got {max_turns}")
         if max_episode_tokens is not None and max_episode_tokens < 2:

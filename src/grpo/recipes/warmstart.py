@@ -9,7 +9,7 @@ lands between 5 % and 40 %.
 
 The task and its correctness reward are named by `_target_` in the preset: any task with `sample(rng, n)` and
 `eval_prompts()`, any reward `reward(prompt, completion) -> float`. The preset is data (its JSON is part of the
-cache key, so the names stay strings); this module lives in `grpo.recipes`, a layer above the pipeline whose
+cache key, so the names stay strings); this module lives in `grpo.recipes`, a layer above the tasks whose
 classes it instantiates, so no layer below reaches up for it.
 
 The directory is Hugging Face format (safetensors, config, tokenizer, generation config), so vLLM, transformers and
@@ -44,14 +44,14 @@ WARMSTART_VERSION = 3
 METADATA_FILE = "warmstart.json"
 
 WARMSTART_PRESETS: dict[str, dict[str, Any]] = {
-    # Arithmetic (grpo.pipeline.arithmetic, the defaults of conf/data/arithmetic.yaml: two 2-digit operands, + and -)
+    # Arithmetic (grpo.tasks.arithmetic, the defaults of conf/data/arithmetic.yaml: two 2-digit operands, + and -)
     # on tiny-qwen2 (0.6 M params). The SFT answers come from a careless teacher that drops carries and borrows on
     # 80 % of the items (right on the others): the model learns both procedures, greedy decoding mostly follows the
     # careless one, samples hold the right answer often enough for GRPO to find it. Constant learning rate after
     # warm-up (no decay to 0): an annealed model sits in a sharp minimum that the first RL updates knock it out of,
     # which hid every gain in our trials (bench/README.md, "Skill task"). lr 5e-4, not 1e-3: at 1e-3 only 6 of 17
     # builds (other seeds / data streams) left the plateau of loss ~0.9 within 2500 steps; at 5e-4, 11 of 11 did.
-    # The calculator (grpo.pipeline.calculator, the defaults of conf/data/calculator.yaml: 3-digit x 3-digit
+    # The calculator (grpo.tasks.calculator, the defaults of conf/data/calculator.yaml: 3-digit x 3-digit
     # products, the tool offered) on tiny-qwen2: whole teacher episodes (CalculatorTeacher), the loss on the model's
     # turns only. Phase 1 (call share 0.8) teaches the model to copy a call and the tool's value exactly; phase 2
     # (call share 0.25, a fresh optimizer) makes calling rare, so the warm start mostly guesses the product and GRPO
@@ -60,20 +60,20 @@ WARMSTART_PRESETS: dict[str, dict[str, Any]] = {
     "warm-calc": {
         "base": "tiny-qwen2",
         "task": {
-            "_target_": "grpo.pipeline.calculator.LongArithmeticTask",
+            "_target_": "grpo.tasks.calculator.LongArithmeticTask",
             "min_digits": 3,
             "max_digits": 3,
             "operators": "*",
             "heldout_size": 64,
             "heldout_seed": 20261126,
         },
-        "reward": {"_target_": "grpo.pipeline.calculator.LongAnswerReward"},
+        "reward": {"_target_": "grpo.tasks.calculator.LongAnswerReward"},
         "phases": [
-            {"teacher": {"_target_": "grpo.pipeline.calculator.CalculatorTeacher", "call_share": 0.8,
+            {"teacher": {"_target_": "grpo.tasks.calculator.CalculatorTeacher", "call_share": 0.8,
                          "plain_share": 0.2},
              "sft": {"steps": 1500, "batch_size": 32, "lr": 5e-4, "warmup_steps": 100, "schedule": "constant",
                      "betas": [0.9, 0.98], "max_grad_norm": 1.0}},
-            {"teacher": {"_target_": "grpo.pipeline.calculator.CalculatorTeacher", "call_share": 0.25,
+            {"teacher": {"_target_": "grpo.tasks.calculator.CalculatorTeacher", "call_share": 0.25,
                          "plain_share": 0.2},
              "sft": {"steps": 300, "batch_size": 32, "lr": 5e-4, "warmup_steps": 100, "schedule": "constant",
                      "betas": [0.9, 0.98], "max_grad_norm": 1.0}},
@@ -84,7 +84,7 @@ WARMSTART_PRESETS: dict[str, dict[str, Any]] = {
     "warm-arith": {
         "base": "tiny-qwen2",
         "task": {
-            "_target_": "grpo.pipeline.arithmetic.ArithmeticTask",
+            "_target_": "grpo.tasks.arithmetic.ArithmeticTask",
             "min_operands": 2,
             "max_operands": 2,
             "min_digits": 2,
@@ -92,9 +92,9 @@ WARMSTART_PRESETS: dict[str, dict[str, Any]] = {
             "heldout_size": 500,
             "heldout_seed": 20261122,
         },
-        "reward": {"_target_": "grpo.pipeline.arithmetic.ArithmeticCorrectReward"},
+        "reward": {"_target_": "grpo.tasks.arithmetic.ArithmeticCorrectReward"},
         # Who writes the SFT answers: teacher(prompt, rng) -> answer text; null = the task's right answers.
-        "teacher": {"_target_": "grpo.pipeline.arithmetic.CarelessTeacher", "share": 0.8},
+        "teacher": {"_target_": "grpo.tasks.arithmetic.CarelessTeacher", "share": 0.8},
         "sft": {"steps": 2500, "batch_size": 64, "lr": 5e-4, "warmup_steps": 50, "schedule": "constant",
                 "betas": [0.9, 0.98], "max_grad_norm": 1.0},
         # What warmstart.json measures: greedy accuracy on the whole held-out set, and `sample_n` samples at

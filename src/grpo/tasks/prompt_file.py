@@ -11,8 +11,8 @@ import random
 from pathlib import Path
 from typing import Any, Optional
 
-from grpo.pipeline.hf_datasets import read_jsonl
-from grpo.pipeline.tasks import Prompt, RowsTask
+from grpo.tasks.hf_datasets import read_jsonl
+from grpo.tasks.prompts import Prompt, RowsTask
 
 FORMATS = ("auto", "jsonl", "parquet", "hf_disk")
 

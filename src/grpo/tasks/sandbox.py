@@ -1,5 +1,5 @@
 """Running untrusted Python in bubblewrap (`bwrap`, Debian package `bubblewrap`): the process the code reward
-(grpo.pipeline.code_reward) grades model-written programs in.
+(grpo.tasks.code_reward) grades model-written programs in.
 
 What the program sees and may do (docs/own_task.md, "Code rewards in a sandbox"):
 - no network: a network namespace of its own (loopback only, nothing of the host's);

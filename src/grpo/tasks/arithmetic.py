@@ -19,7 +19,7 @@ import random
 import re
 from typing import Optional
 
-from grpo.pipeline.tasks import Prompt, Task
+from grpo.tasks.prompts import Prompt, Task
 
 # The whole completion must be one canonical integer with at most whitespace around it (see ArithmeticTask).
 _ANSWER = re.compile(r"[ \t\n]*(-?(?:0|[1-9][0-9]*))[ \t\n]*")

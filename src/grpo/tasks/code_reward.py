@@ -1,5 +1,5 @@
 """A reward that runs the program of a completion against the prompt's hidden tests in the bubblewrap sandbox
-(grpo.pipeline.sandbox): 1.0 when every test passes, else 0.0. Results are cached per distinct (program, tests) pair.
+(grpo.tasks.sandbox): 1.0 when every test passes, else 0.0. Results are cached per distinct (program, tests) pair.
 """
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ import threading
 from collections import OrderedDict
 from typing import Optional
 
-from grpo.pipeline.sandbox import SandboxLimits, SandboxResult, check_sandbox, run_sandboxed
-from grpo.pipeline.tasks import Prompt
+from grpo.tasks.prompts import Prompt
+from grpo.tasks.sandbox import SandboxLimits, SandboxResult, check_sandbox, run_sandboxed
 
 _FENCE = re.compile(r"```[ \t]*(?:python|py|python3)?[ \t]*\n(.*?)(?:```|\Z)", re.DOTALL | re.IGNORECASE)
 
@@ -80,7 +80,7 @@ class SandboxedTestsReward:
         tests: Optional[str] = prompt.answer
         if not tests:
             raise ValueError("SandboxedTestsReward grades against the prompt's tests (Prompt.answer), and this prompt "
-                             "has none: use a task whose answers are test code (grpo.pipeline.coding_task.CodingTask)")
+                             "has none: use a task whose answers are test code (grpo.tasks.coding_task.CodingTask)")
         return self.score(extract_program(completion), tests)
 
     def parses(self, prompt: Prompt, completion: str) -> bool:  # noqa: ARG002

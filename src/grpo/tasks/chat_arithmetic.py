@@ -15,8 +15,8 @@ import random
 import re
 from typing import Any, Optional
 
-from grpo.pipeline.arithmetic import ArithmeticTask
-from grpo.pipeline.tasks import Prompt, render_chat
+from grpo.tasks.arithmetic import ArithmeticTask
+from grpo.tasks.prompts import Prompt, render_chat
 
 # The expression inside a rendered question: "47 + 85" or "12 - 7 + 30".
 _EXPRESSION = re.compile(r"\d+(?: [+-] \d+)+")

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
-from grpo.pipeline.hf_datasets import load_rows
+from grpo.tasks.hf_datasets import load_rows
 
 MINI_GSM8K = Path(__file__).parent / "data" / "gsm8k_mini.jsonl"
 

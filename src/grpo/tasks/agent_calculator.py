@@ -1,7 +1,7 @@
 """The calculator task as an OpenAI-API agent (data=agent_calculator; docs/agents.md).
 
 `calculator_agent` is an ordinary `openai` SDK agent: it offers the model a ``calculator`` tool, runs each call the
-model makes (grpo.pipeline.calculator.evaluate: integers, ``+ - *``, parentheses; no eval) and sends the result back
+model makes (grpo.tasks.calculator.evaluate: integers, ``+ - *``, parentheses; no eval) and sends the result back
 as a ``tool`` message, until the model answers without a call; the episode scores 1.0 when the answer is exactly the
 integer. `CalculatorQuestions` is the calculator task's items as bare questions (``482*771=``) with their answers.
 """
@@ -11,8 +11,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from grpo.pipeline.calculator import CalculatorError, LongArithmeticTask, evaluate, parse_integer
-from grpo.pipeline.tasks import Prompt
+from grpo.tasks.calculator import CalculatorError, LongArithmeticTask, evaluate, parse_integer
+from grpo.tasks.prompts import Prompt
 
 SYSTEM = "Use the calculator tool for arithmetic. Answer with the integer alone."
 CALCULATOR_TOOL = {

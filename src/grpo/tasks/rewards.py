@@ -9,7 +9,7 @@ import math
 import re
 import threading
 
-from grpo.pipeline.tasks import Prompt
+from grpo.tasks.prompts import Prompt
 
 # A number as people write it: optional sign, thousands commas, decimals ("-1,234.50", "$12", "7.").
 _NUMBER = re.compile(r"-?\$?\d[\d,]*(?:\.\d+)?")

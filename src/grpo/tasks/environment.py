@@ -27,7 +27,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any, Optional, Union
 
-from grpo.pipeline.tasks import Prompt, Task
+from grpo.tasks.prompts import Prompt, Task
 from grpo.trainer.train_batch import IGNORE_INDEX
 
 # How an episode ended (Trajectory.end; each counted in the `episode/end_*` metrics).

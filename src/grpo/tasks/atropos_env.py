@@ -1,11 +1,11 @@
 """An Atropos environment (atroposlib `BaseEnv`) for the built-in tasks: digits and GSM8K-style math.
 
-It samples prompts from `grpo.pipeline.tasks`, generates `group_size` completions per prompt through the inference
+It samples prompts from `grpo.tasks.prompts`, generates `group_size` completions per prompt through the inference
 server's `POST /generate` (atroposlib's `server_type=vllm` client; `python -m grpo.inference.server` serves it),
-scores them with `grpo.pipeline.rewards` and pushes the scored groups to run-api, where `data=atropos` picks them up.
+scores them with `grpo.tasks.rewards` and pushes the scored groups to run-api, where `data=atropos` picks them up.
 Run it the way Atropos environments run:
 
-    python -m grpo.pipeline.atropos_env serve --env.task digits --env.tokenizer_name tiny-qwen2 \\
+    python -m grpo.tasks.atropos_env serve --env.task digits --env.tokenizer_name tiny-qwen2 \\
         --env.rollout_server_url http://127.0.0.1:8000 --openai.base_url http://127.0.0.1:9001/v1 \\
         --openai.tokenizer_name tiny-qwen2
 
@@ -31,8 +31,8 @@ from atroposlib.envs.base import APIServerConfig, BaseEnv, BaseEnvConfig, Scored
 from pydantic import Field
 
 from grpo.models.tiny import TINY_PRESETS, build_model_dir
-from grpo.pipeline.rewards import AnswerFormatReward, DigitFractionReward, MathAnswerReward
-from grpo.pipeline.tasks import DigitsTask, GSM8KTask, Prompt, Task
+from grpo.tasks.prompts import DigitsTask, GSM8KTask, Prompt, Task
+from grpo.tasks.rewards import AnswerFormatReward, DigitFractionReward, MathAnswerReward
 from grpo.trainer.train_batch import IGNORE_INDEX
 
 log = logging.getLogger(__name__)

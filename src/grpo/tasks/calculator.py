@@ -17,8 +17,8 @@ import random
 import re
 from typing import Any, Optional, Union
 
-from grpo.pipeline.environment import EnvironmentTask, Episode, Finish, Reply, TurnRenderer
-from grpo.pipeline.tasks import Prompt, render_chat
+from grpo.tasks.environment import EnvironmentTask, Episode, Finish, Reply, TurnRenderer
+from grpo.tasks.prompts import Prompt, render_chat
 
 MAX_EXPRESSION_CHARS = 200
 MAX_DIGITS = 60  # of any number in an expression and of any intermediate result

@@ -1,5 +1,5 @@
 """A small coding task (conf/data/code_tiny.yaml): write a Python function from a one-line description, graded by
-hidden tests in the sandbox (grpo.pipeline.code_reward.SandboxedTestsReward)."""
+hidden tests in the sandbox (grpo.tasks.code_reward.SandboxedTestsReward)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import random
 from pathlib import Path
 from typing import Any, Optional
 
-from grpo.pipeline.tasks import Prompt, RowsTask, render_chat
+from grpo.tasks.prompts import Prompt, RowsTask, render_chat
 
 CODE_TINY = Path(__file__).parent / "data" / "code_tiny.jsonl"
 
