@@ -178,8 +178,8 @@ def test_the_evaluation_behind_the_rollouts_gives_the_same_figures(vllm_server, 
 
     from grpo.inference.client import Endpoint
     from grpo.pipeline.evaluation import EvalContext, Evaluator
-    from grpo.tasks.rewards import DigitFractionReward
     from grpo.tasks.prompts import DigitsTask
+    from grpo.tasks.rewards import DigitFractionReward
 
     tok = AutoTokenizer.from_pretrained(tiny_qwen2_dir)
     figures, samples = [], []
