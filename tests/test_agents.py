@@ -326,7 +326,7 @@ def test_a_vllm_tool_parser_reads_the_calls_of_its_format(tokenizer):
     parser is refused with the list of vLLM's."""
     from grpo.pipeline.tool_calls import ToolParser
 
-    with pytest.raises(ValueError, match="neither 'json_tags' nor a vLLM tool parser; vLLM has: .*hermes"):
+    with pytest.raises(ValueError, match="neither 'json_tags', 'calc_lines' nor a vLLM tool parser; vLLM has: .*hermes"):
         ToolParser("no_such_parser", tokenizer)
     request = {"model": "policy", "messages": [{"role": "user", "content": "2*3"}],
                "tools": [{"type": "function", "function": {"name": "calculator", "parameters": {}}}]}
