@@ -1,7 +1,7 @@
 """The openai-SDK calculator agent learns on the CPU: held-out accuracy with the tool against without it (docs/agents.md;
 the figures: bench/README.md, "Agents: the calculator agent learns").
 
-    python bench/agent_calculator.py [--seeds 0 1 2] [--steps 10] [--out bench/results/agent_calculator.json]
+    python bench/agent_calculator.py [--seeds 0 1 2] [--steps 5] [--out bench/results/agent_calculator.json]
 
 For each seed (train.seed), one after the other (one vLLM server at a time): `python train.py
 experiment=agent_calculator_warm` (model=warm_calc, built on first use) with the calculator agent
@@ -70,7 +70,7 @@ def grpo_run(args: argparse.Namespace, seed: int, arm: str) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--eval-every", type=int, default=5)
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2], help="train.seed; each run once per arm")
     parser.add_argument("--arms", nargs="+", default=list(ARMS), choices=list(ARMS))
