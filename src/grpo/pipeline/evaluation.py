@@ -117,7 +117,8 @@ class Evaluator:
 
     An environment task (grpo.pipeline.environment.EnvironmentTask, data=calculator) is evaluated on whole episodes
     under the training data's limits (`max_turns`, `max_new_tokens` per turn, `max_episode_tokens`): the episode's
-    answer is scored, and its model tokens are the response tokens.
+    answer is scored, and its model tokens are the response tokens. An agent's data (data.rollout) is evaluated by
+    the subclass grpo.pipeline.agent_eval.AgentEvaluator, on the agent's own episodes.
     """
 
     # Every key an evaluation logs (what `train.objective=eval/...` may name; checked at start-up).
