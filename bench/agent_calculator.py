@@ -2,6 +2,8 @@
 the figures: bench/README.md, "Agents: the calculator agent learns").
 
     python bench/agent_calculator.py [--seeds 0 1 2] [--steps 5] [--out bench/results/agent_calculator.json]
+    python bench/agent_calculator.py --experiment smollm2_agent_calculator --steps 200 --eval-every 25 \
+        --out bench/gpu/results/smollm2_agent_calculator.json        # one GPU: SmolLM2-135M-Instruct as the agent
 
 For each seed (train.seed), one after the other (one vLLM server at a time): `python train.py
 experiment=agent_calculator_warm` (model=warm_calc, built on first use) with the calculator agent
@@ -44,7 +46,7 @@ def _done(run_dir: Path, steps: int) -> bool:
 def grpo_run(args: argparse.Namespace, seed: int, arm: str) -> dict:
     """One train.py run (or the one already in its directory); its curves and seconds."""
     run_dir = Path(args.runs) / f"{arm}_s{seed}"
-    cmd = [sys.executable, str(ROOT / "train.py"), "experiment=agent_calculator_warm", f"data.rollout={ARMS[arm]}",
+    cmd = [sys.executable, str(ROOT / "train.py"), f"experiment={args.experiment}", f"data.rollout={ARMS[arm]}",
            f"train.steps={args.steps}", f"train.seed={seed}", f"eval.every={args.eval_every}",
            f"hydra.run.dir={run_dir}", "logging.plot=false"]
     seconds = None
@@ -70,6 +72,8 @@ def grpo_run(args: argparse.Namespace, seed: int, arm: str) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--experiment", default="agent_calculator_warm",
+                        help="the experiment run (smollm2_agent_calculator: the same comparison on one GPU)")
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--eval-every", type=int, default=5)
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2], help="train.seed; each run once per arm")
@@ -82,7 +86,7 @@ def main() -> None:
         for arm in args.arms:
             runs.append(grpo_run(args, seed, arm))
             print(json.dumps(runs[-1]), flush=True)
-    result = {"bench": "agent_calculator", "experiment": "agent_calculator_warm", "steps": args.steps,
+    result = {"bench": "agent_calculator", "experiment": args.experiment, "steps": args.steps,
               "runs": runs, "machine": machine()}
     Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
 
