@@ -311,7 +311,7 @@ def test_a_vllm_tool_parser_reads_the_calls_of_its_format(tokenizer):
     parser is refused with the list of vLLM's."""
     from grpo.pipeline.tool_calls import ToolParser
 
-    with pytest.raises(ValueError, match="neither 'json_tags' nor a vLLM tool parser; vLLM has: .*hermes"):
+    with pytest.raises(ValueError, match="neither 'json_tags', 'calc_lines' nor a vLLM tool parser; vLLM has: .*hermes"):
         ToolParser("no_such_parser", tokenizer)
     request = {"model": "policy", "messages": [{"role": "user", "content": "2*3"}],
                "tools": [{"type": "function", "function": {"name": "calculator", "parameters": {}}}]}
@@ -321,23 +321,3 @@ def test_a_vllm_tool_parser_reads_the_calls_of_its_format(tokenizer):
     assert json.loads(turn.tool_calls[0]["function"]["arguments"]) == {"expression": "2*3"}
     assert turn.content.strip() == "let me"
     assert not ToolParser("hermes", tokenizer).parse("no call", request, "c").tool_calls
-
-
-def test_the_evaluation_is_off_for_agents_and_refused_when_asked_for():
-    """The evaluator would answer the agent's items as bare prompts: off by default for agent data, and
-    eval.enabled=true says what to do."""
-    from hydra import compose, initialize_config_dir
-    from hydra.core.global_hydra import GlobalHydra
-
-    from grpo.conf import CONFIG_DIR
-    from grpo.config import register_configs
-    from grpo.pipeline.evaluation import build_evaluator, eval_enabled
-
-    register_configs()
-    GlobalHydra.instance().clear()
-    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
-        cfg = compose(config_name="train", overrides=["experiment=agent_calculator_tiny", "eval.enabled=null"])
-    assert not eval_enabled(cfg.eval, cfg.data) and build_evaluator(cfg.eval, cfg.data) is None
-    cfg.eval.enabled = True
-    with pytest.raises(ValueError, match="does not play agent episodes"):
-        build_evaluator(cfg.eval, cfg.data)

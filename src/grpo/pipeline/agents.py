@@ -78,6 +78,32 @@ class PlayedEpisode:
     error: Optional[BaseException] = None
 
 
+async def play_episode(endpoint: AgentEndpoint, rollout: Rollout, item: Prompt, episode: EpisodeLog,
+                       timeout_s: float) -> PlayedEpisode:
+    """One episode of `rollout` on `item` at `episode`'s URL of `endpoint`, within `timeout_s`; the rollout's error
+    (or timeout) is kept on the result, not raised."""
+    import openai
+
+    client = openai.AsyncOpenAI(base_url=endpoint.base_url(episode), api_key="grpo", max_retries=0, timeout=timeout_s)
+    played = PlayedEpisode(item, episode, EpisodeSamples([]))
+    try:
+        played.result = await asyncio.wait_for(rollout(client, item), timeout_s)
+    except Exception as e:  # the agent's own error: counted and logged by the caller
+        played.error = e
+    finally:
+        await client.close()
+        endpoint.close_episode(episode)
+    played.samples = episode_samples(episode.calls)
+    return played
+
+
+async def play_all(endpoint: AgentEndpoint, rollout: Rollout, jobs: list[tuple[Prompt, EpisodeLog]],
+                   timeout_s: float) -> list[PlayedEpisode]:
+    """`play_episode` of every (item, episode) of `jobs`, all at once; in the order of `jobs`."""
+    return list(await asyncio.gather(*(play_episode(endpoint, rollout, item, episode, timeout_s)
+                                       for item, episode in jobs)))
+
+
 class AgentPipeline(LocalRolloutPipeline):
     """`prompts_per_step` items x `group_size` episodes of `rollout` per step (module docstring). `chat_template`:
     null for the tokenizer's own, a built-in name (chatml_tools) or a Jinja file; `tool_parser`: json_tags or a vLLM
@@ -139,24 +165,9 @@ class AgentPipeline(LocalRolloutPipeline):
             return None
         return int(hashlib.sha256(f"grpo-agent:{base}:{item}:{sample}".encode()).hexdigest()[:8], 16) % (2**31)
 
-    async def _play(self, item: Prompt, episode: EpisodeLog) -> PlayedEpisode:
-        import openai
-
-        client = openai.AsyncOpenAI(base_url=self.endpoint.base_url(episode), api_key="grpo", max_retries=0,
-                                    timeout=self.episode_timeout_s)
-        played = PlayedEpisode(item, episode, EpisodeSamples([]))
-        try:
-            played.result = await asyncio.wait_for(self.rollout(client, item), self.episode_timeout_s)
-        except Exception as e:  # the agent's own error: counted and logged by rollout_batch
-            played.error = e
-        finally:
-            await client.close()
-            self.endpoint.close_episode(episode)
-        played.samples = episode_samples(episode.calls)
-        return played
-
     async def _play_all(self, jobs: list[tuple[Prompt, EpisodeLog]]) -> list[PlayedEpisode]:
-        return list(await asyncio.gather(*(self._play(item, episode) for item, episode in jobs)))
+        assert self.endpoint is not None
+        return await play_all(self.endpoint, self.rollout, jobs, self.episode_timeout_s)
 
     def play(self, items: list[Prompt], step: int) -> list[list[PlayedEpisode]]:
         """`group_size` episodes of each item, played to their end; result[i] are item i's."""

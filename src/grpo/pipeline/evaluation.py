@@ -27,7 +27,7 @@ from grpo import faults
 from grpo.inference.client import Completion, Endpoint
 from grpo.inference.routing import RoutedClient, routed_client
 from grpo.pipeline.episodes import EpisodeRunner
-from grpo.pipeline.eval_settings import check_eval_settings, literal_eval_rewards
+from grpo.pipeline.eval_settings import AGENT_EVAL_KEYS, check_eval_settings, literal_eval_rewards
 from grpo.pipeline.grading import Grader, PendingGrades, picklable_specs
 from grpo.pipeline.local import build_rewards
 from grpo.schema.data import EvalConfig, LocalDataConfig, MultiTurnDataConfig
@@ -96,7 +96,7 @@ class GeneratedEval:
 
 
 @dataclass
-class _Scored:
+class ScoredCompletion:
     """One eval completion with its rewards."""
 
     completion: Completion
@@ -118,7 +118,8 @@ class Evaluator:
 
     An environment task (grpo.tasks.environment.EnvironmentTask, data=calculator) is evaluated on whole episodes
     under the training data's limits (`max_turns`, `max_new_tokens` per turn, `max_episode_tokens`): the episode's
-    answer is scored, and its model tokens are the response tokens.
+    answer is scored, and its model tokens are the response tokens. An agent's data (data.rollout) is evaluated by
+    the subclass grpo.pipeline.agent_eval.AgentEvaluator, on the agent's own episodes.
     """
 
     # Every key an evaluation logs (what `train.objective=eval/...` may name; checked at start-up).
@@ -356,7 +357,7 @@ class Evaluator:
         return texts, self.grader.submit(pairs, parses=True)
 
     def _scored(self, outs: list[list[Completion]], texts: list[list[str]], pending: PendingGrades
-                ) -> list[list[_Scored]]:
+                ) -> list[list[ScoredCompletion]]:
         """The completions of each prompt with their grades (waits for them)."""
         grades = iter(pending.result())
         scored = []
@@ -365,11 +366,11 @@ class Evaluator:
             for completion, text in zip(per_prompt, per_texts):
                 grade = next(grades)
                 correct = self.correct_reward in grade.values and grade.values[self.correct_reward] >= self.correct_threshold
-                row.append(_Scored(completion, text, grade.total, correct, bool(grade.parsed)))
+                row.append(ScoredCompletion(completion, text, grade.total, correct, bool(grade.parsed)))
             scored.append(row)
         return scored
 
-    def _metrics(self, greedy: list[_Scored], sampled: Optional[list[list[_Scored]]]) -> dict[str, float]:
+    def _metrics(self, greedy: list[ScoredCompletion], sampled: Optional[list[list[ScoredCompletion]]]) -> dict[str, float]:
         """The `eval/*` metrics; `eval/pass@k`, `eval/mean@k` and `eval/k` only when the evaluation sampled."""
         everything = greedy + [s for per_prompt in sampled or [] for s in per_prompt]
         unparsed = sum(not s.parsed for s in everything)
@@ -395,7 +396,7 @@ class Evaluator:
             }
         return metrics
 
-    def _write_samples(self, step: int, greedy: list[_Scored]) -> None:
+    def _write_samples(self, step: int, greedy: list[ScoredCompletion]) -> None:
         # The same first prompts every time, so a reader can follow one prompt's answer through training.
         with open(self.ctx.run_dir / EVAL_SAMPLES, "a", encoding="utf-8") as f:
             for prompt, s in zip(self.prompts[: self.samples_logged], greedy):
@@ -434,9 +435,23 @@ def _plays_agents(data_cfg: Any) -> bool:
 def eval_enabled(eval_cfg: Any, data_cfg: Any) -> bool:
     """Whether the run evaluates: `eval.enabled`, or when null, whether there is a task to evaluate."""
     enabled = eval_cfg.get("enabled")
-    if enabled is None:  # an agent's items are no prompts to answer as they are (build_evaluator)
-        return eval_task(eval_cfg, data_cfg) is not None and not (_plays_agents(data_cfg) and not eval_cfg.get("task"))
+    if enabled is None:
+        return eval_task(eval_cfg, data_cfg) is not None
     return bool(enabled)
+
+
+def _evaluator_kwargs(eval_cfg: Any, data_cfg: Any) -> dict[str, Any]:
+    """What build_evaluator hands the evaluator beside `eval.*`: the data's episode limits (a multi-turn source's hold
+    for its evaluation too), its grading workers (a pool of the evaluator's own) and, for an agent's data without an
+    `eval.task` of its own, the agent (AgentEvaluator plays its episodes)."""
+    kwargs = {k: data_cfg.get(k) for k in ("max_turns", "max_episode_tokens") if data_cfg.get(k) is not None}
+    kwargs["reward_workers"] = int(data_cfg.get("reward_workers") or 0) if hasattr(data_cfg, "get") else 0
+    if _plays_agents(data_cfg) and eval_cfg.get("task") is None:
+        kwargs |= {k: data_cfg.get(k) for k in AGENT_EVAL_KEYS if data_cfg.get(k) is not None}
+        kwargs["_target_"] = "grpo.pipeline.agent_eval.AgentEvaluator"
+        if not (eval_cfg.get("rewards") or data_cfg.get("rewards")):
+            kwargs["reward_workers"] = 0  # the rollout's own scores: nothing to grade in workers
+    return kwargs
 
 
 def build_evaluator(eval_cfg: Any, data_cfg: Any) -> Optional[Evaluator]:
@@ -444,39 +459,31 @@ def build_evaluator(eval_cfg: Any, data_cfg: Any) -> Optional[Evaluator]:
 
     `eval.enabled: null` means on when there is a task to evaluate (the local data's own task, or `eval.task`) and
     off otherwise (data=atropos). `eval.task` / `eval.rewards` / `eval.max_new_tokens` null take the training data's.
-    When training is local the eval prompts are checked to be disjoint from what training can sample.
+    When training is local the eval prompts are checked to be disjoint from what training can sample. An agent's
+    data (data.rollout) is evaluated on whole episodes of the agent (grpo.pipeline.agent_eval) unless `eval.task`
+    names prompts of its own.
     """
     from hydra.errors import InstantiationException
     from hydra.utils import instantiate
 
     train_task = data_cfg.get("task") if hasattr(data_cfg, "get") else None
     task = eval_task(eval_cfg, data_cfg)
-    if _plays_agents(data_cfg) and eval_cfg.get("task") is None:
-        # The evaluator plays single completions or environment episodes, not an agent's: its prompts are the
-        # agent's items, which the model was never asked as they are.
-        if eval_cfg.get("enabled"):
-            raise ValueError("the held-out evaluation does not play agent episodes (data.rollout) yet: set "
-                             "eval.enabled=false, or name an eval.task of prompts to answer (docs/agents.md)")
-        return None
     if not eval_enabled(eval_cfg, data_cfg):
         return None
     if task is None:
         raise ValueError("eval.enabled=true but the training data (data=atropos) has no task to evaluate: name one "
                          f"and its rewards, e.g. {ATROPOS_EVAL_EXAMPLE}, or set eval.enabled=false")
     rewards = eval_cfg.get("rewards") or data_cfg.get("rewards")
-    if not rewards:
+    agent = _plays_agents(data_cfg) and eval_cfg.get("task") is None
+    if not rewards and not agent:
         raise ValueError("eval needs rewards: set eval.rewards (the training data has none), e.g. "
                          "+eval.rewards.correct._target_=grpo.tasks.rewards.MathAnswerReward")
     # Only null falls back: eval.max_new_tokens=0 must reach the evaluator's own check, not become data's cap.
     max_new = next((v for v in (eval_cfg.get("max_new_tokens"), data_cfg.get("max_new_tokens")) if v is not None),
                    LocalDataConfig.max_new_tokens)
     try:
-        # A multi-turn data source's episode limits hold for its evaluation too.
-        limits = {k: data_cfg.get(k) for k in ("max_turns", "max_episode_tokens") if data_cfg.get(k) is not None}
-        # The data's grading workers grade the eval completions too (a pool of the evaluator's own).
-        workers = int(data_cfg.get("reward_workers") or 0) if hasattr(data_cfg, "get") else 0
-        evaluator = instantiate(eval_cfg, task=task, rewards=rewards, max_new_tokens=max_new, **limits,
-                                reward_workers=workers, _recursive_=False)
+        evaluator = instantiate(eval_cfg, task=task, rewards=rewards or None, max_new_tokens=max_new,
+                                **_evaluator_kwargs(eval_cfg, data_cfg), _recursive_=False)
     except InstantiationException as e:
         # Hydra wraps the constructor's error; the user needs the message that names the key to change.
         if isinstance(e.__cause__, (ValueError, TypeError, OSError)):

@@ -1,6 +1,6 @@
 """Tool calls in the OpenAI format from a model's text, for the agent endpoint (grpo.pipeline.agent_endpoint).
 
-Two parsers, chosen by `data.tool_parser`:
+Three parsers, chosen by `data.tool_parser`:
 
 - ``json_tags`` (the built-in one, for models without a parser of their own, as the tiny test models): a call is a
   block ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` (Hermes' and Qwen's format, spaces and newlines
@@ -11,6 +11,12 @@ Two parsers, chosen by `data.tool_parser`:
 
 `CHATML_TOOLS_TEMPLATE` (``data.chat_template=chatml_tools``) is a ChatML chat template that renders tools, calls
 in the ``json_tags`` format and ``tool`` messages, for tokenizers whose own template has no tools (the tiny models).
+
+``calc_lines`` (template and parser of that name) is the format the calculator's warm start (model=warm_calc) was
+trained on (grpo.tasks.calculator): the tools are announced by the calculator's one-line instruction as the
+system turn (in place of the request's own system message), a call is a turn ``calc: <expression>`` of the
+``calculator`` tool (``{"expression": ...}``), the tool's answer a turn of role ``tool``. An agent with that tool
+then reaches the warm start with the very prompts of data=calculator.
 """
 
 from __future__ import annotations
@@ -40,7 +46,24 @@ CHATML_TOOLS_TEMPLATE = (
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 
-BUILTIN_TEMPLATES = {"chatml_tools": CHATML_TOOLS_TEMPLATE}
+CALC_LINES = "calc_lines"
+# The system turn of data=calculator's prompts with the tool (grpo.tasks.calculator.TOOL_INSTRUCTION, kept equal
+# by tests/test_agents.py) and its call prefix.
+CALC_INSTRUCTION = "Write calc: <expression> to use the calculator (+ - * on integers). Answer with the integer alone."
+CALC_PREFIX = "calc:"
+CALC_LINES_TEMPLATE = (
+    "{% if tools %}<|im_start|>system\n" + CALC_INSTRUCTION + "<|im_end|>\n"
+    "{% elif messages[0].role == 'system' %}<|im_start|>system\n{{ messages[0].content }}<|im_end|>\n{% endif %}"
+    "{% for message in messages %}{% if message.role != 'system' %}"
+    "<|im_start|>{{ message.role }}\n{% if message.content %}{{ message.content }}{% endif %}"
+    "{% if message.role == 'assistant' and message.tool_calls %}{% for call in message.tool_calls %}"
+    "{% if message.content or not loop.first %}\n{% endif %}"
+    "calc: {{ call.function.arguments.expression }}{% endfor %}{% endif %}<|im_end|>\n"
+    "{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+BUILTIN_TEMPLATES = {"chatml_tools": CHATML_TOOLS_TEMPLATE, CALC_LINES: CALC_LINES_TEMPLATE}
 
 _BLOCK = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
 
@@ -77,16 +100,27 @@ def parse_json_tags(text: str, id_prefix: str) -> ParsedTurn:
     return ParsedTurn(content or None, calls)
 
 
+def parse_calc_lines(text: str, id_prefix: str) -> ParsedTurn:
+    """The ``calc_lines`` parser (module docstring): a turn ``calc: <expression>`` (spaces around either part
+    allowed) is one call of ``calculator``; any other turn is content."""
+    turn = text.strip()
+    if not turn.startswith(CALC_PREFIX) or not turn[len(CALC_PREFIX):].strip():
+        return ParsedTurn(text, [])
+    return ParsedTurn(None, [_call("calculator", {"expression": turn[len(CALC_PREFIX):].strip()}, f"{id_prefix}_0")])
+
+
 class ToolParser:
     """Parses a finished model turn into a `ParsedTurn` with the parser `name` (module docstring)."""
 
     def __init__(self, name: str, tokenizer: Any) -> None:
         self.name = name
-        self._vllm = None if name == JSON_TAGS else _vllm_parser(name, tokenizer)
+        self._vllm = None if name in (JSON_TAGS, CALC_LINES) else _vllm_parser(name, tokenizer)
 
     def parse(self, text: str, request: dict[str, Any], id_prefix: str) -> ParsedTurn:
         """`text` (the turn without its end-of-turn token) as content and calls; `request`: the chat request's body
         (vLLM's parsers read its tools)."""
+        if self.name == CALC_LINES:
+            return parse_calc_lines(text, id_prefix)
         if self._vllm is None:
             return parse_json_tags(text, id_prefix)
         from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
@@ -108,7 +142,7 @@ def _vllm_parser(name: str, tokenizer: Any) -> Any:
     try:
         parser_class = ToolParserManager.get_tool_parser(name)
     except KeyError:
-        raise ValueError(f"data.tool_parser={name!r} is neither {JSON_TAGS!r} nor a vLLM tool parser; vLLM has: "
+        raise ValueError(f"data.tool_parser={name!r} is neither {JSON_TAGS!r}, {CALC_LINES!r} nor a vLLM tool parser; vLLM has: "
                          f"{', '.join(ToolParserManager.list_registered())}") from None
     try:
         return parser_class(tokenizer)

@@ -3,7 +3,8 @@
 `calculator_agent` is an ordinary `openai` SDK agent: it offers the model a ``calculator`` tool, runs each call the
 model makes (grpo.tasks.calculator.evaluate: integers, ``+ - *``, parentheses; no eval) and sends the result back
 as a ``tool`` message, until the model answers without a call; the episode scores 1.0 when the answer is exactly the
-integer. `CalculatorQuestions` is the calculator task's items as bare questions (``482*771=``) with their answers.
+integer. `calculator_agent_without_tool` is the same task without the tool (one request, the question alone): the
+baseline the tool is measured against. `CalculatorQuestions` is the calculator task's items as bare questions (``482*771=``) with their answers.
 """
 
 from __future__ import annotations
@@ -54,3 +55,9 @@ async def calculator_agent(client: Any, item: Prompt) -> float:
         for call in message.tool_calls:
             messages.append({"role": "tool", "tool_call_id": call.id, "content": calculator(call.function.arguments)})
     return 0.0
+
+
+async def calculator_agent_without_tool(client: Any, item: Prompt) -> float:
+    """One episode without the tool: the question alone (no system message, no tools), the answer scored."""
+    response = await client.chat.completions.create(model="policy", messages=[{"role": "user", "content": item.text}])
+    return float(parse_integer(response.choices[0].message.content or "") == int(item.answer))
