@@ -16,6 +16,7 @@ log = logging.getLogger("grpo.pipeline.evaluation")
 # The training data's settings an agent's evaluation plays its episodes with (grpo.pipeline.agent_eval).
 AGENT_EVAL_KEYS = ("rollout", "chat_template", "tool_parser", "max_requests", "episode_timeout_s")
 
+
 def check_eval_settings(every: int, k: int, samples_per_prompt: int, sampled_every: Optional[int],
                         temperature: float, top_p: float, max_new_tokens: int, max_concurrency: int,
                         samples_logged: int, max_in_flight: Optional[int] = None) -> None:
