@@ -38,9 +38,9 @@ def evaluate(model_dir: Path, samples: int, temperature: float, max_new_tokens: 
     """Greedy held-out accuracy (and sampled pass rate) of `model_dir` served by the vLLM CPU engine."""
     from transformers import AutoTokenizer
 
-    from grpo.config.schema import ServerConfig
     from grpo.inference.client import InferenceClient
     from grpo.inference.process import VLLMServer
+    from grpo.schema import ServerConfig
     from grpo.tasks.arithmetic import ArithmeticCorrectReward, ArithmeticTask
 
     task, reward = ArithmeticTask(), ArithmeticCorrectReward()

@@ -57,7 +57,7 @@ def trainer_of(model, shared: bool):
     import torch
     from omegaconf import OmegaConf
 
-    from grpo.config.schema import TrainConfig
+    from grpo.schema import TrainConfig
     from grpo.trainer.loop import GRPOTrainer
     from grpo.trainer.loss import GRPOLoss
     from grpo.trainer.metrics import NullMetrics

@@ -111,7 +111,7 @@ def group_option(group: str, option: str):
 
 def server_cfg(port: int | None = None, **overrides):
     """A ServerConfig for the vLLM CPU engine and a tiny model (conf/server/cpu.yaml values)."""
-    from grpo.config.schema import ServerConfig
+    from grpo.schema import ServerConfig
 
     base = dict(
         host="127.0.0.1", port=port or free_port(), gpu_memory_utilization=0.2, kv_cache_gb=0.5, max_model_len=512,

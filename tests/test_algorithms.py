@@ -38,7 +38,7 @@ def test_a_taken_name_cannot_be_given_to_another_function():
 
 
 def test_the_config_enum_is_the_registry_names():
-    from grpo.config import schema
+    from grpo import schema
 
     assert [m.value for m in schema.AdvantageNorm] == list(ADVANTAGE_ESTIMATORS.names()) == [
         "group", "batch", "none", "dr_grpo", "rloo"]
@@ -145,7 +145,7 @@ def test_lr_schedules_run_from_one_to_their_end():
 
 
 def test_an_estimator_registered_before_the_schema_is_a_config_choice(tmp_path):
-    """A user's own estimator by name: registered before `grpo.config.schema` is imported (a script that then runs
+    """A user's own estimator by name: registered before `grpo.schema` is imported (a script that then runs
     the Hydra app), `train.advantage_norm=<name>` composes and the batcher runs it."""
     conf = CONFIG_DIR
     script = f"""

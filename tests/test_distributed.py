@@ -433,7 +433,7 @@ def _train_one_step(rank: int, world: int, port: int, model_dir: str, out_root: 
     from omegaconf import OmegaConf
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from grpo.config.schema import LoggingConfig, TrainConfig
+    from grpo.schema import LoggingConfig, TrainConfig
     from grpo.trainer import fsdp
     from grpo.trainer.checkpoint import CheckpointManager
     from grpo.trainer.loop import GRPOTrainer
@@ -584,7 +584,7 @@ def _fsdp_phase(info, model_dir: str, run_dir: Path, steps: int, resume: Path | 
     from omegaconf import OmegaConf
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from grpo.config.schema import LoggingConfig, TrainConfig
+    from grpo.schema import LoggingConfig, TrainConfig
     from grpo.trainer import fsdp
     from grpo.trainer.checkpoint import CheckpointManager
     from grpo.trainer.loop import GRPOTrainer

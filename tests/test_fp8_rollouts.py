@@ -69,8 +69,8 @@ def test_fp8_setting_errors(overrides, cuda, needle, tmp_path, monkeypatch):
 
 
 def test_fp8_reaches_vllms_command_line(tmp_path):
-    from grpo.config.schema import ServerConfig
     from grpo.inference.process import VLLMServer
+    from grpo.schema import ServerConfig
 
     def command(**overrides):
         return VLLMServer("m", ServerConfig(port=8000, **overrides), tmp_path / "vllm.log").command()

@@ -13,10 +13,10 @@ import torch
 from omegaconf import OmegaConf
 
 from conftest import attach
-from grpo.config.schema import LoggingConfig, LoraConfig, TrainConfig
 from grpo.config_values import ConfigError
 from grpo.pipeline.batching import prepare_batch
 from grpo.recipes.trainable_model import build_reference_policy
+from grpo.schema import LoggingConfig, LoraConfig, TrainConfig
 from grpo.trainer.checkpoint import CheckpointManager
 from grpo.trainer.layers import apply_lora
 from grpo.trainer.logprobs import token_logprobs

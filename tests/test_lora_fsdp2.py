@@ -66,8 +66,8 @@ def _lora_step(rank: int, world: int, port: int, model_dir: str, out_root: str) 
     from omegaconf import OmegaConf
     from transformers import AutoTokenizer
 
-    from grpo.config.schema import LoggingConfig, TrainConfig
     from grpo.pipeline.rank_broadcast import FollowerPipeline, LeaderPipeline
+    from grpo.schema import LoggingConfig, TrainConfig
     from grpo.trainer import fsdp
     from grpo.trainer.checkpoint import CheckpointManager
     from grpo.trainer.loop import GRPOTrainer

@@ -303,7 +303,7 @@ def test_bad_arguments():
 def test_constructor_matches_config_keys():
     from omegaconf import OmegaConf
 
-    from grpo.config.schema import LossConfig
+    from grpo.schema import LossConfig
 
     for name in ("grpo", "dapo", "dr_grpo", "gspo", "cispo"):
         cfg = OmegaConf.to_container(group_option("loss", name))
@@ -314,7 +314,7 @@ def test_constructor_matches_config_keys():
 
 
 def test_the_loss_reads_as_its_settings_in_the_start_up_log():
-    from grpo.config.schema import Aggregation
+    from grpo.schema import Aggregation
     from grpo.trainer.loss import GRPOLoss
 
     text = repr(GRPOLoss(clip_eps=0.3, kl_coef=0.1, aggregation=Aggregation("seq_mean_token_mean")))

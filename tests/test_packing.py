@@ -10,9 +10,9 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from grpo.config.schema import TrainConfig
 from grpo.pipeline.batching import prepare_batch
 from grpo.pipeline.group import Group
+from grpo.schema import TrainConfig
 from grpo.trainer.hidden_states import packed_inputs
 from grpo.trainer.logprobs import fused_token_loss, naive_token_entropy, token_logprobs
 from grpo.trainer.loop import GRPOTrainer

@@ -13,10 +13,10 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from grpo.config.schema import LoggingConfig, TrainConfig
 from grpo.pipeline.base import BatchShape, DataPipeline
 from grpo.pipeline.batching import prepare_batch
 from grpo.pipeline.group import Group
+from grpo.schema import LoggingConfig, TrainConfig
 from grpo.sync.base import SyncStrategy
 from grpo.trainer.checkpoint import CheckpointManager
 from grpo.trainer.loop import GRPOTrainer

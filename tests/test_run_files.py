@@ -143,7 +143,7 @@ _ROWS_PAST_LIMIT = """
 import json, resource, sys
 from pathlib import Path
 from omegaconf import OmegaConf
-from grpo.config.schema import LoggingConfig
+from grpo.schema import LoggingConfig
 from grpo.trainer.metrics import MetricsLogger, MetricsWriteError
 
 run = Path(sys.argv[1])
@@ -195,7 +195,7 @@ def test_a_resume_trims_and_carries_the_eval_samples_like_the_metrics_rows(tmp_p
     run dir started without the earlier ones."""
     from omegaconf import OmegaConf
 
-    from grpo.config.schema import LoggingConfig
+    from grpo.schema import LoggingConfig
     from grpo.trainer.metrics import EVAL_SAMPLES, MetricsLogger
 
     def stopped_run(path):
@@ -340,7 +340,7 @@ def test_warnings_and_log_lines_are_written_above_the_progress_bar_not_onto_it(t
 
     from omegaconf import OmegaConf
 
-    from grpo.config.schema import LoggingConfig
+    from grpo.schema import LoggingConfig
     from grpo.trainer.metrics import MetricsLogger
 
     console = logging.StreamHandler(sys.stderr)  # as Hydra's console handler

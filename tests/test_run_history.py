@@ -18,7 +18,7 @@ import torch
 from omegaconf import OmegaConf
 
 from grpo.conf import CONFIG_DIR
-from grpo.config.schema import LoggingConfig, TrainConfig
+from grpo.schema import LoggingConfig, TrainConfig
 from grpo.trainer.checkpoint import CheckpointManager, CheckpointWriteError
 from grpo.trainer.loop import GRPOTrainer
 from grpo.trainer.loss import GRPOLoss

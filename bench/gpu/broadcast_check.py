@@ -48,9 +48,9 @@ def main() -> None:
     from omegaconf import OmegaConf
     from transformers import AutoTokenizer
 
-    from grpo.config.schema import ServerConfig
     from grpo.models.loading import load_model
     from grpo.models.tiny import build_model_dir
+    from grpo.schema import ServerConfig
     from grpo.sync.base import SyncContext
     from grpo.sync.nccl_broadcast import NCCLBroadcastSync
 

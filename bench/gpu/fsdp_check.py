@@ -95,9 +95,9 @@ def run(out: str, preset: str, device: str = "cuda") -> None:
     from omegaconf import OmegaConf
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from grpo.config.schema import LoggingConfig, TrainConfig
     from grpo.models.tiny import build_model_dir
     from grpo.pipeline.rank_broadcast import FollowerPipeline, LeaderPipeline
+    from grpo.schema import LoggingConfig, TrainConfig
     from grpo.sync.follower import FollowerSync
     from grpo.trainer import fsdp
     from grpo.trainer.checkpoint import CheckpointManager

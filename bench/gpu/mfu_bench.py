@@ -94,10 +94,10 @@ def one(preset: str, name: str, steps: int, device_name: str = "cuda", spread: s
     from omegaconf import OmegaConf
 
     sys.path.insert(0, str(ROOT / "src"))
-    from grpo.config.schema import TrainConfig
     from grpo.models.loading import compile_decoder_layers, load_model, set_attention
     from grpo.models.tiny import build_model_dir
     from grpo.pipeline.batching import prepare_batch
+    from grpo.schema import TrainConfig
     from grpo.trainer.loop import GRPOTrainer
     from grpo.trainer.metrics import NullMetrics
     from grpo.trainer.optim import build_optimizer

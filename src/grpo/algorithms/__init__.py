@@ -12,6 +12,6 @@
 
 Each registry's names are the only definition of its choice set: the typed config builds its enum from them, the
 components look the function up by the same name. A function registered under a new name before the config schema
-is imported (`grpo.config.schema`) becomes a choice of its config key. This package imports nothing of grpo but its
+is imported (`grpo.schema`) becomes a choice of its config key. This package imports nothing of grpo but its
 registry, so every layer may use it.
 """

@@ -57,7 +57,7 @@ class NotOurServerError(ServerStartError):
 class VLLMServer:
     """Launches, watches and stops one vLLM server with our /generate and /grpo/* endpoints.
 
-    `server_cfg` is a `grpo.config.schema.ServerConfig` node (or any object/mapping with its fields: host, port,
+    `server_cfg` is a `grpo.schema.ServerConfig` node (or any object/mapping with its fields: host, port,
     gpu_memory_utilization, kv_cache_gb, max_model_len, dtype, enforce_eager, max_lora_rank, startup_timeout_s, extra_args,
     device, busy_loop_s, worker_in_engine_process). `lora_modules` maps adapter names to adapter directories to
     preload; `enable_lora` turns LoRA on even with none preloaded (for hot-swapping). The server's output goes to

@@ -1,7 +1,7 @@
 """Typed schemas of every config group: the bottom of the config, importable by every component.
 
 One module per component (`model`, `optimizer`, `loss`, `sync`, `server`, `data`, `train`); a component takes its own
-schema (or any object or mapping with its fields: `grpo.config_values.option`). `grpo.config.schema` registers them with
+schema (or any object or mapping with its fields: `grpo.config_values.option`). `grpo.config.hydra_store` registers them with
 Hydra's ConfigStore, and each YAML option of a group lists its schema first in its defaults, so a misspelled key or a
 value of the wrong type fails at composition time with the key in the message, before any model loads. Polymorphic
 groups (optimizer, mode, data) have one schema per option. The choice sets are enums: of a registry's names

@@ -33,7 +33,7 @@ class SyncContext:
     run_dir: Path
     # HF-format directory of the initial weights (the base model for LoRA modes).
     model_dir: Path
-    # The `server` config node (grpo.config.schema.ServerConfig).
+    # The `server` config node (grpo.schema.ServerConfig).
     server_cfg: Any
     # The `lora` config node; used by the LoRA modes.
     lora_cfg: Any = None

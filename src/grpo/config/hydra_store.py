@@ -1,8 +1,6 @@
-"""Hydra's view of the typed schemas (`grpo.schema`): `register_configs` stores each in the ConfigStore, under the
-name its group's YAML options list first in their defaults (`loss_schema`, ...), and registers our resolvers.
-
-The schema classes are importable from here too (the names every YAML, test and bench used before they moved to the
-bottom layer, `grpo.schema`).
+"""Hydra's view of the typed schemas (`grpo.schema`, where the classes are imported from): `register_configs` stores
+each in the ConfigStore, under the name its group's YAML options list first in their defaults (`loss_schema`, ...),
+and registers our resolvers.
 """
 
 from __future__ import annotations
@@ -18,68 +16,25 @@ from grpo.schema import (
     AdafactorConfig,
     AdamW8bitConfig,
     AdamWConfig,
-    AdvantageNorm,
     AgentDataConfig,
-    Aggregation,
     AtroposDataConfig,
     CheckpointRestartSyncConfig,
-    Device,
-    DType,
     EvalConfig,
-    KLEstimator,
     LayersConfig,
     LocalDataConfig,
-    LoggingConfig,
     LoraConfig,
     LoraHotSwapSyncConfig,
     LoraRestartSyncConfig,
     LossConfig,
-    LRSchedule,
     ModelConfig,
     MultiTurnDataConfig,
     NCCLBroadcastSyncConfig,
-    OldLogprobs,
     RootConfig,
     ServerConfig,
     SharedMemorySyncConfig,
-    StalePolicy,
-    TrainConfig,
 )
 
-__all__ = [
-    "AdafactorConfig",
-    "AdamW8bitConfig",
-    "AdamWConfig",
-    "AdvantageNorm",
-    "Aggregation",
-    "AtroposDataConfig",
-    "CheckpointRestartSyncConfig",
-    "DType",
-    "Device",
-    "EvalConfig",
-    "KLEstimator",
-    "LRSchedule",
-    "LayersConfig",
-    "LocalDataConfig",
-    "AgentDataConfig",
-    "MultiTurnDataConfig",
-    "LoggingConfig",
-    "LoraConfig",
-    "LoraHotSwapSyncConfig",
-    "LoraRestartSyncConfig",
-    "LossConfig",
-    "ModelConfig",
-    "NCCLBroadcastSyncConfig",
-    "OldLogprobs",
-    "RootConfig",
-    "ServerConfig",
-    "SharedMemorySyncConfig",
-    "StalePolicy",
-    "TrainConfig",
-    "config_groups",
-    "first_set",
-    "register_configs",
-]
+__all__ = ["config_dir_path", "config_groups", "first_set", "register_configs"]
 
 
 def first_set(*values: Any) -> Any:
