@@ -19,7 +19,6 @@ from grpo.conf import EXPERIMENTS_DIR
 from grpo.config.command_line import command_name
 from grpo.config_values import ConfigError
 from grpo.pipeline.evaluation import ATROPOS_EVAL_EXAMPLE, eval_enabled
-from grpo.pipeline.local import LocalRolloutPipeline
 from grpo.schema import LocalDataConfig
 
 log = logging.getLogger(__name__)
@@ -287,9 +286,10 @@ def check_grad_accum_used(cfg: DictConfig, info: HydraInfo) -> None:
     data.group_size was raised on the command line) is warned about instead: the run is what was asked for."""
     given = _given(info, "train.grad_accum")
     data_class = _data_class(cfg)
-    if info.multirun or data_class is None or not issubclass(data_class, LocalRolloutPipeline):
+    sequences_per_step = getattr(data_class, "sequences_per_step", None)  # None: the source's module does not import
+    per_step = sequences_per_step(cfg.data) if sequences_per_step is not None else None
+    if info.multirun or per_step is None:
         return
-    per_step = int(cfg.data.prompts_per_step) * int(cfg.data.group_size)
     micro, accum = cfg.train.micro_batch_size, cfg.train.grad_accum
     if per_step <= micro * accum:
         return

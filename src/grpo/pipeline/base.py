@@ -77,6 +77,20 @@ class DataPipeline(BatchSource):
     # sequences hit the token limit (`Group.truncated`), and the single completion limit (`Group.max_new_tokens`).
     reports_truncation: ClassVar[bool] = False
     reports_completion_limit: ClassVar[bool] = False
+    # True when the trainer may run it ahead of the loop in a producer thread (train.max_staleness >= 1: AsyncRollouts
+    # in grpo.pipeline.rollout_queue): the groups of a step depend on the step, not on the loop's state.
+    supports_async_rollouts: ClassVar[bool] = False
+
+    @classmethod
+    def check_config(cls, cfg: Any, experiment: Optional[str] = None) -> None:
+        """Checks of the run's config that concern this source (`cfg.data` and the bounds it must fit), before
+        anything is built: a ConfigError saying what to set. `experiment` is the chosen experiment, for the message."""
+
+    @classmethod
+    def sequences_per_step(cls, data_cfg: Any) -> Optional[int]:
+        """The sequences each step trains, all that it generates, as its config `data_cfg` sets them; None when no
+        config says (a source that generates on its own)."""
+        return None
 
     def preflight(self) -> None:
         """Checks that need neither the model nor the inference server, run before either starts: a remote source
