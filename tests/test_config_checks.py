@@ -18,6 +18,7 @@ from grpo.conf import CONFIG_DIR
 from grpo.config import ConfigError, register_configs, validate
 from grpo.config.validate import check_optimizer_settings
 from grpo.pipeline.base import DataPipeline
+from grpo.tasks.prompts import Task
 
 REPO = Path(__file__).resolve().parents[1]
 register_configs()
@@ -213,6 +214,24 @@ def test_a_data_sources_own_config_check_runs_at_validation(tmp_path):
     with pytest.raises(ConfigError, match="FussySource needs at least 4"):
         _validate([f"data._target_={__name__}.FussySource", "data.group_size=2"], tmp_path)
     _validate([f"data._target_={__name__}.FussySource", "data.group_size=4"], tmp_path)
+
+
+class PickyTask(Task):
+    """A user's own task with a check of its config node."""
+
+    @classmethod
+    def check_config(cls, node, key):
+        if node.get("level") is None:
+            raise ConfigError(f"{key}.level is missing: PickyTask needs one")
+
+
+def test_a_tasks_own_config_check_runs_at_validation_with_its_key(tmp_path):
+    with pytest.raises(ConfigError, match="data.task.level is missing: PickyTask needs one"):
+        _validate([f"data.task._target_={__name__}.PickyTask"], tmp_path)
+    _validate([f"data.task._target_={__name__}.PickyTask", "+data.task.level=3"], tmp_path)
+    with pytest.raises(ConfigError, match="eval.task.path=/no/such/held_out.jsonl: no file or directory there"):
+        _validate(["+eval.task._target_=grpo.tasks.prompt_file.PromptFileTask", "+eval.task.path=/no/such/held_out.jsonl"],
+                  tmp_path)
 
 
 @pytest.mark.parametrize(

@@ -17,7 +17,6 @@ from grpo.recipes.model_checks import check_model, check_model_files
 from grpo.schema import LocalDataConfig, SharedMemorySyncConfig
 from grpo.serving.checks import check_server
 from grpo.serving.server import external_urls, replica_count
-from grpo.tasks.prompt_file import PromptFileTask
 from grpo.trainer.layers import resolve_layer_indices
 from grpo.trainer.metrics import tensorboard_writer_class
 from grpo.trainer.optim import build_optimizer
@@ -71,7 +70,7 @@ def validate(cfg: DictConfig, run_dir: Path | None = None) -> None:
     check_train(cfg)
     check_prefix_sharing(cfg)
     check_data(cfg, info.choices.get("experiment"))
-    check_prompt_files(cfg)
+    check_tasks(cfg)
     check_replicas_reach_the_data(cfg)
     check_async(cfg)
     check_rollout_logprobs(cfg)
@@ -246,24 +245,19 @@ def check_data(cfg: DictConfig, experiment: str | None = None) -> None:
         check(cfg, experiment)
 
 
-def check_prompt_files(cfg: DictConfig) -> None:
-    """A prompt file (`PromptFileTask`'s `path` and `eval_path`, as data.task or eval.task) exists: said with its
-    exact key before anything is built. Found while building the task, the message named only `data.task`, after
-    the start-up log had named a run dir that was then discarded."""
+def check_tasks(cfg: DictConfig) -> None:
+    """The task's own checks (`check_config` of its class, e.g. PromptFileTask's: its prompt files exist), for
+    data.task and eval.task, said with the exact key before anything is built."""
     for prefix in ("data.task", "eval.task"):
         node = OmegaConf.select(cfg, prefix, default=None)
         if not isinstance(node, DictConfig) or "_target_" not in node:
             continue
         try:
-            if not issubclass(get_class(node._target_), PromptFileTask):
-                continue
+            check = getattr(get_class(node._target_), "check_config", None)
         except Exception:  # a task that does not import: building it says so, with its hint
             continue
-        for key in ("path", "eval_path"):
-            given = node.get(key)
-            if given is not None and not Path(str(given)).expanduser().exists():
-                raise ConfigError(f"{prefix}.{key}={given}: no file or directory there (relative paths start at "
-                                  f"{Path.cwd()}); set {prefix}.{key} to your prompts' file or directory")
+        if check is not None:
+            check(node, prefix)
 
 
 def check_rollout_logprobs(cfg: DictConfig) -> None:
