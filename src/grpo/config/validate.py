@@ -199,11 +199,6 @@ def check_async(cfg: DictConfig) -> None:
             check_batches_in_flight(train.rollout_batches_in_flight, capacity, get_class(cfg.data._target_))
         except ValueError as e:
             raise ConfigError(str(e)) from None
-    if get_class(cfg.mode._target_).mode_name == "lora_only" and k > 1:
-        raise ConfigError(
-            f"train.max_staleness={k} with mode=lora_only: each sync unloads the adapter of two syncs before, which a "
-            "batch generated up to k syncs earlier may still be using; use train.max_staleness=1 with lora_only"
-        )
     loss = cfg.loss
     if loss.old_logprobs == "recompute" and loss.tis_cap is None:
         raise ConfigError(
