@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 
+from grpo.pipeline.agents import AgentPipeline
 from grpo.pipeline.chat_prompts import ChatPrompts
 from grpo.pipeline.tool_calls import CALC_INSTRUCTION, ToolParser
 from grpo.tasks.agent_calculator import CALCULATOR_TOOL, SYSTEM, CalculatorQuestions, calculator
@@ -76,6 +77,29 @@ def test_an_agents_data_is_evaluated_on_its_episodes_unless_eval_task_names_prom
     assert evaluator.rollout.__name__ == "calculator_agent" and len(evaluator.prompts) == 0  # set up by the run
     plain = build_evaluator(own.eval, own.data)
     assert type(plain) is Evaluator
+
+
+def test_a_users_agent_pipeline_is_evaluated_on_its_episodes_by_what_it_declares():
+    """The evaluator of the data's own episodes is the data class's `episode_evaluator`, so a subclass of
+    AgentPipeline (a user's own agent data) gets the AgentEvaluator as the built-in one does."""
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    from grpo.conf import CONFIG_DIR
+    from grpo.config import register_configs
+    from grpo.pipeline.agent_eval import AgentEvaluator
+    from grpo.pipeline.evaluation import build_evaluator
+
+    register_configs()
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
+        cfg = compose(config_name="train", overrides=["experiment=agent_calculator_warm", "eval.enabled=null",
+                                                      f"data._target_={__name__}.MyAgentPipeline"])
+    assert isinstance(build_evaluator(cfg.eval, cfg.data), AgentEvaluator)
+
+
+class MyAgentPipeline(AgentPipeline):
+    """A user's own agent data source."""
 
 
 # ---------------------------------------------------------------- against the real server

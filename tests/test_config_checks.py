@@ -17,6 +17,8 @@ from hydra.utils import instantiate
 from grpo.conf import CONFIG_DIR
 from grpo.config import ConfigError, register_configs, validate
 from grpo.config.validate import check_optimizer_settings
+from grpo.pipeline.base import DataPipeline
+from grpo.tasks.prompts import Task
 
 REPO = Path(__file__).resolve().parents[1]
 register_configs()
@@ -172,6 +174,64 @@ def test_async_rollouts_with_recompute_and_tis_cap_or_rollout_logprobs_pass(tmp_
     _validate(["train.max_staleness=1", "train.stale_policy=drop", "train.rollout_batches_in_flight=2"], tmp_path)
     # Atropos generates on its own: k drops its older groups.
     _validate(["~experiment", "train.max_staleness=2", "data=atropos", "train.stale_policy=drop"], tmp_path)
+
+
+class ProducerReadySource(DataPipeline):
+    """A user's own data source that declares it can be run ahead of the loop by the rollout producer."""
+
+    supports_async_rollouts = True
+
+    def setup(self, ctx):
+        self.ctx = ctx
+
+    def next_groups(self, step):
+        return []
+
+
+class OneAtATimeSource(ProducerReadySource):
+    """The same source without the capability."""
+
+    supports_async_rollouts = False
+
+
+class FussySource(ProducerReadySource):
+    """A source with a check of its own config, which validation runs before anything is built."""
+
+    @classmethod
+    def check_config(cls, cfg, experiment=None):
+        if cfg.data.group_size < 4:
+            raise ConfigError(f"data.group_size={cfg.data.group_size}: FussySource needs at least 4")
+
+
+def test_a_data_source_gets_asynchronous_rollouts_by_declaring_it_not_by_its_class(tmp_path):
+    # What the async-rollouts check reads is the source's capability, not whether it is a LocalRolloutPipeline.
+    _validate(["train.max_staleness=1", f"data._target_={__name__}.ProducerReadySource"], tmp_path)
+    with pytest.raises(ConfigError, match="is neither one nor an asynchronous source like data=atropos"):
+        _validate(["train.max_staleness=1", f"data._target_={__name__}.OneAtATimeSource"], tmp_path)
+
+
+def test_a_data_sources_own_config_check_runs_at_validation(tmp_path):
+    with pytest.raises(ConfigError, match="FussySource needs at least 4"):
+        _validate([f"data._target_={__name__}.FussySource", "data.group_size=2"], tmp_path)
+    _validate([f"data._target_={__name__}.FussySource", "data.group_size=4"], tmp_path)
+
+
+class PickyTask(Task):
+    """A user's own task with a check of its config node."""
+
+    @classmethod
+    def check_config(cls, node, key):
+        if node.get("level") is None:
+            raise ConfigError(f"{key}.level is missing: PickyTask needs one")
+
+
+def test_a_tasks_own_config_check_runs_at_validation_with_its_key(tmp_path):
+    with pytest.raises(ConfigError, match="data.task.level is missing: PickyTask needs one"):
+        _validate([f"data.task._target_={__name__}.PickyTask"], tmp_path)
+    _validate([f"data.task._target_={__name__}.PickyTask", "+data.task.level=3"], tmp_path)
+    with pytest.raises(ConfigError, match="eval.task.path=/no/such/held_out.jsonl: no file or directory there"):
+        _validate(["+eval.task._target_=grpo.tasks.prompt_file.PromptFileTask", "+eval.task.path=/no/such/held_out.jsonl"],
+                  tmp_path)
 
 
 @pytest.mark.parametrize(

@@ -18,8 +18,8 @@ from omegaconf import DictConfig, OmegaConf
 from grpo.conf import EXPERIMENTS_DIR
 from grpo.config.command_line import command_name
 from grpo.config_values import ConfigError
+from grpo.pipeline.base import data_class
 from grpo.pipeline.evaluation import ATROPOS_EVAL_EXAMPLE, eval_enabled
-from grpo.pipeline.local import LocalRolloutPipeline
 from grpo.schema import LocalDataConfig
 
 log = logging.getLogger(__name__)
@@ -219,28 +219,17 @@ def check_truncation_options_have_what_they_read(cfg: DictConfig) -> None:
     """`loss.mask_truncated` needs rollouts that say which completions hit the token limit, `loss.overlong_buffer`
     also the limit they ran under (grpo.algorithms.overlong): refused at start-up for a data source that reports
     neither (data=atropos) or no single limit (multi-turn episodes), instead of at its first batch."""
-    data_class = _data_class(cfg)
-    if data_class is None:
+    source_class = data_class(cfg.data)
+    if source_class is None:
         return
     name = cfg.data._target_.rsplit(".", 1)[-1]
-    if cfg.loss.mask_truncated and not data_class.reports_truncation:
+    if cfg.loss.mask_truncated and not source_class.reports_truncation:
         raise ConfigError(f"loss.mask_truncated=true: the data source {name} does not report which completions hit "
                           "the token limit (only the built-in rollouts do); set loss.mask_truncated=false")
-    if cfg.loss.overlong_buffer is not None and not data_class.reports_completion_limit:
+    if cfg.loss.overlong_buffer is not None and not source_class.reports_completion_limit:
         raise ConfigError(f"loss.overlong_buffer={cfg.loss.overlong_buffer}: the data source {name} reports no "
                           "single completion-token limit (single-turn built-in rollouts do); set "
                           "loss.overlong_buffer=null")
-
-
-def _data_class(cfg: DictConfig) -> Any:
-    """The data source's class, or None when its module does not import (an optional package missing: building the
-    source says what to install)."""
-    from hydra.utils import get_class
-
-    try:
-        return get_class(cfg.data._target_)
-    except Exception:
-        return None
 
 
 def _given(info: HydraInfo, *keys: str) -> list[str]:
@@ -257,12 +246,12 @@ def check_clip_can_act(cfg: DictConfig, info: HydraInfo) -> None:
     percent in bf16): warned. Not in a sweep, whose settings are common to its jobs
     (`-m train.ppo_epochs=1,2 loss.clip_eps=0.1,0.2`)."""
     given = _given(info, "loss.clip_eps", "loss.clip_eps_high")
-    data_class = _data_class(cfg)
-    if not given or info.multirun or data_class is None:
+    source_class = data_class(cfg.data)
+    if not given or info.multirun or source_class is None:
         return
     train, loss = cfg.train, cfg.loss
     moves = (train.ppo_epochs * train.mini_batches > 1 or train.max_staleness > 0
-             or int(cfg.mode.sync_every) > 1 or data_class.asynchronous_source)
+             or int(cfg.mode.sync_every) > 1 or source_class.asynchronous_source)
     if moves:
         return
     why = (f"{' '.join(given)}: each rollout batch gets one optimizer step, at the weights that sampled it "
@@ -286,10 +275,11 @@ def check_grad_accum_used(cfg: DictConfig, info: HydraInfo) -> None:
     ignored. Not in a sweep, whose settings are common to its jobs. A value from a config file (an experiment whose
     data.group_size was raised on the command line) is warned about instead: the run is what was asked for."""
     given = _given(info, "train.grad_accum")
-    data_class = _data_class(cfg)
-    if info.multirun or data_class is None or not issubclass(data_class, LocalRolloutPipeline):
+    source_class = data_class(cfg.data)
+    sequences_per_step = getattr(source_class, "sequences_per_step", None)  # None: the source's module does not import
+    per_step = sequences_per_step(cfg.data) if sequences_per_step is not None else None
+    if info.multirun or per_step is None:
         return
-    per_step = int(cfg.data.prompts_per_step) * int(cfg.data.group_size)
     micro, accum = cfg.train.micro_batch_size, cfg.train.grad_accum
     if per_step <= micro * accum:
         return

@@ -12,13 +12,11 @@ from omegaconf import DictConfig, OmegaConf
 from grpo.config import checks
 from grpo.config.run_dir import check_resume_exists, check_resume_has_steps_left, check_run_dir, check_run_dir_unused
 from grpo.config_values import ConfigError, option
-from grpo.pipeline.local import LocalRolloutPipeline
 from grpo.pipeline.rollout_queue import check_batches_in_flight, queue_capacity
 from grpo.recipes.model_checks import check_model, check_model_files
 from grpo.schema import LocalDataConfig, SharedMemorySyncConfig
 from grpo.serving.checks import check_server
 from grpo.serving.server import external_urls, replica_count
-from grpo.tasks.prompt_file import PromptFileTask
 from grpo.trainer.layers import resolve_layer_indices
 from grpo.trainer.metrics import tensorboard_writer_class
 from grpo.trainer.optim import build_optimizer
@@ -72,7 +70,7 @@ def validate(cfg: DictConfig, run_dir: Path | None = None) -> None:
     check_train(cfg)
     check_prefix_sharing(cfg)
     check_data(cfg, info.choices.get("experiment"))
-    check_prompt_files(cfg)
+    check_tasks(cfg)
     check_replicas_reach_the_data(cfg)
     check_async(cfg)
     check_rollout_logprobs(cfg)
@@ -201,11 +199,6 @@ def check_async(cfg: DictConfig) -> None:
             check_batches_in_flight(train.rollout_batches_in_flight, capacity, get_class(cfg.data._target_))
         except ValueError as e:
             raise ConfigError(str(e)) from None
-    if get_class(cfg.mode._target_).mode_name == "lora_only" and k > 1:
-        raise ConfigError(
-            f"train.max_staleness={k} with mode=lora_only: each sync unloads the adapter of two syncs before, which a "
-            "batch generated up to k syncs earlier may still be using; use train.max_staleness=1 with lora_only"
-        )
     loss = cfg.loss
     if loss.old_logprobs == "recompute" and loss.tis_cap is None:
         raise ConfigError(
@@ -235,63 +228,31 @@ def check_replicas_reach_the_data(cfg: DictConfig) -> None:
 
 
 def check_data(cfg: DictConfig, experiment: str | None = None) -> None:
-    """A local rollout pipeline generates at least the sequences one rollout batch trains on (said here, before the
-    server starts, rather than by the pipeline once it has), and its completion caps fit model.max_seq_len."""
+    """The data source's own checks (`check_config` of its class, e.g. LocalRolloutPipeline's), said here, before the
+    server starts, rather than by the pipeline once it has."""
     target = cfg.data.get("_target_")
     try:
-        local = target is not None and issubclass(get_class(target), LocalRolloutPipeline)
+        cls = get_class(target) if target is not None else None
     except Exception:  # an optional source's package missing: building the source says so, with its hint
         return
-    if not local:
-        return
-    # The pipeline and the evaluator cap a completion at the length bound minus its prompt: cut, silently.
-    bounds = (("model.max_seq_len", cfg.model.max_seq_len), ("server.max_model_len", cfg.server.get("max_model_len")))
-    for key, max_new in (("data", cfg.data.get("max_new_tokens")), ("eval", cfg.eval.get("max_new_tokens"))):
-        for bound, max_len in bounds:
-            if max_new is not None and max_len is not None and max_new >= max_len:
-                raise ConfigError(
-                    f"{key}.max_new_tokens={max_new} cannot be reached: {bound}={max_len} bounds prompt + completion "
-                    f"(a prompt has at least one token); raise {bound} or lower {key}.max_new_tokens"
-                )
-    # A multi-turn episode (data=calculator) is bounded by data.max_episode_tokens as a sequence is by these.
-    max_episode = cfg.data.get("max_episode_tokens")
-    for bound, max_len in bounds:
-        if max_episode is not None and max_len is not None and max_episode > max_len:
-            raise ConfigError(f"data.max_episode_tokens={max_episode} is more than {bound}={max_len}, which bounds "
-                              f"a whole episode; lower data.max_episode_tokens (null = model.max_seq_len) or raise {bound}")
-    if "max_turns" in cfg.data and cfg.data.get("dynamic_sampling", LocalDataConfig.dynamic_sampling):
-        raise ConfigError("data.dynamic_sampling=true is not built for multi-turn episodes yet (the episode runner "
-                          "plays one round per step); set data.dynamic_sampling=false")
-    per_step = int(cfg.data.get("prompts_per_step", 0)) * int(cfg.data.get("group_size", 0))
-    needed = cfg.train.micro_batch_size * cfg.train.grad_accum
-    if per_step < needed:
-        raise ConfigError(
-            f"data.prompts_per_step x data.group_size = {per_step} sequences per step, fewer than the {needed} of "
-            "train.micro_batch_size x train.grad_accum; raise data.prompts_per_step or data.group_size, or lower "
-            "train.micro_batch_size or train.grad_accum"
-            + (f" (experiment={experiment} sets the batch for its own data; '~experiment' gives the bare config)"
-               if experiment else "")
-        )
+    check = getattr(cls, "check_config", None)
+    if check is not None:
+        check(cfg, experiment)
 
 
-def check_prompt_files(cfg: DictConfig) -> None:
-    """A prompt file (`PromptFileTask`'s `path` and `eval_path`, as data.task or eval.task) exists: said with its
-    exact key before anything is built. Found while building the task, the message named only `data.task`, after
-    the start-up log had named a run dir that was then discarded."""
+def check_tasks(cfg: DictConfig) -> None:
+    """The task's own checks (`check_config` of its class, e.g. PromptFileTask's: its prompt files exist), for
+    data.task and eval.task, said with the exact key before anything is built."""
     for prefix in ("data.task", "eval.task"):
         node = OmegaConf.select(cfg, prefix, default=None)
         if not isinstance(node, DictConfig) or "_target_" not in node:
             continue
         try:
-            if not issubclass(get_class(node._target_), PromptFileTask):
-                continue
+            check = getattr(get_class(node._target_), "check_config", None)
         except Exception:  # a task that does not import: building it says so, with its hint
             continue
-        for key in ("path", "eval_path"):
-            given = node.get(key)
-            if given is not None and not Path(str(given)).expanduser().exists():
-                raise ConfigError(f"{prefix}.{key}={given}: no file or directory there (relative paths start at "
-                                  f"{Path.cwd()}); set {prefix}.{key} to your prompts' file or directory")
+        if check is not None:
+            check(node, prefix)
 
 
 def check_rollout_logprobs(cfg: DictConfig) -> None:
@@ -380,8 +341,8 @@ def check_off_policy_masks(cfg: DictConfig) -> None:
 
 
 def check_async_source(cfg: DictConfig) -> None:
-    """k >= 1 needs a local pipeline (wrapped in the producer) or an asynchronous source (Atropos), which can only
-    drop: the trainer cannot make its environments wait, and it has no queue of its own."""
+    """k >= 1 needs a pipeline the producer can run ahead (`supports_async_rollouts`: the local ones) or an
+    asynchronous source (Atropos), which can only drop: the trainer cannot make its environments wait, and it has no queue of its own."""
     k = cfg.train.max_staleness
     target = cfg.data.get("_target_")
     cls = get_class(target) if target is not None else None
@@ -403,7 +364,7 @@ def check_async_source(cfg: DictConfig) -> None:
                 f"data={target} (the environments generate on their own); leave it at 1"
             )
         return
-    if cls is None or not issubclass(cls, LocalRolloutPipeline):
+    if not getattr(cls, "supports_async_rollouts", False):
         raise ConfigError(
             f"train.max_staleness={k} runs the local rollout pipeline in a producer thread; data={target} is neither "
             "one nor an asynchronous source like data=atropos. Use train.max_staleness=0 with it."

@@ -111,6 +111,7 @@ class AgentPipeline(LocalRolloutPipeline):
     of an episode (a later one is refused)."""
 
     reports_completion_limit = False
+    episode_evaluator = "grpo.pipeline.agent_eval.AgentEvaluator"
 
     def __init__(self, task: Any, rollout: Any, rewards: Optional[Mapping[str, Any]] = None,
                  chat_template: Optional[str] = None, tool_parser: str = JSON_TAGS,

@@ -7,6 +7,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, ClassVar, Optional
 
+from hydra.utils import get_class
+
 from grpo.algorithms.overlong import TruncationRule
 from grpo.inference.client import Endpoint
 from grpo.pipeline.batching import WarnOnce, prepare_batch
@@ -77,6 +79,23 @@ class DataPipeline(BatchSource):
     # sequences hit the token limit (`Group.truncated`), and the single completion limit (`Group.max_new_tokens`).
     reports_truncation: ClassVar[bool] = False
     reports_completion_limit: ClassVar[bool] = False
+    # True when the trainer may run it ahead of the loop in a producer thread (train.max_staleness >= 1: AsyncRollouts
+    # in grpo.pipeline.rollout_queue): the groups of a step depend on the step, not on the loop's state.
+    supports_async_rollouts: ClassVar[bool] = False
+    # The evaluator (`_target_`) that plays its own episodes when eval.task names none (AgentPipeline's
+    # AgentEvaluator, given the data's grpo.pipeline.eval_settings.AGENT_EVAL_KEYS); None = eval.task's prompts.
+    episode_evaluator: ClassVar[Optional[str]] = None
+
+    @classmethod
+    def check_config(cls, cfg: Any, experiment: Optional[str] = None) -> None:
+        """Checks of the run's config that concern this source (`cfg.data` and the bounds it must fit), before
+        anything is built: a ConfigError saying what to set. `experiment` is the chosen experiment, for the message."""
+
+    @classmethod
+    def sequences_per_step(cls, data_cfg: Any) -> Optional[int]:
+        """The sequences each step trains, all that it generates, as its config `data_cfg` sets them; None when no
+        config says (a source that generates on its own)."""
+        return None
 
     def preflight(self) -> None:
         """Checks that need neither the model nor the inference server, run before either starts: a remote source
@@ -136,3 +155,13 @@ class DataPipeline(BatchSource):
         """Restore the position saved by state_dict(). Both built-in pipelines resume from the step alone: local
         prompts are a pure function of (seed, step) and run-api keeps its own queue."""
         self.step = state.get("step")
+
+
+def data_class(data_cfg: Any) -> Any:
+    """The class a data config node names (`_target_`), or None: no such node, or its module does not import (an
+    optional source's package missing: building the source says what to install)."""
+    target = data_cfg.get("_target_") if hasattr(data_cfg, "get") else None
+    try:
+        return get_class(str(target)) if target else None
+    except Exception:
+        return None

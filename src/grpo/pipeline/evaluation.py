@@ -26,6 +26,7 @@ from typing import Any, Callable, Mapping, Optional
 from grpo import faults
 from grpo.inference.client import Completion, Endpoint
 from grpo.inference.routing import RoutedClient, routed_client
+from grpo.pipeline.base import data_class
 from grpo.pipeline.episodes import EpisodeRunner
 from grpo.pipeline.eval_settings import AGENT_EVAL_KEYS, check_eval_settings, literal_eval_rewards
 from grpo.pipeline.grading import Grader, PendingGrades, picklable_specs
@@ -427,9 +428,9 @@ def eval_task(eval_cfg: Any, data_cfg: Any) -> Any:
     return eval_cfg.get("task") or train_task
 
 
-def _plays_agents(data_cfg: Any) -> bool:
-    """Whether the training data is an agent's episodes (grpo.pipeline.agents.AgentPipeline)."""
-    return hasattr(data_cfg, "get") and data_cfg.get("_target_") == "grpo.pipeline.agents.AgentPipeline"
+def _episode_evaluator(data_cfg: Any) -> Optional[str]:
+    """The evaluator of the training data's own episodes (`episode_evaluator` of its class: AgentPipeline's), or None."""
+    return getattr(data_class(data_cfg), "episode_evaluator", None)
 
 
 def eval_enabled(eval_cfg: Any, data_cfg: Any) -> bool:
@@ -446,9 +447,10 @@ def _evaluator_kwargs(eval_cfg: Any, data_cfg: Any) -> dict[str, Any]:
     `eval.task` of its own, the agent (AgentEvaluator plays its episodes)."""
     kwargs = {k: data_cfg.get(k) for k in ("max_turns", "max_episode_tokens") if data_cfg.get(k) is not None}
     kwargs["reward_workers"] = int(data_cfg.get("reward_workers") or 0) if hasattr(data_cfg, "get") else 0
-    if _plays_agents(data_cfg) and eval_cfg.get("task") is None:
+    evaluator = _episode_evaluator(data_cfg)
+    if evaluator is not None and eval_cfg.get("task") is None:
         kwargs |= {k: data_cfg.get(k) for k in AGENT_EVAL_KEYS if data_cfg.get(k) is not None}
-        kwargs["_target_"] = "grpo.pipeline.agent_eval.AgentEvaluator"
+        kwargs["_target_"] = evaluator
         if not (eval_cfg.get("rewards") or data_cfg.get("rewards")):
             kwargs["reward_workers"] = 0  # the rollout's own scores: nothing to grade in workers
     return kwargs
@@ -474,7 +476,7 @@ def build_evaluator(eval_cfg: Any, data_cfg: Any) -> Optional[Evaluator]:
         raise ValueError("eval.enabled=true but the training data (data=atropos) has no task to evaluate: name one "
                          f"and its rewards, e.g. {ATROPOS_EVAL_EXAMPLE}, or set eval.enabled=false")
     rewards = eval_cfg.get("rewards") or data_cfg.get("rewards")
-    agent = _plays_agents(data_cfg) and eval_cfg.get("task") is None
+    agent = _episode_evaluator(data_cfg) is not None and eval_cfg.get("task") is None
     if not rewards and not agent:
         raise ValueError("eval needs rewards: set eval.rewards (the training data has none), e.g. "
                          "+eval.rewards.correct._target_=grpo.tasks.rewards.MathAnswerReward")

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any, Mapping, Optional
 
 from grpo import faults
-from grpo.config_values import instantiation_cause
+from grpo.config_values import ConfigError, instantiation_cause
 from grpo.inference.client import Endpoint
 from grpo.inference.routing import RoutedClient, routed_client
 from grpo.pipeline.base import DataPipeline, PipelineContext
@@ -110,6 +110,39 @@ def check_sampling(temperature: float, top_p: float, max_new_tokens: int, min_ne
                          f"min_tokens: no EOS before that many tokens), got {min_new_tokens}")
 
 
+def check_local_config(cfg: Any, experiment: Optional[str] = None) -> None:
+    """A local rollout pipeline generates at least the sequences one rollout batch trains on, and its completion caps
+    fit model.max_seq_len (`cfg`: the run's config; LocalRolloutPipeline.check_config)."""
+    # The pipeline and the evaluator cap a completion at the length bound minus its prompt: cut, silently.
+    bounds = (("model.max_seq_len", cfg.model.max_seq_len), ("server.max_model_len", cfg.server.get("max_model_len")))
+    for key, max_new in (("data", cfg.data.get("max_new_tokens")), ("eval", cfg.eval.get("max_new_tokens"))):
+        for bound, max_len in bounds:
+            if max_new is not None and max_len is not None and max_new >= max_len:
+                raise ConfigError(
+                    f"{key}.max_new_tokens={max_new} cannot be reached: {bound}={max_len} bounds prompt + completion "
+                    f"(a prompt has at least one token); raise {bound} or lower {key}.max_new_tokens"
+                )
+    # A multi-turn episode (data=calculator) is bounded by data.max_episode_tokens as a sequence is by these.
+    max_episode = cfg.data.get("max_episode_tokens")
+    for bound, max_len in bounds:
+        if max_episode is not None and max_len is not None and max_episode > max_len:
+            raise ConfigError(f"data.max_episode_tokens={max_episode} is more than {bound}={max_len}, which bounds "
+                              f"a whole episode; lower data.max_episode_tokens (null = model.max_seq_len) or raise {bound}")
+    if "max_turns" in cfg.data and cfg.data.get("dynamic_sampling", LocalDataConfig.dynamic_sampling):
+        raise ConfigError("data.dynamic_sampling=true is not built for multi-turn episodes yet (the episode runner "
+                          "plays one round per step); set data.dynamic_sampling=false")
+    per_step = int(cfg.data.get("prompts_per_step", 0)) * int(cfg.data.get("group_size", 0))
+    needed = cfg.train.micro_batch_size * cfg.train.grad_accum
+    if per_step < needed:
+        raise ConfigError(
+            f"data.prompts_per_step x data.group_size = {per_step} sequences per step, fewer than the {needed} of "
+            "train.micro_batch_size x train.grad_accum; raise data.prompts_per_step or data.group_size, or lower "
+            "train.micro_batch_size or train.grad_accum"
+            + (f" (experiment={experiment} sets the batch for its own data; '~experiment' gives the bare config)"
+               if experiment else "")
+        )
+
+
 class LocalRolloutPipeline(DataPipeline):
     """Generates and scores its own groups each step: `prompts_per_step` prompts x `group_size` completions.
 
@@ -124,6 +157,17 @@ class LocalRolloutPipeline(DataPipeline):
     concurrent_batches = True
     reports_truncation = True
     reports_completion_limit = True
+    supports_async_rollouts = True
+
+    @classmethod
+    def check_config(cls, cfg: Any, experiment: Optional[str] = None) -> None:
+        """See check_local_config."""
+        check_local_config(cfg, experiment)
+
+    @classmethod
+    def sequences_per_step(cls, data_cfg: Any) -> Optional[int]:
+        """data.prompts_per_step x data.group_size: each step trains every sequence it generates."""
+        return int(data_cfg.get("prompts_per_step", 0)) * int(data_cfg.get("group_size", 0))
 
     def __init__(
         self,

@@ -60,6 +60,12 @@ class LoraHotSwapSync(SyncStrategy):
         if shared and len(external_urls(cfg.server)) != 1:
             raise ConfigError("mode.shared_server=true trains an adapter on a server other jobs share: attach to it "
                               "with server.external_url=http://host:port (the parallel launcher sets both)")
+        k = cfg.train.max_staleness
+        if k > 1:
+            raise ConfigError(
+                f"train.max_staleness={k} with mode=lora_only: each sync unloads the adapter of two syncs before, which "
+                "a batch generated up to k syncs earlier may still be using; use train.max_staleness=1 with lora_only"
+            )
 
     def server_launch(self, ctx: SyncContext) -> ServerLaunch:
         return ServerLaunch(Path(ctx.model_dir))  # a resumed adapter is loaded once the server answers

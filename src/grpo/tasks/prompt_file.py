@@ -11,6 +11,7 @@ import random
 from pathlib import Path
 from typing import Any, Optional
 
+from grpo.config_values import ConfigError
 from grpo.tasks.hf_datasets import read_jsonl
 from grpo.tasks.prompts import Prompt, RowsTask
 
@@ -131,6 +132,17 @@ class PromptFileTask(RowsTask):
         self.eval_rows: Optional[list[tuple[str, Optional[str]]]] = None
         if eval_path is not None or eval_split is not None:
             self.eval_rows = self._load(Path(eval_path).expanduser() if eval_path else self.path, eval_split)
+
+    @classmethod
+    def check_config(cls, node: Any, key: str) -> None:
+        """Its prompt files (`path`, `eval_path`) exist: said with their exact key before anything is built. Found
+        while building the task, the message named only `data.task`, after the start-up log had named a run dir that
+        was then discarded."""
+        for name in ("path", "eval_path"):
+            given = node.get(name)
+            if given is not None and not Path(str(given)).expanduser().exists():
+                raise ConfigError(f"{key}.{name}={given}: no file or directory there (relative paths start at "
+                                  f"{Path.cwd()}); set {key}.{name} to your prompts' file or directory")
 
     def _load(self, path: Path, split: Optional[str]) -> list[tuple[str, Optional[str]]]:
         source = f"{path}" + (f" (split {split})" if split else "")

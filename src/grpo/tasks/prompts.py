@@ -51,6 +51,11 @@ class Task:
     `can_sample(prompt)` (whether `sample` may ever draw that prompt), which the evaluator uses to prove the split.
     """
 
+    @classmethod
+    def check_config(cls, node: Any, key: str) -> None:
+        """Checks of the task's config `node` (found at `key`: data.task or eval.task) before anything is built: a
+        ConfigError (grpo.config_values) saying what to set. None by default."""
+
     def bind_tokenizer(self, tokenizer: Any) -> None:
         """Give the task the trainer's tokenizer (used for chat templates). Optional for tasks that need none."""
 
