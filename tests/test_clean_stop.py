@@ -52,6 +52,7 @@ def test_a_trainer_started_by_grpo_stack_names_the_stack_command_to_resume(tmp_p
 
 
 @pytest.mark.vllm
+@pytest.mark.slow
 def test_sigterm_prints_the_stop_block_writes_curves_and_the_command_resumes(tmp_path):
     """A SIGTERM in generation (a rollout request in flight) of a run with a server of its own: the run stops the
     server and its children. (The other phases, on an attached server: tests/test_reliability.py.)"""
@@ -86,6 +87,7 @@ def test_sigterm_prints_the_stop_block_writes_curves_and_the_command_resumes(tmp
     assert cfg.train.resume == str(run) and cfg.train.steps == 5 and cfg.data.group_size == 4
 
 
+@pytest.mark.slow
 def test_a_real_error_keeps_its_traceback(tmp_path):
     # A model dir that passes the start-up check (config.json and a weights file) but does not load fails inside the
     # run: a real error, not a stop.

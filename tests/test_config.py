@@ -286,6 +286,7 @@ def test_help_describes_each_key_and_points_to_the_page_that_describes_each_grou
     assert sum("    # " in line for line in described) >= 0.9 * len(described)
 
 
+@pytest.mark.slow
 def test_a_run_does_not_print_bitsandbytes_advice_about_4bit_kernels(tmp_path):
     """peft (imported by every run for its weight handling) imports bitsandbytes when installed, whose CPU backend
     warned on every run "Failed to load CPU gemm_4bit_forward ... pip install kernels": advice about a feature no

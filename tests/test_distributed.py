@@ -495,6 +495,7 @@ def one_step_runs(tmp_path_factory, tiny_qwen2_dir) -> Path:
     return out
 
 
+@pytest.mark.slow
 def test_fsdp2_gspo_with_off_policy_masks_matches_one_process(tmp_path, tiny_qwen2_dir):
     """Issue 40: GSPO's sequence ratio and both masks under FSDP2 (its log-probs through the sharded forward, the
     loss unfused) give the one-process loss and update, an entropy bonus's gradient and a KL penalty against a
@@ -512,6 +513,7 @@ def test_fsdp2_gspo_with_off_policy_masks_matches_one_process(tmp_path, tiny_qwe
 
 
 @pytest.mark.timeout(240)
+@pytest.mark.slow
 def test_fsdp2_step_of_one_micro_batch_matches_one_process(tmp_path, tiny_qwen2_dir):
     """A rollout batch that fits one micro-batch (train.skip_zero_advantage leaves few rows): rank 1 runs only the
     zero-weighted repeat and must still reduce the same metrics as rank 0. On the GPU its missing metric keys made the
@@ -647,6 +649,7 @@ def _resume_worker(rank: int, world: int, port: int, model_dir: str, out_root: s
     fsdp.destroy()
 
 
+@pytest.mark.slow
 def test_fsdp2_two_plus_two_steps_with_resume_equal_four_straight(tmp_path, tiny_qwen2_dir):
     import torch.multiprocessing as mp
 

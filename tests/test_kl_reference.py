@@ -166,6 +166,7 @@ def test_the_penalty_pulls_a_moved_policy_back_to_its_initial_weights(tiny_qwen2
     assert all(r["time/ref_logprobs_seconds"] > 0 for r in rows)
 
 
+@pytest.mark.slow
 def test_train_py_with_the_penalty_builds_the_reference_and_logs_it(tmp_path, train_server, tiny_qwen2_dir):
     """The whole run on the real CPU engine: the reference built from the initial weights, its forward timed, the
     KL 0 at the first update and positive after."""

@@ -233,6 +233,7 @@ def test_mode_lora_only_hot_swaps_into_every_replica(replica_pair, tiny_qwen2_di
 
 # ---------------------------------------------------------------------------------------------------- a whole run
 @pytest.mark.vllm
+@pytest.mark.slow
 def test_two_replicas_serve_a_run_and_one_killed_mid_run_is_restarted_alone(tmp_path):
     """server.replicas=2, mode=none: both replicas receive requests; after every sync both serve the trainer's
     version and weights; replica 0 killed (SIGKILL of its own process group, from logs/vllm.pid) as batch 2 is sent:
