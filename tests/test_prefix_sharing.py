@@ -112,7 +112,7 @@ def test_a_mask_that_lets_completions_see_each_other_changes_the_logprobs(tiny_q
             layout.allowed = layout.allowed | (causal & (layout.allowed.any(-1, keepdim=True)))
             return layout
 
-        monkeypatch.setattr("grpo.trainer.logprobs.shared_layout", leaky)
+        monkeypatch.setattr("grpo.trainer.hidden_states.shared_layout", leaky)
         wrong = token_logprobs(*args, shared=True)
     unshared = token_logprobs(*args)
     sel = mb.labels != IGNORE_INDEX
