@@ -111,6 +111,7 @@ def _evals_after_the_rollouts(url: str, slots: int, eval_priority: int) -> int:
     return len(order) - 1 - order.index("rollouts")
 
 
+@pytest.mark.slow  # it fills the engine on a clock: flaky on a loaded 2-core CI host
 @pytest.mark.vllm
 def test_rollouts_sent_after_a_batch_of_eval_requests_finish_first(vllm_server):
     """On the real server (the session's, started with the default server.scheduling_policy=priority): a rollout
