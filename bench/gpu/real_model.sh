@@ -15,6 +15,7 @@
 #   bash bench/gpu/real_model.sh gen_probe            # one step's generation: the run's /generate vs LLM.generate
 #   bash bench/gpu/real_model.sh plan FILE [--queue]  # bench/gpu/run_plan.py FILE detached (setsid): waves of jobs
 #   bash bench/gpu/real_model.sh collect [SECONDS]    # wait up to SECONDS for the plan, copy its results to $OUT
+#   bash bench/gpu/real_model.sh stop                 # end the running plan and its jobs (its process group)
 # EXPERIMENT=smollm2_chat_arith_lora|_broadcast|_fsdp2 picks another layout for train and lr_sweep (default: _shared);
 # LAUNCH="torchrun --nproc-per-node 2" starts train.py under torchrun (the FSDP2 layout).
 # Results land in $OUT (or bench/results/gpu when OUT is unset), flat (only two folder levels come back).
@@ -107,9 +108,19 @@ case "${1:-}" in
         "$out/trl_eval_s$seed.json" --out "$out/trl_table_s$seed.md"
     fi ;;
   plan)  # detached: it outlives this call (a lease's call returns; the machine keeps it running)
+    # One plan at a time: a second runner started beside a live one ran the same job names into the same run dirs
+    # (2026-11-28); `stop` ends the live one first.
+    if [ -f /tmp/plan_runner.pid ] && kill -0 "$(cat /tmp/plan_runner.pid)" 2>/dev/null; then
+      echo "a plan is still running (pid $(cat /tmp/plan_runner.pid)): bash $0 stop first"; exit 1
+    fi
     mkdir -p /tmp/plan_out
     setsid nohup python3 bench/gpu/run_plan.py "$2" "${@:3}" --out /tmp/plan_out > /tmp/plan_out/runner.log 2>&1 < /dev/null &
+    echo $! > /tmp/plan_runner.pid
     sleep 5; cat /tmp/plan_out/runner.log ;;
+  stop)  # the running plan and every job it started: its own process group (setsid made the runner its leader)
+    [ -f /tmp/plan_runner.pid ] || { echo "no plan was started"; exit 0; }
+    kill -TERM -- "-$(cat /tmp/plan_runner.pid)" 2>/dev/null && echo "stopped plan $(cat /tmp/plan_runner.pid)"
+    rm -f /tmp/plan_runner.pid ;;
   collect)  # wait until the plan is done or SECONDS passed, then copy what it has written so far
     end=$((SECONDS + ${2:-0}))
     while [ ! -f /tmp/plan_out/DONE ] && [ $SECONDS -lt $end ]; do sleep 5; done
@@ -119,5 +130,5 @@ case "${1:-}" in
     # Everything in one archive too: a call brings back only a few files.
     for r in /tmp/runs/*/; do cp "$r/metrics.jsonl" "/tmp/plan_out/$(basename "$r").metrics.partial.jsonl" 2>/dev/null; done
     tar czf "$out/plan_out.tgz" -C /tmp/plan_out . ;;
-  *) echo "usage: $0 prebuild|setup|baseline|train SEED|lr_sweep LRS|gen_probe|trl SEED|trl_eval SEED [overrides]"; exit 2 ;;
+  *) echo "usage: $0 prebuild|setup|baseline|train SEED|lr_sweep LRS|gen_probe|trl SEED|trl_eval SEED [overrides]|plan FILE|collect [S]|stop"; exit 2 ;;
 esac
