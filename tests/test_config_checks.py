@@ -198,7 +198,8 @@ class FussySource(ProducerReadySource):
     """A source with a check of its own config, which validation runs before anything is built."""
 
     @classmethod
-    def check_config(cls, cfg, experiment=None):
+    def check_config(cls, cfg, ctx):
+        super().check_config(cfg, ctx)
         if cfg.data.group_size < 4:
             raise ConfigError(f"data.group_size={cfg.data.group_size}: FussySource needs at least 4")
 
@@ -220,9 +221,9 @@ class PickyTask(Task):
     """A user's own task with a check of its config node."""
 
     @classmethod
-    def check_config(cls, node, key):
-        if node.get("level") is None:
-            raise ConfigError(f"{key}.level is missing: PickyTask needs one")
+    def check_config(cls, cfg, ctx):
+        if ctx.node(cfg).get("level") is None:
+            raise ConfigError(f"{ctx.key}.level is missing: PickyTask needs one")
 
 
 def test_a_tasks_own_config_check_runs_at_validation_with_its_key(tmp_path):
