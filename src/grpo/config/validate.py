@@ -5,7 +5,8 @@ Each component checks its own settings where it lives: the class a run selects f
 asked by one pass here (`check_components`), given a `CheckContext` (Hydra's record of the command line, the machine,
 the other selected classes for the capabilities they declare). The sync strategy's `check_config` takes the machine's
 facts as keywords; the server's checks are grpo.serving.checks', the model's grpo.recipes.model_checks'. What
-concerns how the config was composed is grpo.config.checks'; the trainer's own `train.*` settings are checked here."""
+concerns how the config was composed is grpo.config.checks', the trainer's own `train.*` settings
+grpo.trainer.train_checks'."""
 
 from __future__ import annotations
 
@@ -23,9 +24,9 @@ from grpo.config.run_dir import check_resume_exists, check_resume_has_steps_left
 from grpo.config_values import CheckContext, ConfigError
 from grpo.recipes.model_checks import check_model, check_model_files
 from grpo.serving.checks import check_memory_share_used, check_quantization, check_server
-from grpo.trainer.layers import resolve_layer_indices
 from grpo.trainer.metrics import tensorboard_writer_class
 from grpo.trainer.optim import build_optimizer
+from grpo.trainer.train_checks import check_layers, check_loop_sizes, check_prefix_sharing, check_train
 
 __all__ = ["ConfigError", "validate"]
 
@@ -63,6 +64,8 @@ def validate(cfg: DictConfig, run_dir: Path | None = None) -> None:
     check_server(cfg, info.choices.get("server"), cuda=cuda)
     check_quantization(cfg, cuda)
     check_train(cfg)
+    check_resume_exists(cfg)
+    check_resume_has_steps_left(cfg)
     check_prefix_sharing(cfg)
     check_components(cfg, ctx)
     check_logging(cfg)
@@ -124,14 +127,6 @@ def check_data(cfg: DictConfig, experiment: str | None = None) -> None:
         cls.check_config(cfg, CheckContext(key="data", classes={"data": cls}, experiment=experiment))
 
 
-def check_layers(cfg: DictConfig) -> None:
-    """`layers.indices` resolves against the model's block count (the trainer's own parser decides)."""
-    try:
-        resolve_layer_indices(cfg.layers.indices, cfg.model.num_layers)
-    except ValueError as e:
-        raise ConfigError(f"layers.indices: {e}") from e
-
-
 def check_optimizer(cfg: DictConfig) -> None:
     """The optimizer's package is importable (whether it accepts its settings: `check_optimizer_settings`)."""
     if cfg.optimizer._target_.startswith("bitsandbytes."):
@@ -151,75 +146,6 @@ def check_optimizer_settings(cfg: DictConfig) -> None:
         build_optimizer(torch.nn.Linear(1, 1), cfg.optimizer)
     except (ValueError, TypeError) as e:
         raise ConfigError(f"optimizer ({cfg.optimizer._target_}): {e}; set the optimizer.* key it names") from None
-
-
-def check_loop_sizes(cfg: DictConfig) -> None:
-    """Each loop size is >= 1; the message names the key that is not (it named all three of micro_batch_size,
-    grad_accum and steps for any one of them)."""
-    for key in ("micro_batch_size", "grad_accum", "steps", "ppo_epochs", "mini_batches"):
-        if cfg.train[key] < 1:
-            raise ConfigError(f"train.{key} must be >= 1, got {cfg.train[key]}")
-
-
-def check_train(cfg: DictConfig) -> None:
-    """Loop sizes fit one another (each is >= 1: `check_loop_sizes`), the token budget is positive and
-    `train.resume` exists (choices are typed by the schema)."""
-    updates = cfg.train.ppo_epochs * cfg.train.mini_batches
-    if cfg.train.steps % updates:
-        raise ConfigError(
-            f"train.steps={cfg.train.steps} counts optimizer steps and must be a multiple of train.ppo_epochs x "
-            f"train.mini_batches = {updates} (each rollout batch gets that many updates); e.g. "
-            f"train.steps={cfg.train.steps // updates * updates or updates}"
-        )
-    if cfg.train.mini_batches > cfg.train.micro_batch_size * cfg.train.grad_accum:
-        raise ConfigError(
-            f"train.mini_batches={cfg.train.mini_batches} exceeds the {cfg.train.micro_batch_size * cfg.train.grad_accum} "
-            "sequences of a rollout batch (train.micro_batch_size x train.grad_accum)"
-        )
-    check_train_counts(cfg.train)
-    budget = cfg.train.max_tokens_per_micro_batch
-    if budget is not None and budget < 1:
-        raise ConfigError(f"train.max_tokens_per_micro_batch must be >= 1 (null = micro_batch_size rows under train.auto_token_budget), got {budget}")
-    check_resume_exists(cfg)
-    check_resume_has_steps_left(cfg)
-
-
-# Attention kernels that take the shared rows' 4D mask as given (transformers' default is sdpa).
-PREFIX_SHARING_ATTENTION = (None, "sdpa", "eager", "varlen")
-
-
-def check_prefix_sharing(cfg: DictConfig) -> None:
-    """`train.prefix_sharing` needs an attention kernel that takes a 4D mask, one process (the FSDP2 log-prob path
-    forwards its own layout) and no `train.padding_free` (both lay out the rows)."""
-    if not cfg.train.prefix_sharing:
-        return
-    attn = cfg.model.attn_implementation
-    if attn not in PREFIX_SHARING_ATTENTION:
-        raise ConfigError(f"train.prefix_sharing needs an attention kernel that takes its 4D mask (sdpa, eager or "
-                          f"varlen); model.attn_implementation={attn} does not: set model.attn_implementation=sdpa "
-                          "or train.prefix_sharing=false")
-    if cfg.train.padding_free:
-        raise ConfigError("train.prefix_sharing lays out its own rows (one per prompt, no padding between "
-                          "sequences), so train.padding_free=true would be ignored: set train.padding_free=false")
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        raise ConfigError("train.prefix_sharing is single-process only (FSDP2's sharded log-prob path forwards the "
-                          "padded rows); set train.prefix_sharing=false under torchrun")
-
-
-def check_train_counts(train: DictConfig) -> None:
-    """Counts the loop reads only once it runs: each was an error after the server's start-up and a first step
-    (`train.checkpoint_every=0`: ZeroDivisionError, before the step's checkpoint), or a traceback."""
-    at_least = {"checkpoint_every": 1, "keep_checkpoints": 1, "logprob_chunk": 1, "max_nonfinite_steps": 1,
-                "warmup_steps": 0}
-    for key, low in at_least.items():
-        if train[key] < low:
-            raise ConfigError(f"train.{key} must be >= {low}, got {train[key]}")
-    threads = train.get("torch_threads")
-    if threads is not None and threads < 1:
-        raise ConfigError(f"train.torch_threads must be >= 1, or null for torch's default (one per core); got {threads}")
-    if train.max_grad_norm is not None and train.max_grad_norm <= 0:
-        raise ConfigError(f"train.max_grad_norm must be > 0, or null for no gradient clipping; got "
-                          f"{train.max_grad_norm}")
 
 
 def check_logging(cfg: DictConfig) -> None:
