@@ -19,6 +19,7 @@ from grpo.config import ConfigError, register_configs, validate
 from grpo.config.validate import check_optimizer_settings
 from grpo.pipeline.base import DataPipeline
 from grpo.tasks.prompts import Task
+from grpo.trainer.loss import GRPOLoss
 
 REPO = Path(__file__).resolve().parents[1]
 register_configs()
@@ -198,7 +199,8 @@ class FussySource(ProducerReadySource):
     """A source with a check of its own config, which validation runs before anything is built."""
 
     @classmethod
-    def check_config(cls, cfg, experiment=None):
+    def check_config(cls, cfg, ctx):
+        super().check_config(cfg, ctx)
         if cfg.data.group_size < 4:
             raise ConfigError(f"data.group_size={cfg.data.group_size}: FussySource needs at least 4")
 
@@ -216,13 +218,44 @@ def test_a_data_sources_own_config_check_runs_at_validation(tmp_path):
     _validate([f"data._target_={__name__}.FussySource", "data.group_size=4"], tmp_path)
 
 
+class StrictLoss(GRPOLoss):
+    """A user's own loss with a start-up check of the run's config, beside its class."""
+
+    @classmethod
+    def check_config(cls, cfg, ctx):
+        super().check_config(cfg, ctx)
+        if cfg.train.ppo_epochs < 2:
+            raise ConfigError(f"{ctx.key}._target_=StrictLoss needs train.ppo_epochs >= 2")
+
+
+class TruncationReportingSource(ProducerReadySource):
+    """A source of one's own that declares its groups say which completions hit the token limit."""
+
+    reports_truncation = True
+
+
+def test_a_losss_own_config_check_runs_at_validation_after_the_shipped_losss(tmp_path):
+    with pytest.raises(ConfigError, match="loss._target_=StrictLoss needs train.ppo_epochs >= 2"):
+        _validate([f"loss._target_={__name__}.StrictLoss"], tmp_path)
+    # GRPOLoss's own checks (grpo.trainer.loss_checks) still run first for the subclass.
+    with pytest.raises(ConfigError, match="the data source AtroposPipeline does not report which completions"):
+        _validate(["~experiment", "data=atropos", f"loss._target_={__name__}.StrictLoss", "loss.mask_truncated=true"],
+                  tmp_path)
+
+
+def test_the_losss_truncation_check_reads_the_sources_declared_capability_not_its_class(tmp_path):
+    _validate([f"data._target_={__name__}.TruncationReportingSource", "loss.mask_truncated=true"], tmp_path)
+    with pytest.raises(ConfigError, match="the data source ProducerReadySource does not report which completions"):
+        _validate([f"data._target_={__name__}.ProducerReadySource", "loss.mask_truncated=true"], tmp_path)
+
+
 class PickyTask(Task):
     """A user's own task with a check of its config node."""
 
     @classmethod
-    def check_config(cls, node, key):
-        if node.get("level") is None:
-            raise ConfigError(f"{key}.level is missing: PickyTask needs one")
+    def check_config(cls, cfg, ctx):
+        if ctx.node(cfg).get("level") is None:
+            raise ConfigError(f"{ctx.key}.level is missing: PickyTask needs one")
 
 
 def test_a_tasks_own_config_check_runs_at_validation_with_its_key(tmp_path):

@@ -52,9 +52,9 @@ def test_the_policy_is_read_where_each_vllm_keeps_it():
 def test_the_launched_server_schedules_by_priority_unless_told_otherwise(tmp_path):
     """server.scheduling_policy reaches vLLM as --scheduling-policy (priority by default); a run whose eval sends a
     priority to a launched server that schedules first come, first served is refused at start-up, naming both keys."""
-    from grpo.config.checks import check_eval_priority
     from grpo.config_values import ConfigError
     from grpo.inference.process import VLLMServer
+    from grpo.pipeline.eval_settings import check_eval_priority
     from test_config import _compose
 
     cfg = _compose(["server=cpu"])

@@ -12,7 +12,6 @@ from omegaconf import OmegaConf
 
 from grpo.conf import CONFIG_DIR
 from grpo.config import ConfigError
-from grpo.config.validate import check_prefix_sharing
 from grpo.pipeline.batching import prepare_batch
 from grpo.pipeline.group import Group
 from grpo.trainer import prefix
@@ -20,6 +19,7 @@ from grpo.trainer.logprobs import token_logprobs
 from grpo.trainer.loss import GRPOLoss
 from grpo.trainer.minibatch import split_mini_batches
 from grpo.trainer.train_batch import IGNORE_INDEX
+from grpo.trainer.train_checks import check_prefix_sharing
 from test_packing import update_trainer
 
 

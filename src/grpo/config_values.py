@@ -2,12 +2,14 @@
 
 Components take the config node they are given (Hydra's DictConfig in a run, a schema dataclass or a dict in
 tests and benchmarks); this reads a key from any of them with a default. Also the config error every layer raises,
-and the error a config caused inside Hydra's instantiate.
+the error a config caused inside Hydra's instantiate, and what a component's start-up check is given beside the config
+(`CheckContext`).
 """
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Optional, Sequence
 
 
 def option(cfg: Any, key: str, default: Any = None) -> Any:
@@ -30,3 +32,37 @@ def instantiation_cause(error: BaseException) -> BaseException:
     while isinstance(cause, InstantiationException) and cause.__cause__ is not None:
         cause = cause.__cause__
     return cause
+
+
+@dataclass(frozen=True)
+class CheckContext:
+    """What a component's start-up check, `check_config(cfg, ctx)` of its class, is given beside the run's config
+    `cfg` (grpo.config.validate asks each component the run selects for it, before anything is built).
+
+    Args:
+        key: the dotted key of the component's own node (`loss`, `data.task`, `eval.task`): `node(cfg)` reads it.
+        classes: the class each selected component's `_target_` names, by key (`data`, `loss`, `mode`, ...), for the
+            capabilities it declares (a data source's `reports_truncation`); absent when its module does not import.
+        overrides: the command-line overrides (`key=value`, `+key=value`), for a setting that was given but would be
+            ignored; `multirun`: started with -m (a sweep's settings are common to its jobs: not refused).
+        experiment: the chosen experiment, for a message.
+        cuda: a CUDA device is visible; `world_size`: the trainer's ranks.
+    """
+
+    key: str = ""
+    classes: Mapping[str, Any] = field(default_factory=dict)
+    overrides: Sequence[str] = ()
+    multirun: bool = False
+    experiment: Optional[str] = None
+    cuda: bool = False
+    world_size: int = 1
+
+    def node(self, cfg: Any) -> Any:
+        """The component's own node of `cfg` (at `key`)."""
+        for part in self.key.split(".") if self.key else ():
+            cfg = option(cfg, part)
+        return cfg
+
+    def given(self, *keys: str) -> list[str]:
+        """The command-line overrides of these keys (`key=value`, `+key=value`), as typed."""
+        return [o for o in self.overrides if o.lstrip("+~").split("=", 1)[0] in keys]

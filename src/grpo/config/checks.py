@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import logging
 from typing import Any, Mapping, Sequence
 
 from hydra.types import RunMode
@@ -18,11 +17,7 @@ from omegaconf import DictConfig, OmegaConf
 from grpo.conf import EXPERIMENTS_DIR
 from grpo.config.command_line import command_name
 from grpo.config_values import ConfigError
-from grpo.pipeline.base import data_class
-from grpo.pipeline.evaluation import ATROPOS_EVAL_EXAMPLE, eval_enabled
-from grpo.schema import LocalDataConfig
 
-log = logging.getLogger(__name__)
 
 @dataclasses.dataclass(frozen=True)
 class HydraInfo:
@@ -215,120 +210,9 @@ def check_async_settings_used(cfg: DictConfig, info: HydraInfo) -> None:
                           "train.stale_policy=drop, or drop train.rollout_queue")
 
 
-def check_truncation_options_have_what_they_read(cfg: DictConfig) -> None:
-    """`loss.mask_truncated` needs rollouts that say which completions hit the token limit, `loss.overlong_buffer`
-    also the limit they ran under (grpo.algorithms.overlong): refused at start-up for a data source that reports
-    neither (data=atropos) or no single limit (multi-turn episodes), instead of at its first batch."""
-    source_class = data_class(cfg.data)
-    if source_class is None:
-        return
-    name = cfg.data._target_.rsplit(".", 1)[-1]
-    if cfg.loss.mask_truncated and not source_class.reports_truncation:
-        raise ConfigError(f"loss.mask_truncated=true: the data source {name} does not report which completions hit "
-                          "the token limit (only the built-in rollouts do); set loss.mask_truncated=false")
-    if cfg.loss.overlong_buffer is not None and not source_class.reports_completion_limit:
-        raise ConfigError(f"loss.overlong_buffer={cfg.loss.overlong_buffer}: the data source {name} reports no "
-                          "single completion-token limit (single-turn built-in rollouts do); set "
-                          "loss.overlong_buffer=null")
-
-
 def _given(info: HydraInfo, *keys: str) -> list[str]:
     """The command-line overrides (`key=value`, `+key=value`) of these keys."""
     return [o for o in info.overrides if o.lstrip("+~").split("=", 1)[0] in keys]
-
-
-def check_clip_can_act(cfg: DictConfig, info: HydraInfo) -> None:
-    """`loss.clip_eps` / `loss.clip_eps_high` on the command line of a run where the policy never moves between
-    sampling and update (one optimizer step per rollout batch, synchronous, synced every batch, local data). Where the
-    ratio the clip sees is then exactly 1 (pi_old recomputed, the proximal ratio of `loss.tis_cap`, or no rollout
-    log-probs) the setting would be silently ignored: refused. With the default pi_old (vLLM's log-probs) the ratio is
-    trainer/sampler and the clip acts only on their numerical mismatch (`grpo/logprob_diff`: ~1e-3 in float32, a few
-    percent in bf16): warned. Not in a sweep, whose settings are common to its jobs
-    (`-m train.ppo_epochs=1,2 loss.clip_eps=0.1,0.2`)."""
-    given = _given(info, "loss.clip_eps", "loss.clip_eps_high")
-    source_class = data_class(cfg.data)
-    if not given or info.multirun or source_class is None:
-        return
-    train, loss = cfg.train, cfg.loss
-    moves = (train.ppo_epochs * train.mini_batches > 1 or train.max_staleness > 0
-             or int(cfg.mode.sync_every) > 1 or source_class.asynchronous_source)
-    if moves:
-        return
-    why = (f"{' '.join(given)}: each rollout batch gets one optimizer step, at the weights that sampled it "
-           "(train.ppo_epochs x train.mini_batches = 1, train.max_staleness=0, mode.sync_every=1), so the policy does "
-           "not move before its update (docs/algorithms.md, 'Several updates per rollout batch')")
-    act = ("for the clip to act add e.g. train.ppo_epochs=2 train.mini_batches=2 (or train.max_staleness=1), else "
-           "drop it")
-    rollout_logprobs = cfg.data.get("rollout_logprobs", LocalDataConfig.rollout_logprobs)
-    exact = (rollout_logprobs is False or loss.old_logprobs == "recompute"
-             or loss.tis_cap is not None)
-    if exact:
-        raise ConfigError(f"{why}; the ratio the clip sees is exactly 1 here, so it never binds; {act}")
-    log.warning("%s; the clip sees only the trainer/vLLM numerical mismatch (grpo/logprob_diff) and rarely binds; %s",
-                why, act)
-
-
-def check_grad_accum_used(cfg: DictConfig, info: HydraInfo) -> None:
-    """`train.grad_accum` on the command line of a local-data run whose steps generate more sequences than
-    micro_batch_size x grad_accum: the trainer trains every sequence the pipeline generates, in micro-batches of
-    train.micro_batch_size, so the setting (the Atropos trainer's --gradient-accumulation-steps) would be silently
-    ignored. Not in a sweep, whose settings are common to its jobs. A value from a config file (an experiment whose
-    data.group_size was raised on the command line) is warned about instead: the run is what was asked for."""
-    given = _given(info, "train.grad_accum")
-    source_class = data_class(cfg.data)
-    sequences_per_step = getattr(source_class, "sequences_per_step", None)  # None: the source's module does not import
-    per_step = sequences_per_step(cfg.data) if sequences_per_step is not None else None
-    if info.multirun or per_step is None:
-        return
-    micro, accum = cfg.train.micro_batch_size, cfg.train.grad_accum
-    if per_step <= micro * accum:
-        return
-    why = (f"each step trains all {per_step} sequences the data generates (data.prompts_per_step x data.group_size), "
-           f"in micro-batches of train.micro_batch_size={micro} ({-(-per_step // micro)} of them), not {micro} x "
-           f"{accum} = {micro * accum}")
-    if not given:
-        log.warning("train.grad_accum=%s (from the config) has no effect: %s", accum, why)
-        return
-    raise ConfigError(
-        f"{given[0]} would be ignored: {why}; to train fewer sequences per step lower data.prompts_per_step or "
-        "data.group_size, for smaller micro-batches lower train.micro_batch_size"
-    )
-
-
-def check_eval_settings_used(cfg: DictConfig, info: HydraInfo) -> None:
-    """`eval.*` on the command line of a run that does not evaluate (eval=off, or data=atropos without eval.task):
-    the evaluator is never built, so `eval.every=5` would be silently ignored. Not in a sweep."""
-    given = [o for o in info.overrides if o.lstrip("+~").startswith("eval.")
-             and not o.lstrip("+~").startswith(("eval.enabled=", "eval.task"))]
-    if not given or info.multirun or eval_enabled(cfg.eval, cfg.data):
-        return
-    if cfg.eval.get("enabled") is False:
-        why, fix = "eval.enabled=false (eval=off)", "drop eval=off (or set eval.enabled=true)"
-    else:
-        why, fix = "the training data (data=atropos) has no task to evaluate", f"name one: {ATROPOS_EVAL_EXAMPLE}"
-    raise ConfigError(f"{' '.join(given)} would be ignored: this run does not evaluate, as {why}; to evaluate {fix}, "
-                      "else drop the eval settings")
-
-
-def check_eval_priority(cfg: DictConfig) -> None:
-    """`eval.priority` (a request's vLLM scheduling priority) with a server the run launches that schedules first come,
-    first served (`server.scheduling_policy`, or --scheduling-policy in server.extra_args): vLLM would ignore the
-    priority, so the server refuses it, and the run would stop at its first evaluation. A server started elsewhere
-    answers for itself."""
-    if not cfg.eval.get("priority") or not eval_enabled(cfg.eval, cfg.data):
-        return
-    if cfg.server.get("external_url") or cfg.server.get("external_urls"):
-        return
-    policy, extra = cfg.server.get("scheduling_policy"), [str(a) for a in cfg.server.get("extra_args") or []]
-    for i, arg in enumerate(extra):  # vLLM takes the last one given
-        if arg == "--scheduling-policy" and i + 1 < len(extra):
-            policy = extra[i + 1]
-        elif arg.startswith("--scheduling-policy="):
-            policy = arg.split("=", 1)[1]
-    if str(policy) != "priority":
-        raise ConfigError(f"eval.priority={cfg.eval.priority} needs a server that schedules by priority, and this "
-                          f"run's schedules {policy or 'fcfs'!r}: set server.scheduling_policy=priority, or "
-                          "eval.priority=0 (the evaluation's requests then compete with the rollouts')")
 
 
 def check_wandb_settings_used(cfg: DictConfig, info: HydraInfo) -> None:
@@ -338,19 +222,3 @@ def check_wandb_settings_used(cfg: DictConfig, info: HydraInfo) -> None:
     if given and not cfg.logging.wandb and not info.multirun:
         raise ConfigError(f"{' '.join(given)} would be ignored: W&B logging is off; add logging.wandb=true (offline "
                           "unless WANDB_API_KEY is set), else drop it")
-
-
-def check_memory_share_used(cfg: DictConfig, info: HydraInfo) -> None:
-    """`server.gpu_memory_utilization` on the command line while `server.kv_cache_gb` sizes the KV cache (server=cpu
-    sets it): vLLM ignores the share whenever --kv-cache-memory-bytes is given, so the setting would be silently
-    ignored. Not in a sweep, whose settings are common to its jobs (`-m server=cpu,gpu ...`)."""
-    given = _given(info, "server.gpu_memory_utilization")
-    kv_cache_gb = cfg.server.get("kv_cache_gb")
-    if given and kv_cache_gb is not None and not info.multirun:
-        raise ConfigError(
-            f"{given[0]} would be ignored: server.kv_cache_gb={kv_cache_gb} sizes vLLM's KV cache (server=cpu sets "
-            "it), and vLLM then ignores the share; set the size with server.kv_cache_gb=<GiB>, or add "
-            "server.kv_cache_gb=null to size the cache by the share"
-        )
-
-

@@ -10,9 +10,11 @@ from typing import Any, Callable, ClassVar, Optional
 from hydra.utils import get_class
 
 from grpo.algorithms.overlong import TruncationRule
+from grpo.config_values import CheckContext
 from grpo.inference.client import Endpoint
 from grpo.pipeline.batching import WarnOnce, prepare_batch
 from grpo.pipeline.group import Group
+from grpo.pipeline.source_checks import check_source_config
 from grpo.serving.gate import GenerationGate
 from grpo.trainer.train_batch import BatchSource, PreparedBatch
 
@@ -87,9 +89,11 @@ class DataPipeline(BatchSource):
     episode_evaluator: ClassVar[Optional[str]] = None
 
     @classmethod
-    def check_config(cls, cfg: Any, experiment: Optional[str] = None) -> None:
+    def check_config(cls, cfg: Any, ctx: CheckContext) -> None:
         """Checks of the run's config that concern this source (`cfg.data` and the bounds it must fit), before
-        anything is built: a ConfigError saying what to set. `experiment` is the chosen experiment, for the message."""
+        anything is built (grpo.config.validate): a ConfigError saying what to set. These, every source's, read the
+        capabilities the class declares (grpo.pipeline.source_checks); a source adds its own and calls them."""
+        check_source_config(cls, cfg, ctx)
 
     @classmethod
     def sequences_per_step(cls, data_cfg: Any) -> Optional[int]:

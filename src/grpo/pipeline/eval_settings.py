@@ -1,5 +1,6 @@
-"""The held-out evaluator's own settings (conf/eval/): the eval.* values it refuses, and the rewards it grades with
-(a math-verify reward always grades literally, so that an echoed question never counts as correct)."""
+"""The held-out evaluator's own settings (conf/eval/): whether the run evaluates, the eval.* values it refuses (its
+start-up checks against the run: `check_evaluator_config`), and the rewards it grades with (a math-verify reward
+always grades literally, so that an echoed question never counts as correct)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from typing import Any, Mapping, Optional
 
 from hydra.utils import get_class
 
+from grpo.config_values import CheckContext, ConfigError
 from grpo.tasks.rewards import MathVerifyReward
 
 log = logging.getLogger("grpo.pipeline.evaluation")
@@ -15,6 +17,68 @@ log = logging.getLogger("grpo.pipeline.evaluation")
 
 # The training data's settings an agent's evaluation plays its episodes with (grpo.pipeline.agent_eval).
 AGENT_EVAL_KEYS = ("rollout", "chat_template", "tool_parser", "max_requests", "episode_timeout_s")
+
+# An eval of its own for data=atropos, as typed on the command line: eval.task and eval.rewards are null in the
+# config, so their keys need the + of a key Hydra adds (without it: "Could not override 'eval.task._target_'").
+ATROPOS_EVAL_EXAMPLE = ("+eval.task._target_=grpo.tasks.prompts.GSM8KTask +eval.task.eval_size=12 "
+                        "+eval.rewards.correct._target_=grpo.tasks.rewards.MathAnswerReward")
+
+
+def eval_task(eval_cfg: Any, data_cfg: Any) -> Any:
+    """The task node evaluated: `eval.task`, else the training data's (None for data=atropos)."""
+    train_task = data_cfg.get("task") if hasattr(data_cfg, "get") else None
+    return eval_cfg.get("task") or train_task
+
+
+def eval_enabled(eval_cfg: Any, data_cfg: Any) -> bool:
+    """Whether the run evaluates: `eval.enabled`, or when null, whether there is a task to evaluate."""
+    enabled = eval_cfg.get("enabled")
+    if enabled is None:
+        return eval_task(eval_cfg, data_cfg) is not None
+    return bool(enabled)
+
+
+def check_evaluator_config(cfg: Any, ctx: CheckContext) -> None:
+    """The evaluator's start-up checks (`Evaluator.check_config`): eval settings a run that does not evaluate would
+    ignore, and a priority the server would refuse."""
+    check_eval_settings_used(cfg, ctx)
+    check_eval_priority(cfg)
+
+
+def check_eval_settings_used(cfg: Any, ctx: CheckContext) -> None:
+    """`eval.*` on the command line of a run that does not evaluate (eval=off, or data=atropos without eval.task):
+    the evaluator is never built, so `eval.every=5` would be silently ignored. Not in a sweep."""
+    given = [o for o in ctx.overrides if o.lstrip("+~").startswith("eval.")
+             and not o.lstrip("+~").startswith(("eval.enabled=", "eval.task"))]
+    if not given or ctx.multirun or eval_enabled(cfg.eval, cfg.data):
+        return
+    if cfg.eval.get("enabled") is False:
+        why, fix = "eval.enabled=false (eval=off)", "drop eval=off (or set eval.enabled=true)"
+    else:
+        why, fix = "the training data (data=atropos) has no task to evaluate", f"name one: {ATROPOS_EVAL_EXAMPLE}"
+    raise ConfigError(f"{' '.join(given)} would be ignored: this run does not evaluate, as {why}; to evaluate {fix}, "
+                      "else drop the eval settings")
+
+
+def check_eval_priority(cfg: Any) -> None:
+    """`eval.priority` (a request's vLLM scheduling priority) with a server the run launches that schedules first come,
+    first served (`server.scheduling_policy`, or --scheduling-policy in server.extra_args): vLLM would ignore the
+    priority, so the server refuses it, and the run would stop at its first evaluation. A server started elsewhere
+    answers for itself."""
+    if not cfg.eval.get("priority") or not eval_enabled(cfg.eval, cfg.data):
+        return
+    if cfg.server.get("external_url") or cfg.server.get("external_urls"):
+        return
+    policy, extra = cfg.server.get("scheduling_policy"), [str(a) for a in cfg.server.get("extra_args") or []]
+    for i, arg in enumerate(extra):  # vLLM takes the last one given
+        if arg == "--scheduling-policy" and i + 1 < len(extra):
+            policy = extra[i + 1]
+        elif arg.startswith("--scheduling-policy="):
+            policy = arg.split("=", 1)[1]
+    if str(policy) != "priority":
+        raise ConfigError(f"eval.priority={cfg.eval.priority} needs a server that schedules by priority, and this "
+                          f"run's schedules {policy or 'fcfs'!r}: set server.scheduling_policy=priority, or "
+                          "eval.priority=0 (the evaluation's requests then compete with the rollouts')")
 
 
 def check_eval_settings(every: int, k: int, samples_per_prompt: int, sampled_every: Optional[int],

@@ -24,11 +24,20 @@ from pathlib import Path
 from typing import Any, Callable, Mapping, Optional
 
 from grpo import faults
+from grpo.config_values import CheckContext
 from grpo.inference.client import Completion, Endpoint
 from grpo.inference.routing import RoutedClient, routed_client
 from grpo.pipeline.base import data_class
 from grpo.pipeline.episodes import EpisodeRunner
-from grpo.pipeline.eval_settings import AGENT_EVAL_KEYS, check_eval_settings, literal_eval_rewards
+from grpo.pipeline.eval_settings import (
+    AGENT_EVAL_KEYS,
+    ATROPOS_EVAL_EXAMPLE,
+    check_eval_settings,
+    check_evaluator_config,
+    eval_enabled,
+    eval_task,
+    literal_eval_rewards,
+)
 from grpo.pipeline.grading import Grader, PendingGrades, picklable_specs
 from grpo.pipeline.local import build_rewards
 from grpo.schema.data import EvalConfig, LocalDataConfig, MultiTurnDataConfig
@@ -127,6 +136,11 @@ class Evaluator:
     metric_names = ("eval/accuracy", "eval/pass@k", "eval/mean@k", "eval/reward_mean", "eval/response_tokens_mean",
                     "eval/unparsed_fraction", "eval/weight_version", "eval/prompts", "eval/k", "eval/seconds",
                     "eval/generation_seconds")
+
+    @classmethod
+    def check_config(cls, cfg: Any, ctx: CheckContext) -> None:
+        """The eval.* settings against the run (grpo.pipeline.eval_settings.check_evaluator_config)."""
+        check_evaluator_config(cfg, ctx)
 
     def __init__(
         self,
@@ -416,29 +430,9 @@ def _build(node: Any) -> Any:
     return node
 
 
-# An eval of its own for data=atropos, as typed on the command line: eval.task and eval.rewards are null in the
-# config, so their keys need the + of a key Hydra adds (without it: "Could not override 'eval.task._target_'").
-ATROPOS_EVAL_EXAMPLE = ("+eval.task._target_=grpo.tasks.prompts.GSM8KTask +eval.task.eval_size=12 "
-                        "+eval.rewards.correct._target_=grpo.tasks.rewards.MathAnswerReward")
-
-
-def eval_task(eval_cfg: Any, data_cfg: Any) -> Any:
-    """The task node evaluated: `eval.task`, else the training data's (None for data=atropos)."""
-    train_task = data_cfg.get("task") if hasattr(data_cfg, "get") else None
-    return eval_cfg.get("task") or train_task
-
-
 def _episode_evaluator(data_cfg: Any) -> Optional[str]:
     """The evaluator of the training data's own episodes (`episode_evaluator` of its class: AgentPipeline's), or None."""
     return getattr(data_class(data_cfg), "episode_evaluator", None)
-
-
-def eval_enabled(eval_cfg: Any, data_cfg: Any) -> bool:
-    """Whether the run evaluates: `eval.enabled`, or when null, whether there is a task to evaluate."""
-    enabled = eval_cfg.get("enabled")
-    if enabled is None:
-        return eval_task(eval_cfg, data_cfg) is not None
-    return bool(enabled)
 
 
 def _evaluator_kwargs(eval_cfg: Any, data_cfg: Any) -> dict[str, Any]:

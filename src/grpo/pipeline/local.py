@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any, Mapping, Optional
 
 from grpo import faults
-from grpo.config_values import ConfigError, instantiation_cause
+from grpo.config_values import CheckContext, ConfigError, instantiation_cause
 from grpo.inference.client import Endpoint
 from grpo.inference.routing import RoutedClient, routed_client
 from grpo.pipeline.base import DataPipeline, PipelineContext
@@ -160,9 +160,10 @@ class LocalRolloutPipeline(DataPipeline):
     supports_async_rollouts = True
 
     @classmethod
-    def check_config(cls, cfg: Any, experiment: Optional[str] = None) -> None:
-        """See check_local_config."""
-        check_local_config(cfg, experiment)
+    def check_config(cls, cfg: Any, ctx: CheckContext) -> None:
+        """check_local_config, then every source's checks."""
+        check_local_config(cfg, ctx.experiment)
+        super().check_config(cfg, ctx)
 
     @classmethod
     def sequences_per_step(cls, data_cfg: Any) -> Optional[int]:

@@ -72,6 +72,7 @@ from typing import Optional
 from grpo.pipeline.base import DataPipeline, PipelineContext
 from grpo.pipeline.batching import WarnOnce
 from grpo.pipeline.group import Group
+from grpo.pipeline.source_checks import check_batches_in_flight, queue_capacity
 from grpo.schema.train import StalePolicy
 from grpo.trainer.train_batch import PreparedBatch
 
@@ -329,24 +330,3 @@ class AsyncRollouts(DataPipeline):
             return self.prepare(groups)
         except Exception:  # noqa: BLE001 - the trainer prepares them again and gets the error in its own thread
             return None
-
-
-def queue_capacity(max_staleness: int, stale_policy: str, rollout_queue: Optional[int]) -> int:
-    """Rollout batches the producer may have generated and not yet handed over (module docstring, the queue bound)."""
-    if stale_policy == "wait":  # counted from the last batch the trainer finished (module docstring)
-        return int(max_staleness) + 1
-    return int(max_staleness) + 1 if rollout_queue is None else int(rollout_queue)
-
-
-def check_batches_in_flight(batches_in_flight: int, capacity: int, inner: type) -> None:
-    """`train.rollout_batches_in_flight` fits the queue bound and the inner pipeline (ValueError saying what to set)."""
-    if batches_in_flight < 1:
-        raise ValueError(f"train.rollout_batches_in_flight must be >= 1, got {batches_in_flight}")
-    if batches_in_flight > capacity:
-        raise ValueError(
-            f"train.rollout_batches_in_flight={batches_in_flight} but at most {capacity} rollout batches may be "
-            "generated ahead of the trainer (train.max_staleness + 1 with stale_policy=wait, train.rollout_queue with "
-            "drop): the other threads would only wait; raise train.max_staleness or lower rollout_batches_in_flight")
-    if batches_in_flight > 1 and not inner.concurrent_batches:
-        raise ValueError(f"train.rollout_batches_in_flight={batches_in_flight} needs a data pipeline that generates "
-                         f"several batches at once; {inner.__name__} does one at a time: set it to 1")

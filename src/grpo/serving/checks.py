@@ -11,7 +11,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
-from grpo.config_values import ConfigError
+from grpo.config_values import CheckContext, ConfigError
 from grpo.inference.launch_args import parallel_sizes
 from grpo.schema import ServerConfig
 from grpo.serving import kept
@@ -108,4 +108,44 @@ def check_server_fits_model(cfg: DictConfig, model_dir: str | Path) -> None:
         raise ConfigError(
             f"server.max_model_len={max_len} exceeds the model's max_position_embeddings={positions} "
             f"({Path(model_dir) / 'config.json'}), which vLLM refuses: set server.max_model_len={positions} (or less)"
+        )
+
+
+QUANTIZATIONS = ("fp8",)
+
+
+def check_quantization(cfg: DictConfig, cuda: bool) -> None:
+    """`server.quantization=fp8`: vLLM quantizes the served weights itself, so rollouts are sampled from another
+    policy than the trainer's. Needs a GPU vLLM launches on (its CPU engine has no FP8 kernels; a server started
+    elsewhere has its own settings). The mode's own refusal (`SyncStrategy.quantization_refusal`) is its
+    check_config's, the loss's correction of the gap the loss's (grpo.trainer.loss_checks)."""
+    quantization = cfg.server.get("quantization")
+    if quantization is None:
+        return
+    if quantization not in QUANTIZATIONS:
+        raise ConfigError(f"server.quantization={quantization} is not one of {', '.join(QUANTIZATIONS)} (or null: "
+                          "the weights served as the trainer has them)")
+    extra = [str(a).split("=", 1)[0] for a in cfg.server.get("extra_args") or []]
+    if "--quantization" in extra or "-q" in extra:
+        raise ConfigError(f"server.quantization={quantization} and --quantization in server.extra_args: set one")
+    if external_urls(cfg.server):
+        raise ConfigError(f"server.quantization={quantization} sets how the run launches vLLM, but the run attaches "
+                          "to a server started elsewhere, with settings of its own: start that server with "
+                          "--quantization fp8 and set server.quantization=null")
+    if not cuda:
+        raise ConfigError(f"server.quantization={quantization} needs vLLM on a CUDA GPU (its CPU engine has no FP8 "
+                          "kernels); set server.quantization=null on this machine")
+
+
+def check_memory_share_used(cfg: DictConfig, ctx: CheckContext) -> None:
+    """`server.gpu_memory_utilization` on the command line while `server.kv_cache_gb` sizes the KV cache (server=cpu
+    sets it): vLLM ignores the share whenever --kv-cache-memory-bytes is given, so the setting would be silently
+    ignored. Not in a sweep, whose settings are common to its jobs (`-m server=cpu,gpu ...`)."""
+    given = ctx.given("server.gpu_memory_utilization")
+    kv_cache_gb = cfg.server.get("kv_cache_gb")
+    if given and kv_cache_gb is not None and not ctx.multirun:
+        raise ConfigError(
+            f"{given[0]} would be ignored: server.kv_cache_gb={kv_cache_gb} sizes vLLM's KV cache (server=cpu sets "
+            "it), and vLLM then ignores the share; set the size with server.kv_cache_gb=<GiB>, or add "
+            "server.kv_cache_gb=null to size the cache by the share"
         )

@@ -11,7 +11,7 @@ import random
 from pathlib import Path
 from typing import Any, Optional
 
-from grpo.config_values import ConfigError
+from grpo.config_values import CheckContext, ConfigError
 from grpo.tasks.hf_datasets import read_jsonl
 from grpo.tasks.prompts import Prompt, RowsTask
 
@@ -134,10 +134,11 @@ class PromptFileTask(RowsTask):
             self.eval_rows = self._load(Path(eval_path).expanduser() if eval_path else self.path, eval_split)
 
     @classmethod
-    def check_config(cls, node: Any, key: str) -> None:
+    def check_config(cls, cfg: Any, ctx: CheckContext) -> None:
         """Its prompt files (`path`, `eval_path`) exist: said with their exact key before anything is built. Found
         while building the task, the message named only `data.task`, after the start-up log had named a run dir that
         was then discarded."""
+        node, key = ctx.node(cfg), ctx.key
         for name in ("path", "eval_path"):
             given = node.get(name)
             if given is not None and not Path(str(given)).expanduser().exists():

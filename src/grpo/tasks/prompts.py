@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
+from grpo.config_values import CheckContext
 from grpo.tasks.hf_datasets import load_rows
 
 MINI_GSM8K = Path(__file__).parent / "data" / "gsm8k_mini.jsonl"
@@ -52,9 +53,9 @@ class Task:
     """
 
     @classmethod
-    def check_config(cls, node: Any, key: str) -> None:
-        """Checks of the task's config `node` (found at `key`: data.task or eval.task) before anything is built: a
-        ConfigError (grpo.config_values) saying what to set. None by default."""
+    def check_config(cls, cfg: Any, ctx: CheckContext) -> None:
+        """Checks of the task's config node (`ctx.node(cfg)`, found at `ctx.key`: data.task or eval.task) before
+        anything is built: a ConfigError (grpo.config_values) saying what to set. None by default."""
 
     def bind_tokenizer(self, tokenizer: Any) -> None:
         """Give the task the trainer's tokenizer (used for chat templates). Optional for tasks that need none."""

@@ -25,7 +25,9 @@ import torch
 from grpo.algorithms.aggregation import AGGREGATIONS, Totals
 from grpo.algorithms.overlong import TruncationRule
 from grpo.algorithms.policy import POLICY_OBJECTIVES, ClipRange, Surrogate
+from grpo.config_values import CheckContext
 from grpo.schema.loss import LossConfig
+from grpo.trainer.loss_checks import check_loss_config
 from grpo.trainer.loss_interface import LossInputs, LossNeeds, PolicyLoss
 from grpo.trainer.loss_terms import EntropyBonus, KLPenalty, OffPolicyCorrection, Ratios
 
@@ -133,6 +135,11 @@ class GRPOLoss(PolicyLoss):
         self.max_tokens_norm = max_tokens_norm
         # Applied by the batcher to the rollouts before advantages (rows left out, rewards shaped), not in __call__.
         self.truncation = TruncationRule(bool(mask_truncated), overlong_buffer, float(overlong_penalty_factor))
+
+    @classmethod
+    def check_config(cls, cfg: Any, ctx: CheckContext) -> None:
+        """Its settings against the run's (grpo.trainer.loss_checks); each value's own range is checked when built."""
+        check_loss_config(cfg, ctx)
 
     @property
     def needs(self) -> LossNeeds:

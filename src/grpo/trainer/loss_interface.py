@@ -11,7 +11,7 @@ from typing import Any, Optional
 import torch
 
 from grpo.algorithms.aggregation import Totals
-from grpo.config_values import ConfigError
+from grpo.config_values import CheckContext, ConfigError
 from grpo.trainer.reference import ReferencePolicy
 
 
@@ -73,6 +73,11 @@ class PolicyLoss(ABC):
     """A loss the trainer can train with: ``loss(inputs, with_metrics) -> (scalar, metrics)`` and what it needs
     (``needs``). ``adapt``, ``state_dict`` and ``load_state_dict`` are for a loss that changes as it trains (the
     entropy bonus's steered coefficient); by default it does not."""
+
+    @classmethod
+    def check_config(cls, cfg: Any, ctx: CheckContext) -> None:
+        """Checks of the run's config (`cfg`, the whole of it: the loss's node is `ctx.node(cfg)`) against this loss,
+        before anything is built (grpo.config.validate): a ConfigError saying what to set. None by default."""
 
     @property
     @abstractmethod
