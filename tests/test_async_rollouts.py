@@ -42,7 +42,7 @@ class Scripted(DataPipeline):
 
     def next_groups(self, step: int) -> list[Group]:
         self.calls.append(step)
-        first = self.ctx.endpoint().version
+        first = self.ctx.generation.version()
         if self.block is not None:
             self.block.wait()
         time.sleep(self.gen_s)
@@ -53,7 +53,7 @@ class Scripted(DataPipeline):
         for i in range(2):
             g = Group.sampled([1, 2, step % 50 + 3], [[4, 5], [6, 7]], [[-0.5, -0.7], [-0.2, -0.9]], [float(i), 1.0 - i],
                               1.0, weight_version=first)
-            g.last_weight_version = self.ctx.endpoint().version
+            g.last_weight_version = self.ctx.generation.version()
             groups.append(g)
         self.last_metrics = {"generation/seconds": self.gen_s, "data/index": float(step)}
         return groups
@@ -81,7 +81,7 @@ class ConcurrentScripted(Scripted):
             self.most_running = max(self.most_running, self.running)
             failing = step in self.fail
             self.fail.discard(step)
-        first = self.ctx.endpoint().version
+        first = self.ctx.generation.version()
         time.sleep(self.gen_time(step))
         with self.lock:
             self.running -= 1
@@ -90,7 +90,7 @@ class ConcurrentScripted(Scripted):
             raise ServerUnreachable(f"batch {step}: connection refused")
         g = Group.sampled([1, 2, step % 50 + 3], [[4, 5], [6, 7]], [[-0.5, -0.7], [-0.2, -0.9]], [0.0, 1.0], 1.0,
                           weight_version=first)
-        g.last_weight_version = self.ctx.endpoint().version
+        g.last_weight_version = self.ctx.generation.version()
         return [g, g], {"data/index": float(step), "data/attempt": float(attempt)}
 
 
