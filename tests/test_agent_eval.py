@@ -135,7 +135,8 @@ def test_the_evaluator_plays_whole_agent_episodes(vllm_server, tokenizer, tiny_q
     task = CalculatorQuestions(min_digits=2, max_digits=2, heldout_size=8)
     evaluator = AgentEvaluator(parity_agent, chat_template="calc_lines", tool_parser="calc_lines", max_requests=2,
                                task=task, rewards=None, k=2, samples_per_prompt=2, max_new_tokens=12)
-    evaluator.setup(EvalContext(tokenizer=tokenizer, generation=GenerationHandle(lambda: Endpoint(vllm_server.url, None, 0)),
+    evaluator.setup(EvalContext(tokenizer=tokenizer,
+                                generation=GenerationHandle(lambda: Endpoint(vllm_server.url, None, 0)),
                                 run_dir=tmp_path, seed=0, total_steps=2, max_seq_len=512))
     try:
         generated = evaluator.generate(0)

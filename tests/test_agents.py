@@ -163,7 +163,8 @@ def _pipeline(server, tokenizer, model_dir, rollout, answers=None, **kw):
 
         pipeline._sample = recording
     pipeline.setup(PipelineContext(
-        tokenizer=tokenizer, generation=GenerationHandle(lambda: Endpoint(server.url, str(model_dir), 0)), batch_size=4, max_seq_len=512,
+        tokenizer=tokenizer,
+        generation=GenerationHandle(lambda: Endpoint(server.url, str(model_dir), 0)), batch_size=4, max_seq_len=512,
         run_dir=REPO, total_steps=10, start_step=0, checkpoint_every=0, seed=0,
         batch_shape=BatchShape(micro_batch_size=64, max_seq_len=512, pad_token_id=tokenizer.pad_token_id)))
     return pipeline

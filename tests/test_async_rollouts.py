@@ -97,7 +97,9 @@ class ConcurrentScripted(Scripted):
 def make(inner: Scripted, server: Server, k: int = 1, policy: str = "wait", queue=None, in_flight: int = 1) -> AsyncRollouts:
     src = AsyncRollouts(inner, k, policy, queue, in_flight)
     src.setup(PipelineContext(
-        tokenizer=None, generation=GenerationHandle(server.endpoint), batch_size=4, max_seq_len=64, run_dir=Path("/tmp"), total_steps=10,
+        tokenizer=None,
+        generation=GenerationHandle(server.endpoint),
+        batch_size=4, max_seq_len=64, run_dir=Path("/tmp"), total_steps=10,
         start_step=0, checkpoint_every=5, seed=0,
         batch_shape=BatchShape(micro_batch_size=4, max_seq_len=64, pad_token_id=0),
     ))

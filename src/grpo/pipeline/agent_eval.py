@@ -76,8 +76,8 @@ class AgentEvaluator(Evaluator):
         def sample(prompt_ids: list[int], max_tokens: int, seed: Optional[int], extra: dict[str, Any]) -> Completion:
             assert self.generation is not None, "AgentEvaluator.setup() was not called"
             outs = self.generation.generate([prompt_ids], n=1, max_tokens=max_tokens, temperature=temperature,
-                                            top_p=self.top_p, logprobs=False, **({} if seed is None else {"seed": seed}),
-                                            **extra)
+                                            top_p=self.top_p, logprobs=False,
+                                            **({} if seed is None else {"seed": seed}), **extra)
             return outs[0][0]
 
         return sample
