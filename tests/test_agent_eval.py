@@ -9,6 +9,7 @@ import pytest
 
 from grpo.pipeline.agents import AgentPipeline
 from grpo.pipeline.chat_prompts import ChatPrompts
+from grpo.pipeline.generation import GenerationHandle
 from grpo.pipeline.tool_calls import CALC_INSTRUCTION, ToolParser
 from grpo.tasks.agent_calculator import CALCULATOR_TOOL, SYSTEM, CalculatorQuestions, calculator
 from grpo.tasks.calculator import TOOL_INSTRUCTION, LongArithmeticTask
@@ -134,7 +135,8 @@ def test_the_evaluator_plays_whole_agent_episodes(vllm_server, tokenizer, tiny_q
     task = CalculatorQuestions(min_digits=2, max_digits=2, heldout_size=8)
     evaluator = AgentEvaluator(parity_agent, chat_template="calc_lines", tool_parser="calc_lines", max_requests=2,
                                task=task, rewards=None, k=2, samples_per_prompt=2, max_new_tokens=12)
-    evaluator.setup(EvalContext(tokenizer=tokenizer, endpoint=lambda: Endpoint(vllm_server.url, None, 0),
+    evaluator.setup(EvalContext(tokenizer=tokenizer,
+                                generation=GenerationHandle(lambda: Endpoint(vllm_server.url, None, 0)),
                                 run_dir=tmp_path, seed=0, total_steps=2, max_seq_len=512))
     try:
         generated = evaluator.generate(0)

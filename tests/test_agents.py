@@ -18,6 +18,7 @@ from grpo.pipeline.agent_samples import ModelCall, episode_samples
 from grpo.pipeline.agents import AgentPipeline
 from grpo.pipeline.base import BatchShape, PipelineContext
 from grpo.pipeline.chat_prompts import ChatPrompts
+from grpo.pipeline.generation import GenerationHandle
 from grpo.pipeline.tool_calls import parse_json_tags
 from grpo.tasks.agent_calculator import CalculatorQuestions, calculator
 from grpo.trainer.train_batch import IGNORE_INDEX
@@ -162,7 +163,8 @@ def _pipeline(server, tokenizer, model_dir, rollout, answers=None, **kw):
 
         pipeline._sample = recording
     pipeline.setup(PipelineContext(
-        tokenizer=tokenizer, endpoint=lambda: Endpoint(server.url, str(model_dir), 0), batch_size=4, max_seq_len=512,
+        tokenizer=tokenizer,
+        generation=GenerationHandle(lambda: Endpoint(server.url, str(model_dir), 0)), batch_size=4, max_seq_len=512,
         run_dir=REPO, total_steps=10, start_step=0, checkpoint_every=0, seed=0,
         batch_shape=BatchShape(micro_batch_size=64, max_seq_len=512, pad_token_id=tokenizer.pad_token_id)))
     return pipeline

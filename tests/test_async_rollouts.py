@@ -13,6 +13,7 @@ import pytest
 from grpo.conf import CONFIG_DIR
 from grpo.inference.client import Endpoint, ServerUnreachable
 from grpo.pipeline.base import BatchShape, DataPipeline, PipelineContext
+from grpo.pipeline.generation import GenerationHandle
 from grpo.pipeline.group import Group
 from grpo.pipeline.rollout_queue import AsyncRollouts
 
@@ -41,7 +42,7 @@ class Scripted(DataPipeline):
 
     def next_groups(self, step: int) -> list[Group]:
         self.calls.append(step)
-        first = self.ctx.endpoint().version
+        first = self.ctx.generation.version()
         if self.block is not None:
             self.block.wait()
         time.sleep(self.gen_s)
@@ -52,7 +53,7 @@ class Scripted(DataPipeline):
         for i in range(2):
             g = Group.sampled([1, 2, step % 50 + 3], [[4, 5], [6, 7]], [[-0.5, -0.7], [-0.2, -0.9]], [float(i), 1.0 - i],
                               1.0, weight_version=first)
-            g.last_weight_version = self.ctx.endpoint().version
+            g.last_weight_version = self.ctx.generation.version()
             groups.append(g)
         self.last_metrics = {"generation/seconds": self.gen_s, "data/index": float(step)}
         return groups
@@ -80,7 +81,7 @@ class ConcurrentScripted(Scripted):
             self.most_running = max(self.most_running, self.running)
             failing = step in self.fail
             self.fail.discard(step)
-        first = self.ctx.endpoint().version
+        first = self.ctx.generation.version()
         time.sleep(self.gen_time(step))
         with self.lock:
             self.running -= 1
@@ -89,14 +90,16 @@ class ConcurrentScripted(Scripted):
             raise ServerUnreachable(f"batch {step}: connection refused")
         g = Group.sampled([1, 2, step % 50 + 3], [[4, 5], [6, 7]], [[-0.5, -0.7], [-0.2, -0.9]], [0.0, 1.0], 1.0,
                           weight_version=first)
-        g.last_weight_version = self.ctx.endpoint().version
+        g.last_weight_version = self.ctx.generation.version()
         return [g, g], {"data/index": float(step), "data/attempt": float(attempt)}
 
 
 def make(inner: Scripted, server: Server, k: int = 1, policy: str = "wait", queue=None, in_flight: int = 1) -> AsyncRollouts:
     src = AsyncRollouts(inner, k, policy, queue, in_flight)
     src.setup(PipelineContext(
-        tokenizer=None, endpoint=server.endpoint, batch_size=4, max_seq_len=64, run_dir=Path("/tmp"), total_steps=10,
+        tokenizer=None,
+        generation=GenerationHandle(server.endpoint),
+        batch_size=4, max_seq_len=64, run_dir=Path("/tmp"), total_steps=10,
         start_step=0, checkpoint_every=5, seed=0,
         batch_shape=BatchShape(micro_batch_size=4, max_seq_len=64, pad_token_id=0),
     ))

@@ -15,6 +15,7 @@ import pytest
 from grpo.inference.client import Endpoint
 from grpo.pipeline.atropos import AtroposPipeline
 from grpo.pipeline.base import PipelineContext
+from grpo.pipeline.generation import GenerationHandle
 from grpo.trainer.train_batch import IGNORE_INDEX
 from test_atropos_pipeline import _start_run_api, _stop
 
@@ -30,7 +31,9 @@ def test_gsm8k_environment_pushes_scored_groups(vllm_server, tiny_qwen2_dir, tmp
     try:
         pipe = AtroposPipeline(url=url, poll_interval_s=0.1, max_wait_s=180, max_retries=2)
         pipe.setup(PipelineContext(
-            tokenizer=tok, endpoint=lambda: Endpoint("http://unused", None, 0), batch_size=8, max_seq_len=512, run_dir=tmp_path,
+            tokenizer=tok,
+            generation=GenerationHandle(lambda: Endpoint("http://unused", None, 0)),
+            batch_size=8, max_seq_len=512, run_dir=tmp_path,
             total_steps=2, start_step=0, checkpoint_every=5, seed=0,
         ))
         cmd = [

@@ -18,6 +18,7 @@ from conftest import free_port
 from grpo.inference.client import Endpoint
 from grpo.pipeline.atropos import AtroposError, AtroposPipeline, AtroposTimeoutError
 from grpo.pipeline.base import PipelineContext
+from grpo.pipeline.generation import GenerationHandle
 
 GROUP_SIZE = 4
 BATCH = 8  # sequences per step = 2 groups
@@ -73,7 +74,8 @@ class _Tok:
 
 def _ctx(tmp_path, max_seq_len=64, start_step=0, version=lambda: 0, max_staleness=0) -> PipelineContext:
     return PipelineContext(
-        tokenizer=_Tok(), endpoint=lambda: Endpoint("http://unused", None, version()), batch_size=BATCH,
+        tokenizer=_Tok(),
+        generation=GenerationHandle(lambda: Endpoint("http://unused", None, version())), batch_size=BATCH,
         max_seq_len=max_seq_len, run_dir=tmp_path, total_steps=10, start_step=start_step, checkpoint_every=5, seed=0,
         max_staleness=max_staleness,
     )

@@ -14,6 +14,7 @@ from grpo.inference.client import Endpoint
 from grpo.pipeline.base import BatchShape, PipelineContext
 from grpo.pipeline.batching import prepare_batch
 from grpo.pipeline.dynamic_sampling import informative, refill
+from grpo.pipeline.generation import GenerationHandle
 from grpo.pipeline.group import Group
 from grpo.pipeline.local import LocalRolloutPipeline
 from grpo.pipeline.rollout_queue import AsyncRollouts
@@ -77,7 +78,8 @@ def _pipeline(reward, tokenizer, url, rounds=2) -> LocalRolloutPipeline:
     pipe = LocalRolloutPipeline(DigitsTask(), {"r": reward}, prompts_per_step=4, group_size=4, max_new_tokens=8,
                                 dynamic_sampling=True, max_refill_rounds=rounds)
     pipe.setup(PipelineContext(
-        tokenizer=tokenizer, endpoint=lambda: Endpoint(url, None, 0), batch_size=16, max_seq_len=128,
+        tokenizer=tokenizer,
+        generation=GenerationHandle(lambda: Endpoint(url, None, 0)), batch_size=16, max_seq_len=128,
         run_dir=Path("/tmp"), total_steps=4, start_step=0, checkpoint_every=5, seed=0,
         batch_shape=BatchShape(micro_batch_size=8, max_seq_len=128, pad_token_id=tokenizer.pad_token_id),
     ))

@@ -15,6 +15,7 @@ import requests
 from omegaconf import OmegaConf
 
 from conftest import server_cfg
+from grpo.pipeline.generation import GenerationHandle
 
 
 def test_request_priority_is_taken_out_of_the_body_and_refused_where_vllm_would_ignore_it():
@@ -187,7 +188,9 @@ def test_the_evaluation_behind_the_rollouts_gives_the_same_figures(vllm_server, 
     for i, settings in enumerate(({"priority": 0}, {"priority": 1, "max_in_flight": 4})):
         run_dir = tmp_path / str(i)
         run_dir.mkdir()
-        ctx = EvalContext(tokenizer=tok, endpoint=lambda: Endpoint(vllm_server.url, None, 0), run_dir=run_dir, seed=0,
+        ctx = EvalContext(tokenizer=tok,
+                          generation=GenerationHandle(lambda: Endpoint(vllm_server.url, None, 0)),
+                          run_dir=run_dir, seed=0,
                           total_steps=4, max_seq_len=512)
         ev = Evaluator(task=DigitsTask(eval_size=8), rewards={"digits": DigitFractionReward()}, k=2,
                        samples_per_prompt=3, max_new_tokens=8, correct_threshold=0.5, samples_logged=8, **settings)

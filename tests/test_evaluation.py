@@ -16,6 +16,7 @@ from omegaconf import OmegaConf
 from conftest import attach
 from grpo.conf import CONFIG_DIR
 from grpo.pipeline.evaluation import EvalContext, Evaluator, build_evaluator, pass_at_k
+from grpo.pipeline.generation import GenerationHandle
 from grpo.tasks.prompts import MINI_GSM8K, DigitsTask, GSM8KTask, Prompt
 from grpo.tasks.rewards import DigitFractionReward, MathAnswerReward
 
@@ -195,7 +196,8 @@ def test_evaluator_against_vllm(vllm_server, tiny_qwen2_dir, tmp_path, caplog):
 
     tok = AutoTokenizer.from_pretrained(tiny_qwen2_dir)
     endpoint = lambda: Endpoint(vllm_server.url, None, 0)  # noqa: E731
-    ctx = EvalContext(tokenizer=tok, endpoint=endpoint, run_dir=tmp_path, seed=0, total_steps=4, max_seq_len=512)
+    ctx = EvalContext(tokenizer=tok,
+                      generation=GenerationHandle(endpoint), run_dir=tmp_path, seed=0, total_steps=4, max_seq_len=512)
     ev = Evaluator(task=DigitsTask(eval_size=6), rewards={"digits": DigitFractionReward()}, k=2,
                    samples_per_prompt=3, max_new_tokens=8, correct_threshold=0.5, samples_logged=2)
     ev.setup(ctx)
@@ -236,7 +238,8 @@ def test_sampled_every_leaves_the_samples_out_between_and_the_greedy_figures_as_
     from grpo.inference.client import Endpoint
 
     ctx = EvalContext(tokenizer=AutoTokenizer.from_pretrained(tiny_qwen2_dir),
-                      endpoint=lambda: Endpoint(vllm_server.url, None, 0), run_dir=tmp_path, seed=0, total_steps=4,
+                      generation=GenerationHandle(lambda: Endpoint(vllm_server.url, None, 0)),
+                      run_dir=tmp_path, seed=0, total_steps=4,
                       max_seq_len=512)
     ev = Evaluator(task=DigitsTask(eval_size=6), rewards={"digits": DigitFractionReward()}, k=2, samples_per_prompt=3,
                    max_new_tokens=8, correct_threshold=0.5, sampled_every=2)

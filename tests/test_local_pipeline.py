@@ -9,6 +9,7 @@ import pytest
 from conftest import group_option
 from grpo.inference.client import Endpoint, InferenceClient
 from grpo.pipeline.base import PipelineContext
+from grpo.pipeline.generation import GenerationHandle
 from grpo.pipeline.local import LocalRolloutPipeline
 from grpo.tasks.prompts import DigitsTask
 from grpo.tasks.rewards import DigitFractionReward
@@ -44,7 +45,7 @@ def tokenizer(tiny_qwen2_dir):
 
 def _ctx(tokenizer, url="http://unused", max_seq_len=512, seed=0, version=7, batch_size=16) -> PipelineContext:
     return PipelineContext(
-        tokenizer=tokenizer, endpoint=lambda: Endpoint(url, None, version),
+        tokenizer=tokenizer, generation=GenerationHandle(lambda: Endpoint(url, None, version)),
         batch_size=batch_size, max_seq_len=max_seq_len, run_dir=Path("/tmp"), total_steps=10, start_step=0,
         checkpoint_every=5, seed=seed,
     )
@@ -160,7 +161,7 @@ def test_rollout_batches_from_two_threads_at_once_keep_each_batch_its_own(vllm_u
     def generate(step: int) -> None:
         start.wait()
         results[step] = pipe.rollout_batch(step)
-        clients[step] = pipe._client(Endpoint(vllm_url, None, 0))  # noqa: SLF001 - the client this thread generated with
+        clients[step] = pipe.ctx.generation.client()  # the client this thread generated with
 
     threads = [threading.Thread(target=generate, args=(step,)) for step in (3, 4)]
     for t in threads:

@@ -16,6 +16,7 @@ from grpo.conf import CONFIG_DIR
 from grpo.inference.client import Completion, Endpoint
 from grpo.pipeline.base import BatchShape, PipelineContext
 from grpo.pipeline.episodes import EpisodeRunner
+from grpo.pipeline.generation import GenerationHandle
 from grpo.pipeline.multi_turn import MultiTurnPipeline
 from grpo.tasks.calculator import CalculatorError, LongAnswerReward, LongArithmeticTask, evaluate
 from grpo.tasks.environment import (
@@ -280,7 +281,8 @@ def _multi_turn_pipeline(url, tokenizer, tiny_qwen2_dir, **kw):
     pipeline = MultiTurnPipeline(_Counting(), {"r": (_ZeroReward(), 1.0)}, prompts_per_step=kw.pop("prompts", 12),
                                  group_size=4, max_new_tokens=kw.pop("max_new_tokens", 48), max_turns=3, **kw)
     pipeline.setup(PipelineContext(
-        tokenizer=tokenizer, endpoint=lambda: Endpoint(url, str(tiny_qwen2_dir), 0), batch_size=8, max_seq_len=512,
+        tokenizer=tokenizer,
+        generation=GenerationHandle(lambda: Endpoint(url, str(tiny_qwen2_dir), 0)), batch_size=8, max_seq_len=512,
         run_dir=REPO, total_steps=10, start_step=0, checkpoint_every=0, seed=0,
         batch_shape=BatchShape(micro_batch_size=64, max_seq_len=512, pad_token_id=tokenizer.pad_token_id)))
     return pipeline
@@ -422,7 +424,8 @@ def test_atropos_multi_turn_groups_train_on_the_assistant_segments_only(vllm_ser
     try:
         pipe = AtroposPipeline(url=url, poll_interval_s=0.1, max_wait_s=240, max_retries=2)
         pipe.setup(PipelineContext(
-            tokenizer=tokenizer, endpoint=lambda: Endpoint("http://unused", None, 0), batch_size=8, max_seq_len=512,
+            tokenizer=tokenizer,
+            generation=GenerationHandle(lambda: Endpoint("http://unused", None, 0)), batch_size=8, max_seq_len=512,
             run_dir=tmp_path, total_steps=2, start_step=0, checkpoint_every=5, seed=0))
         cmd = [sys.executable, str(REPO / "tests" / "multi_turn_env.py"), "serve", f"--env.rollout_server_url={url}",
                "--env.tokenizer_name=tiny-qwen2", "--env.group_size=4", "--env.max_new_tokens=8",

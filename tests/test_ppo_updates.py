@@ -15,6 +15,7 @@ from omegaconf import OmegaConf
 
 from grpo.pipeline.base import BatchShape, DataPipeline
 from grpo.pipeline.batching import prepare_batch
+from grpo.pipeline.generation import GenerationHandle
 from grpo.pipeline.group import Group
 from grpo.schema import LoggingConfig, TrainConfig
 from grpo.sync.base import SyncStrategy
@@ -275,7 +276,8 @@ def test_evaluations_fall_on_a_regular_grid_of_rollout_batches(tiny_qwen2_dir, t
     evaluator = Recorded(task=DigitsTask(eval_size=4), rewards={"digits": DigitFractionReward()}, every=3)
     evaluator.steps = []
     with caplog.at_level(logging.INFO, logger="grpo.pipeline.evaluation"):
-        evaluator.setup(EvalContext(tokenizer=AutoTokenizer.from_pretrained(tiny_qwen2_dir), endpoint=lambda: None,
+        evaluator.setup(EvalContext(tokenizer=AutoTokenizer.from_pretrained(tiny_qwen2_dir),
+                                    generation=GenerationHandle(lambda: None),
                                     run_dir=tmp_path, seed=0, total_steps=8, max_seq_len=64, updates_per_batch=2))
     assert "eval: every 4 steps (eval.every=3 rounded up to a multiple of the 2 updates per rollout batch" in caplog.text
     assert Evaluator.batch_grid(10, 4) == 12 and Evaluator.batch_grid(10, 1) == 10 and Evaluator.batch_grid(0, 4) == 0

@@ -13,6 +13,7 @@ from omegaconf import OmegaConf
 
 from conftest import group_option
 from grpo.conf import CONFIG_DIR
+from grpo.pipeline.generation import GenerationHandle
 from grpo.pipeline.grading import Grader, RewardError, picklable_specs
 from grpo.pipeline.local import build_rewards
 from grpo.tasks.prompts import Prompt
@@ -167,7 +168,8 @@ def test_rollouts_graded_in_workers_equal_those_graded_in_process(vllm_server, t
         cfg = group_option("data", "arithmetic")
         cfg.prompts_per_step, cfg.group_size, cfg.reward_workers = 4, 4, workers
         pipe = instantiate(cfg, _recursive_=False)
-        pipe.setup(PipelineContext(tokenizer=tokenizer, endpoint=lambda: Endpoint(vllm_server.url, None, 0),
+        pipe.setup(PipelineContext(tokenizer=tokenizer,
+                                   generation=GenerationHandle(lambda: Endpoint(vllm_server.url, None, 0)),
                                    batch_size=16, max_seq_len=512, run_dir=Path("/tmp"), total_steps=4, start_step=0,
                                    checkpoint_every=5, seed=0))
         try:

@@ -28,6 +28,7 @@ from grpo.config_values import ConfigError, instantiation_cause
 from grpo.models.loading import load_tokenizer, pick_device
 from grpo.pipeline.base import BatchShape, DataPipeline, PipelineContext
 from grpo.pipeline.evaluation import EvalContext, Evaluator, build_evaluator
+from grpo.pipeline.generation import GenerationHandle
 from grpo.pipeline.rank_broadcast import FollowerPipeline, LeaderPipeline
 from grpo.pipeline.rollout_queue import AsyncRollouts
 from grpo.recipes.initial_weights import resolve_model_dir
@@ -69,6 +70,8 @@ class RunParts:
     loss_fn: PolicyLoss
     data: DataPipeline | None
     evaluator: Evaluator | None
+    # How the data source and the evaluator sample the policy (rank 0; grpo.pipeline.generation).
+    generation: GenerationHandle | None = None
     trainer: GRPOTrainer | None = None
     metrics: MetricsLogger | NullMetrics | None = None
     # A sweep's job whose server may be taken from the job before and kept for the next (server.reuse_across_jobs).
@@ -92,7 +95,8 @@ class RunParts:
         run and then its teardown too) is secondary: logged as such and noted on `failed`, never raised in its place.
         Without one, the first teardown error is raised once every part is closed. The server is kept for the next
         job when the run `completed` as a sweep's job that keeps it (`reuse_server`, grpo.serving.kept)."""
-        steps = [part.close for part in (self.metrics, self.evaluator, self.data, self.trainer) if part is not None]
+        steps = [part.close for part in (self.metrics, self.evaluator, self.data, self.generation, self.trainer)
+                 if part is not None]
         keep = completed and self.reuse_server and self.sync.reuses_server
         # A mode of your own may define shutdown() without the argument.
         shutdown = (lambda: self.sync.shutdown(keep_server=True)) if keep else self.sync.shutdown
@@ -159,8 +163,8 @@ def build_parts(cfg: DictConfig, run_dir: Path, reuse_server: bool = False,
         raise
     return RunParts(cfg=cfg, run_dir=run_dir, dist=dist_info, device=device, model_dir=model_dir,
                     tokenizer=sync_ctx.tokenizer, resume=resume_ckpt, sync=sync, sync_ctx=sync_ctx, loss_fn=loss_fn,
-                    data=data, evaluator=evaluator, reuse_server=reuse_server, clock=clock,
-                    server_started_early=early)
+                    data=data, evaluator=evaluator, generation=generation_handle(sync) if rank0 else None,
+                    reuse_server=reuse_server, clock=clock, server_started_early=early)
 
 
 def start_server_early(cfg: DictConfig, sync: SyncStrategy, sync_ctx: SyncContext, rank0: bool,
@@ -251,6 +255,12 @@ def build_sync(cfg: DictConfig, rank0: bool, resume_ckpt: Path | None) -> SyncSt
     return sync
 
 
+def generation_handle(sync: SyncStrategy) -> GenerationHandle:
+    """The run's one way to sample the policy, for the data source and the evaluator: the endpoint the sync strategy
+    serves (replicas, model or adapter name, version; read anew for every call) through its server's gate."""
+    return GenerationHandle(sync.endpoint, sync.server.gate)
+
+
 def build_trainer(parts: RunParts) -> GRPOTrainer:
     """Set up the evaluator and start the data's reward workers, wait for the server started early (or launch it),
     build model, optimizer and metrics, restore a checkpoint, set up the data source on the server; the trainer (also
@@ -289,7 +299,7 @@ def build_trainer(parts: RunParts) -> GRPOTrainer:
         log.info("resumed from %s at step %d", parts.resume, start_step)
     first_batch, total_batches = rollout_batches(cfg.train, start_step, start_batch)
     if data is not None:
-        data.setup(pipeline_context(cfg, tokenizer, sync, model, run_dir, first_batch, total_batches))
+        data.setup(pipeline_context(cfg, tokenizer, parts.generation, model, run_dir, first_batch, total_batches))
     # A resumed run's metrics.jsonl starts with the earlier rows up to the checkpoint (from the resumed run dir when
     # this one is another), so metrics, curves.png and grpo.report show the whole run.
     parts.metrics = MetricsLogger(run_dir, cfg.logging, cfg, cfg.train.steps, start_step,
@@ -312,21 +322,20 @@ def setup_evaluator(parts: RunParts) -> None:
     if parts.evaluator is None:
         return
     cfg = parts.cfg
-    parts.evaluator.setup(EvalContext(tokenizer=parts.tokenizer, endpoint=parts.sync.endpoint, run_dir=parts.run_dir,
+    parts.evaluator.setup(EvalContext(tokenizer=parts.tokenizer, generation=parts.generation, run_dir=parts.run_dir,
                                       seed=cfg.train.seed, total_steps=cfg.train.steps,
                                       max_seq_len=cfg.model.max_seq_len,
                                       updates_per_batch=updates_per_batch(cfg.train)))
 
 
-def pipeline_context(cfg: DictConfig, tokenizer: Any, sync: SyncStrategy, model: torch.nn.Module, run_dir: Path,
-                     first_batch: int, total_batches: int) -> PipelineContext:
-    """What the data source learns at setup: the server's endpoint, the loop's batch and its shape, the rollout
+def pipeline_context(cfg: DictConfig, tokenizer: Any, generation: GenerationHandle, model: torch.nn.Module,
+                     run_dir: Path, first_batch: int, total_batches: int) -> PipelineContext:
+    """What the data source learns at setup: how to sample the policy, the loop's batch and its shape, the rollout
     batches to produce (from `first_batch` of `total_batches`), where and how often the run saves."""
     return PipelineContext(
-        tokenizer=tokenizer, endpoint=sync.endpoint, batch_size=cfg.train.micro_batch_size * cfg.train.grad_accum,
+        tokenizer=tokenizer, generation=generation, batch_size=cfg.train.micro_batch_size * cfg.train.grad_accum,
         max_seq_len=cfg.model.max_seq_len, run_dir=run_dir, total_steps=total_batches, start_step=first_batch,
         checkpoint_every=cfg.train.checkpoint_every, seed=cfg.train.seed, max_staleness=cfg.train.max_staleness,
-        generation_gate=sync.server.gate,
         batch_shape=BatchShape(
             micro_batch_size=cfg.train.micro_batch_size, max_seq_len=cfg.model.max_seq_len,
             pad_token_id=tokenizer.pad_token_id, vocab_size=model.get_input_embeddings().num_embeddings,

@@ -38,6 +38,7 @@ from grpo.inference.client import Endpoint, InferenceClient
 from grpo.inference.process import VLLMServer
 from grpo.models.loading import load_tokenizer
 from grpo.pipeline.evaluation import EvalContext, Evaluator, build_evaluator
+from grpo.pipeline.generation import GenerationHandle
 from grpo.recipes.initial_weights import resolve_model_dir
 from grpo.trainer.checkpoint import CheckpointManager, read_trainer_state
 
@@ -202,8 +203,9 @@ def evaluate(cfg: DictConfig, targets: list[Target], work_dir: Path) -> list[dic
     try:
         server = EvalServer(cfg.server, base, adapter_base, work_dir)
         endpoint: list[Endpoint] = []
-        evaluator.setup(EvalContext(tokenizer=load_tokenizer(str(base)), endpoint=lambda: endpoint[-1],
-                                    run_dir=work_dir, seed=int(cfg.train.seed), total_steps=int(cfg.train.steps),
+        evaluator.setup(EvalContext(tokenizer=load_tokenizer(str(base)),
+                                    generation=GenerationHandle(lambda: endpoint[-1]), run_dir=work_dir,
+                                    seed=int(cfg.train.seed), total_steps=int(cfg.train.steps),
                                     max_seq_len=int(cfg.model.max_seq_len)))
         for i, t in enumerate(targets):
             endpoint.append(server.serve(t, i))

@@ -49,7 +49,6 @@ class AgentEvaluator(Evaluator):
         self.max_requests, self.episode_timeout_s = int(max_requests), float(episode_timeout_s)
         # One endpoint per temperature (greedy, sampled): the temperature is each one's sampling rule.
         self._endpoints: dict[float, AgentEndpoint] = {}
-        self._sampling: Any = None
 
     def setup(self, ctx: EvalContext) -> None:
         super().setup(ctx)
@@ -75,10 +74,10 @@ class AgentEvaluator(Evaluator):
 
     def _sampler(self, temperature: float) -> Any:
         def sample(prompt_ids: list[int], max_tokens: int, seed: Optional[int], extra: dict[str, Any]) -> Completion:
-            client, endpoint = self._sampling
-            outs = client.generate([prompt_ids], n=1, max_tokens=max_tokens, temperature=temperature,
-                                   top_p=self.top_p, model=endpoint.model, detokenize=False, logprobs=False,
-                                   **({} if seed is None else {"seed": seed}), **extra)
+            assert self.generation is not None, "AgentEvaluator.setup() was not called"
+            outs = self.generation.generate([prompt_ids], n=1, max_tokens=max_tokens, temperature=temperature,
+                                            top_p=self.top_p, logprobs=False,
+                                            **({} if seed is None else {"seed": seed}), **extra)
             return outs[0][0]
 
         return sample
@@ -100,8 +99,9 @@ class AgentEvaluator(Evaluator):
         assert self.ctx is not None, "AgentEvaluator.setup() was not called"
         sampled = self.samples_due(step) if sampled is None else sampled
         t0 = time.monotonic()
-        endpoint = self.ctx.endpoint()
-        self._sampling = (self._client_for(endpoint), endpoint)
+        # Read here, on the caller's thread, before the agents' requests (on the endpoints' threads) read it: a weight
+        # update still landing in the background lands first (grpo.sync.save_and_reload's endpoint).
+        self.generation.endpoint()
         greedy = self._play(0.0, 1, seeded=False)
         samples = self._play(self.temperature, self.n, seeded=True) if sampled else None
         return GeneratedEval(step, t0, time.monotonic() - t0, greedy, samples)

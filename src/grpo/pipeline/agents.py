@@ -24,7 +24,6 @@ import hashlib
 import importlib
 import logging
 import time
-from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Optional
 
@@ -146,19 +145,11 @@ class AgentPipeline(LocalRolloutPipeline):
 
     def _sample(self, prompt_ids: list[int], max_tokens: int, seed: Optional[int], extra: dict[str, Any]
                 ) -> Completion:
-        """One request's sample through the server's gate, at the endpoint served now."""
-        ctx = self.ctx
-        with ctx.generation_gate.generating() if ctx.generation_gate is not None else nullcontext():
-            endpoint = ctx.endpoint()
-            outs = self._client(endpoint).generate(
-                [prompt_ids], n=1, max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p,
-                model=endpoint.model, detokenize=False, logprobs=self.rollout_logprobs,
-                **({} if seed is None else {"seed": seed}), **extra)
-        c = outs[0][0]
-        if (c.logprobs is None) == self.rollout_logprobs or c.weight_version < 0 or c.last_weight_version < c.weight_version:
-            raise RuntimeError(f"inference server at {endpoint.base_url} answered without the log-probs or weight "
-                               "versions an agent's request records; agents need grpo.inference.server's /generate")
-        return c
+        """One request's sample from the policy served now (the run's generation handle checks its log-probs and
+        weight versions, which an agent's request records)."""
+        return self.ctx.generation.generate(
+            [prompt_ids], n=1, max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p,
+            logprobs=self.rollout_logprobs, **({} if seed is None else {"seed": seed}), **extra)[0][0]
 
     def _episode_seed(self, step: int, item: int, sample: int) -> Optional[int]:
         base = self._sampling_seed(step).get("seed")

@@ -273,7 +273,7 @@ class AtroposPipeline(DataPipeline):
             if batch is not None and not isinstance(batch, list):
                 raise AtroposError(f"run-api {self.url}/batch: 'batch' is a {type(batch).__name__}, not a list")
             if batch:
-                current = self.ctx.endpoint().version
+                current = self.ctx.generation.version()
                 groups = self._filter(batch, counts, current)
                 if groups:
                     break

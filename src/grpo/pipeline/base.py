@@ -5,17 +5,16 @@ from __future__ import annotations
 from abc import abstractmethod
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, ClassVar, Optional
+from typing import Any, ClassVar, Optional
 
 from hydra.utils import get_class
 
 from grpo.algorithms.overlong import TruncationRule
 from grpo.config_values import CheckContext
-from grpo.inference.client import Endpoint
 from grpo.pipeline.batching import WarnOnce, prepare_batch
+from grpo.pipeline.generation import GenerationHandle
 from grpo.pipeline.group import Group
 from grpo.pipeline.source_checks import check_source_config
-from grpo.serving.gate import GenerationGate
 from grpo.trainer.train_batch import BatchSource, PreparedBatch
 
 
@@ -39,9 +38,9 @@ class PipelineContext:
     """What a pipeline learns from the trainer at setup."""
 
     tokenizer: Any
-    # The server to sample the current policy from (url, model name, weight version), read anew for every request
-    # batch: a restart may move the server and a sync advances the version.
-    endpoint: Callable[[], Endpoint]
+    # How the pipeline samples the current policy (grpo.pipeline.generation): the run's server through its gate, the
+    # endpoint read anew for every call (a restart may move the server and a sync advances the version).
+    generation: GenerationHandle
     # Sequences per optimizer step (micro_batch_size x grad_accum).
     batch_size: int
     max_seq_len: int
@@ -58,9 +57,6 @@ class PipelineContext:
     # more than this many weight versions older than the trainer's are dropped; 0 = no limit. Local pipelines
     # ignore it (their producer, AsyncRollouts, enforces the bound).
     max_staleness: int = 0
-    # The server's gate (grpo.serving.gate.GenerationGate): generation runs inside `generating()`, so a sync that
-    # restarts the server first lets it finish and holds new requests back; None = no sync to coordinate with.
-    generation_gate: Optional[GenerationGate] = None
 
 
 class DataSourceError(RuntimeError):

@@ -1,6 +1,6 @@
 """Held-out evaluation inside a run (conf/eval/): greedy accuracy, pass@k and mean@k on prompts training never draws.
 
-The evaluator samples the policy through the run's own vLLM server (the `endpoint()` the sync strategy hands out),
+The evaluator samples the policy through the run's own vLLM server (the run's generation handle, on clients of its own),
 with sampling settings and seeds of its own: greedy (temperature 0) for accuracy, and `samples_per_prompt` seeded
 samples at `temperature` for pass@k (the unbiased estimator of Chen et al. 2021) and mean@k. It never draws from a
 training random stream: its prompts are the task's fixed `eval_prompts()` and its vLLM seeds are `eval.seed`.
@@ -21,12 +21,11 @@ import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Mapping, Optional
+from typing import Any, Mapping, Optional
 
 from grpo import faults
 from grpo.config_values import CheckContext
-from grpo.inference.client import Completion, Endpoint
-from grpo.inference.routing import RoutedClient, routed_client
+from grpo.inference.client import Completion
 from grpo.pipeline.base import data_class
 from grpo.pipeline.episodes import EpisodeRunner
 from grpo.pipeline.eval_settings import (
@@ -38,6 +37,7 @@ from grpo.pipeline.eval_settings import (
     eval_task,
     literal_eval_rewards,
 )
+from grpo.pipeline.generation import GenerationHandle
 from grpo.pipeline.grading import Grader, PendingGrades, picklable_specs
 from grpo.pipeline.local import build_rewards
 from grpo.schema.data import EvalConfig, LocalDataConfig, MultiTurnDataConfig
@@ -78,8 +78,9 @@ class EvalContext:
     """What the evaluator learns from the trainer at setup."""
 
     tokenizer: Any
-    # Returns the server to sample the current policy from (read anew before every eval: restarts move it).
-    endpoint: Callable[[], Endpoint]
+    # How to sample the current policy (grpo.pipeline.generation; the endpoint is read anew for every call: restarts
+    # move the server). The evaluator samples through clients of its own, at eval.max_concurrency.
+    generation: GenerationHandle
     run_dir: Path
     # The run's training seed (recorded only: eval sampling uses `eval.seed`, so eval noise is the same across runs).
     seed: int
@@ -201,12 +202,15 @@ class Evaluator:
         self.dropped_prompts = 0
         self.total_seconds = 0.0
         self.started = time.monotonic()
-        self._client: Optional[RoutedClient] = None
+        self.generation: Optional[GenerationHandle] = None
 
     # ------------------------------------------------------------------ lifecycle
     def setup(self, ctx: EvalContext) -> None:
         """Render and tokenize the held-out prompts once; errors (empty split, every prompt too long) stop here."""
         self.ctx = ctx
+        # Clients of its own (eval.max_concurrency connections each), passing no gate: the trainer runs an
+        # evaluation's generation only while no sync takes the server away (it waits for it before the next one).
+        self.generation = ctx.generation.with_clients(gated=False, max_concurrency=self.max_concurrency)
         self.task.bind_tokenizer(ctx.tokenizer)
         prompts = self.task.eval_prompts()
         if not prompts:
@@ -270,9 +274,9 @@ class Evaluator:
         hint = None if self.background else eval_time_hint(self.total_seconds, time.monotonic() - self.started)
         if hint:
             log.warning(hint)
-        if self._client is not None:
-            self._client.close()
-            self._client = None
+        if self.generation is not None:
+            self.generation.close()
+            self.generation = None
         self.grader.close()
 
     # ------------------------------------------------------------------ one evaluation
@@ -291,24 +295,22 @@ class Evaluator:
         sampled = self.samples_due(step) if sampled is None else sampled
         t0 = time.monotonic()
         faults.kill_server_evaluating(step, self.ctx.run_dir / "logs" / "vllm.pid")  # test-only (GRPO_FAULT)
-        endpoint = self.ctx.endpoint()
-        client = self._client_for(endpoint)
+        generation = self.generation
         longest = max(len(x) for x in self.prompt_ids)
         max_tokens = max(1, min(self.max_new_tokens, self.ctx.max_seq_len - longest))
-        # score() decodes the token ids itself: the server need not detokenize, nor compute log-probs.
-        common = dict(max_tokens=max_tokens, top_p=self.top_p, model=endpoint.model, detokenize=False, logprobs=False,
-                      **self._scheduling())
+        # score() decodes the token ids itself: the server need not compute log-probs.
+        common = dict(max_tokens=max_tokens, top_p=self.top_p, logprobs=False, **self._scheduling())
         samples = None
         if isinstance(self.task, EnvironmentTask):  # whole episodes, scored on their answers
-            greedy = self._episodes(client, endpoint.model, 1, 0.0, None)
+            greedy = self._episodes(1, 0.0, None)
             if sampled:
-                samples = self._episodes(client, endpoint.model, self.n, self.temperature, self.seed)
+                samples = self._episodes(self.n, self.temperature, self.seed)
         else:
             # Greedy and sampled requests each send the whole eval set at once; the client bounds the concurrency.
-            greedy = (client.generate(self.prompt_ids, n=1, temperature=0.0, **common), None)
+            greedy = (generation.generate(self.prompt_ids, n=1, temperature=0.0, **common), None)
             if sampled:
-                samples = (client.generate(self.prompt_ids, n=self.n, temperature=self.temperature, seed=self.seed,
-                                           **common), None)
+                samples = (generation.generate(self.prompt_ids, n=self.n, temperature=self.temperature,
+                                               seed=self.seed, **common), None)
         return GeneratedEval(step, t0, time.monotonic() - t0, greedy, samples)
 
     def score(self, generated: GeneratedEval) -> dict[str, float]:
@@ -333,26 +335,17 @@ class Evaluator:
         client's bound on sequences in flight."""
         return ({"priority": self.priority} if self.priority else {}) | {"max_in_flight": self.max_in_flight}
 
-    def _client_for(self, endpoint: Endpoint) -> RoutedClient:
-        # Follow the server's replicas (a restart may take one out for a while, or move them); requests spread over
-        # them by load like the rollouts'.
-        if self._client is None or self._client.urls != endpoint.urls:
-            if self._client is not None:
-                self._client.close()
-            self._client = routed_client(endpoint, max_concurrency=self.max_concurrency)
-        return self._client
-
-    def _episodes(self, client: RoutedClient, model: Optional[str], n: int, temperature: float,
-                  seed: Optional[int]) -> tuple[list[list[Completion]], list[list[str]]]:
+    def _episodes(self, n: int, temperature: float, seed: Optional[int]
+                  ) -> tuple[list[list[Completion]], list[list[str]]]:
         """`n` whole episodes of every held-out prompt (grpo.pipeline.episodes), each as a completion of its model
         tokens and its oldest turn's weight version, with its answer (what is scored)."""
         assert self.ctx is not None
         limits = EpisodeLimits(self.max_turns, self.max_new_tokens, self.max_episode_tokens or self.ctx.max_seq_len)
 
         def generate(ids: list[list[int]], n: int, max_tokens: int, seed: Optional[int]) -> list[list[Completion]]:
-            return client.generate(ids, n=n, max_tokens=max_tokens, temperature=temperature, top_p=self.top_p,
-                                   model=model, detokenize=False, logprobs=False, **self._scheduling(),
-                                   **({} if seed is None else {"seed": seed}))
+            return self.generation.generate(ids, n=n, max_tokens=max_tokens, temperature=temperature,
+                                            top_p=self.top_p, logprobs=False, **self._scheduling(),
+                                            **({} if seed is None else {"seed": seed}))
 
         episodes = EpisodeRunner(self.task, self.ctx.tokenizer, limits).run(
             generate, self.prompts, self.prompt_ids, n, seed, logprobs=False)

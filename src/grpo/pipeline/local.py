@@ -11,14 +11,11 @@ import logging
 import random
 import threading
 import time
-from contextlib import nullcontext
 from pathlib import Path
 from typing import Any, Mapping, Optional
 
 from grpo import faults
 from grpo.config_values import CheckContext, ConfigError, instantiation_cause
-from grpo.inference.client import Endpoint
-from grpo.inference.routing import RoutedClient, routed_client
 from grpo.pipeline.base import DataPipeline, PipelineContext
 from grpo.pipeline.dynamic_sampling import refill
 from grpo.pipeline.grading import Grade, Grader, picklable_specs
@@ -151,7 +148,7 @@ class LocalRolloutPipeline(DataPipeline):
     that of any token) and `last_weight_version` when they finished (at least that of any token).
 
     `rollout_batch` may run in several threads at once (AsyncRollouts with `train.rollout_batches_in_flight` > 1):
-    each thread has its own HTTP client, and the tokenizer is used under a lock.
+    the run's generation handle gives each thread its own HTTP client, and the tokenizer is used under a lock.
     """
 
     concurrent_batches = True
@@ -221,10 +218,7 @@ class LocalRolloutPipeline(DataPipeline):
         self.dynamic_sampling = bool(dynamic_sampling)
         self.max_refill_rounds = int(max_refill_rounds)
         self.ctx: Optional[PipelineContext] = None
-        # One client per thread that generates (a requests.Session is not meant to be shared), all closed by
-        # close(); the lock guards the list and the tokenizer (a Rust tokenizer may refuse concurrent use).
-        self._local = threading.local()
-        self._clients: list[Any] = []
+        # Guards the tokenizer (a Rust tokenizer may refuse concurrent use) when several threads generate.
         self._lock = threading.Lock()
         self.step: Optional[int] = None
         self.last_metrics: dict[str, float] = {}
@@ -242,19 +236,6 @@ class LocalRolloutPipeline(DataPipeline):
         self.ctx = ctx
         self.task.bind_tokenizer(ctx.tokenizer)
         self.grader.start()
-
-    def _client(self, endpoint: Endpoint) -> RoutedClient:
-        """This thread's client of `endpoint`'s replicas (a restart may take one out for a while, or move them)."""
-        if getattr(self._local, "urls", None) != endpoint.urls:
-            with self._lock:
-                old = getattr(self._local, "client", None)
-                if old is not None:
-                    old.close()
-                    self._clients.remove(old)
-                self._local.client = routed_client(endpoint)
-                self._clients.append(self._local.client)
-            self._local.urls = endpoint.urls
-        return self._local.client
 
     def prompts_for_step(self, step: int, refill_round: int = 0, count: Optional[int] = None) -> list[Prompt]:
         """The prompts of optimizer step `step` (`count`, default data.prompts_per_step): a pure function of (seed,
@@ -320,19 +301,13 @@ class LocalRolloutPipeline(DataPipeline):
         # Completions never push a sequence past max_seq_len (it would be dropped by the batcher).
         max_tokens = min(self.max_new_tokens, ctx.max_seq_len - max(len(x) for x in ids))
         t0 = time.monotonic()
-        # Through the sync's gate: a restarting sync waits for these requests, and holds new ones until it is done.
-        with ctx.generation_gate.generating() if ctx.generation_gate is not None else nullcontext():
-            endpoint = ctx.endpoint()  # inside the gate: a restart it waited for may have moved the server
-            outs = self._client(endpoint).generate(
-                ids, n=self.group_size, max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p,
-                model=endpoint.model, detokenize=False, logprobs=self.rollout_logprobs,
-                **self._sampling_seed(step, refill_round), **self._min_tokens(max_tokens),
-            )
+        outs = ctx.generation.generate(
+            ids, n=self.group_size, max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p,
+            logprobs=self.rollout_logprobs, **self._sampling_seed(step, refill_round), **self._min_tokens(max_tokens),
+        )
         t1 = time.monotonic()
         totals["seconds"] += t1 - t0
         totals["dropped_long"] += dropped_long
-        for completions in outs:
-            self._check_completions(completions, endpoint.base_url)
         grades = self._grade(prompts, outs, scorer)
         totals["grading_seconds"] += time.monotonic() - t1
         return [self._group(prompt_ids, completions, grades[i * self.group_size:(i + 1) * self.group_size], max_tokens)
@@ -369,24 +344,6 @@ class LocalRolloutPipeline(DataPipeline):
         # A refill round's base lies 2^20 steps on (no run has that many), so its streams are its own.
         return {"seed": (self.ctx.seed * 1_000_003 + step + (refill_round << 20)) % (2**31)}
 
-    def _check_completions(self, completions: list, url: str) -> None:
-        """Refuse a prompt's completions that are not what the requests asked for."""
-        if len(completions) != self.group_size:
-            raise RuntimeError(f"inference server returned {len(completions)} completions, asked for {self.group_size}")
-        for c in completions:
-            if (c.logprobs is None) == self.rollout_logprobs:
-                raise RuntimeError(f"inference server at {url} returned "
-                                   f"{'no log-probs though' if self.rollout_logprobs else 'log-probs though not'} "
-                                   "asked for them (data.rollout_logprobs)")
-            if c.logprobs is not None and len(c.logprobs) != len(c.token_ids):
-                raise RuntimeError(f"inference server returned {len(c.logprobs)} log-probs for {len(c.token_ids)} tokens")
-            if c.weight_version < 0 or c.last_weight_version < c.weight_version:
-                raise RuntimeError(
-                    f"inference server at {url} reported weight versions {c.weight_version} .. "
-                    f"{c.last_weight_version} for a completion; rollouts need grpo.inference.server's /generate, which "
-                    "reports the version at admission and at finish"
-                )
-
     def _group(self, prompt_ids: list[int], completions: list, grades: list[Grade], max_tokens: int) -> Group:
         group = Group.sampled(
             prompt_ids, [c.token_ids for c in completions], [c.logprobs for c in completions],
@@ -401,11 +358,6 @@ class LocalRolloutPipeline(DataPipeline):
         return group
 
     def close(self) -> None:
-        with self._lock:
-            clients, self._clients = self._clients, []
-        for client in clients:
-            client.close()
-        self._local = threading.local()
         self.grader.close()
 
 

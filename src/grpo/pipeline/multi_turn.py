@@ -8,13 +8,12 @@ loss, with the sampler's log-probs) and the environment's tokens (masked out of 
 What composes: groups, several updates per batch, asynchronous rollouts (the producer thread calls `rollout_batch`;
 each turn passes the server's gate, so a sync lands between turns, and every turn records its weight versions),
 `train.padding_free`, `train.prefix_sharing` (the shared prefix is the prompt, before the first model token), FSDP2
-(rank 0 generates) and every sync mode (the endpoint is read anew every turn).
+(rank 0 generates) and every sync mode (the generation handle reads the endpoint anew every turn).
 """
 
 from __future__ import annotations
 
 import time
-from contextlib import nullcontext
 from pathlib import Path
 from typing import Any, Mapping, Optional
 
@@ -103,21 +102,12 @@ class MultiTurnPipeline(LocalRolloutPipeline):
         return groups, metrics
 
     def _generate(self, prompt_ids: list[list[int]], n: int, max_tokens: int, seed: Optional[int]) -> list[list[Completion]]:
-        """One round of model turns through the server's gate, at the endpoint served now."""
-        ctx = self.ctx
-        with ctx.generation_gate.generating() if ctx.generation_gate is not None else nullcontext():
-            endpoint = ctx.endpoint()  # inside the gate: a restart it waited for may have moved the server
-            outs = self._client(endpoint).generate(
-                prompt_ids, n=n, max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p,
-                model=endpoint.model, detokenize=False, logprobs=self.rollout_logprobs,
-                **({} if seed is None else {"seed": seed}),
-            )
-        for c in (c for per_prompt in outs for c in per_prompt):
-            if c.weight_version < 0 or c.last_weight_version < c.weight_version:
-                raise RuntimeError(f"inference server at {endpoint.base_url} reported weight versions "
-                                   f"{c.weight_version} .. {c.last_weight_version} for a turn; multi-turn rollouts "
-                                   "need grpo.inference.server's /generate, which reports them")
-        return outs
+        """One round of model turns from the policy served now (the run's generation handle: through the server's
+        gate, at the endpoint read anew, every turn's weight versions checked)."""
+        return self.ctx.generation.generate(
+            prompt_ids, n=n, max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p,
+            logprobs=self.rollout_logprobs, **({} if seed is None else {"seed": seed}),
+        )
 
     def _groups(self, episodes: list[list[Trajectory]]) -> tuple[list[Group], dict[str, float]]:
         """Each prompt's episodes as one group, scored by `episode_return` (the rewards on their answers and the

@@ -36,8 +36,8 @@ time on the 2-core CPU machine, bench/README.md). Needs n <= capacity and an inn
 may run in several threads (`concurrent_batches`: LocalRolloutPipeline). Batches are taken in index order whatever
 order they finish in.
 
-Syncs with generation in flight: the inner pipeline generates through the server's `GenerationGate`
-(`PipelineContext.generation_gate`), so a sync that restarts the server drains the producer's requests first and
+Syncs with generation in flight: the inner pipeline generates through the server's `GenerationGate` (its
+`PipelineContext.generation` passes it), so a sync that restarts the server drains the producer's requests first and
 holds new ones until the server is back; what each mode does and the stall it causes (`sync/gen_stall_seconds`) is
 in docs/async.md.
 
@@ -175,7 +175,7 @@ class AsyncRollouts(DataPipeline):
         dropped = 0
         while True:
             batch = self._take()
-            current = self.ctx.endpoint().version
+            current = self.ctx.generation.version()
             fresh = [g for g in batch.groups if self._lag(g, current) <= self.max_staleness]
             stale = len(batch.groups) - len(fresh)
             dropped += stale
