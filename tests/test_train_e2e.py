@@ -151,6 +151,10 @@ def test_multirun_of_the_cpu_experiments_with_report_and_clean_teardown(tmp_path
         # server.launch_early: each job's vLLM started before its tokenizer loaded; the job waited only for the rest.
         clock = json.loads((job / "summary.json").read_text())["wall_clock"]
         assert clock["startup_at"]["server_launched_seconds"] < clock["startup_at"]["server_ready_seconds"], name
+        # The start-up's moments in the order the build reaches them, all before the loop's start.
+        moments = [clock["startup_at"][f"{m}_seconds"] for m in ("server_ready", "model_loaded", "optimizer_built",
+                                                                 "data_ready")]
+        assert moments == sorted(moments) and moments[-1] <= clock["startup_seconds"], (name, moments)
         assert clock["startup"]["server_wait_seconds"] > 0 and "server_start_seconds" not in clock["startup"], name
     assert "last10_reward_mean" in table and (sweep / "rewards.png").exists()
     # The port of the last job's server is free again.

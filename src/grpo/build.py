@@ -161,6 +161,7 @@ def build_parts(cfg: DictConfig, run_dir: Path, reuse_server: bool = False,
     except BaseException:
         sync.shutdown()  # the server started early stops with the run
         raise
+    clock.mark("parts_built")
     return RunParts(cfg=cfg, run_dir=run_dir, dist=dist_info, device=device, model_dir=model_dir,
                     tokenizer=sync_ctx.tokenizer, resume=resume_ckpt, sync=sync, sync_ctx=sync_ctx, loss_fn=loss_fn,
                     data=data, evaluator=evaluator, generation=generation_handle(sync) if rank0 else None,
@@ -283,8 +284,10 @@ def build_trainer(parts: RunParts) -> GRPOTrainer:
     model = build_model(cfg, sync, sync_ctx, parts.resume, parts.device, parts.dist)
     reference = build_reference_policy(cfg, parts.loss_fn, sync, sync_ctx, model, parts.device, parts.dist)
     clock.add_startup("model_load", time.perf_counter() - t_launched)
+    clock.mark("model_loaded")
     optimizer = build_optimizer(model, cfg.optimizer)
     scheduler = build_scheduler(optimizer, cfg.train.lr_schedule, cfg.train.warmup_steps, cfg.train.steps)
+    clock.mark("optimizer_built")
     log.info("optimizer %s lr %g", type(optimizer).__name__, cfg.optimizer.lr)
     source = data if parts.dist is None else (LeaderPipeline(data) if data is not None else FollowerPipeline())
     checkpoints = CheckpointManager(run_dir, keep=cfg.train.keep_checkpoints)
@@ -300,6 +303,7 @@ def build_trainer(parts: RunParts) -> GRPOTrainer:
     first_batch, total_batches = rollout_batches(cfg.train, start_step, start_batch)
     if data is not None:
         data.setup(pipeline_context(cfg, tokenizer, parts.generation, model, run_dir, first_batch, total_batches))
+    clock.mark("data_ready")
     # A resumed run's metrics.jsonl starts with the earlier rows up to the checkpoint (from the resumed run dir when
     # this one is another), so metrics, curves.png and grpo.report show the whole run.
     parts.metrics = MetricsLogger(run_dir, cfg.logging, cfg, cfg.train.steps, start_step,

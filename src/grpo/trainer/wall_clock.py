@@ -45,7 +45,10 @@ class WallClock:
             _process_start_claimed = True
         self.origin = origin
         self.startup: dict[str, float] = {}
-        # When named moments of the start-up happened (time.time()): `imported`, `server_launched`, `server_ready`.
+        # When named moments of the start-up happened (time.time()), in their order: `imported`, `server_launched`,
+        # `parts_built` (config, tokenizer, sync, data and evaluator objects), `server_ready`, `model_loaded`,
+        # `optimizer_built`, `data_ready` (the data source set up on the server); the loop's start (`startup_seconds`)
+        # ends the start-up.
         self.marks: dict[str, float] = {}
         self.parts = dict.fromkeys(LOOP_PARTS, 0.0)
         self.loop_start: Optional[float] = None
@@ -56,7 +59,7 @@ class WallClock:
         self.startup[part] = self.startup.get(part, 0.0) + seconds
 
     def mark(self, event: str, at: Optional[float] = None) -> None:
-        """Note that `event` (`imported`, `server_launched`, `server_ready`) happened `at` (time.time(); default now);
+        """Note that `event` (one of the moments above) happened `at` (time.time(); default now);
         the summary gives it in seconds from the clock's origin. Its first note counts; one before the origin (the
         process's imports, for a sweep's later job) is none of this job's."""
         at = time.time() if at is None else at
