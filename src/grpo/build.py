@@ -1,6 +1,7 @@
 """A run's components built from its config, node by node, and wired to the trainer (see docs/architecture.md).
 
-`build_parts` builds what needs no server (processes, model dir, sync strategy, loss, data source, evaluator), then
+`build_parts` builds what needs no server (processes, model dir, sync strategy, loss, data source, evaluator) and
+the run's server session (grpo.serving.session: the server's lifecycle, serving the sync strategy's weights), then
 starts the server's processes without waiting for them (`server.launch_early`) and loads the tokenizer while vLLM
 starts; `build_trainer` waits for the server (launches it, with `server.launch_early=false`) and builds the model,
 optimizer, metrics and the trainer, restoring a checkpoint; `RunParts.close` tears everything down in reverse order,
@@ -36,6 +37,7 @@ from grpo.run_records import release_device_memory
 from grpo.run_summary import check_objective
 from grpo.schema import ServerConfig
 from grpo.serving.checks import check_server_fits_model
+from grpo.serving.session import ServerSession
 from grpo.sync.base import SyncContext, SyncStrategy
 from grpo.sync.follower import FollowerSync
 from grpo.trainer import fsdp
@@ -64,8 +66,10 @@ class RunParts:
     tokenizer: Any
     resume: Path | None  # the checkpoint this run resumes from
     sync: SyncStrategy
-    # What the sync launches its server with (the server may be starting already: `server_started_early`).
+    # The run the sync serves, what its server launches with.
     sync_ctx: SyncContext
+    # The run's server, serving the sync's weights (it may be starting already: `server_started_early`).
+    server: ServerSession
     loss_fn: PolicyLoss
     data: DataPipeline | None
     evaluator: Evaluator | None
@@ -94,9 +98,7 @@ class RunParts:
         job when the run `completed` as a sweep's job that keeps it (`reuse_server`, grpo.serving.kept)."""
         steps = [part.close for part in (self.metrics, self.evaluator, self.data, self.trainer) if part is not None]
         keep = completed and self.reuse_server and self.sync.reuses_server
-        # A mode of your own may define shutdown() without the argument.
-        shutdown = (lambda: self.sync.shutdown(keep_server=True)) if keep else self.sync.shutdown
-        steps += [release_device_memory, shutdown] + ([fsdp.destroy] if self.dist is not None else [])
+        steps += [release_device_memory, lambda: self.server.shutdown(keep=keep)] + ([fsdp.destroy] if self.dist is not None else [])
         self.trainer = None  # `steps` holds trainer.close until it runs, then nothing keeps the trainer
         errors: list[Exception] = []
         while steps:
@@ -150,26 +152,26 @@ def build_parts(cfg: DictConfig, run_dir: Path, reuse_server: bool = False,
     sync_ctx = SyncContext(run_dir=run_dir, model_dir=Path(model_dir), server_cfg=cfg.server, lora_cfg=cfg.lora,
                            resume_weights=resume_ckpt, reuse_server=reuse_server)
     clock = clock if clock is not None else WallClock()
-    early = start_server_early(cfg, sync, sync_ctx, rank0, clock)
+    server = ServerSession(sync, sync_ctx)
+    early = start_server_early(cfg, server, rank0, clock)
     try:
         check_optimizer_settings(cfg)  # torch._dynamo's import, while vLLM starts
         sync_ctx.tokenizer = load_tokenizer(model_dir)  # transformers' import and the tokenizer, while vLLM starts
     except BaseException:
-        sync.shutdown()  # the server started early stops with the run
+        server.shutdown()  # the server started early stops with the run
         raise
     return RunParts(cfg=cfg, run_dir=run_dir, dist=dist_info, device=device, model_dir=model_dir,
-                    tokenizer=sync_ctx.tokenizer, resume=resume_ckpt, sync=sync, sync_ctx=sync_ctx, loss_fn=loss_fn,
-                    data=data, evaluator=evaluator, reuse_server=reuse_server, clock=clock,
+                    tokenizer=sync_ctx.tokenizer, resume=resume_ckpt, sync=sync, sync_ctx=sync_ctx, server=server,
+                    loss_fn=loss_fn, data=data, evaluator=evaluator, reuse_server=reuse_server, clock=clock,
                     server_started_early=early)
 
 
-def start_server_early(cfg: DictConfig, sync: SyncStrategy, sync_ctx: SyncContext, rank0: bool,
-                       clock: WallClock) -> bool:
+def start_server_early(cfg: DictConfig, server: ServerSession, rank0: bool, clock: WallClock) -> bool:
     """With `server.launch_early` (rank 0): start the server's processes now, without waiting for them; True when
     started (the wall clock notes the moment: summary.json's `startup_at.server_launched_seconds`)."""
     if not (rank0 and cfg.server.get("launch_early", ServerConfig.launch_early)):
         return False
-    started = sync.start_server_early(sync_ctx)
+    started = server.start_early()
     if started:
         clock.mark("server_launched")
     return started
@@ -263,11 +265,11 @@ def build_trainer(parts: RunParts) -> GRPOTrainer:
     if data is not None:
         data.start_workers()  # reward workers spawn while the server starts, not after the model's load
     t0, launch_at = time.perf_counter(), time.time()
-    sync.launch(sync_ctx)  # waits for a server started early
+    parts.server.launch()  # waits for a server started early
     t_launched = time.perf_counter()
     # Started early, the server started beside the tokenizer's load: what is left is the wait for it.
     clock.add_startup("server_wait" if parts.server_started_early else "server_start", t_launched - t0)
-    if sync.server.replicas and not (sync.server.external or sync.server.reused):  # started by this run
+    if parts.server.started_here:
         clock.mark("server_launched", at=launch_at)  # the early start's own mark stays
         clock.mark("server_ready")
     model = build_model(cfg, sync, sync_ctx, parts.resume, parts.device, parts.dist)
@@ -289,7 +291,7 @@ def build_trainer(parts: RunParts) -> GRPOTrainer:
         log.info("resumed from %s at step %d", parts.resume, start_step)
     first_batch, total_batches = rollout_batches(cfg.train, start_step, start_batch)
     if data is not None:
-        data.setup(pipeline_context(cfg, tokenizer, sync, model, run_dir, first_batch, total_batches))
+        data.setup(pipeline_context(cfg, tokenizer, parts.server, model, run_dir, first_batch, total_batches))
     # A resumed run's metrics.jsonl starts with the earlier rows up to the checkpoint (from the resumed run dir when
     # this one is another), so metrics, curves.png and grpo.report show the whole run.
     parts.metrics = MetricsLogger(run_dir, cfg.logging, cfg, cfg.train.steps, start_step,
@@ -312,21 +314,21 @@ def setup_evaluator(parts: RunParts) -> None:
     if parts.evaluator is None:
         return
     cfg = parts.cfg
-    parts.evaluator.setup(EvalContext(tokenizer=parts.tokenizer, endpoint=parts.sync.endpoint, run_dir=parts.run_dir,
+    parts.evaluator.setup(EvalContext(tokenizer=parts.tokenizer, endpoint=parts.server.endpoint, run_dir=parts.run_dir,
                                       seed=cfg.train.seed, total_steps=cfg.train.steps,
                                       max_seq_len=cfg.model.max_seq_len,
                                       updates_per_batch=updates_per_batch(cfg.train)))
 
 
-def pipeline_context(cfg: DictConfig, tokenizer: Any, sync: SyncStrategy, model: torch.nn.Module, run_dir: Path,
+def pipeline_context(cfg: DictConfig, tokenizer: Any, server: ServerSession, model: torch.nn.Module, run_dir: Path,
                      first_batch: int, total_batches: int) -> PipelineContext:
     """What the data source learns at setup: the server's endpoint, the loop's batch and its shape, the rollout
     batches to produce (from `first_batch` of `total_batches`), where and how often the run saves."""
     return PipelineContext(
-        tokenizer=tokenizer, endpoint=sync.endpoint, batch_size=cfg.train.micro_batch_size * cfg.train.grad_accum,
+        tokenizer=tokenizer, endpoint=server.endpoint, batch_size=cfg.train.micro_batch_size * cfg.train.grad_accum,
         max_seq_len=cfg.model.max_seq_len, run_dir=run_dir, total_steps=total_batches, start_step=first_batch,
         checkpoint_every=cfg.train.checkpoint_every, seed=cfg.train.seed, max_staleness=cfg.train.max_staleness,
-        generation_gate=sync.server.gate,
+        generation_gate=server.gate,
         batch_shape=BatchShape(
             micro_batch_size=cfg.train.micro_batch_size, max_seq_len=cfg.model.max_seq_len,
             pad_token_id=tokenizer.pad_token_id, vocab_size=model.get_input_embeddings().num_embeddings,
