@@ -8,10 +8,10 @@ hung when the reload fails is a crash: restarted through the health check (count
 
 `reload=background` runs that in-place reload on a thread of its own: the sync returns once the weights are saved,
 and the trainer goes on with the next rollout batch (asynchronous rollouts, `train.max_staleness >= 1`) while vLLM
-loads them. Generation waits for the reload (`endpoint()` blocks until it has landed), so no request is admitted on
-weights older than the version the trainer reports; the next sync, an evaluation and the end of the run wait for it
-too, and a reload that failed is redone there, on the trainer's thread, through the path above (health check,
-restart).
+loads them. Generation waits for the reload (the server session's `endpoint()` blocks in `await_served_weights` until
+it has landed), so no request is admitted on weights older than the version the trainer reports; the next sync, an
+evaluation and the end of the run wait for it too, and a reload that failed is redone there, on the trainer's thread,
+through the path above (health check, restart).
 
 Under torchrun (FSDP2) only rank 0 holds this strategy; its sync gathers the full state dict, which the other
 ranks join through `grpo.sync.follower.FollowerSync` (`fsdp_gather = "state_dict"`), then rank 0 alone saves
