@@ -46,6 +46,7 @@ def bench_mode(mode: str, model_dir: Path, syncs: int) -> dict:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from conftest import server_cfg
+    from grpo.serving.session import ServerSession
     from grpo.sync.base import SyncContext
     from test_sync_modes import lora_model, optimizer_step, trainer_logprobs
 
@@ -54,7 +55,8 @@ def bench_mode(mode: str, model_dir: Path, syncs: int) -> dict:
         ctx = SyncContext(run_dir=Path(run_dir), model_dir=model_dir, server_cfg=server_cfg(),
                           tokenizer=AutoTokenizer.from_pretrained(model_dir))  # fmt: skip
         t0 = time.perf_counter()
-        sync.launch(ctx)
+        session = ServerSession(sync, ctx)
+        session.launch()
         launch_s = time.perf_counter() - t0
         try:
             model = sync.load_model(ctx)  # shared_vllm: views of the server's own tensors
@@ -74,7 +76,7 @@ def bench_mode(mode: str, model_dir: Path, syncs: int) -> dict:
                 print(f"{mode} sync {step}: {m['sync/seconds']:.3f}s  |server-trainer| {m['check/abs_diff']:.1e}",
                       flush=True)  # fmt: skip
         finally:
-            sync.shutdown()
+            session.shutdown()
     secs = [r["sync/seconds"] for r in rows]
     return {
         "mode": mode,

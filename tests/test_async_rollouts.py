@@ -262,16 +262,8 @@ def test_generation_gate_drains_in_flight_requests_and_holds_new_ones():
     from grpo.sync.base import SyncStrategy
 
     class Restarting(SyncStrategy):
-        def launch(self, ctx):
-            pass
-
         def sync(self, model, step):
             return {}
-
-        base_url = "http://fake"
-
-        def shutdown(self):
-            pass
 
     sync = Restarting()
     events: list[str] = []

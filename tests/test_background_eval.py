@@ -79,7 +79,7 @@ class _SlowEval:
 
 def _beside(trainer, evaluator) -> None:
     trainer.evaluations.evaluator = evaluator
-    trainer.evaluations.background = evaluator.evals = _Watched(evaluator, trainer.sync.recover)
+    trainer.evaluations.background = evaluator.evals = _Watched(evaluator, trainer.sync.server.recover)
 
 
 @pytest.mark.parametrize("in_place", [False, True], ids=["weights_change_at_sync", "weights_change_at_optimizer_step"])

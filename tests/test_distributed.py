@@ -373,16 +373,6 @@ class _GatherSync(SyncStrategy):
         super().__init__()
         self.checksum, self.names = 0.0, []
 
-    def launch(self, ctx):
-        pass
-
-    @property
-    def base_url(self):
-        return "http://unused"
-
-    def shutdown(self):
-        pass
-
     def sync(self, model, step):
         self.names, self.checksum = [], 0.0
         for name, t in iter_full_params(model):

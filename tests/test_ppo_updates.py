@@ -59,19 +59,9 @@ class _Groups(DataPipeline):
 class _NoServer(SyncStrategy):
     """Counts syncs; serves nothing."""
 
-    def launch(self, ctx):
-        pass
-
-    @property
-    def base_url(self):
-        return "http://unused"
-
     def sync(self, model, step):
         self.version += 1
         return {"sync/seconds": 0.0, "sync/version": float(self.version)}
-
-    def shutdown(self):
-        pass
 
 
 def _trainer(model_dir: Path, run_dir: Path, steps: int, loss: GRPOLoss, start=None, **train) -> GRPOTrainer:

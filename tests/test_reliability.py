@@ -448,7 +448,7 @@ class _Part:
         if self.error is not None:
             raise self.error
 
-    def shutdown(self) -> None:
+    def shutdown(self, keep: bool = False) -> None:
         self.close()
 
 
@@ -462,7 +462,7 @@ def test_teardown_errors_after_the_runs_own_error_are_secondary_and_every_part_i
 
     def parts(closed: list[str]) -> RunParts:
         return RunParts(cfg=None, run_dir=Path("."), dist=None, device=torch.device("cpu"), model_dir="", tokenizer=None,
-                        resume=None, sync=_Part("server", closed, OSError("pid file")), sync_ctx=None, loss_fn=None,
+                        resume=None, sync=None, sync_ctx=None, server=_Part("server", closed, OSError("pid file")), loss_fn=None,
                         data=_Part("data", closed), evaluator=None, trainer=_Part("trainer", closed),
                         metrics=_Part("metrics", closed, PermissionError("metrics file")))
 

@@ -160,17 +160,21 @@ def replica_pair(vllm_server, tiny_qwen2_dir, tmp_path_factory):
         second.stop()
 
 
-def _attached_sync(sync, replica_pair, tiny_qwen2_dir, tmp_path, monkeypatch):
+def _attached(sync, replica_pair, tiny_qwen2_dir, tmp_path, monkeypatch):
+    """`sync` moving weights into both replicas of `replica_pair`, attached by the run's server session."""
     from transformers import AutoTokenizer
 
     from grpo.inference.identity import TOKEN_ENV
+    from grpo.serving.session import ServerSession
     from grpo.sync.base import SyncContext
 
     monkeypatch.setenv(TOKEN_ENV, replica_pair[0].token)
     urls = [server.url for server in replica_pair]
-    sync.launch(SyncContext(run_dir=tmp_path, model_dir=tiny_qwen2_dir, server_cfg=server_cfg(external_urls=urls),
-                            tokenizer=AutoTokenizer.from_pretrained(tiny_qwen2_dir)))
-    return sync
+    session = ServerSession(sync, SyncContext(run_dir=tmp_path, model_dir=tiny_qwen2_dir,
+                                              server_cfg=server_cfg(external_urls=urls),
+                                              tokenizer=AutoTokenizer.from_pretrained(tiny_qwen2_dir)))
+    session.launch()
+    return sync, session
 
 
 def _step_and_check_every_replica(sync, model, lr: float, step: int) -> None:
@@ -196,7 +200,7 @@ def test_mode_none_reloads_every_replica(replica_pair, tiny_qwen2_dir, tmp_path,
 
     from grpo.sync.save_and_reload import SaveAndReloadSync
 
-    sync = _attached_sync(SaveAndReloadSync(), replica_pair, tiny_qwen2_dir, tmp_path, monkeypatch)
+    sync, session = _attached(SaveAndReloadSync(), replica_pair, tiny_qwen2_dir, tmp_path, monkeypatch)
     model = AutoModelForCausalLM.from_pretrained(tiny_qwen2_dir, dtype=torch.float32)
     try:
         for step in (1, 2):
@@ -205,7 +209,7 @@ def test_mode_none_reloads_every_replica(replica_pair, tiny_qwen2_dir, tmp_path,
         assert arrival["sync/replica0/weights_match"] == arrival["sync/replica1/weights_match"] == 1.0, arrival
     finally:
         sync.server.each(lambda replica: replica.client.reload_weights(str(tiny_qwen2_dir), version=0))
-        sync.shutdown()  # attached: closes the clients, stops nothing
+        session.shutdown()  # attached: closes the clients, stops nothing
 
 
 @pytest.mark.vllm
@@ -213,8 +217,8 @@ def test_mode_lora_only_hot_swaps_into_every_replica(replica_pair, tiny_qwen2_di
     from grpo.sync.lora_hotswap import LoraHotSwapSync
     from test_sync_modes import lora_model
 
-    sync = _attached_sync(LoraHotSwapSync(adapter_prefix=f"replicas-{tmp_path.name}"), replica_pair, tiny_qwen2_dir,
-                          tmp_path, monkeypatch)
+    sync, session = _attached(LoraHotSwapSync(adapter_prefix=f"replicas-{tmp_path.name}"), replica_pair,
+                              tiny_qwen2_dir, tmp_path, monkeypatch)
     model = lora_model(tiny_qwen2_dir)
     try:
         for step in (1, 2, 3):
@@ -228,7 +232,7 @@ def test_mode_lora_only_hot_swaps_into_every_replica(replica_pair, tiny_qwen2_di
                 if name.startswith(f"replicas-{tmp_path.name}"):
                     replica.client.unload_lora(name)
             replica.client.set_weight_version(0)
-        sync.shutdown()
+        session.shutdown()
 
 
 # ---------------------------------------------------------------------------------------------------- a whole run

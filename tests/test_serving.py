@@ -1,6 +1,7 @@
 """The server layer (grpo.serving.InferenceServer) without vLLM: a dead replica is restarted alone, through the weight
 sync's `restore_replica`, counted and bounded by server.max_restarts; a healthy one is left alone. The processes are
-stand-ins that report their health (the real VLLMServer path is tests/test_reliability.py's)."""
+stand-ins that report their health (the real VLLMServer path is tests/test_reliability.py's). And the server session
+that runs it for a run's weight sync (grpo.serving.session; with vLLM in tests/test_sync_modes.py)."""
 
 from __future__ import annotations
 
@@ -98,3 +99,31 @@ def test_the_one_replica_accessors_refuse_several_and_shutdown_stops_every_repli
     with pytest.raises(RuntimeError, match="not launched"):
         InferenceServer().url  # noqa: B018
     assert InferenceServer().process is None
+
+
+def test_the_server_session_hands_the_sync_its_server_and_stops_it_once_the_sync_has_let_go(tmp_path):
+    """grpo.serving.session.ServerSession owns the server: the sync gets the session's server to move weights into
+    (`attach`); a sync that serves nothing (torchrun ranks > 0) starts nothing, early or not; at shutdown the sync
+    lets go first (`detach`), and the replicas stop even when that fails."""
+    from grpo.serving.session import ServerSession
+    from grpo.sync.base import SyncContext
+    from grpo.sync.follower import FollowerSync
+
+    order: list[str] = []
+
+    class LettingGo(FollowerSync):
+        def detach(self) -> bool:
+            order.append("detach")
+            raise OSError("the weight file could not be removed")
+
+    sync = LettingGo()
+    ctx = SyncContext(run_dir=tmp_path, model_dir=tmp_path, server_cfg=OmegaConf.create({}))
+    session = ServerSession(sync, ctx)
+    assert sync.server is session.server and sync.ctx is ctx
+    assert session.start_early() is False
+    session.launch()
+    assert session.server.replicas == [] and not session.started_here
+    session.server.replicas = [Replica(Client(), Process(101))]  # what a launch leaves, without vLLM
+    with pytest.raises(OSError, match="could not be removed"):
+        session.shutdown()
+    assert order == ["detach"] and session.server.replicas[0].process.stopped

@@ -14,6 +14,7 @@ import pytest
 
 from conftest import free_port
 from grpo.inference.client import ServerUnreachable
+from grpo.serving.server import InferenceServer
 from grpo.trainer.checkpoint import CheckpointManager
 from test_ppo_updates import _NoServer
 from test_reliability import train
@@ -21,21 +22,13 @@ from test_run_history import build_trainer, fit, latest_step, rows, steps
 from test_train_e2e import assert_clean
 
 
-class DyingSync(_NoServer):
-    """The server dies in the sync after `step` (its client's error, as train.py's strategies raise it); `recover`
-    restarts it while `restarts` are left, as SyncStrategy.recover (the server's) does."""
+class RestartingServer(InferenceServer):
+    """A server without replicas whose `recover` restarts a dead one while `restarts` are left, as
+    InferenceServer.recover does (bounded by server.max_restarts)."""
 
-    def __init__(self, step: int, restarts: int, error: BaseException | None = None) -> None:
+    def __init__(self, restarts: int) -> None:
         super().__init__()
-        self.dies_at, self.restarts_left = step, restarts
-        self.error = error or ServerUnreachable("inference server at http://127.0.0.1:1 is not answering")
-        self.recovered = 0
-
-    def sync(self, model, step):
-        if step == self.dies_at:
-            self.dies_at = -1  # the restarted server takes the next sync
-            raise self.error
-        return super().sync(model, step)
+        self.restarts_left, self.recovered = restarts, 0
 
     def recover(self, error):
         if not isinstance(error, ServerUnreachable) or not self.restarts_left:
@@ -45,13 +38,30 @@ class DyingSync(_NoServer):
         return True
 
 
+class DyingSync(_NoServer):
+    """The server dies in the sync after `step` (its client's error, as train.py's strategies raise it); the
+    server's `recover` restarts it while `restarts` are left."""
+
+    def __init__(self, step: int, restarts: int, error: BaseException | None = None) -> None:
+        super().__init__()
+        self.dies_at = step
+        self.error = error or ServerUnreachable("inference server at http://127.0.0.1:1 is not answering")
+        self.server = RestartingServer(restarts)
+
+    def sync(self, model, step):
+        if step == self.dies_at:
+            self.dies_at = -1  # the restarted server takes the next sync
+            raise self.error
+        return super().sync(model, step)
+
+
 def test_a_server_that_dies_in_a_sync_is_restarted_and_the_sync_done_again(tiny_qwen2_dir, tmp_path):
     """Before: the sync's ServerUnreachable ended the run although a restart was allowed, and step 2 had no row."""
     run = tmp_path / "run"
     trainer = build_trainer(tiny_qwen2_dir, run, steps=4)
     trainer.sync = sync = DyingSync(step=2, restarts=1)
     fit(trainer)
-    assert sync.recovered == 1
+    assert sync.server.recovered == 1
     assert steps(run) == [1, 2, 3, 4]
     assert [r["sync/version"] for r in rows(run)] == [1, 2, 3, 4]  # step 2's weights were synced after all
     assert latest_step(run) == 4

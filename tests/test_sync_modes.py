@@ -72,10 +72,19 @@ def make_ctx(tmp_path, model_dir, **cfg):
     )
 
 
-def shutdown_and_check(sync) -> None:
-    pgid = sync.server.process.pid
-    sync.shutdown()
-    sync.shutdown()  # idempotent
+def serve(sync, ctx):
+    """The server session of a run of `sync` (grpo.serving.session, as grpo.build builds it), launched."""
+    from grpo.serving.session import ServerSession
+
+    session = ServerSession(sync, ctx)
+    session.launch()
+    return session
+
+
+def shutdown_and_check(session) -> None:
+    pgid = session.server.process.pid
+    session.shutdown()
+    session.shutdown()  # idempotent
     assert not process_group_alive(pgid), "a process of the server's group survived shutdown"
 
 
@@ -86,7 +95,7 @@ def test_mode_none_reloads_in_place(tmp_path, tiny_qwen2_dir):
     from grpo.sync.save_and_reload import SaveAndReloadSync
 
     sync = SaveAndReloadSync()
-    sync.launch(make_ctx(tmp_path, tiny_qwen2_dir, enforce_eager=True))  # no torch.compile: ~12 s less start-up
+    session = serve(sync, make_ctx(tmp_path, tiny_qwen2_dir, enforce_eager=True))  # no torch.compile: ~12 s less
     try:
         pid = sync.server.process.pid
         model = AutoModelForCausalLM.from_pretrained(tiny_qwen2_dir, dtype=torch.float32)
@@ -103,7 +112,7 @@ def test_mode_none_reloads_in_place(tmp_path, tiny_qwen2_dir):
             "sync/arrival_check_seconds": 0}
         assert sorted(p.name for p in (tmp_path / "served_weights").iterdir()) == ["v2"]
     finally:
-        shutdown_and_check(sync)
+        shutdown_and_check(session)
 
 
 @pytest.mark.vllm
@@ -119,7 +128,7 @@ def test_mode_none_background_reload_lands_before_generation_and_a_failed_one_is
     from grpo.sync.save_and_reload import SaveAndReloadSync
 
     sync = SaveAndReloadSync(reload="background")
-    sync.launch(make_ctx(tmp_path, tiny_qwen2_dir, enforce_eager=True))
+    session = serve(sync, make_ctx(tmp_path, tiny_qwen2_dir, enforce_eager=True))
     try:
         model = AutoModelForCausalLM.from_pretrained(tiny_qwen2_dir, dtype=torch.float32)
         optimizer_step(model, 1e-3)
@@ -128,7 +137,7 @@ def test_mode_none_background_reload_lands_before_generation_and_a_failed_one_is
         seen = {}
 
         def producer() -> None:  # what the rollout producer does: endpoint(), then sample at once
-            endpoint = sync.endpoint()
+            endpoint = session.endpoint()
             (gen,) = sync.server.client.generate([SEQ[:4]], n=1, max_tokens=3, model=endpoint.model)
             seen["version"] = gen[0].weight_version
 
@@ -152,7 +161,7 @@ def test_mode_none_background_reload_lands_before_generation_and_a_failed_one_is
 
         sync.server.client.reload_weights = failing_once
         metrics = sync.sync(model, 2)
-        sync.endpoint()  # on the trainer's thread (an evaluation): settles, redoing the failed reload
+        session.endpoint()  # on the trainer's thread (an evaluation): settles, redoing the failed reload
         assert len(calls) == 2 and sync.version == 2
         server = torch.tensor(sync.server.client.prompt_logprobs(SEQ, model=sync.served_model))
         assert (server - trainer_logprobs(model)).abs().max() < 1e-4
@@ -160,7 +169,7 @@ def test_mode_none_background_reload_lands_before_generation_and_a_failed_one_is
         sync.sync(model, 3)
         assert sorted(p.name for p in (tmp_path / "served_weights").iterdir()) in (["v2", "v3"], ["v3"])
     finally:
-        shutdown_and_check(sync)
+        shutdown_and_check(session)
 
 
 @pytest.mark.vllm
@@ -168,7 +177,7 @@ def test_mode_lora_restart(tmp_path, tiny_qwen2_dir):
     from grpo.sync.lora_restart import LoraRestartSync
 
     sync = LoraRestartSync()
-    sync.launch(make_ctx(tmp_path, tiny_qwen2_dir))
+    session = serve(sync, make_ctx(tmp_path, tiny_qwen2_dir))
     try:
         old_pid = sync.server.process.pid
         model = lora_model(tiny_qwen2_dir)
@@ -177,7 +186,7 @@ def test_mode_lora_restart(tmp_path, tiny_qwen2_dir):
         assert not process_group_alive(old_pid)
         assert "--enforce-eager" not in sync.server.process.command()
     finally:
-        shutdown_and_check(sync)
+        shutdown_and_check(session)
 
 
 @pytest.mark.vllm
@@ -185,7 +194,7 @@ def test_mode_lora_only_hot_swaps(tmp_path, tiny_qwen2_dir):
     from grpo.sync.lora_hotswap import LoraHotSwapSync
 
     sync = LoraHotSwapSync()
-    sync.launch(make_ctx(tmp_path, tiny_qwen2_dir))
+    session = serve(sync, make_ctx(tmp_path, tiny_qwen2_dir))
     try:
         pid = sync.server.process.pid
         model = lora_model(tiny_qwen2_dir)
@@ -198,7 +207,7 @@ def test_mode_lora_only_hot_swaps(tmp_path, tiny_qwen2_dir):
         assert "policy-v3" in served and "policy-v2" in served and "policy-v1" not in served
         assert sync.server.process.pid == pid and "--enforce-eager" not in sync.server.process.command()
     finally:
-        shutdown_and_check(sync)
+        shutdown_and_check(session)
 
 
 @pytest.mark.vllm
@@ -215,9 +224,10 @@ def test_lora_jobs_sharing_one_server_each_count_their_own_versions_and_unload_t
     client = vllm_server.client()
     global_version = client.weight_version()
     jobs = {name: LoraHotSwapSync(adapter_prefix=name, shared_server=True) for name in ("jobA", "jobB")}
+    sessions = []
     try:
         for name, sync in jobs.items():
-            sync.launch(make_ctx(tmp_path / name, tiny_qwen2_dir, external_url=vllm_server.url))
+            sessions.append(serve(sync, make_ctx(tmp_path / name, tiny_qwen2_dir, external_url=vllm_server.url)))
         model_a, model_b = lora_model(tiny_qwen2_dir), lora_model(tiny_qwen2_dir)
         for sync, model, step in ((jobs["jobA"], model_a, 1), (jobs["jobB"], model_b, 1), (jobs["jobA"], model_a, 2)):
             optimizer_step(model, 2e-2)
@@ -229,8 +239,8 @@ def test_lora_jobs_sharing_one_server_each_count_their_own_versions_and_unload_t
             assert sync.check_arrival(model)["sync/served_version"] == version
         assert client.weight_version() == global_version
     finally:
-        for sync in jobs.values():
-            sync.shutdown()
+        for session in sessions:
+            session.shutdown()
     assert [m for m in client.models() if m.startswith("job")] == []
     assert vllm_server.healthy()
     client.close()
@@ -251,7 +261,7 @@ def test_shared_vllm_on_the_cpu_trains_the_servers_own_memory_and_a_restart_keep
         pytest.skip("this machine has CUDA (the CUDA IPC path runs on the GPU kit)")
     sync = SharedMemorySync()
     ctx = make_ctx(tmp_path, tiny_qwen2_dir)
-    sync.launch(ctx)
+    session = serve(sync, ctx)
     try:
         model = sync.load_model(ctx)
         shared = sync.shared_file
@@ -273,7 +283,7 @@ def test_shared_vllm_on_the_cpu_trains_the_servers_own_memory_and_a_restart_keep
         assert (served - trained).abs().max() < 1e-4, "the restarted server serves other weights than the trainer's"
         check_moves(sync, model, lr=2e-2, step=2)  # and the trainer still trains the memory it serves
     finally:
-        shutdown_and_check(sync)
+        shutdown_and_check(session)
     assert not shared.exists()
 
 
@@ -406,6 +416,7 @@ def test_an_external_server_that_does_not_answer_is_a_config_error(tmp_path):
     from omegaconf import OmegaConf
 
     from grpo.config_values import ConfigError
+    from grpo.serving.session import ServerSession
     from grpo.sync.base import SyncContext
     from grpo.sync.save_and_reload import SaveAndReloadSync
 
@@ -415,4 +426,4 @@ def test_an_external_server_that_does_not_answer_is_a_config_error(tmp_path):
     ctx = SyncContext(run_dir=tmp_path, model_dir=tmp_path, server_cfg=OmegaConf.create({"external_url": url}))
     with pytest.raises(ConfigError, match=f"server.external_url={url} does not answer /health: start that server "
                                           "first"):
-        SaveAndReloadSync().launch(ctx)
+        ServerSession(SaveAndReloadSync(), ctx).launch()

@@ -51,6 +51,7 @@ def main() -> None:
     from grpo.models.loading import load_model
     from grpo.models.tiny import build_model_dir
     from grpo.schema import ServerConfig
+    from grpo.serving.session import ServerSession
     from grpo.sync.base import SyncContext
     from grpo.sync.nccl_broadcast import NCCLBroadcastSync
 
@@ -67,9 +68,11 @@ def main() -> None:
     run_dir = Path(tempfile.mkdtemp(prefix="broadcast_check_"))
     tok = AutoTokenizer.from_pretrained(model_dir)
     sync = NCCLBroadcastSync(bucket_mb=args.bucket_mb)
+    session = ServerSession(sync, SyncContext(run_dir=run_dir, model_dir=Path(model_dir), server_cfg=server_cfg,
+                                              tokenizer=tok))
     try:
         t0 = time.perf_counter()
-        sync.launch(SyncContext(run_dir=run_dir, model_dir=Path(model_dir), server_cfg=server_cfg, tokenizer=tok))
+        session.launch()
         res["launch_seconds"] = time.perf_counter() - t0  # server start + NCCL group
         res["vllm_workers"] = sync.world_size - 1
         model = load_model(str(model_dir), torch.float32 if tiny else torch.bfloat16, torch.device("cuda", 0), False)
@@ -111,7 +114,7 @@ def main() -> None:
             res["vllm_log_tail"] = sync.server.process.log_tail(60)
         raise
     finally:
-        sync.shutdown()
+        session.shutdown()
         Path(args.out).write_text(json.dumps(res, indent=1))
         print(json.dumps({k: v for k, v in res.items() if k not in ("rounds", "vllm_log_tail")}))
 

@@ -63,6 +63,7 @@ def main() -> None:
 
     from grpo.inference.client import InferenceClient
     from grpo.models.tiny import build_model_dir
+    from grpo.serving.session import ServerSession
     from grpo.sync.base import SyncContext
     from grpo.sync.shared_memory import SharedMemorySync
 
@@ -83,9 +84,10 @@ def main() -> None:
 
     sync = SharedMemorySync()
     ctx = SyncContext(run_dir=run_dir, model_dir=Path(model_dir), server_cfg=server_cfg, tokenizer=tok)
+    session = ServerSession(sync, ctx)
     try:
         t0 = time.perf_counter()
-        sync.launch(ctx)
+        session.launch()
         res["server_start_s"] = time.perf_counter() - t0
         res["device_used_gb_after_server"] = device_used_gb()
         t0 = time.perf_counter()
@@ -155,7 +157,7 @@ def main() -> None:
         if log_path.exists():
             res["vllm_log_tail"] = log_path.read_text(errors="replace")[-6000:]
     finally:
-        sync.shutdown()
+        session.shutdown()
         Path(args.out).write_text(json.dumps(res, indent=2, default=str))
         print(json.dumps({k: v for k, v in res.items() if k not in ("vllm_log_tail",)}, indent=2, default=str))
 

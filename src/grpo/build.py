@@ -1,6 +1,7 @@
 """A run's components built from its config, node by node, and wired to the trainer (see docs/architecture.md).
 
-`build_parts` builds what needs no server (processes, model dir, sync strategy, loss, data source, evaluator), then
+`build_parts` builds what needs no server (processes, model dir, sync strategy, loss, data source, evaluator) and
+the run's server session (grpo.serving.session: the server's lifecycle, serving the sync strategy's weights), then
 starts the server's processes without waiting for them (`server.launch_early`) and loads the tokenizer while vLLM
 starts; `build_trainer` waits for the server (launches it, with `server.launch_early=false`) and builds the model,
 optimizer, metrics and the trainer, restoring a checkpoint; `RunParts.close` tears everything down in reverse order,
@@ -37,6 +38,7 @@ from grpo.run_records import release_device_memory
 from grpo.run_summary import check_objective
 from grpo.schema import ServerConfig
 from grpo.serving.checks import check_server_fits_model
+from grpo.serving.session import ServerSession
 from grpo.sync.base import SyncContext, SyncStrategy
 from grpo.sync.follower import FollowerSync
 from grpo.trainer import fsdp
@@ -65,8 +67,10 @@ class RunParts:
     tokenizer: Any
     resume: Path | None  # the checkpoint this run resumes from
     sync: SyncStrategy
-    # What the sync launches its server with (the server may be starting already: `server_started_early`).
+    # The run the sync serves, what its server launches with.
     sync_ctx: SyncContext
+    # The run's server, serving the sync's weights (it may be starting already: `server_started_early`).
+    server: ServerSession
     loss_fn: PolicyLoss
     data: DataPipeline | None
     evaluator: Evaluator | None
@@ -98,9 +102,7 @@ class RunParts:
         steps = [part.close for part in (self.metrics, self.evaluator, self.data, self.generation, self.trainer)
                  if part is not None]
         keep = completed and self.reuse_server and self.sync.reuses_server
-        # A mode of your own may define shutdown() without the argument.
-        shutdown = (lambda: self.sync.shutdown(keep_server=True)) if keep else self.sync.shutdown
-        steps += [release_device_memory, shutdown] + ([fsdp.destroy] if self.dist is not None else [])
+        steps += [release_device_memory, lambda: self.server.shutdown(keep=keep)] + ([fsdp.destroy] if self.dist is not None else [])
         self.trainer = None  # `steps` holds trainer.close until it runs, then nothing keeps the trainer
         errors: list[Exception] = []
         while steps:
@@ -154,27 +156,28 @@ def build_parts(cfg: DictConfig, run_dir: Path, reuse_server: bool = False,
     sync_ctx = SyncContext(run_dir=run_dir, model_dir=Path(model_dir), server_cfg=cfg.server, lora_cfg=cfg.lora,
                            resume_weights=resume_ckpt, reuse_server=reuse_server)
     clock = clock if clock is not None else WallClock()
-    early = start_server_early(cfg, sync, sync_ctx, rank0, clock)
+    server = ServerSession(sync, sync_ctx)
+    early = start_server_early(cfg, server, rank0, clock)
     try:
         check_optimizer_settings(cfg)  # torch._dynamo's import, while vLLM starts
         sync_ctx.tokenizer = load_tokenizer(model_dir)  # transformers' import and the tokenizer, while vLLM starts
     except BaseException:
-        sync.shutdown()  # the server started early stops with the run
+        server.shutdown()  # the server started early stops with the run
         raise
     clock.mark("parts_built")
     return RunParts(cfg=cfg, run_dir=run_dir, dist=dist_info, device=device, model_dir=model_dir,
-                    tokenizer=sync_ctx.tokenizer, resume=resume_ckpt, sync=sync, sync_ctx=sync_ctx, loss_fn=loss_fn,
-                    data=data, evaluator=evaluator, generation=generation_handle(sync) if rank0 else None,
-                    reuse_server=reuse_server, clock=clock, server_started_early=early)
+                    tokenizer=sync_ctx.tokenizer, resume=resume_ckpt, sync=sync, sync_ctx=sync_ctx, server=server,
+                    loss_fn=loss_fn, data=data, evaluator=evaluator,
+                    generation=generation_handle(server) if rank0 else None, reuse_server=reuse_server, clock=clock,
+                    server_started_early=early)
 
 
-def start_server_early(cfg: DictConfig, sync: SyncStrategy, sync_ctx: SyncContext, rank0: bool,
-                       clock: WallClock) -> bool:
+def start_server_early(cfg: DictConfig, server: ServerSession, rank0: bool, clock: WallClock) -> bool:
     """With `server.launch_early` (rank 0): start the server's processes now, without waiting for them; True when
     started (the wall clock notes the moment: summary.json's `startup_at.server_launched_seconds`)."""
     if not (rank0 and cfg.server.get("launch_early", ServerConfig.launch_early)):
         return False
-    started = sync.start_server_early(sync_ctx)
+    started = server.start_early()
     if started:
         clock.mark("server_launched")
     return started
@@ -256,10 +259,10 @@ def build_sync(cfg: DictConfig, rank0: bool, resume_ckpt: Path | None) -> SyncSt
     return sync
 
 
-def generation_handle(sync: SyncStrategy) -> GenerationHandle:
-    """The run's one way to sample the policy, for the data source and the evaluator: the endpoint the sync strategy
-    serves (replicas, model or adapter name, version; read anew for every call) through its server's gate."""
-    return GenerationHandle(sync.endpoint, sync.server.gate)
+def generation_handle(server: ServerSession) -> GenerationHandle:
+    """The run's one way to sample the policy, for the data source and the evaluator: the endpoint the server session
+    serves (replicas, model or adapter name, version; read anew for every call) through its gate."""
+    return GenerationHandle(server.endpoint, server.gate)
 
 
 def build_trainer(parts: RunParts) -> GRPOTrainer:
@@ -274,11 +277,11 @@ def build_trainer(parts: RunParts) -> GRPOTrainer:
     if data is not None:
         data.start_workers()  # reward workers spawn while the server starts, not after the model's load
     t0, launch_at = time.perf_counter(), time.time()
-    sync.launch(sync_ctx)  # waits for a server started early
+    parts.server.launch()  # waits for a server started early
     t_launched = time.perf_counter()
     # Started early, the server started beside the tokenizer's load: what is left is the wait for it.
     clock.add_startup("server_wait" if parts.server_started_early else "server_start", t_launched - t0)
-    if sync.server.replicas and not (sync.server.external or sync.server.reused):  # started by this run
+    if parts.server.started_here:
         clock.mark("server_launched", at=launch_at)  # the early start's own mark stays
         clock.mark("server_ready")
     model = build_model(cfg, sync, sync_ctx, parts.resume, parts.device, parts.dist)

@@ -46,7 +46,7 @@ step (totals of this process; the queue is not checkpointed).
 
 Errors and stops. An exception in the producer (e.g. the server died) is stored at its batch's index and the
 producer claims no further index; the trainer raises it from `next_batch` when it reaches that index, as the
-synchronous path would, the sync strategy recovers (`sync.recover`: restarts a dead server, bounded by
+synchronous path would, the server recovers (`sync.server.recover`: restarts a dead replica, bounded by
 `server.max_restarts`) and the trainer's retry restarts the producer at the failed index. Each start is an epoch:
 batches past the failed one, and the threads still generating them, belong to the old epoch and are discarded (they
 are generated again, in order). The trainer's waits poll the producer, so a producer that died without
@@ -245,7 +245,7 @@ class AsyncRollouts(DataPipeline):
                 self._cond.wait(_POLL_S)
             batch = self._ready.pop(index)
             if batch.error is not None:
-                # The producer stops on this index; the trainer's retry (after sync.recover) restarts it here, in a new
+                # The producer stops on this index; the trainer's retry (after sync.server.recover) restarts it here, in a new
                 # epoch: batches generated past it are discarded (they are generated again, in order).
                 self._discard_epoch()
                 raise batch.error

@@ -130,7 +130,7 @@ class InferenceServer:
 
     def __init__(self) -> None:
         self.replicas: list[Replica] = []
-        # Rollouts generate through it (PipelineContext.generation_gate); restarting syncs drain and hold it.
+        # Rollouts generate through it (the run's grpo.pipeline.generation.GenerationHandle); restarting syncs drain and hold it.
         self.gate = GenerationGate()
         # Restarts of a dead or hung replica so far in this session (`server/restarts` in every metrics row).
         self.restarts = 0

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 import logging
 import time
 from abc import ABC, abstractmethod
@@ -14,10 +13,10 @@ from typing import Any, ClassVar, Iterator, Literal, Mapping, Optional, Sequence
 import torch.nn as nn
 
 from grpo.config_values import ConfigError, option
-from grpo.inference.client import Endpoint, InferenceServerError
+from grpo.inference.client import InferenceServerError
 from grpo.schema import ServerConfig
-from grpo.serving.kept import server_key
 from grpo.serving.server import InferenceServer, Replica
+from grpo.serving.session import ServerLaunch
 from grpo.sync.arrival import check_arrival
 
 log = logging.getLogger(__name__)
@@ -28,7 +27,8 @@ VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 
 @dataclass
 class SyncContext:
-    """What a sync strategy needs to start serving: where the run lives and which weights to serve first."""
+    """The run a sync strategy serves: where it lives and which weights it serves first (also what the run's
+    `ServerSession` launches the server for, grpo.serving.session.LaunchContext)."""
 
     run_dir: Path
     # HF-format directory of the initial weights (the base model for LoRA modes).
@@ -43,17 +43,6 @@ class SyncContext:
     # A sweep's job (server.reuse_across_jobs): take the server the job before kept, and keep it for the next one.
     reuse_server: bool = False
     extra: dict = field(default_factory=dict)
-
-
-@dataclass(frozen=True)
-class ServerLaunch:
-    """What a mode starts its server with (`SyncStrategy.server_launch`): the weights it loads, adapters preloaded,
-    extra environment and flags."""
-
-    model: Path
-    lora_modules: Mapping[str, Path] | None = None
-    env: Mapping[str, str] | None = None
-    extra_args: Sequence[str] = ()
 
 
 def worst_arrival(per_replica: Sequence[Mapping[str, float]]) -> dict[str, float]:
@@ -73,8 +62,10 @@ def worst_arrival(per_replica: Sequence[Mapping[str, float]]) -> dict[str, float
 
 
 class SyncStrategy(ABC):
-    """How trained weights reach the vLLM server. One instance per run; it holds the run's `InferenceServer`
-    (`.server`, grpo.serving), launches it with what its mode needs and moves the weights into it."""
+    """How trained weights reach the vLLM server. One instance per run: it declares what its mode's server starts
+    with (`server_launch`) and moves the weights into the server (`sync`). The server itself, its launch, restarts and
+    stop, is the run's `ServerSession`'s (grpo.serving.session), which hands it over (`attach`, then `.server`) and
+    asks the strategy for what only it knows: the weights a fresh, reset or restarted server must serve."""
 
     # The `mode=` option this strategy is (for messages).
     mode_name: ClassVar[str] = "?"
@@ -103,7 +94,8 @@ class SyncStrategy(ABC):
         self.sync_every = sync_every
         # Weight version served right now; rollouts carry it so a batch traces back to its weights.
         self.version = 0
-        # The server the weights go to; empty until `launch` (ranks > 0 under torchrun never launch one).
+        # The server the weights go to, handed over by the run's ServerSession (`attach`); until then one without
+        # replicas (torchrun ranks > 0 never serve one).
         self.server = InferenceServer()
         self.ctx: SyncContext | None = None
         self._stall_s = 0.0
@@ -144,59 +136,22 @@ class SyncStrategy(ABC):
                                   "only, not server.dtype=float32; set server.dtype=bfloat16 (the trainer keeps "
                                   "model.dtype)")
 
-    # ------------------------------------------------------------------ serving
-    @abstractmethod
-    def launch(self, ctx: SyncContext) -> None:
-        """Start (or attach to) the inference server serving the initial weights; a server `start_server_early`
-        started is waited for here instead of started again."""
-
+    # ------------------------------------------------------------------ what the server serves
     def server_launch(self, ctx: SyncContext) -> ServerLaunch | None:
-        """What `launch` starts the server with, for `start_server_early`; None (the default, for a mode of one's own
-        making) when the mode starts no server or starts it its own way: its server starts in `launch` then."""
+        """What this mode's server starts with (the weights it loads, adapters preloaded, environment, flags); the
+        run's `ServerSession` (grpo.serving.session) launches it. None (the default) when the strategy serves
+        nothing: no server is started (torchrun ranks > 0, a stand-in of one's own)."""
         return None
 
-    def start_server_early(self, ctx: SyncContext) -> bool:
-        """Start the server's processes now, without waiting for them (`server.launch_early`): the trainer's own
-        start-up (the tokenizer, the model, the data's and evaluator's setup) runs while vLLM starts, and `launch`
-        then waits for the processes started here. False when nothing was started: a mode without `server_launch`,
-        servers started elsewhere, a server a sweep's job before kept (`launch` takes it)."""
-        spec = self.server_launch(ctx)
-        if spec is None:
-            return False
-        return self.server.start_early(**self._launch_arguments(ctx, spec))
+    def attach(self, server: InferenceServer, ctx: SyncContext) -> None:
+        """The server this strategy moves weights to (the run's `ServerSession` hands it over before launching
+        it) and the run it serves."""
+        self.server, self.ctx = server, ctx
 
-    def _launch_arguments(self, ctx: SyncContext, spec: ServerLaunch) -> dict[str, Any]:
-        """`InferenceServer.launch`'s (and `start_early`'s) arguments for `spec` in this run."""
-        # A stable name across restarts and weight directories, so requests never need to change it; then the
-        # aliases in server.served_model_aliases (e.g. model.name) that Atropos environments may ask for.
-        served_names = [str(ctx.model_dir), *(option(ctx.server_cfg, "served_model_aliases", None) or [])]
-        reuse_key = None
-        if ctx.reuse_server and self.reuses_server and ctx.resume_weights is None:
-            reuse_key = server_key(mode=self.mode_name, model=str(spec.model), server=ctx.server_cfg,
-                                   lora_modules={k: str(v) for k, v in (spec.lora_modules or {}).items()},
-                                   enable_lora=self.uses_lora, env=dict(spec.env or {}),
-                                   extra_args=list(spec.extra_args), served_names=served_names)
-        return dict(server_cfg=ctx.server_cfg, weights=self, model=spec.model, run_dir=Path(ctx.run_dir),
-                    lora_modules=spec.lora_modules, enable_lora=self.uses_lora, env=spec.env,
-                    extra_args=spec.extra_args, served_names=served_names, reuse_key=reuse_key)
-
-    def _start_server(self, ctx: SyncContext, model: Path, *, lora_modules: Mapping[str, Path] | None = None,
-                      env: Mapping[str, str] | None = None, extra_args: Sequence[str] = ()) -> None:
-        """Launch `self.server` on `model` with what this mode needs (LoRA on, extra environment, extra flags)."""
-        self.ctx = ctx
-        launch = functools.partial(self.server.launch, **self._launch_arguments(
-            ctx, ServerLaunch(model, lora_modules=lora_modules, env=env, extra_args=tuple(extra_args))))
-        launch()
-        if not self.server.reused:
-            return
-        try:
-            self.reset_served_weights(model)
-        except InferenceServerError as error:  # the kept server broke: this job gets a new one
-            log.warning("resetting the vLLM server of the previous job failed (%s); starting a new one", error)
-            self.server.shutdown()
-            launch()  # nothing is kept now: a start-up
-            return
-        log.info("reusing the vLLM server of the previous job (weights reset to the initial model)")
+    def serve_initial_weights(self) -> None:
+        """The server is up (launched, attached, or taken from a sweep's job before and reset): put in place what
+        its command line does not load (a resumed adapter, a checkpoint into a server started elsewhere, the NCCL
+        group). Nothing by default."""
 
     def reset_served_weights(self, model: Path) -> None:
         """A server kept by a sweep's previous job of this mode: serve the initial weights `model` again at this
@@ -208,6 +163,16 @@ class SyncStrategy(ABC):
         the server's command line, e.g. hot-swapped adapters, put them back)."""
         replica.process.restart(weight_version=self.version)
 
+    def await_served_weights(self) -> None:
+        """Before generation reads the endpoint: a weight update still landing after `sync` returned lands first
+        (mode.reload=background). Nothing by default."""
+
+    def detach(self) -> bool:
+        """Before the server stops (or is kept for a sweep's next job): let go of it (end a weight update in
+        flight, unload this job's adapters from a shared server, drop a weight-transfer group). False when the server
+        must not be kept. Safe to call twice."""
+        return True
+
     def load_model(self, ctx: SyncContext) -> nn.Module | None:
         """Build the trainable model when the strategy owns its memory (shared_vllm); None = the usual loader."""
         return None
@@ -216,16 +181,6 @@ class SyncStrategy(ABC):
     def served_model(self) -> str | None:
         """Model name to put in requests (the adapter name in LoRA modes); None = the server's default."""
         return None
-
-    def endpoint(self) -> Endpoint:
-        """The server a pipeline or evaluator samples the current policy from (read it anew for every request
-        batch: a restart may move the server and a sync advances the version)."""
-        return self.server.endpoint(self.served_model, int(self.version))
-
-    def shutdown(self, keep_server: bool = False) -> None:
-        """Stop every process this strategy started (its server's). Safe to call twice. `keep_server` (a sweep's
-        job that completed): keep the server for the next job when it may be (InferenceServer.shutdown)."""
-        self.server.shutdown(keep=keep_server)
 
     # ------------------------------------------------------------------ moving weights
     def before_optimizer_step(self) -> None:
@@ -254,11 +209,6 @@ class SyncStrategy(ABC):
             log.warning("the arrival check after the sync to version %d failed: %s", self.version, error)
             return {"sync/arrival_check_failed": 1.0}
         return {**worst_arrival(per_replica), "sync/arrival_check_seconds": time.perf_counter() - t0}
-
-    def recover(self, error: BaseException) -> bool:
-        """`error` interrupted generation, an evaluation or a sync: True when the server restarted a replica that
-        had died (bounded by server.max_restarts), so the caller retries; False when it is not the server's."""
-        return self.server.recover(error)
 
     # ------------------------------------------------------------------ generation stall
     @contextmanager

@@ -7,12 +7,13 @@ from typing import Literal
 
 import torch.nn as nn
 
-from grpo.sync.base import SyncContext, SyncStrategy
+from grpo.sync.base import SyncStrategy
 from grpo.weights.params import drain_full_params, full_state_dict, full_trainable_params
 
 
 class FollowerSync(SyncStrategy):
-    """Ranks > 0: joins the full-weight gathers of rank 0's sync and keeps nothing.
+    """Ranks > 0: joins the full-weight gathers of rank 0's sync and keeps nothing; it serves nothing (no
+    `server_launch`: rank 0's server is the run's).
 
     `gather` is rank 0's strategy's `fsdp_gather`: "params" (mode=broadcast: `iter_full_params`), "state_dict"
     (mode=none: `full_state_dict`) or "adapter" (the LoRA modes: `full_trainable_params`, the adapter alone)."""
@@ -28,9 +29,6 @@ class FollowerSync(SyncStrategy):
         if gather not in ("params", "state_dict", "adapter"):
             raise ValueError(f"gather must be 'params', 'state_dict' or 'adapter', got {gather!r}")
         self.gather = gather
-
-    def launch(self, ctx: SyncContext) -> None:
-        """Nothing to start: rank 0 owns the server (this one's `server` stays empty)."""
 
     def sync(self, model: nn.Module, step: int) -> dict[str, float]:
         if self.gather == "state_dict":

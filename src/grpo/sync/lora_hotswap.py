@@ -21,7 +21,8 @@ import torch.nn as nn
 from grpo.config_values import ConfigError, option
 from grpo.schema import LoraHotSwapSyncConfig
 from grpo.serving.server import Replica, external_urls
-from grpo.sync.base import ServerLaunch, SyncContext, SyncStrategy
+from grpo.serving.session import ServerLaunch
+from grpo.sync.base import SyncContext, SyncStrategy
 from grpo.sync.lora_restart import save_adapter
 from grpo.sync.weight_dirs import prune, save_and_load
 
@@ -70,10 +71,9 @@ class LoraHotSwapSync(SyncStrategy):
     def server_launch(self, ctx: SyncContext) -> ServerLaunch:
         return ServerLaunch(Path(ctx.model_dir))  # a resumed adapter is loaded once the server answers
 
-    def launch(self, ctx: SyncContext) -> None:
-        self._start_server(ctx, self.server_launch(ctx).model)
-        if ctx.resume_weights:
-            self._current, self._current_dir = self._name(self.version), Path(ctx.resume_weights)
+    def serve_initial_weights(self) -> None:
+        if self.ctx.resume_weights:
+            self._current, self._current_dir = self._name(self.version), Path(self.ctx.resume_weights)
             self.server.each(lambda replica: replica.client.load_lora(self._current, str(self._current_dir)))
             self._set_version(self._current, self.version)
 
@@ -130,9 +130,9 @@ class LoraHotSwapSync(SyncStrategy):
         model = name if self.shared_server else None
         self.server.each(lambda replica: replica.client.set_weight_version(version, model=model))
 
-    def shutdown(self, keep_server: bool = False) -> None:
+    def detach(self) -> bool:
         """A shared server keeps serving the other jobs: unload this job's adapters from it (a failure is logged,
-        the server's owner stops it at the sweep's end); otherwise as every strategy."""
+        the server's owner stops it at the sweep's end)."""
         if self.shared_server and self.server.replicas:
             for name in (self._previous, self._current):
                 if name is None:
@@ -142,4 +142,4 @@ class LoraHotSwapSync(SyncStrategy):
                 except Exception as error:  # noqa: BLE001 - the server's owner stops it at the sweep's end anyway
                     log.warning("unloading adapter %s from the shared server failed: %s", name, error)
             self._previous = self._current = None
-        super().shutdown(keep_server)
+        return True

@@ -14,7 +14,8 @@ import torch.nn as nn
 from grpo.config_values import ConfigError
 from grpo.schema.sync import LoraRestartSyncConfig
 from grpo.serving.server import external_setting, external_urls
-from grpo.sync.base import ServerLaunch, SyncContext, SyncStrategy
+from grpo.serving.session import ServerLaunch
+from grpo.sync.base import SyncContext, SyncStrategy
 from grpo.sync.weight_dirs import prune, save_and_load
 from grpo.weights.hf_dir import save_model_weights
 from grpo.weights.params import full_trainable_params, is_sharded, trainable_bytes
@@ -58,10 +59,9 @@ class LoraRestartSync(SyncStrategy):
         adapter = Path(ctx.resume_weights) if ctx.resume_weights else None
         return ServerLaunch(Path(ctx.model_dir), lora_modules={self.adapter_name: adapter} if adapter else None)
 
-    def launch(self, ctx: SyncContext) -> None:
-        self._adapter_dir = Path(ctx.resume_weights) if ctx.resume_weights else None
-        spec = self.server_launch(ctx)
-        self._start_server(ctx, spec.model, lora_modules=spec.lora_modules)
+    def serve_initial_weights(self) -> None:
+        # A resumed adapter was preloaded by the server's command line (`server_launch`).
+        self._adapter_dir = Path(self.ctx.resume_weights) if self.ctx.resume_weights else None
 
     @property
     def served_model(self) -> str | None:

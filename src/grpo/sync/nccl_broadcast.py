@@ -35,7 +35,8 @@ from grpo.inference.launch_args import gpus_per_server
 from grpo.inference.weight_transfer import UPDATE_PHASES
 from grpo.schema import NCCLBroadcastSyncConfig
 from grpo.serving.server import Replica, external_urls
-from grpo.sync.base import ServerLaunch, SyncContext, SyncStrategy
+from grpo.serving.session import ServerLaunch
+from grpo.sync.base import SyncContext, SyncStrategy
 from grpo.sync.buckets import Bucket, pack_bucket, plan_buckets
 from grpo.sync.param_mapping import FUSED_PROJECTIONS, MappingError, normalize_vllm_name, plan_mapping
 from grpo.weights.params import iter_full_params
@@ -192,13 +193,13 @@ class NCCLBroadcastSync(SyncStrategy):
             WEIGHT_TRANSFER_FLAG, WEIGHT_TRANSFER_CONFIG]
         return ServerLaunch(Path(ctx.resume_weights or ctx.model_dir), extra_args=tuple(engine))
 
-    def launch(self, ctx: SyncContext) -> None:
-        spec = self.server_launch(ctx)
+    def serve_initial_weights(self) -> None:
+        """An attached server loads a resumed checkpoint; then the trainer and the server's workers join one NCCL
+        group."""
         self.device = torch.device("cuda", torch.cuda.current_device())
-        self._start_server(ctx, spec.model, extra_args=spec.extra_args)
-        if self.server.external and ctx.resume_weights:
-            self.server.each(lambda replica: replica.client.reload_weights(str(ctx.resume_weights),
-                                                                           version=self.version))
+        resume = self.ctx.resume_weights
+        if self.server.external and resume:
+            self.server.each(lambda replica: replica.client.reload_weights(str(resume), version=self.version))
         self._init_group()
 
     def _init_group(self) -> None:
@@ -314,9 +315,9 @@ class NCCLBroadcastSync(SyncStrategy):
                 raise MappingError(f"HF parameters with no vLLM counterpart: {missing}")
         self._checked = True
 
-    def shutdown(self, keep_server: bool = False) -> None:
+    def detach(self) -> bool:
         self.group = None
-        super().shutdown(keep_server=keep_server)
+        return True
 
 
 def _maps_by_name(hf_name: str, vllm_names: set[str]) -> bool:

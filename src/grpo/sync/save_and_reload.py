@@ -8,10 +8,10 @@ hung when the reload fails is a crash: restarted through the health check (count
 
 `reload=background` runs that in-place reload on a thread of its own: the sync returns once the weights are saved,
 and the trainer goes on with the next rollout batch (asynchronous rollouts, `train.max_staleness >= 1`) while vLLM
-loads them. Generation waits for the reload (`endpoint()` blocks until it has landed), so no request is admitted on
-weights older than the version the trainer reports; the next sync, an evaluation and the end of the run wait for it
-too, and a reload that failed is redone there, on the trainer's thread, through the path above (health check,
-restart).
+loads them. Generation waits for the reload (the server session's `endpoint()` blocks in `await_served_weights` until
+it has landed), so no request is admitted on weights older than the version the trainer reports; the next sync, an
+evaluation and the end of the run wait for it too, and a reload that failed is redone there, on the trainer's thread,
+through the path above (health check, restart).
 
 Under torchrun (FSDP2) only rank 0 holds this strategy; its sync gathers the full state dict, which the other
 ranks join through `grpo.sync.follower.FollowerSync` (`fsdp_gather = "state_dict"`), then rank 0 alone saves
@@ -30,10 +30,11 @@ from typing import Any
 import torch.nn as nn
 
 from grpo.config_values import ConfigError, option
-from grpo.inference.client import Endpoint, InferenceServerError
+from grpo.inference.client import InferenceServerError
 from grpo.schema import CheckpointRestartSyncConfig
 from grpo.serving.server import Replica, external_setting, external_urls
-from grpo.sync.base import ServerLaunch, SyncContext, SyncStrategy
+from grpo.serving.session import ServerLaunch
+from grpo.sync.base import SyncContext, SyncStrategy
 from grpo.sync.weight_dirs import prune, save_and_load
 from grpo.weights.params import save_full_weights
 
@@ -88,10 +89,9 @@ class SaveAndReloadSync(SyncStrategy):
     def server_launch(self, ctx: SyncContext) -> ServerLaunch:
         return ServerLaunch(Path(ctx.resume_weights or ctx.model_dir))
 
-    def launch(self, ctx: SyncContext) -> None:
-        self.served_dir = self.server_launch(ctx).model
-        self._start_server(ctx, self.served_dir)
-        if self.server.external and ctx.resume_weights:
+    def serve_initial_weights(self) -> None:
+        self.served_dir = self.server_launch(self.ctx).model
+        if self.server.external and self.ctx.resume_weights:
             # An attached server still serves whatever it had: load the checkpoint's weights into it.
             self.server.each(lambda replica: replica.client.reload_weights(str(self.served_dir), version=self.version))
 
@@ -148,20 +148,21 @@ class SaveAndReloadSync(SyncStrategy):
             self._pending = None
         return time.perf_counter() - t0
 
-    def endpoint(self) -> Endpoint:
-        """The server to sample from, once the weights of the version it reports are loaded: generation waits for a
-        background reload in flight (on the trainer's own thread, an evaluation, it is settled: redone if it failed)."""
+    def await_served_weights(self) -> None:
+        """Generation samples the weights of the version the server reports: it waits for a background reload in
+        flight (on the trainer's own thread, an evaluation, it is settled: redone if it failed)."""
         if threading.get_ident() == self._owner:
             self.settle()
         else:  # the producer's thread: set (no wait) unless a reload is in flight
             self._landed.wait()
-        return super().endpoint()
 
-    def shutdown(self, keep_server: bool = False) -> None:
-        landed = self._landed.wait(timeout=60)  # a background reload in flight ends before its server is stopped
+    def detach(self) -> bool:
+        """A background reload in flight ends before its server is stopped; a server it did not finish loading in
+        time is never kept."""
+        landed = self._landed.wait(timeout=60)
         if self._reloader is not None:
             self._reloader.shutdown(wait=False, cancel_futures=True)
-        super().shutdown(keep_server=keep_server and landed)
+        return landed
 
     def _serve_weights(self, out: Path, version: int) -> dict[str, float]:
         """Every replica serves `out` at `version`: reloaded in place (all at once), or restarted on it."""

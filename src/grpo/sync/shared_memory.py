@@ -34,7 +34,8 @@ from grpo.inference import vllm_plugin
 from grpo.inference.launch_args import parallel_sizes
 from grpo.schema.sync import SharedMemorySyncConfig
 from grpo.serving.server import Replica, replica_count
-from grpo.sync.base import ServerLaunch, SyncContext, SyncStrategy
+from grpo.serving.session import ServerLaunch
+from grpo.sync.base import SyncContext, SyncStrategy
 from grpo.sync.param_mapping import MappingError, build_views, plan_mapping
 
 log = logging.getLogger(__name__)
@@ -134,10 +135,6 @@ class SharedMemorySync(SyncStrategy):
         # parameters anyway: the variable changes nothing there).
         return ServerLaunch(Path(ctx.resume_weights or ctx.model_dir), env={vllm_plugin.PLAIN_GEMM_ENV: "1"})
 
-    def launch(self, ctx: SyncContext) -> None:
-        spec = self.server_launch(ctx)
-        self._start_server(ctx, spec.model, env=spec.env)
-
     def load_model(self, ctx: SyncContext) -> nn.Module:
         """The HF model whose parameters are views into the server's tensors."""
         from transformers import AutoConfig, AutoModelForCausalLM
@@ -205,12 +202,12 @@ class SharedMemorySync(SyncStrategy):
             replica.client.rpc("grpo_share_cpu_params", path=str(self.shared_file), create=False)
             replica.client.set_weight_version(self.version, reset_prefix_cache=True)
 
-    def shutdown(self, keep_server: bool = False) -> None:
-        try:
-            super().shutdown(keep_server=keep_server)
-        finally:
-            if self.shared_file is not None:
-                self.shared_file.unlink(missing_ok=True)  # the pages go once the trainer's views are gone too
+    def detach(self) -> bool:
+        if self.shared_file is not None:
+            # Only the name goes: the pages stay while the server and the trainer's views map them (a server kept
+            # for a sweep's next job keeps its copy; that job maps a file of its own).
+            self.shared_file.unlink(missing_ok=True)
+        return True
 
     def before_optimizer_step(self) -> None:
         # "keep": in-flight requests freeze (not aborted) and continue after resume. Generation stalls for the

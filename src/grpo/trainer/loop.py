@@ -98,8 +98,8 @@ class GRPOTrainer:
         # Where this session's wall clock goes (summary.json's wall_clock); a private one when none is given.
         self.clock = clock if clock is not None else WallClock()
         # Held-out eval (rank 0 only; none when off), blocking or beside training (grpo.trainer.evaluations); a
-        # server that died under one is restarted by the sync strategy's recover.
-        self.evaluations = LoopEvaluations(evaluator, lambda error: self.sync.recover(error), self.clock)
+        # server that died under one is restarted by the server's recover.
+        self.evaluations = LoopEvaluations(evaluator, lambda error: self.sync.server.recover(error), self.clock)
 
     def set_forward_path(self, train_cfg: TrainConfig, model: torch.nn.Module, device: torch.device,
                          logprob_fn: Optional[Callable[..., torch.Tensor]]) -> None:
@@ -365,10 +365,11 @@ class GRPOTrainer:
             mb.ref_logprobs = lp
 
     def fetch_batch(self) -> PreparedBatch:
-        """The next rollout batch (the data source is indexed by rollout batch, 0-based). A server that died while generating is restarted by the sync strategy (bounded by
+        """The next rollout batch (the data source is indexed by rollout batch, 0-based). A server that died while generating is restarted by the server (bounded by
         server.max_restarts; it raises when they are used up) and the step's generation runs again once."""
         faults.point("generate", self.step + 1)
-        return retried_after_recovery(lambda: self.pipeline.next_batch(self.batch_number), self.sync.recover)
+        return retried_after_recovery(lambda: self.pipeline.next_batch(self.batch_number),
+                                      lambda error: self.sync.server.recover(error))
 
     def forward_backward(self, batch: PreparedBatch) -> tuple[float, dict[str, float]]:
         """Gradients of the step's loss, accumulated over its micro-batches; (summed loss, token-weighted
@@ -482,7 +483,7 @@ class GRPOTrainer:
             # sync's gather is a collective the other ranks joined once.
             out = retried_after_recovery(
                 lambda: self.sync.sync(self.model, self.step),
-                lambda error: self.dist is None and self.sync.recover(error),
+                lambda error: self.dist is None and self.sync.server.recover(error),
                 lambda error: log.warning("step %d: the weight sync failed (%s); the server was restarted, syncing "
                                           "again", self.step, error))
             out |= self.sync.check_arrival(self.model)
