@@ -5,11 +5,13 @@ model makes (grpo.tasks.calculator.evaluate: integers, ``+ - *``, parentheses; n
 as a ``tool`` message, until the model answers without a call; the episode scores 1.0 when the answer is exactly the
 integer. `calculator_agent_without_tool` is the same task without the tool (one request, the question alone): the
 baseline the tool is measured against. `CalculatorQuestions` is the calculator task's items as bare questions (``482*771=``) with their answers.
+`AgentCalculatorTeacher` writes the agent's episodes as OpenAI messages, for a warm start (grpo.recipes.warmstart).
 """
 
 from __future__ import annotations
 
 import json
+import random
 from typing import Any
 
 from grpo.tasks.calculator import CalculatorError, LongArithmeticTask, evaluate, parse_integer
@@ -61,3 +63,28 @@ async def calculator_agent_without_tool(client: Any, item: Prompt) -> float:
     """One episode without the tool: the question alone (no system message, no tools), the answer scored."""
     response = await client.chat.completions.create(model="policy", messages=[{"role": "user", "content": item.text}])
     return float(parse_integer(response.choices[0].message.content or "") == int(item.answer))
+
+
+class AgentCalculatorTeacher:
+    """Demonstrations of `calculator_agent`'s episodes as OpenAI chat messages (grpo.recipes.warmstart renders them
+    with the agent's chat template, so a warm start learns the agent's own call format).
+
+    Every episode calls the tool: the system message and the question as the agent sends them, an assistant turn
+    holding one ``calculator`` call of the question's expression, the tool's value, and that value as the answer.
+    No episode states a product the tool did not give, and none is asked without the tool, so the warm start learns
+    to call and to copy, not the products: the same task without the tool (`calculator_agent_without_tool`) stays
+    what the model did before."""
+
+    tools = [CALCULATOR_TOOL]
+
+    def messages(self, task: CalculatorQuestions, prompt: Prompt, rng: random.Random) -> list[dict[str, Any]]:
+        """The episode of `prompt` (an item of `task`); `rng` is unused (every episode calls)."""
+        expression = task.expression_of(prompt)
+        if expression is None:
+            raise ValueError(f"AgentCalculatorTeacher: {prompt.text!r} is not an item of the task")
+        call = {"id": "call_0", "type": "function",
+                "function": {"name": "calculator", "arguments": json.dumps({"expression": expression})}}
+        return [{"role": "system", "content": SYSTEM}, {"role": "user", "content": prompt.text},
+                {"role": "assistant", "content": None, "tool_calls": [call]},
+                {"role": "tool", "tool_call_id": "call_0", "content": calculator(call["function"]["arguments"])},
+                {"role": "assistant", "content": str(prompt.answer)}]
