@@ -321,3 +321,55 @@ def test_a_vllm_tool_parser_reads_the_calls_of_its_format(tokenizer):
     assert json.loads(turn.tool_calls[0]["function"]["arguments"]) == {"expression": "2*3"}
     assert turn.content.strip() == "let me"
     assert not ToolParser("hermes", tokenizer).parse("no call", request, "c").tool_calls
+
+
+# ---------------------------------------------------------------- SmolLM2's warm start (model=smollm2_135m_warm_calc)
+def test_smollm2_warm_start_demonstrations_are_the_agents_calls_in_its_template(tmp_path):
+    """The preset's demonstrations are what experiment=smollm2_agent_calculator_warm's agent sends and would parse:
+    the first turn's prompt is the endpoint's rendering of the agent's first request (chat_template chatml_tools,
+    SmolLM2's tokenizer), the labelled turns are a <tool_call> block that tool_calls' json_tags parser reads back as
+    the calculator call of the item's expression, then the tool's value; the items are the experiment's task's
+    training items (its held-out set, never drawn)."""
+    import random as _random
+
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.utils import instantiate
+    from omegaconf import OmegaConf
+    from transformers import AutoTokenizer
+
+    from grpo.conf import CONFIG_DIR
+    from grpo.config import register_configs
+    from grpo.models.packaged import build_packaged_model_dir
+    from grpo.pipeline.tool_calls import ToolParser
+    from grpo.recipes.chat_demos import ChatEpisodes
+    from grpo.recipes.warmstart import WARMSTART_PRESETS
+    from grpo.tasks.agent_calculator import CALCULATOR_TOOL, SYSTEM
+
+    register_configs()
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
+        cfg = compose(config_name="train", overrides=["experiment=smollm2_agent_calculator_warm"])
+    preset = WARMSTART_PRESETS[cfg.model.offline]
+    assert preset["chat_template"] == cfg.data.chat_template and cfg.data.tool_parser == "json_tags"
+    task = instantiate(preset["task"])
+    assert task.eval_prompts() == instantiate(OmegaConf.to_container(cfg.data.task)).eval_prompts()
+    tokenizer = AutoTokenizer.from_pretrained(build_packaged_model_dir(preset["base"], progress=False))
+    task.bind_tokenizer(tokenizer)
+    episodes = ChatEpisodes(instantiate(preset["teacher"]), tokenizer, preset["chat_template"])
+    parser = ToolParser(cfg.data.tool_parser, tokenizer)
+    heldout = {p.text for p in task.eval_prompts()}
+    rng = _random.Random(0)
+    for item in task.sample(rng, 8):
+        assert item.text not in heldout
+        ids, labels = episodes.episode(task, item, rng, tokenizer)
+        first = next(i for i, lab in enumerate(labels) if lab != IGNORE_INDEX)
+        request = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": item.text}]
+        assert ids[:first] == tokenizer.encode(ChatPrompts(tokenizer, "chatml_tools").render(request, [CALCULATOR_TOOL]),
+                                               add_special_tokens=False)
+        turns = tokenizer.decode([t for t, lab in zip(ids, labels) if lab != IGNORE_INDEX]).split(tokenizer.eos_token)
+        assert turns[2:] == [""] and turns[1] == item.answer
+        call = parser.parse(turns[0], {"messages": request, "tools": [CALCULATOR_TOOL]}, "c")
+        assert call.content is None and [c["function"]["name"] for c in call.tool_calls] == ["calculator"]
+        assert json.loads(call.tool_calls[0]["function"]["arguments"]) == {"expression": task.expression_of(item)}
+        assert calculator(call.tool_calls[0]["function"]["arguments"]) == item.answer

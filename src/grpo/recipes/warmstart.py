@@ -110,7 +110,7 @@ WARMSTART_PRESETS: dict[str, dict[str, Any]] = {
         "chat_template": "chatml_tools",
         "threads": 2,
         "teacher": {"_target_": "grpo.tasks.agent_calculator.AgentCalculatorTeacher"},
-        "sft": {"steps": 32, "batch_size": 8, "lr": 1e-4, "warmup_steps": 4, "schedule": "cosine",
+        "sft": {"steps": 16, "batch_size": 8, "lr": 1e-4, "warmup_steps": 2, "schedule": "cosine",
                 "betas": [0.9, 0.999], "max_grad_norm": 1.0},
         "measure": {"max_new_tokens": 48, "temperature": 1.0, "sample_n": 4, "sample_prompts": 16},
     },
