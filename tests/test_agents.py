@@ -328,8 +328,8 @@ def test_smollm2_warm_start_demonstrations_are_the_agents_calls_in_its_template(
     """The preset's demonstrations are what experiment=smollm2_agent_calculator_warm's agent sends and would parse:
     the first turn's prompt is the endpoint's rendering of the agent's first request (chat_template chatml_tools,
     SmolLM2's tokenizer), the labelled turns are a <tool_call> block that tool_calls' json_tags parser reads back as
-    the calculator call of the item's expression, then the tool's value; the items are the experiment's task's
-    training items (its held-out set, never drawn)."""
+    the calculator call of the item's expression, then the tool's value (or, in the other episodes, the product at
+    once); the items are the experiment's task's training items (its held-out set, never drawn)."""
     import random as _random
 
     from hydra import compose, initialize_config_dir
@@ -360,16 +360,23 @@ def test_smollm2_warm_start_demonstrations_are_the_agents_calls_in_its_template(
     parser = ToolParser(cfg.data.tool_parser, tokenizer)
     heldout = {p.text for p in task.eval_prompts()}
     rng = _random.Random(0)
-    for item in task.sample(rng, 8):
+    request = [{"role": "system", "content": SYSTEM}]
+    calls = 0
+    for item in task.sample(rng, 12):
         assert item.text not in heldout
         ids, labels = episodes.episode(task, item, rng, tokenizer)
         first = next(i for i, lab in enumerate(labels) if lab != IGNORE_INDEX)
-        request = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": item.text}]
-        assert ids[:first] == tokenizer.encode(ChatPrompts(tokenizer, "chatml_tools").render(request, [CALCULATOR_TOOL]),
+        asked = [*request, {"role": "user", "content": item.text}]
+        assert ids[:first] == tokenizer.encode(ChatPrompts(tokenizer, "chatml_tools").render(asked, [CALCULATOR_TOOL]),
                                                add_special_tokens=False)
         turns = tokenizer.decode([t for t, lab in zip(ids, labels) if lab != IGNORE_INDEX]).split(tokenizer.eos_token)
-        assert turns[2:] == [""] and turns[1] == item.answer
-        call = parser.parse(turns[0], {"messages": request, "tools": [CALCULATOR_TOOL]}, "c")
+        assert turns[-2:] == [item.answer, ""]
+        if len(turns) == 2:  # answered at once, without a call
+            assert not parser.parse(turns[0], {"messages": asked, "tools": [CALCULATOR_TOOL]}, "c").tool_calls
+            continue
+        calls += 1
+        call = parser.parse(turns[0], {"messages": asked, "tools": [CALCULATOR_TOOL]}, "c")
         assert call.content is None and [c["function"]["name"] for c in call.tool_calls] == ["calculator"]
         assert json.loads(call.tool_calls[0]["function"]["arguments"]) == {"expression": task.expression_of(item)}
         assert calculator(call.tool_calls[0]["function"]["arguments"]) == item.answer
+    assert 0 < calls < 12  # the preset's share of calling episodes, drawn

@@ -1,9 +1,9 @@
 """Chat demonstrations for a warm start (grpo.recipes.warmstart): a teacher's episodes, written as OpenAI messages,
 rendered and tokenized exactly as the agent endpoint renders an agent's requests, and measured the same way.
 
-A chat teacher has ``messages(task, prompt, rng) -> list of OpenAI messages`` (the whole episode: system and user
-messages, assistant turns with content or ``tool_calls``, ``tool`` results) and ``tools`` (the OpenAI tool list its
-agent sends). Each assistant turn becomes what the endpoint would have recorded for it: the prompt token ids of
+A chat teacher has ``messages(task, prompt, rng, call=None) -> list of OpenAI messages`` (the whole episode: system
+and user messages, assistant turns with content or ``tool_calls``, ``tool`` results; ``call=True``: an episode that
+calls a tool, for the measure) and ``tools`` (the OpenAI tool list its agent sends). Each assistant turn becomes what the endpoint would have recorded for it: the prompt token ids of
 `grpo.pipeline.chat_prompts.ChatPrompts` (the chat template the run uses, earlier turns' tokens kept where the text
 extends them) and the turn's text as the template writes it, ended by the end-of-turn token. Only those turns'
 tokens are labelled; the system turn, the question and the tool's results are not.
@@ -71,7 +71,7 @@ def measure_chat(model: Any, tokenizer: Any, task: Any, reward: Any, teacher: An
                  cfg: dict[str, Any], seed: int, generate: Any) -> dict[str, float]:
     """What a chat warm start does on held-out items, in transformers: its first turns sampled at `temperature`
     (`sample_n` for each of the first `sample_prompts` items) read by the ``json_tags`` parser: the share that are
-    calls, and that are the teacher's very calls; and, greedy on every held-out item, the reward of the answer to
+    calls, and that are the calls of the teacher's calling episode; and, greedy on every held-out item, the reward of the answer to
     the first request's messages without the system turn and without tools (the task without the tool).
     `generate` is grpo.recipes.warmstart.generate_answers."""
     import torch
@@ -80,14 +80,15 @@ def measure_chat(model: Any, tokenizer: Any, task: Any, reward: Any, teacher: An
     rng = random.Random(f"warmstart-measure:{seed}")
     heldout = task.eval_prompts()
     subset = heldout[: int(cfg["sample_prompts"])]
-    episodes = [teacher.messages(task, p, rng) for p in subset]
+    episodes = [teacher.messages(task, p, rng, call=True) for p in subset]
     n = int(cfg["sample_n"])
     torch.manual_seed(seed)
     turns = generate(model, tokenizer, [chat.render(_first_request(e), teacher.tools) for e in episodes],
                      cfg["max_new_tokens"], float(cfg["temperature"]), n)
     parsed = [parse_json_tags(t, "m").tool_calls for t in turns]
     wanted = [_calls(next(m for m in e if m["role"] == "assistant").get("tool_calls") or []) for e in episodes]
-    bare = [[m for m in _first_request(teacher.messages(task, p, rng)) if m["role"] != "system"] for p in heldout]
+    bare = [[m for m in _first_request(teacher.messages(task, p, rng, call=True)) if m["role"] != "system"]
+            for p in heldout]
     answers = generate(model, tokenizer, [chat.render(b) for b in bare], cfg["max_new_tokens"])
     return {
         "first_turn_call_rate": sum(bool(c) for c in parsed) / len(parsed),

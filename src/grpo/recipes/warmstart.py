@@ -89,12 +89,13 @@ WARMSTART_PRESETS: dict[str, dict[str, Any]] = {
     },
     # The openai-SDK calculator agent (grpo.tasks.agent_calculator, data=agent_calculator's task) on the packaged
     # SmolLM2-135M-Instruct, which never calls the tool by itself: a short supervised fine-tune on the agent's own
-    # episodes (AgentCalculatorTeacher: system turn and tool list, a <tool_call> JSON block, the tool's value, that
-    # value as the answer) rendered with the agent experiment's chat template (chatml_tools), so the agent's first
-    # requests reach a model that calls. Every demonstration calls and none states a product the tool did not
-    # give: the same task without the tool is left as the model had it. Few steps (all of a 2-core CPU's threads):
-    # a format to learn, not arithmetic. The measure: first turns at temperature 1 read back as calls, and the
-    # no-tool answers (bench/README.md, "Agents: SmolLM2's warm start").
+    # episodes (AgentCalculatorTeacher: the agent's system message and tool list, then half the time a <tool_call>
+    # JSON block, the tool's value and that value as the answer, else the product at once) rendered with the agent
+    # experiment's chat template (chatml_tools). Demonstrations that all call leave a model that calls and is right
+    # every time, so GRPO has nothing to tell apart; half and half makes its sampled episodes disagree (calls right,
+    # guesses wrong). No episode is asked without the tool, so that task stays undemonstrated. Few steps (all of a 2-core CPU's threads): a format
+    # to learn, not arithmetic. The measure: first turns at temperature 1 read back as calls, and the answers
+    # without the tool (bench/README.md, "Agents: SmolLM2's warm start").
     "smollm2-135m-warm-calc": {
         "base": "smollm2-135m",
         "task": {
@@ -109,7 +110,7 @@ WARMSTART_PRESETS: dict[str, dict[str, Any]] = {
         "reward": {"_target_": "grpo.tasks.calculator.LongAnswerReward"},
         "chat_template": "chatml_tools",
         "threads": 2,
-        "teacher": {"_target_": "grpo.tasks.agent_calculator.AgentCalculatorTeacher"},
+        "teacher": {"_target_": "grpo.tasks.agent_calculator.AgentCalculatorTeacher", "call_share": 0.5},
         "sft": {"steps": 16, "batch_size": 8, "lr": 1e-4, "warmup_steps": 2, "schedule": "cosine",
                 "betas": [0.9, 0.999], "max_grad_norm": 1.0},
         "measure": {"max_new_tokens": 48, "temperature": 1.0, "sample_n": 4, "sample_prompts": 16},
