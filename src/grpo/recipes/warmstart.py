@@ -93,9 +93,9 @@ WARMSTART_PRESETS: dict[str, dict[str, Any]] = {
     # JSON block, the tool's value and that value as the answer, else the product at once) rendered with the agent
     # experiment's chat template (chatml_tools). Demonstrations that all call leave a model that calls and is right
     # every time, so GRPO has nothing to tell apart; half and half makes its sampled episodes disagree (calls right,
-    # guesses wrong). No episode is asked without the tool, so that task stays undemonstrated. Few steps (all of a 2-core CPU's threads): a format
-    # to learn, not arithmetic. The measure: first turns at temperature 1 read back as calls, and the answers
-    # without the tool (bench/README.md, "Agents: SmolLM2's warm start").
+    # guesses wrong). No episode is asked without the tool, so that task stays undemonstrated. Few steps (on both
+    # threads of a 2-core CPU): a format to learn, not arithmetic. The measure: first turns at temperature 1 read
+    # back as calls, and the answers without the tool (bench/README.md, "Agents: SmolLM2's warm start").
     "smollm2-135m-warm-calc": {
         "base": "smollm2-135m",
         "task": {
@@ -350,7 +350,7 @@ def build_warmstart_dir(name: str = "warm-arith", seed: int = 0, out_dir: str | 
     t0 = time.monotonic()
     load_before = _load_average()
     log.info("building warm-start model %s (seed %d) into %s: once, then cached; %d supervised steps (warm-arith: "
-             "about 2-4 min on 2 CPU cores, warm-calc about 15, smollm2-135m-warm-calc about 8)", name, seed, final,
+             "about 2-4 min on 2 CPU cores, warm-calc about 15, smollm2-135m-warm-calc 8-15)", name, seed, final,
              sum(int(p["sft"]["steps"]) for p in _phases(spec)))
     base = _base_dir(spec, seed)
     task = _instantiate(dict(spec["task"]))
@@ -370,9 +370,9 @@ def build_warmstart_dir(name: str = "warm-arith", seed: int = 0, out_dir: str | 
             teacher = _teacher(spec, phase, tokenizer)
             sft_s += supervised_warmup(model, tokenizer, task, phase["sft"], seed, progress, teacher,
                                        f":phase{i}" if i else "")
-        metrics = _measure(spec, model, tokenizer, task, reward, seed)
     finally:
         torch.set_num_threads(threads)
+    metrics = _measure(spec, model, tokenizer, task, reward, seed)
     meta: dict[str, Any] = {}
 
     def write(tmp: Path) -> None:
