@@ -380,3 +380,24 @@ def test_smollm2_warm_start_demonstrations_are_the_agents_calls_in_its_template(
         assert json.loads(call.tool_calls[0]["function"]["arguments"]) == {"expression": task.expression_of(item)}
         assert calculator(call.tool_calls[0]["function"]["arguments"]) == item.answer
     assert 0 < calls < 12  # the preset's share of calling episodes, drawn
+
+
+@pytest.mark.slow  # SmolLM2 loaded, one supervised step of 2 episodes and a small measure: ~1-2 min on 2 loaded cores
+def test_the_smollm2_warm_start_builds_from_the_packaged_model_and_measures_its_calls(monkeypatch, tmp_path):
+    """The preset smollm2-135m-warm-calc (shortened) builds from the packaged SmolLM2 with the chat teacher and writes
+    its measure: the share of sampled first turns that are calls, and of those the teacher's call, and the accuracy
+    without the tool."""
+    import copy
+
+    from grpo.recipes import warmstart
+
+    preset = copy.deepcopy(warmstart.WARMSTART_PRESETS["smollm2-135m-warm-calc"])
+    preset["task"]["heldout_size"] = 2
+    preset["sft"].update(steps=1, batch_size=2, warmup_steps=1)
+    preset["measure"].update(sample_prompts=2, sample_n=2, max_new_tokens=4)
+    monkeypatch.setattr(warmstart, "WARMSTART_PRESETS", {**warmstart.WARMSTART_PRESETS, "smollm2-135m-warm-calc": preset})
+    meta = warmstart.read_metadata(warmstart.build_warmstart_dir("smollm2-135m-warm-calc", out_dir=tmp_path / "warm",
+                                                                  progress=False))
+    assert meta["spec"]["sft"]["steps"] == 1 and meta["heldout_items"] == 2
+    assert 0 <= meta["first_turn_right_call_rate"] <= meta["first_turn_call_rate"] <= 1
+    assert 0 <= meta["no_tool_greedy_accuracy"] <= 1
