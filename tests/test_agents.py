@@ -323,3 +323,83 @@ def test_a_vllm_tool_parser_reads_the_calls_of_its_format(tokenizer):
     assert json.loads(turn.tool_calls[0]["function"]["arguments"]) == {"expression": "2*3"}
     assert turn.content.strip() == "let me"
     assert not ToolParser("hermes", tokenizer).parse("no call", request, "c").tool_calls
+
+
+# ---------------------------------------------------------------- SmolLM2's warm start (model=smollm2_135m_warm_calc)
+def test_smollm2_warm_start_demonstrations_are_the_agents_calls_in_its_template(tmp_path):
+    """The preset's demonstrations are what experiment=smollm2_agent_calculator_warm's agent sends and would parse:
+    the first turn's prompt is the endpoint's rendering of the agent's first request (chat_template chatml_tools,
+    SmolLM2's tokenizer), the labelled turns are a <tool_call> block that tool_calls' json_tags parser reads back as
+    the calculator call of the item's expression, then the tool's value (or, in the other episodes, the product at
+    once); the items are the experiment's task's training items (its held-out set, never drawn)."""
+    import random as _random
+
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.utils import instantiate
+    from omegaconf import OmegaConf
+    from transformers import AutoTokenizer
+
+    from grpo.conf import CONFIG_DIR
+    from grpo.config import register_configs
+    from grpo.models.packaged import build_packaged_model_dir
+    from grpo.pipeline.tool_calls import ToolParser
+    from grpo.recipes.chat_demos import ChatEpisodes
+    from grpo.recipes.warmstart import WARMSTART_PRESETS
+    from grpo.tasks.agent_calculator import CALCULATOR_TOOL, SYSTEM
+
+    register_configs()
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
+        cfg = compose(config_name="train", overrides=["experiment=smollm2_agent_calculator_warm"])
+    preset = WARMSTART_PRESETS[cfg.model.offline]
+    assert preset["chat_template"] == cfg.data.chat_template and cfg.data.tool_parser == "json_tags"
+    task = instantiate(preset["task"])
+    assert task.eval_prompts() == instantiate(OmegaConf.to_container(cfg.data.task)).eval_prompts()
+    tokenizer = AutoTokenizer.from_pretrained(build_packaged_model_dir(preset["base"], progress=False))
+    task.bind_tokenizer(tokenizer)
+    episodes = ChatEpisodes(instantiate(preset["teacher"]), tokenizer, preset["chat_template"])
+    parser = ToolParser(cfg.data.tool_parser, tokenizer)
+    heldout = {p.text for p in task.eval_prompts()}
+    rng = _random.Random(0)
+    request = [{"role": "system", "content": SYSTEM}]
+    calls = 0
+    for item in task.sample(rng, 12):
+        assert item.text not in heldout
+        ids, labels = episodes.episode(task, item, rng, tokenizer)
+        first = next(i for i, lab in enumerate(labels) if lab != IGNORE_INDEX)
+        asked = [*request, {"role": "user", "content": item.text}]
+        assert ids[:first] == tokenizer.encode(ChatPrompts(tokenizer, "chatml_tools").render(asked, [CALCULATOR_TOOL]),
+                                               add_special_tokens=False)
+        turns = tokenizer.decode([t for t, lab in zip(ids, labels) if lab != IGNORE_INDEX]).split(tokenizer.eos_token)
+        assert turns[-2:] == [item.answer, ""]
+        if len(turns) == 2:  # answered at once, without a call
+            assert not parser.parse(turns[0], {"messages": asked, "tools": [CALCULATOR_TOOL]}, "c").tool_calls
+            continue
+        calls += 1
+        call = parser.parse(turns[0], {"messages": asked, "tools": [CALCULATOR_TOOL]}, "c")
+        assert call.content is None and [c["function"]["name"] for c in call.tool_calls] == ["calculator"]
+        assert json.loads(call.tool_calls[0]["function"]["arguments"]) == {"expression": task.expression_of(item)}
+        assert calculator(call.tool_calls[0]["function"]["arguments"]) == item.answer
+    assert 0 < calls < 12  # the preset's share of calling episodes, drawn
+
+
+@pytest.mark.slow  # SmolLM2 loaded, one supervised step of 2 episodes and a small measure: ~1-2 min on 2 loaded cores
+def test_the_smollm2_warm_start_builds_from_the_packaged_model_and_measures_its_calls(monkeypatch, tmp_path):
+    """The preset smollm2-135m-warm-calc (shortened) builds from the packaged SmolLM2 with the chat teacher and writes
+    its measure: the share of sampled first turns that are calls, and of those the teacher's call, and the accuracy
+    without the tool."""
+    import copy
+
+    from grpo.recipes import warmstart
+
+    preset = copy.deepcopy(warmstart.WARMSTART_PRESETS["smollm2-135m-warm-calc"])
+    preset["task"]["heldout_size"] = 2
+    preset["sft"].update(steps=1, batch_size=2, warmup_steps=1)
+    preset["measure"].update(sample_prompts=2, sample_n=2, max_new_tokens=4)
+    monkeypatch.setattr(warmstart, "WARMSTART_PRESETS", {**warmstart.WARMSTART_PRESETS, "smollm2-135m-warm-calc": preset})
+    meta = warmstart.read_metadata(warmstart.build_warmstart_dir("smollm2-135m-warm-calc", out_dir=tmp_path / "warm",
+                                                                  progress=False))
+    assert meta["spec"]["sft"]["steps"] == 1 and meta["heldout_items"] == 2
+    assert 0 <= meta["first_turn_right_call_rate"] <= meta["first_turn_call_rate"] <= 1
+    assert 0 <= meta["no_tool_greedy_accuracy"] <= 1

@@ -698,8 +698,8 @@ def test_an_unknown_offline_preset_is_a_config_error_naming_the_nearest(tmp_path
     """Before, model.offline=tiny_qwen2 (the model option's spelling) passed start-up and was the model builder's
     ValueError traceback, whose list of presets left out warm-arith."""
     with pytest.raises(ConfigError, match=re.escape("model.offline=tiny_qwen2 is not an offline model preset (those "
-                                                    "are tiny-llama, tiny-qwen2, hermes8b, qwen14b, qwen3b, warm-arith, "
-                                                    "warm-calc, smollm2-135m)"
+                                                    "are tiny-llama, tiny-qwen2, hermes8b, qwen14b, qwen3b, "
+                                                    "smollm2-135m-warm-calc, warm-arith, warm-calc, smollm2-135m)"
                                                     "; did you mean model.offline=tiny-qwen2?")):
         _validate(["~experiment", "model.offline=tiny_qwen2"], tmp_path)
     with pytest.raises(ConfigError, match=re.escape("did you mean model.offline=warm-arith?")):

@@ -1,4 +1,4 @@
-"""Warm-start models: a tiny offline model given a short supervised warm-up on a task, so it has *part* of a skill.
+"""Warm-start models: an offline model given a short supervised warm-up on a task, so it has *part* of a skill.
 
 GRPO needs a policy whose sampled groups disagree (some right, some wrong): a random model never answers an
 arithmetic question right, a fully trained one always does, and both give zero advantages. A warm-start preset builds
@@ -16,6 +16,10 @@ The directory is Hugging Face format (safetensors, config, tokenizer, generation
 TRL load it, plus `warmstart.json` with what was measured at build time (held-out greedy accuracy in transformers,
 the pass rate of samples, build seconds, machine load). It is cached under the content hash of everything that
 determines it (preset, seed, the task's held-out set and training stream, this module's version).
+
+A preset may start from a packaged real model (grpo.models.packaged) and learn from a chat teacher, whose episodes
+are OpenAI messages rendered with the agent's chat template (grpo.recipes.chat_demos): smollm2-135m-warm-calc teaches
+SmolLM2 the openai-SDK calculator agent's tool calls.
 
 CLI: ``python -m grpo.recipes.warmstart warm-arith`` (or ``grpo-warmstart``) builds it (progress bar) and prints the
 directory and how long it took. Runs get it through ``model.offline=warm-arith`` (conf/model/warm_arith.yaml).
@@ -35,7 +39,9 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
+from grpo.models.packaged import PACKAGED_MODELS, build_packaged_model_dir
 from grpo.models.tiny import build_model_dir, cache_root, publish_model_dir
+from grpo.recipes.chat_demos import ChatEpisodes, measure_chat
 
 log = logging.getLogger(__name__)
 
@@ -80,6 +86,34 @@ WARMSTART_PRESETS: dict[str, dict[str, Any]] = {
         ],
         # The first turn's answer (the product guessed without the tool) on the held-out prompts.
         "measure": {"max_new_tokens": 16, "temperature": 1.0, "sample_n": 8, "sample_prompts": 64},
+    },
+    # The openai-SDK calculator agent (grpo.tasks.agent_calculator, data=agent_calculator's task) on the packaged
+    # SmolLM2-135M-Instruct, which never calls the tool by itself: a short supervised fine-tune on the agent's own
+    # episodes (AgentCalculatorTeacher: the agent's system message and tool list, then half the time a <tool_call>
+    # JSON block, the tool's value and that value as the answer, else the product at once) rendered with the agent
+    # experiment's chat template (chatml_tools). Demonstrations that all call leave a model that calls and is right
+    # every time, so GRPO has nothing to tell apart; half and half makes its sampled episodes disagree (calls right,
+    # guesses wrong). No episode is asked without the tool, so that task stays undemonstrated. Few steps (on both
+    # threads of a 2-core CPU): a format to learn, not arithmetic. The measure: first turns at temperature 1 read
+    # back as calls, and the answers without the tool (bench/README.md, "Agents: SmolLM2's warm start").
+    "smollm2-135m-warm-calc": {
+        "base": "smollm2-135m",
+        "task": {
+            "_target_": "grpo.tasks.agent_calculator.CalculatorQuestions",
+            "min_digits": 3,
+            "max_digits": 3,
+            "operators": "*",
+            "heldout_size": 64,
+            "heldout_seed": 20261126,
+            "question": "{expression}=",
+        },
+        "reward": {"_target_": "grpo.tasks.calculator.LongAnswerReward"},
+        "chat_template": "chatml_tools",
+        "threads": 2,
+        "teacher": {"_target_": "grpo.tasks.agent_calculator.AgentCalculatorTeacher", "call_share": 0.5},
+        "sft": {"steps": 16, "batch_size": 8, "lr": 1e-4, "warmup_steps": 2, "schedule": "cosine",
+                "betas": [0.9, 0.999], "max_grad_norm": 1.0},
+        "measure": {"max_new_tokens": 48, "temperature": 1.0, "sample_n": 4, "sample_prompts": 16},
     },
     "warm-arith": {
         "base": "tiny-qwen2",
@@ -265,6 +299,29 @@ def measure(model: Any, tokenizer: Any, task: Any, reward: Any, cfg: dict[str, A
     }
 
 
+def _base_dir(spec: dict[str, Any], seed: int) -> Path:
+    """The model the preset starts from: a packaged real model (grpo.models.packaged) or a tiny one of that seed."""
+    if spec["base"] in PACKAGED_MODELS:
+        return build_packaged_model_dir(spec["base"])
+    return build_model_dir(spec["base"], seed=seed)
+
+
+def _teacher(spec: dict[str, Any], phase: dict[str, Any], tokenizer: Any) -> Any:
+    """A phase's teacher; a chat teacher (OpenAI messages) rendered with the preset's `chat_template`."""
+    if not phase.get("teacher"):
+        return None
+    teacher = _instantiate(dict(phase["teacher"]))
+    return ChatEpisodes(teacher, tokenizer, spec["chat_template"]) if hasattr(teacher, "messages") else teacher
+
+
+def _measure(spec: dict[str, Any], model: Any, tokenizer: Any, task: Any, reward: Any, seed: int) -> dict[str, float]:
+    if "chat_template" not in spec:
+        return measure(model, tokenizer, task, reward, spec["measure"], seed)
+    teacher = _instantiate(dict(_phases(spec)[-1]["teacher"]))
+    return measure_chat(model, tokenizer, task, reward, teacher, spec["chat_template"], spec["measure"], seed,
+                        generate_answers)
+
+
 def _load_average() -> list[float] | None:
     try:
         return [round(x, 2) for x in os.getloadavg()]
@@ -293,29 +350,29 @@ def build_warmstart_dir(name: str = "warm-arith", seed: int = 0, out_dir: str | 
     t0 = time.monotonic()
     load_before = _load_average()
     log.info("building warm-start model %s (seed %d) into %s: once, then cached; %d supervised steps (warm-arith: "
-             "about 2-4 min on 2 CPU cores, warm-calc about 15)", name, seed, final,
+             "about 2-4 min on 2 CPU cores, warm-calc about 15, smollm2-135m-warm-calc 8-15)", name, seed, final,
              sum(int(p["sft"]["steps"]) for p in _phases(spec)))
-    base = build_model_dir(spec["base"], seed=seed)
+    base = _base_dir(spec, seed)
     task = _instantiate(dict(spec["task"]))
     reward = _instantiate(dict(spec["reward"]))
     tokenizer = AutoTokenizer.from_pretrained(base)
     task.bind_tokenizer(tokenizer)
     model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
-    # One thread: the model is so small that a second one only adds synchronisation, and on a loaded 2-core machine
-    # two threads ran 4x slower (2.7 vs 11 steps/s). The weights do not depend on it (same sha256 either way).
-    threads, sft_threads = torch.get_num_threads(), 1
+    # One thread for the tiny models: a second one only adds synchronisation, and on a loaded 2-core machine two
+    # threads ran 4x slower (2.7 vs 11 steps/s); a real model's preset says how many. The weights do not depend on it.
+    threads, sft_threads = torch.get_num_threads(), int(spec.get("threads", 1))
     torch.set_num_threads(sft_threads)
     sft_s = 0.0
     try:
         # Phases run in order, each with a fresh optimizer and its own data stream (the first one's is the stream a
         # preset of one phase always had).
         for i, phase in enumerate(_phases(spec)):
-            teacher = _instantiate(dict(phase["teacher"])) if phase.get("teacher") else None
+            teacher = _teacher(spec, phase, tokenizer)
             sft_s += supervised_warmup(model, tokenizer, task, phase["sft"], seed, progress, teacher,
                                        f":phase{i}" if i else "")
     finally:
         torch.set_num_threads(threads)
-    metrics = measure(model, tokenizer, task, reward, spec["measure"], seed)
+    metrics = _measure(spec, model, tokenizer, task, reward, seed)
     meta: dict[str, Any] = {}
 
     def write(tmp: Path) -> None:
@@ -332,8 +389,8 @@ def build_warmstart_dir(name: str = "warm-arith", seed: int = 0, out_dir: str | 
 
     # 0o755: mkdtemp makes it private; the cache is shared.
     publish_model_dir(final, write, mode=0o755, complete=warmstart_dir_complete)
-    log.info("warm-start model %s built in %.1f s (held-out greedy accuracy %.3f)", name, meta["build_seconds"],
-             metrics["heldout_greedy_accuracy"])
+    log.info("warm-start model %s built in %.1f s: %s", name, meta["build_seconds"],
+             ", ".join(f"{k} {v:.3f}" for k, v in metrics.items() if isinstance(v, float)))
     return final
 
 
@@ -360,8 +417,9 @@ def main(argv: list[str] | None = None) -> None:
     t0 = time.monotonic()
     path = build_warmstart_dir(args.preset, seed=args.seed, out_dir=args.out)
     meta = read_metadata(path)
-    print(f"{path}\nheld-out greedy accuracy {meta['heldout_greedy_accuracy']:.3f}, sampled pass rate "
-          f"{meta['sampled_pass_rate']:.3f} at T={meta['sample_temperature']}, built in {meta['build_seconds']} s "
+    measured = ", ".join(f"{k.replace('_', ' ')} {meta[k]:.3f}" for k in ("heldout_greedy_accuracy", "sampled_pass_rate",
+                         "first_turn_call_rate", "first_turn_right_call_rate", "no_tool_greedy_accuracy") if k in meta)
+    print(f"{path}\n{measured} (samples at T={meta['sample_temperature']}), built in {meta['build_seconds']} s "
           f"(this call: {time.monotonic() - t0:.1f} s)")
 
 

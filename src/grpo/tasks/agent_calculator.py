@@ -5,11 +5,13 @@ model makes (grpo.tasks.calculator.evaluate: integers, ``+ - *``, parentheses; n
 as a ``tool`` message, until the model answers without a call; the episode scores 1.0 when the answer is exactly the
 integer. `calculator_agent_without_tool` is the same task without the tool (one request, the question alone): the
 baseline the tool is measured against. `CalculatorQuestions` is the calculator task's items as bare questions (``482*771=``) with their answers.
+`AgentCalculatorTeacher` writes the agent's episodes as OpenAI messages, for a warm start (grpo.recipes.warmstart).
 """
 
 from __future__ import annotations
 
 import json
+import random
 from typing import Any
 
 from grpo.tasks.calculator import CalculatorError, LongArithmeticTask, evaluate, parse_integer
@@ -61,3 +63,38 @@ async def calculator_agent_without_tool(client: Any, item: Prompt) -> float:
     """One episode without the tool: the question alone (no system message, no tools), the answer scored."""
     response = await client.chat.completions.create(model="policy", messages=[{"role": "user", "content": item.text}])
     return float(parse_integer(response.choices[0].message.content or "") == int(item.answer))
+
+
+class AgentCalculatorTeacher:
+    """Demonstrations of `calculator_agent`'s episodes as OpenAI chat messages (grpo.recipes.warmstart renders them
+    with the agent's chat template, so a warm start learns the agent's own call format).
+
+    Every episode is asked as the agent asks (its system message, the tool offered). In `call_share` of them the
+    assistant calls ``calculator`` with the question's expression, gets the tool's value and answers with it; in the
+    others it answers the product at once. Every answer is right, so the model learns to call and copy exactly and
+    to try the product itself, which it cannot do (3-digit products are not learnt from a few hundred examples):
+    with a share of calls below 1 its sampled episodes disagree (calls right, guesses wrong) and GRPO has calling to
+    find worth it. No episode is asked without the tool (no system message, no tools), so the task without the tool
+    (`calculator_agent_without_tool`) is never demonstrated."""
+
+    tools = [CALCULATOR_TOOL]
+
+    def __init__(self, call_share: float = 1.0) -> None:
+        if not 0.0 <= call_share <= 1.0:
+            raise ValueError(f"AgentCalculatorTeacher.call_share must be in [0, 1], got {call_share}")
+        self.call_share = call_share
+
+    def messages(self, task: CalculatorQuestions, prompt: Prompt, rng: random.Random, call: bool | None = None
+                 ) -> list[dict[str, Any]]:
+        """The episode of `prompt` (an item of `task`): one that calls when `call`, else drawn by `call_share`."""
+        expression = task.expression_of(prompt)
+        if expression is None:
+            raise ValueError(f"AgentCalculatorTeacher: {prompt.text!r} is not an item of the task")
+        asked = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": prompt.text}]
+        if not (call if call is not None else rng.random() < self.call_share):
+            return [*asked, {"role": "assistant", "content": str(prompt.answer)}]
+        tool_call = {"id": "call_0", "type": "function",
+                     "function": {"name": "calculator", "arguments": json.dumps({"expression": expression})}}
+        return [*asked, {"role": "assistant", "content": None, "tool_calls": [tool_call]},
+                {"role": "tool", "tool_call_id": "call_0", "content": calculator(tool_call["function"]["arguments"])},
+                {"role": "assistant", "content": str(prompt.answer)}]
