@@ -97,6 +97,7 @@ def test_a_job_that_writes_nothing_is_stopped_and_marked_stalled(tmp_path, monke
     assert time.monotonic() - t0 < 60
 
 
+@pytest.mark.slow  # 14 s of the CI suite for bench tooling (the GPU plan runner's queue), not the product
 def test_queue_starts_each_job_once_its_gpus_are_free_in_plan_order(tmp_path, monkeypatch):
     """--queue: a job on free GPUs starts beside a running one; a job needing a busy GPU waits for it, and a later job
     never overtakes it (a four-GPU job would otherwise wait behind a stream of one-GPU jobs)."""

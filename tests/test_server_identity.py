@@ -317,6 +317,7 @@ def test_grpo_serve_help_says_what_it_adds_without_vllms_deprecation_warnings():
     assert "DeprecationWarning" not in text and "is deprecated" not in text
 
 
+@pytest.mark.slow  # 13 s of the CI suite: starts two servers one after another; test_replicas starts replicas at once
 @pytest.mark.vllm
 def test_a_replica_waited_for_after_another_counts_its_start_up_from_its_own_launch(tmp_path, tiny_qwen2_dir, caplog):
     """Issue 62.18: replicas start side by side and are waited for in turn; the second's "starting vLLM" line and

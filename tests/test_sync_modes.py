@@ -115,6 +115,7 @@ def test_mode_none_reloads_in_place(tmp_path, tiny_qwen2_dir):
         shutdown_and_check(session)
 
 
+@pytest.mark.slow  # 22 s of the CI suite for the opt-in mode.reload=background; test_mode_none_reloads_in_place keeps mode=none
 @pytest.mark.vllm
 def test_mode_none_background_reload_lands_before_generation_and_a_failed_one_is_redone(tmp_path, tiny_qwen2_dir):
     """mode.reload=background: sync() returns once the weights are saved (the version already the new one); a
