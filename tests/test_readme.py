@@ -305,13 +305,18 @@ def example_run(tmp_path_factory) -> Path:
     return run
 
 
+def env_assignments(argv: list[str]) -> dict[str, str]:
+    """The `NAME=value` words of a docs command (the environment it sets for itself)."""
+    return dict(a.split("=", 1) for a in argv if re.fullmatch(r"[A-Z_][A-Z0-9_]*=.*", a))
+
+
 def distinct_checks(cases: list[list[str]]) -> list[list[str]]:
     """The commands whose checks differ: two commands that differ only in the GPU they name (CUDA_VISIBLE_DEVICES,
     which a CPU check ignores) run the same check once (`python -m grpo.serve ... --help` imports vLLM: ~13 s)."""
     seen, out = set(), []
     for argv in cases:
         check = to_check(argv)
-        env = tuple(a for a in argv if re.fullmatch(r"[A-Z_][A-Z0-9_]*=.*", a) and not a.startswith("CUDA_VISIBLE_DEVICES="))
+        env = tuple((k, v) for k, v in env_assignments(argv).items() if k != "CUDA_VISIBLE_DEVICES")
         key = (tuple(check), env) if check is not None else tuple(argv)
         if key not in seen:
             seen.add(key)
@@ -330,8 +335,8 @@ def test_readme_command_runs_as_written(argv, example_run):
         return
     check = [a.replace(f"$PWD/{EXAMPLE_RUN}", str(example_run)).replace(EXAMPLE_RUN, str(example_run))
              .replace("$PWD", str(REPO)) for a in check]
-    env_assignments = dict(a.split("=", 1) for a in argv if re.fullmatch(r"[A-Z_][A-Z0-9_]*=.*", a))
-    out = subprocess.run(check, cwd=REPO, capture_output=True, text=True, timeout=180, env={**os.environ, **env_assignments})
+    out = subprocess.run(check, cwd=REPO, capture_output=True, text=True, timeout=180,
+                         env={**os.environ, **env_assignments(argv)})
     if "hydra/launcher=submitit_slurm" in argv and not installed("hydra_plugins.hydra_submitit_launcher"):
         # docs/slurm.md installs the plugin first (the sweep extra, not installed here): without it the command
         # stops at once naming that install step.
