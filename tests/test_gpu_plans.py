@@ -56,6 +56,10 @@ def test_plan_job_composes_and_validates(plan, job, tmp_path, monkeypatch):
             with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
                 validate(compose(config_name="train", overrides=overrides, return_hydra_config=True), tmp_path / name)
         return
+    if kind == "plan":  # another plan of this folder, run by waves on the job's GPUs (its jobs are checked as its own)
+        assert (REPO / args[0]).parent == REPO / "bench" / "gpu" / "plans" and (REPO / args[0]).is_file()
+        assert command[1].endswith("run_plan.py") and command[2] == args[0] and "--nested" in command
+        return
     if kind == "trl_step":
         import trl_step
 

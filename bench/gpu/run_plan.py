@@ -11,7 +11,8 @@ evaluation step into /tmp/trl_ckpt/<name>), or `name | grpo_eval | experiment tr
 (grpo-eval, a vLLM server of its own) on the initial model and that TRL job's checkpoints, or
 `name | trl_step | --preset qwen3b --steps 20 ...` for TRL's whole step at a preset's size (bench/gpu/trl_step.py), or
 `name | gen_probe | --preset qwen3b ...` for bench/gpu/gen_probe.py, or `name | sh | script args...` for a script
-(bash; $OUT is --out), e.g. bench/gpu/sweep_run.sh; a first override
+(bash; $OUT is --out), e.g. bench/gpu/sweep_run.sh, or `name | plan | gpus=1 PLAN` for another plan run by waves on
+the job's GPUs (its jobs beside each other on them, while the queue goes on with the other GPUs); a first override
 `gpus=2,3` gives the job only those GPUs (CUDA_VISIBLE_DEVICES; inside the job they are numbered 0, 1, ...), and
 then `pyspy=ROWS:SECONDS` profiles the run with py-spy for SECONDS once its metrics have ROWS rows
 (bench/gpu/pyspy_run.py), and `torchrun=K` starts train.py under torchrun with K processes (an FSDP2 trainer).
@@ -37,6 +38,8 @@ from pathlib import Path
 RUNS = Path("/tmp/runs")
 # The plan's --out (set by main): `sh` jobs write their results there too.
 PLAN_OUT = Path("/tmp/plan_out")
+# The plan's --stall-s (set by main): a nested plan's runner guards its own jobs with it too.
+STALL_S = 300.0
 # TRL jobs' checkpoints (bench/trl_arith.py --checkpoints), one folder per job, for grpo_eval jobs.
 TRL_CHECKPOINTS = Path("/tmp/trl_ckpt")
 
@@ -92,6 +95,8 @@ def command(job: list[str], out: Path) -> list[str]:
                 "--work-dir", str(RUNS / name), "--out", str(out / f"{name}.json"), *extra]
     if kind == "sh":  # a script of bench/gpu/ (e.g. sweep_run.sh), its arguments as given; it writes into $OUT
         return ["bash", *args]
+    if kind == "plan":  # a plan of its own, by waves, on this job's GPUs; its files land flat beside this plan's
+        return [sys.executable, __file__, args[0], "--out", str(out), "--nested", name, "--stall-s", str(STALL_S)]
     if kind in ("trl_step", "gen_probe"):  # bench/gpu/trl_step.py (TRL's whole step at a preset's size) or
         # bench/gpu/gen_probe.py (our /generate against vLLM in-process), their arguments as given
         return [sys.executable, f"bench/gpu/{kind}.py", *args, "--out", str(out / f"{name}.json")]
@@ -160,7 +165,7 @@ def finished(item: tuple[list[str], subprocess.Popen, float], out: Path, stall_s
         return False
     collect(job, out)
     row = {"name": job[0], "command": " ".join(command(job, out)), **row,
-           "gpus": ",".join(sorted(job_gpus(job), key=int)) if job_gpus(job) else "all",
+           "gpus": ",".join(sorted(job_gpus(job), key=int)) if job_gpus(job) else os.environ.get("CUDA_VISIBLE_DEVICES", "all"),
            "start": time.strftime("%H:%M:%S", time.gmtime(t0)), "wall_s": round(time.time() - t0, 1),
            "rc": proc.returncode, "stalled": stalled}
     with (out / "jobs.jsonl").open("a") as f:
@@ -182,11 +187,14 @@ def run_wave(wave: list[list[str]], index: int, out: Path, stall_s: float) -> No
         log, proc, t0 = out / f"{job[0]}.log", item[1], item[2]
         while later and not apart and proc.poll() is None and not server_ready(log) and time.time() - t0 < 300:
             time.sleep(2)
-    pending = list(procs)
+    pending, beat = list(procs), time.time()
     while pending:
         for item in list(pending):
             if finished(item, out, stall_s, {"wave": index, "jobs_in_wave": len(wave)}):
                 pending.remove(item)
+        if time.time() - beat > 60:  # a nested plan's runner: its parent's stall guard watches this output
+            print(f"wave {index}: {len(pending)} of {len(wave)} jobs running", flush=True)
+            beat = time.time()
         time.sleep(2)
 
 
@@ -216,21 +224,24 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=Path("/tmp/plan_out"))
     ap.add_argument("--stall-s", type=float, default=300.0,
                     help="stop a job that writes nothing (log, metrics, vLLM log) for this many seconds")
+    ap.add_argument("--nested", metavar="NAME",
+                    help="run as the `plan` job NAME of another plan: its plan file kept as plan_NAME.txt, no DONE")
     ap.add_argument("--queue", action="store_true",
                     help="ignore the waves: start each job, in plan order, once its GPUs are free (a job without "
                          "gpus= holds every GPU)")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
-    global PLAN_OUT
-    PLAN_OUT = args.out
-    shutil.copy(args.plan, args.out / "plan.txt")
+    global PLAN_OUT, STALL_S
+    PLAN_OUT, STALL_S = args.out, args.stall_s
+    shutil.copy(args.plan, args.out / (f"plan_{args.nested}.txt" if args.nested else "plan.txt"))
     waves = parse_plan(args.plan.read_text())
     if args.queue:
         run_queue([job for wave in waves for job in wave], args.out, args.stall_s)
     else:
         for i, wave in enumerate(waves):
             run_wave(wave, i, args.out, args.stall_s)
-    (args.out / "DONE").write_text(time.strftime("%Y-%m-%d %H:%M:%S UTC\n", time.gmtime()))
+    if not args.nested:
+        (args.out / "DONE").write_text(time.strftime("%Y-%m-%d %H:%M:%S UTC\n", time.gmtime()))
 
 
 if __name__ == "__main__":

@@ -110,6 +110,7 @@ WARMSTART_PRESETS: dict[str, dict[str, Any]] = {
         "reward": {"_target_": "grpo.tasks.calculator.LongAnswerReward"},
         "chat_template": "chatml_tools",
         "threads": 2,
+        "gpu_if_available": True,
         "teacher": {"_target_": "grpo.tasks.agent_calculator.AgentCalculatorTeacher", "call_share": 0.5},
         "sft": {"steps": 16, "batch_size": 8, "lr": 1e-4, "warmup_steps": 2, "schedule": "cosine",
                 "betas": [0.9, 0.999], "max_grad_norm": 1.0},
@@ -147,7 +148,9 @@ def _instantiate(node: dict[str, Any]) -> Any:
 def _fingerprint(name: str, seed: int, spec: dict[str, Any], task: Any) -> str:
     """Hash of everything that determines the weights: preset, seed, recipe version, the task's actual data."""
     h = hashlib.sha256()
-    h.update(json.dumps({"name": name, "seed": seed, "spec": spec, "version": WARMSTART_VERSION}, sort_keys=True).encode())
+    # Where it builds is left out: a build from either device serves (the metadata says which it was).
+    recipe = {k: v for k, v in spec.items() if k != "gpu_if_available"}
+    h.update(json.dumps({"name": name, "seed": seed, "spec": recipe, "version": WARMSTART_VERSION}, sort_keys=True).encode())
     # The task's data itself, so a changed generator is a new model even when its arguments did not change.
     for p in task.eval_prompts():
         h.update(f"{p.text}\x00{p.answer}\x01".encode())
@@ -231,7 +234,8 @@ def supervised_warmup(model: Any, tokenizer: Any, task: Any, sft: dict[str, Any]
         else:
             examples = [(p.text, teacher(p, rng) if teacher is not None else str(p.answer)) for p in prompts]
             ids, labels = _sft_batch(tokenizer, examples, eos_id, pad_id)
-        loss = model(input_ids=ids, labels=labels).loss
+        device = next(model.parameters()).device
+        loss = model(input_ids=ids.to(device), labels=labels.to(device)).loss
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), float(sft["max_grad_norm"]))
         opt.step()
@@ -334,6 +338,27 @@ def warmstart_dir_complete(path: Path) -> bool:
     return (path / METADATA_FILE).exists() and (path / "config.json").exists()
 
 
+def _train_phases(spec: dict[str, Any], model: Any, tokenizer: Any, task: Any, seed: int, progress: bool,
+                  sft_threads: int) -> float:
+    """The preset's supervised phases on `model`, in order, each with a fresh optimizer and its own data stream (the
+    first one's is the stream a preset of one phase always had); returns their seconds."""
+    import torch
+
+    # One thread for the tiny models: a second one only adds synchronisation, and on a loaded 2-core machine two
+    # threads ran 4x slower (2.7 vs 11 steps/s); a real model's preset says how many. The weights do not depend on it.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(sft_threads)
+    sft_s = 0.0
+    try:
+        for i, phase in enumerate(_phases(spec)):
+            teacher = _teacher(spec, phase, tokenizer)
+            sft_s += supervised_warmup(model, tokenizer, task, phase["sft"], seed, progress, teacher,
+                                       f":phase{i}" if i else "")
+    finally:
+        torch.set_num_threads(threads)
+    return sft_s
+
+
 def build_warmstart_dir(name: str = "warm-arith", seed: int = 0, out_dir: str | Path | None = None,
                         progress: bool = True) -> Path:
     """Build (or reuse from the cache) warm-start preset `name` and return its Hugging Face directory.
@@ -358,21 +383,16 @@ def build_warmstart_dir(name: str = "warm-arith", seed: int = 0, out_dir: str | 
     tokenizer = AutoTokenizer.from_pretrained(base)
     task.bind_tokenizer(tokenizer)
     model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
-    # One thread for the tiny models: a second one only adds synchronisation, and on a loaded 2-core machine two
-    # threads ran 4x slower (2.7 vs 11 steps/s); a real model's preset says how many. The weights do not depend on it.
-    threads, sft_threads = torch.get_num_threads(), int(spec.get("threads", 1))
-    torch.set_num_threads(sft_threads)
-    sft_s = 0.0
-    try:
-        # Phases run in order, each with a fresh optimizer and its own data stream (the first one's is the stream a
-        # preset of one phase always had).
-        for i, phase in enumerate(_phases(spec)):
-            teacher = _teacher(spec, phase, tokenizer)
-            sft_s += supervised_warmup(model, tokenizer, task, phase["sft"], seed, progress, teacher,
-                                       f":phase{i}" if i else "")
-    finally:
-        torch.set_num_threads(threads)
+    # A real model's preset may build on a GPU when there is one (seconds instead of minutes; the same recipe, other
+    # kernels, so not the CPU's weights to the bit); the tiny presets build on the CPU everywhere.
+    device = "cuda" if spec.get("gpu_if_available") and torch.cuda.is_available() else "cpu"
+    model.to(device)
+    sft_threads = int(spec.get("threads", 1))
+    sft_s = _train_phases(spec, model, tokenizer, task, seed, progress, sft_threads)
     metrics = _measure(spec, model, tokenizer, task, reward, seed)
+    if device == "cuda":  # the run that builds it trains on that GPU next: give back what the build cached there
+        model.to("cpu")
+        torch.cuda.empty_cache()
     meta: dict[str, Any] = {}
 
     def write(tmp: Path) -> None:
@@ -382,7 +402,7 @@ def build_warmstart_dir(name: str = "warm-arith", seed: int = 0, out_dir: str | 
         meta.update({
             "preset": name, "seed": seed, "spec": spec, "version": WARMSTART_VERSION, **metrics,
             "sft_seconds": round(sft_s, 1), "build_seconds": round(time.monotonic() - t0, 1),
-            "torch_threads": sft_threads, "cpu_count": os.cpu_count(),
+            "torch_threads": sft_threads, "cpu_count": os.cpu_count(), "device": device,
             "load_average_before": load_before, "load_average_after": _load_average(),
         })
         (tmp / METADATA_FILE).write_text(json.dumps(meta, indent=2) + "\n")
