@@ -119,6 +119,18 @@ def test_queue_starts_each_job_once_its_gpus_are_free_in_plan_order(tmp_path, mo
     assert order.index("all") > order.index("long") and order.index("after") > order.index("all")
 
 
+def test_the_queue_keeps_order_per_gpu_and_no_gpu_idles_behind_another_gpus_job():
+    """--queue: a job waiting for a busy GPU holds back the later jobs of that GPU only (on a 2-GPU lease the jobs of
+    GPU 0 once waited 5 minutes behind GPU 1's), and a job without gpus= still waits for every GPU and holds back
+    everything after it."""
+    atend, every25 = ["atend", "x", "gpus=1"], ["every25", "x", "gpus=1"]
+    lora_seq, lora4, both = ["lora_seq", "x", "gpus=0"], ["lora4", "x", "gpus=1"], ["both", "x", "gpus=0,1"]
+    assert run_plan.startable([every25, lora_seq, lora4, both], [atend]) == [lora_seq]
+    assert run_plan.startable([every25, lora_seq, lora4, both], []) == [every25, lora_seq]
+    assert run_plan.startable([both, lora4], [lora_seq]) == []
+    assert run_plan.startable([["all", "x"], lora_seq], []) == [["all", "x"]]
+
+
 def test_the_seeds_examples_and_the_long_completion_benchmark_are_planned():
     """The seeds' examples at their size (and the long-completion benchmark) are jobs of a GPU plan, so the checks
     above run on each of them as on a CUDA machine at its torchrun size."""

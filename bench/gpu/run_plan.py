@@ -19,8 +19,8 @@ then `pyspy=ROWS:SECONDS` profiles the run with py-spy for SECONDS once its metr
 Jobs of a wave on disjoint `gpus=` start together; the others one after another's vLLM is ready. Every job's log,
 metrics.jsonl, summary.json and the tail of its evaluation samples land flat in --out, and `jobs.jsonl` there has one
 row per job (start, end, wall seconds, return code, wave, how many jobs shared the GPU). Lines starting with # are
-comments. With --queue the waves are ignored: each job starts, in plan order, as soon as its GPUs are free (a
-multi-GPU lease counts every GPU's idle second).
+comments. With --queue the waves are ignored: each job starts as soon as its GPUs are free and no earlier job of the
+plan waits for one of them (a multi-GPU lease counts every GPU's idle second).
 """
 
 from __future__ import annotations
@@ -203,15 +203,29 @@ def overlap(a: set[str] | None, b: set[str] | None) -> bool:
     return a is None or b is None or bool(a & b)
 
 
+def startable(waiting: list[list[str]], running: list[list[str]]) -> list[list[str]]:
+    """The waiting jobs that may start now: none of their GPUs held by a running job or wanted by an earlier waiting
+    job (order is kept per GPU: a job never overtakes an earlier one that shares a GPU with it, and a GPU never idles
+    behind a job that waits for another GPU)."""
+    ready, ahead = [], []
+    for job in waiting:
+        gpus = job_gpus(job)
+        if not any(overlap(gpus, job_gpus(other)) for other in running + ahead):
+            ready.append(job)
+        ahead.append(job)
+    return ready
+
+
 def run_queue(jobs: list[list[str]], out: Path, stall_s: float) -> None:
-    """The jobs in plan order, each started as soon as no running job holds one of its GPUs (a job without `gpus=`
-    holds them all): no GPU waits for the slowest job of a wave. Order is kept (a job never overtakes an earlier one),
-    so a plan lists jobs in order of need and what runs beside what follows from their lengths."""
+    """The jobs in plan order per GPU, each started as soon as its GPUs are free (a job without `gpus=` holds them
+    all) and no earlier job waits for one of them: no GPU waits for the slowest job of a wave, so a plan lists each
+    GPU's jobs in order of need and what runs beside what follows from their lengths."""
     waiting, running, beside = list(jobs), [], {}
     while waiting or running:
-        while waiting and not any(overlap(job_gpus(waiting[0]), job_gpus(item[0])) for item in running):
-            beside[waiting[0][0]] = [item[0][0] for item in running]  # what ran on the other GPUs when it started
-            running.append(start_job(waiting.pop(0), out))
+        for job in startable(waiting, [item[0] for item in running]):
+            beside[job[0]] = [item[0][0] for item in running]  # what ran on the other GPUs when it started
+            running.append(start_job(job, out))
+            waiting.remove(job)
         for item in list(running):
             if finished(item, out, stall_s, {"queue": True, "started_beside": beside[item[0][0]]}):
                 running.remove(item)
@@ -227,8 +241,8 @@ def main() -> None:
     ap.add_argument("--nested", metavar="NAME",
                     help="run as the `plan` job NAME of another plan: its plan file kept as plan_NAME.txt, no DONE")
     ap.add_argument("--queue", action="store_true",
-                    help="ignore the waves: start each job, in plan order, once its GPUs are free (a job without "
-                         "gpus= holds every GPU)")
+                    help="ignore the waves: start each job once its GPUs are free and no earlier job waits for one "
+                         "of them (a job without gpus= holds every GPU)")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     global PLAN_OUT, STALL_S
