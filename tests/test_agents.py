@@ -291,14 +291,20 @@ def test_the_endpoint_refuses_what_it_cannot_serve_exactly(vllm_server, tokenize
 
 @pytest.mark.slow
 @pytest.mark.vllm
-def test_agent_calculator_tiny_trains(train_server, tiny_qwen2_dir, tmp_path):
+@pytest.mark.parametrize("extra", [
+    pytest.param([], id="synchronous"),
+    # Asynchronous rollouts: the next step's episodes play beside this step's update, one weight version behind;
+    # each sample still carries the version its requests were served at.
+    pytest.param(["train.max_staleness=1"], id="asynchronous", marks=pytest.mark.slow),
+])
+def test_agent_calculator_tiny_trains(train_server, tiny_qwen2_dir, tmp_path, extra):
     """experiment=agent_calculator_tiny: the openai-SDK calculator agent trains 3 steps on the CPU engine (smaller
-    steps than the experiment's, same code)."""
+    steps than the experiment's, same code), synchronously and with asynchronous rollouts."""
     override, env = attach(train_server, tiny_qwen2_dir)
     run_dir = tmp_path / "run"
     cmd = [sys.executable, "train.py", "experiment=agent_calculator_tiny", override, f"hydra.run.dir={run_dir}",
            "data.prompts_per_step=2", "data.group_size=4", "data.max_new_tokens=16", "train.micro_batch_size=8",
-           "train.grad_accum=1", "model.max_seq_len=512"]
+           "train.grad_accum=1", "model.max_seq_len=512", *extra]
     done = subprocess.run(cmd, cwd=REPO, env={**__import__("os").environ, **env}, capture_output=True, text=True,
                           timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
