@@ -2,15 +2,28 @@
 # Where the seconds before vLLM's API server prints its first line go on a lent host: `import
 # vllm.entrypoints.openai.api_server` (what `python -m grpo.inference.server` runs first) timed twice in a row (the
 # second with the file cache warm, as a run's warm start-up), each with `python -X importtime`; the modules that cost
-# most (cumulative and self) into $OUT/import_profile.txt.
-#   bash bench/gpu/import_profile.sh          (after the kit; a plan's `sh` job)
+# most (cumulative and self) into $OUT/import_profile.txt. With `shm`, a third round imports from a copy of the
+# interpreter's site-packages in /dev/shm (memory): on a host whose file system answers each lookup slowly (the lent
+# GPU hosts run under gVisor) the import's 6,000-odd modules cost their lookups more than their code.
+#   bash bench/gpu/import_profile.sh [shm]    (after the kit; a plan's `sh` job)
 export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1 VLLM_NO_USAGE_STATS=1 HF_HUB_OFFLINE=1
 out=${OUT:-bench/results/gpu}
 report=$out/import_profile.txt
 : > "$report"
-for round in first second; do
+rounds="first second"
+if [ "${1:-}" = shm ]; then
+  site=$(python3 -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
+  t0=$(date +%s.%N); cp -a "$site" /dev/shm/site; t1=$(date +%s.%N)
+  echo "copied $site ($(du -sh /dev/shm/site | cut -f1)) to /dev/shm/site in $(python3 -c "print(round($t1 - $t0, 1))") s" >> "$report"
+  rounds="first second shm"
+fi
+for round in $rounds; do
   t0=$(date +%s.%N)
-  python3 -X importtime -c "import vllm.entrypoints.openai.api_server" 2> "/tmp/importtime_$round.txt"
+  if [ "$round" = shm ]; then  # /dev/shm/site first on the path: every module found there
+    PYTHONPATH=/dev/shm/site:$PYTHONPATH python3 -X importtime -c "import vllm.entrypoints.openai.api_server" 2> "/tmp/importtime_$round.txt"
+  else
+    python3 -X importtime -c "import vllm.entrypoints.openai.api_server" 2> "/tmp/importtime_$round.txt"
+  fi
   t1=$(date +%s.%N)
   python3 - "$round" "$t0" "$t1" "/tmp/importtime_$round.txt" >> "$report" <<'PY'
 import sys
