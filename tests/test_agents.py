@@ -311,6 +311,8 @@ def test_agent_calculator_tiny_trains(train_server, tiny_qwen2_dir, tmp_path, ex
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in rows if "agent/requests_mean" in r]
     assert len(steps) == 3 and all(r["agent/requests_mean"] >= 1 and r["tokens/trained"] > 0 for r in steps)
+    if extra:  # the episodes of a later step were played by the weights one step before
+        assert max(r.get("async/staleness_max", 0) for r in steps) == 1
 
 
 @pytest.mark.vllm
