@@ -229,3 +229,32 @@ def test_the_workers_start_before_setup_also_under_the_asynchronous_wrapper():
     finally:
         data.close()
     assert inner.grader.pool is None and not set(active_children()) - before
+
+
+def test_a_trainer_whose_workers_grade_never_imports_math_verify_and_one_that_grades_does(tmp_path):
+    """math-verify (sympy) is imported by the process that grades, at its first grading: with data.reward_workers the
+    trainer's process builds its rewards without the import (seconds before its vLLM launch on a GPU host), and a
+    process that grades imports it then and grades as before."""
+    import subprocess
+    import sys
+
+    code = """
+import sys
+from omegaconf import OmegaConf
+from grpo.conf import CONFIG_DIR
+from grpo.pipeline.grading import Grader, picklable_specs
+from grpo.pipeline.local import build_rewards
+from grpo.tasks.prompts import Prompt
+specs = OmegaConf.load(CONFIG_DIR / "data" / "chat_arith.yaml").rewards
+rewards = build_rewards(specs)
+pool = Grader(rewards, picklable_specs(specs), build_rewards, 1)
+print("built", "math_verify" in sys.modules)
+grades = pool.grade([(Prompt("What is 34 + 25?", "59"), "34 + 25 = 59.")])
+pool.close()
+print("workers graded", grades[0].values["correct"], "math_verify" in sys.modules)
+grades = Grader(rewards).grade([(Prompt("What is 34 + 25?", "59"), "34 + 25 = 59.")])
+print("graded here", grades[0].values["correct"], "math_verify" in sys.modules)
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split("\n")[:3] == ["built False", "workers graded 1.0 False", "graded here 1.0 True"]

@@ -5,9 +5,12 @@ Each is a callable `reward(prompt, completion) -> float`; the pipeline sums them
 
 from __future__ import annotations
 
+import importlib
+import importlib.util
 import math
 import re
 import threading
+from typing import Any
 
 from grpo.tasks.prompts import Prompt
 
@@ -100,15 +103,22 @@ class MathVerifyReward:
         if literal_answer not in (True, False, "auto"):
             raise ValueError(f"MathVerifyReward.literal_answer must be true, false or 'auto', got {literal_answer!r}")
         self.literal_answer = literal_answer
-        try:
-            import math_verify
-        except ImportError:
-            raise ImportError("MathVerifyReward needs the math-verify package: pip install math-verify==0.9.0") from None
-        self._math_verify = math_verify
+        # Looked up now, imported at the first grading: the import (sympy: a second here, two on the lent GPU hosts)
+        # is paid only by a process that grades. With data.reward_workers the trainer's process never does, and its
+        # vLLM server is launched that much sooner.
+        if importlib.util.find_spec("math_verify") is None:
+            raise ImportError("MathVerifyReward needs the math-verify package: pip install math-verify==0.9.0")
+        self._math_verify_module: Any = None
         self._gold: dict[str, list] = {}
         # The last completion parsed and its parse: the evaluator asks `parses` right after grading the same text,
         # and parsing is most of math-verify's time. One tuple, replaced whole, so threads never see a torn pair.
         self._last: tuple[str, list] | None = None
+
+    @property
+    def _math_verify(self) -> Any:
+        if self._math_verify_module is None:
+            self._math_verify_module = importlib.import_module("math_verify")
+        return self._math_verify_module
 
     def _parse(self, text: str) -> list:
         return self._math_verify.parse(text, parsing_timeout=_math_verify_timeouts())
