@@ -375,7 +375,7 @@ def build_warmstart_dir(name: str = "warm-arith", seed: int = 0, out_dir: str | 
     t0 = time.monotonic()
     load_before = _load_average()
     log.info("building warm-start model %s (seed %d) into %s: once, then cached; %d supervised steps (warm-arith: "
-             "about 2-4 min on 2 CPU cores, warm-calc about 15, smollm2-135m-warm-calc 8-15)", name, seed, final,
+             "about 2-4 min on 2 CPU cores, warm-calc about 15, smollm2-135m-warm-calc 8-15 or seconds on a GPU)", name, seed, final,
              sum(int(p["sft"]["steps"]) for p in _phases(spec)))
     base = _base_dir(spec, seed)
     task = _instantiate(dict(spec["task"]))
