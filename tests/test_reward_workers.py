@@ -5,6 +5,8 @@ and a train.py run that grades in workers."""
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 from multiprocessing import active_children
 from pathlib import Path
 
@@ -235,9 +237,6 @@ def test_a_trainer_whose_workers_grade_never_imports_math_verify_and_one_that_gr
     """math-verify (sympy) is imported by the process that grades, at its first grading: with data.reward_workers the
     trainer's process builds its rewards without the import (seconds before its vLLM launch on a GPU host), and a
     process that grades imports it then and grades as before."""
-    import subprocess
-    import sys
-
     code = """
 import sys
 from omegaconf import OmegaConf

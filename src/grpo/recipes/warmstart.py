@@ -225,6 +225,7 @@ def supervised_warmup(model: Any, tokenizer: Any, task: Any, sft: dict[str, Any]
 
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_factor)
     model.train()
+    device = next(model.parameters()).device  # the batches are built on the CPU; the model may be on a GPU
     t0 = time.monotonic()
     bar = tqdm(range(steps), desc="warm-start SFT", disable=not progress, mininterval=1.0)
     for _ in bar:
@@ -234,7 +235,6 @@ def supervised_warmup(model: Any, tokenizer: Any, task: Any, sft: dict[str, Any]
         else:
             examples = [(p.text, teacher(p, rng) if teacher is not None else str(p.answer)) for p in prompts]
             ids, labels = _sft_batch(tokenizer, examples, eos_id, pad_id)
-        device = next(model.parameters()).device
         loss = model(input_ids=ids.to(device), labels=labels.to(device)).loss
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), float(sft["max_grad_norm"]))
