@@ -1,7 +1,7 @@
-"""`python train.py [overrides]` from the checkout: the same command as `grpo-train` (grpo/train.py; its configs are
-conf/ and experiments/). Usage and examples: `python train.py --help`, docs/running.md."""
+"""`python train.py [overrides]` from the checkout: the same command as `grpo-train` (grpo/command.py, then
+grpo/train.py; its configs are conf/ and experiments/). Usage and examples: `python train.py --help`, docs/running.md."""
 
-from grpo.train import run
+from grpo.command import run
 
 if __name__ == "__main__":
     run()

@@ -9,6 +9,7 @@ import time
 import pytest
 
 from conftest import free_port
+from grpo.inference.preload import PRELOADED_NOTE
 from test_reliability import start_train
 from test_train_e2e import processes_with_marker
 
@@ -29,6 +30,8 @@ def test_a_trainer_killed_while_its_server_starts_takes_the_server_with_it(tmp_p
             time.sleep(0.1)
         time.sleep(2)
         assert "Application startup complete" not in log.read_text(errors="replace")
+        # The server is the command's preloaded process (grpo.inference.preload), tied to the trainer all the same.
+        assert PRELOADED_NOTE in log.read_text(errors="replace")
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait(30)
         deadline = time.monotonic() + 15

@@ -26,6 +26,7 @@ from grpo.algorithms.overlong import TruncationRule
 from grpo.config.run_dir import check_ranks_see_run_files
 from grpo.config.validate import check_optimizer_settings
 from grpo.config_values import ConfigError, instantiation_cause
+from grpo.inference import preload
 from grpo.models.loading import load_tokenizer, pick_device
 from grpo.pipeline.base import BatchShape, DataPipeline, PipelineContext
 from grpo.pipeline.evaluation import EvalContext, Evaluator, build_evaluator
@@ -180,6 +181,8 @@ def start_server_early(cfg: DictConfig, server: ServerSession, rank0: bool, cloc
     started = server.start_early()
     if started:
         clock.mark("server_launched")
+    else:  # servers started elsewhere, or a sweep's kept one: the command's preloaded server is not needed
+        preload.discard()
     return started
 
 
@@ -278,6 +281,7 @@ def build_trainer(parts: RunParts) -> GRPOTrainer:
         data.start_workers()  # reward workers spawn while the server starts, not after the model's load
     t0, launch_at = time.perf_counter(), time.time()
     parts.server.launch()  # waits for a server started early
+    preload.discard()  # a run that launched no server of its own lets the command's preloaded one go
     t_launched = time.perf_counter()
     # Started early, the server started beside the tokenizer's load: what is left is the wait for it.
     clock.add_startup("server_wait" if parts.server_started_early else "server_start", t_launched - t0)

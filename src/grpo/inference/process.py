@@ -18,12 +18,11 @@ from typing import Any, Mapping, Sequence
 import requests
 
 from grpo.config_values import option
-from grpo.inference import identity, vllm_plugin
+from grpo.inference import identity, preload, vllm_plugin
 from grpo.inference.client import InferenceClient
 from grpo.inference.launch_args import (
     TORCHRUN_VARS,
     compilation_args,
-    die_with_parent,
     gpus_per_server,
     pick_free_port,
     port_in_use,
@@ -246,20 +245,15 @@ class VLLMServer:
         self._log_file.write(f"\n===== grpo: starting {' '.join(self.command())}\n".encode())
         self._log_file.flush()
         self.ready = False
-        self.proc = subprocess.Popen(
-            self.command(),
-            stdout=self._log_file,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            env=self.environment(),
-            # Own session = own process group: stop() signals exactly the server and its children.
-            start_new_session=True,
-            preexec_fn=die_with_parent,
-        )
+        # Through the command's preloaded process when it can (grpo.inference.preload), else a new process in its
+        # own session (= process group: stop() signals exactly the server and its children).
+        self.proc, imports_began = preload.launch(self.command(), self.environment(), self.log_path, self._log_file)
         # Replicas start side by side and are waited for one after another: each one's clock and line start here,
         # with its process, so "ready after N s" is true of each (it read 0 s for a second replica).
         self.started_at = time.monotonic()
-        log.info("starting vLLM on %s:%s (log: %s)", self.host, self.port, self.log_path)
+        early = "" if imports_began is None else (
+            f"; its imports began {self.started_at - imports_began:.0f} s earlier, in a preloaded process")
+        log.info("starting vLLM on %s:%s (log: %s%s)", self.host, self.port, self.log_path, early)
         # The pid (= process group id) of the running server, for operators and fault tests.
         self.pid_path.write_text(f"{self.proc.pid}\n")
         if wait:
