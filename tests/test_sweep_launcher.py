@@ -17,6 +17,7 @@ from omegaconf import OmegaConf
 from conftest import REPO, group_option
 from hydra_plugins.grpo_parallel_launcher.lora_server import SharedLoraServer, shares_server
 from hydra_plugins.grpo_parallel_launcher.placement import check_fits, job_gpus, place
+from hydra_plugins.grpo_parallel_launcher.sweep_jobs import worker_threads
 from test_sweep_server import REUSED, SERVER_STARTED, rows, sweep
 from test_train_e2e import QUICK, QUICK_SETTINGS, assert_clean, metrics
 
@@ -75,6 +76,11 @@ def test_lora_jobs_share_a_server_sized_for_the_largest_rank_or_are_refused_clea
         SharedLoraServer({0: lora_job(server={"extra_args": ["--max-loras", "4"]})}, 2, tmp_path)
 
 
+def test_the_workers_share_out_the_hosts_cores():
+    assert [worker_threads(n, cores=16) for n in (1, 2, 4, 6, 32)] == [16, 8, 4, 2, 1]
+    assert worker_threads(2, cores=2) == 1 and worker_threads(3, cores=1) == 1
+
+
 @pytest.mark.vllm
 @pytest.mark.slow
 def test_a_sweep_runs_two_jobs_at_once_to_completion_and_leaves_no_process(tmp_path):
@@ -90,6 +96,10 @@ def test_a_sweep_runs_two_jobs_at_once_to_completion_and_leaves_no_process(tmp_p
     assert rows(sweep_dir / "0")[0] == rows(sweep_dir / "1")[0] == rows(sweep_dir / "2")[0]
     assert log.count(SERVER_STARTED) == 2, log[-4000:]
     assert log.count(REUSED) == 1
+    # Each worker's trainer sized its thread pool to its share of the cores, not to all of them.
+    threads = os.environ.get("OMP_NUM_THREADS") or str(worker_threads(2))
+    for job in range(3):
+        assert f"trainer torch threads: {threads}\n" in (sweep_dir / str(job) / "train.log").read_text(), job
 
 
 @pytest.mark.vllm

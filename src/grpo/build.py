@@ -135,7 +135,8 @@ def build_parts(cfg: DictConfig, run_dir: Path, reuse_server: bool = False,
     log.info("loss %s", loss_fn)
     if cfg.train.torch_threads is not None:
         torch.set_num_threads(int(cfg.train.torch_threads))
-        log.info("trainer torch threads: %d", torch.get_num_threads())
+    # Said always: a parallel sweep's jobs share the host's cores (OMP_NUM_THREADS from its launcher).
+    log.info("trainer torch threads: %d", torch.get_num_threads())
     dist_info, device = start_processes(cfg)
     rank0 = dist_info is None or dist_info.is_rank0
     model_dir = model_directory(cfg, dist_info)

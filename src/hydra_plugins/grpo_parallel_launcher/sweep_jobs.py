@@ -44,6 +44,14 @@ def _die_with_parent() -> None:
         pass
 
 
+def worker_threads(jobs_at_once: int, cores: Optional[int] = None) -> int:
+    """The CPU threads each of `jobs_at_once` workers is given (OMP_NUM_THREADS, unless the environment sets it): the
+    host's cores shared out, as torchrun shares them among its ranks. Each trainer's torch would otherwise size its
+    thread pool to every core, and N of them oversubscribe the cores that their vLLM engines and reward workers need."""
+    cores = cores if cores is not None else len(os.sched_getaffinity(0))
+    return max(1, cores // jobs_at_once)
+
+
 def task_function_of(module: str, name: str) -> TaskFunction:
     """The app's task function, found again in a worker: the function `@hydra.main` wrapped."""
     function = getattr(importlib.import_module(module), name)
@@ -219,6 +227,8 @@ class Sweep:
     def start_worker(self, gpus: Optional[str], shared_lora: bool) -> Worker:
         slot, self.next_slot = self.next_slot, self.next_slot + 1
         env = os.environ.copy()
+        threads = env.get("OMP_NUM_THREADS") or str(worker_threads(self.jobs_at_once))
+        os.environ["OMP_NUM_THREADS"] = threads
         if gpus is not None:
             os.environ["CUDA_VISIBLE_DEVICES"] = gpus
         if shared_lora:
@@ -232,7 +242,8 @@ class Sweep:
             os.environ.clear()
             os.environ.update(env)
         self.workers[slot] = Worker(process, jobs, gpus, shared_lora)
-        log.info("worker %d (pid %d)%s", slot, process.pid, f" on GPUs {gpus}" if gpus is not None else "")
+        log.info("worker %d (pid %d)%s, %s CPU threads", slot, process.pid, f" on GPUs {gpus}" if gpus is not None else "",
+                 threads)
         return self.workers[slot]
 
     def retire(self, w: Worker) -> None:
