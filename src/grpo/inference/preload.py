@@ -19,6 +19,7 @@ a run given its servers on the command line (`server.external_url(s)=`).
 from __future__ import annotations
 
 import atexit
+import fcntl
 import json
 import logging
 import os
@@ -57,6 +58,8 @@ PRELOADED_NOTE = "grpo: this server's modules were imported before its launch (g
 # each launch their own server (a multirun): no server of this process to preload.
 NO_PRELOAD_FLAGS = frozenset({"-h", "--help", "--hydra-help", "-c", "--cfg", "--info", "--resolve", "-m",
                               "--multirun", "--shell-completion", "-sc"})
+# The launch message's pipe (Linux's default pipe-max-size): the launcher's write never waits on the import.
+PIPE_BYTES = 1 << 20
 # Overrides that give the run servers started elsewhere: it launches none.
 GIVEN_SERVER_KEYS = frozenset({"server.external_url", "server.external_urls"})
 
@@ -75,7 +78,7 @@ def wanted(argv: Sequence[str], env: Mapping[str, str]) -> bool:
     for a command that only prints, or for a run given its servers on the command line."""
     if env.get(ENABLE_ENV, "1").strip().lower() in ("0", "false", "no", "off"):
         return False
-    if int(env.get("WORLD_SIZE", "1") or "1") > 1:
+    if env.get("WORLD_SIZE", "1") not in ("", "1"):
         return False
     names = {a.split("=", 1)[0].lstrip("+~") for a in argv}
     return not (names & NO_PRELOAD_FLAGS or names & GIVEN_SERVER_KEYS)
@@ -95,17 +98,16 @@ class PreloadedServer:
         return self.proc.poll() is None
 
     def launch(self, command: Sequence[str], env: Mapping[str, str], log_path: Path) -> subprocess.Popen:
-        """Hand over the server's command line (`[python, -m, grpo.inference.server, *args]`), environment and log;
-        the returned process is the server from now on (its pid is the preloaded process's)."""
-        fd, path = tempfile.mkstemp(prefix="grpo-server-launch-", suffix=".json")
-        with os.fdopen(fd, "w") as f:  # a file, not the pipe: a large environment must not block the launcher
-            json.dump({"args": list(command[3:]), "env": dict(env), "log": str(log_path), "cwd": os.getcwd()}, f)
+        """Hand over the server's command line (`[python, -m, grpo.inference.server, *args]`), environment and log
+        (one JSON line on its stdin: the run token in the environment never touches the disk); the returned process
+        is the server from now on (its pid is the preloaded process's)."""
+        message = {"args": list(command[3:]), "env": dict(env), "log": str(log_path), "cwd": os.getcwd()}
         assert self.proc.stdin is not None
-        try:
-            self.proc.stdin.write(path.encode() + b"\n")
+        try:  # the pipe holds it while the process still imports (`start` widened the pipe for large environments)
+            self.proc.stdin.write(json.dumps(message).encode() + b"\n")
             self.proc.stdin.close()
         except BrokenPipeError:  # it died since `take` looked: the launch's health wait reports its exit
-            Path(path).unlink(missing_ok=True)
+            pass
         self.output.close()  # the process holds its own handle
         return self.proc
 
@@ -138,6 +140,10 @@ def start(argv: Sequence[str]) -> bool:
     output = tempfile.TemporaryFile()
     proc = subprocess.Popen([sys.executable, "-m", PRELOADED_MODULE], stdin=subprocess.PIPE, stdout=output,
                             stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=die_with_parent)
+    try:  # the launch message waits in the pipe until the import is done: room for an environment of up to 1 MiB
+        fcntl.fcntl(proc.stdin.fileno(), fcntl.F_SETPIPE_SZ, PIPE_BYTES)
+    except OSError:  # above the system's pipe-max-size: a larger message only waits for the import to end
+        pass
     _preloaded = PreloadedServer(proc=proc, env=dict(os.environ), started_at=time.monotonic(), output=output)
     atexit.register(discard)
     return True
@@ -167,7 +173,7 @@ def take(command: Sequence[str], env: Mapping[str, str]) -> PreloadedServer | No
 
 
 def running_pid() -> int | None:
-    """The pid of this process's preloaded server process while it waits for a launch, else None."""
+    """The pid of this process's preloaded server process while it runs and no launch took it, else None."""
     return _preloaded.proc.pid if _preloaded is not None and _preloaded.alive() else None
 
 

@@ -5,8 +5,8 @@ launcher's command line, then runs the server as `python -m grpo.inference.serve
 
 Only the modules the API server imports are imported here, not the API server module itself: the server runs it as
 `__main__` (grpo.inference.server.main), and a second copy already in `sys.modules` would split its module state.
-On stdin comes one line, the path of a JSON file with the server's arguments, environment, log and working
-directory; an empty stdin (the run launched no server, or ended) ends this process.
+On stdin comes one JSON line with the server's arguments, environment, log and working directory; an empty stdin
+(the run launched no server, or ended) ends this process.
 """
 
 from __future__ import annotations
@@ -56,13 +56,7 @@ except Exception as error:  # noqa: BLE001 - the fresh server this process then 
 def read_launch() -> dict[str, Any] | None:
     """The launcher's message, or None when stdin closed without one."""
     line = sys.stdin.readline().strip()
-    if not line:
-        return None
-    path = Path(line)
-    try:
-        return json.loads(path.read_text())
-    finally:
-        path.unlink(missing_ok=True)
+    return json.loads(line) if line else None
 
 
 def write_to_log(log_path: str) -> None:
