@@ -3,6 +3,7 @@ may use it, and that a command which launches none leaves none behind. A run thr
 and every `train.py` run with a server of its own."""
 
 import os
+import re
 import subprocess
 import sys
 import time
@@ -85,3 +86,4 @@ def test_a_command_that_ends_before_or_without_its_launch_leaves_no_preloaded_pr
     if "extra_args" in overrides[-1]:  # the launch went through the preloaded process: its log says so
         log = (tmp_path / "run" / "logs" / "vllm.log").read_text()
         assert preload.PRELOADED_NOTE in log and "no-such-vllm-flag" in log, log[-2000:]
+        assert re.search(r"the imports took [\d.]+ s and ended [\d.]+ s (after|before) the launch", log), log[-2000:]

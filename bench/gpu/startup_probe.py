@@ -29,6 +29,9 @@ VLLM_PHASES = {
     "compile_range_s": r"Compiling a graph for [^\n]* takes ([\d.]+) s",
     "graph_capture_s": r"Graph capturing finished in ([\d.]+) secs",
     "engine_init_s": r"init engine \(profile, create kv cache, warmup model\) took ([\d.]+) seconds",
+    # The command's preloaded process (grpo.inference.preload): its imports, and how long the launch waited for them.
+    "preload_import_s": r"the imports took ([\d.]+) s and ended",
+    "preload_import_after_launch_s": r"ended ([\d.]+) s after the launch",
 }
 
 

@@ -101,7 +101,8 @@ class PreloadedServer:
         """Hand over the server's command line (`[python, -m, grpo.inference.server, *args]`), environment and log
         (one JSON line on its stdin: the run token in the environment never touches the disk); the returned process
         is the server from now on (its pid is the preloaded process's)."""
-        message = {"args": list(command[3:]), "env": dict(env), "log": str(log_path), "cwd": os.getcwd()}
+        message = {"args": list(command[3:]), "env": dict(env), "log": str(log_path), "cwd": os.getcwd(),
+                   "sent_at": time.time()}
         assert self.proc.stdin is not None
         try:  # the pipe holds it while the process still imports (`start` widened the pipe for large environments)
             self.proc.stdin.write(json.dumps(message).encode() + b"\n")

@@ -17,6 +17,7 @@ import importlib.util
 import json
 import os
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +45,8 @@ def import_what_it_imports(module: str) -> None:
                     importlib.import_module(f"{base}.{alias.name}")  # a submodule named in `from x import y`
 
 
+# When the imports began and ended (time.time()), said in the log against the launch's moment.
+IMPORT_BEGAN = time.time()
 try:
     import_what_it_imports(API_SERVER)
     server = importlib.import_module(SERVER_MODULE)
@@ -51,6 +54,15 @@ try:
 except Exception as error:  # noqa: BLE001 - the fresh server this process then becomes reports it in the log
     server = None
     IMPORT_ERROR = f"{type(error).__name__}: {error}"
+IMPORT_ENDED = time.time()
+
+
+def import_timing(sent_at: float) -> str:
+    """How long the imports took and whether the launch (its message sent at `sent_at`) waited for them: what the
+    preload saved is the import time before the launch."""
+    lag = IMPORT_ENDED - sent_at
+    when = f"{lag:.1f} s after the launch (which waited for it)" if lag > 0 else f"{-lag:.1f} s before the launch"
+    return f"the imports took {IMPORT_ENDED - IMPORT_BEGAN:.1f} s and ended {when}"
 
 
 def read_launch() -> dict[str, Any] | None:
@@ -105,7 +117,7 @@ def main() -> None:
     threads, torch = env.get("OMP_NUM_THREADS", ""), sys.modules.get("torch")
     if torch is not None and threads.isdigit() and int(threads) > 0:  # OpenMP read it when torch loaded, unset then
         torch.set_num_threads(int(threads))
-    print(PRELOADED_NOTE, file=sys.stderr, flush=True)
+    print(f"{PRELOADED_NOTE}: {import_timing(float(launch['sent_at']))}", file=sys.stderr, flush=True)
     server.main(args)
 
 
