@@ -37,6 +37,7 @@ def _gone(pid: int, within_s: float) -> bool:
     (["--help"], {}, False),
     (["server.external_url=http://127.0.0.1:9000"], {}, False),  # a server given: none to launch
     (["+server.external_urls=[http://a:1,http://b:2]"], {}, False),
+    (["~server.external_url"], {}, True),  # removed: the run launches its own
 ])
 def test_a_command_preloads_a_server_unless_it_launches_none_or_is_told_not_to(argv, env, expected):
     assert preload.wanted(argv, env) is expected

@@ -80,7 +80,7 @@ def wanted(argv: Sequence[str], env: Mapping[str, str]) -> bool:
         return False
     if env.get("WORLD_SIZE", "1") not in ("", "1"):
         return False
-    names = {a.split("=", 1)[0].lstrip("+~") for a in argv}
+    names = {a.split("=", 1)[0].lstrip("+") for a in argv}  # `~server.external_url` removes it: a server to launch
     return not (names & NO_PRELOAD_FLAGS or names & GIVEN_SERVER_KEYS)
 
 
